@@ -1,0 +1,277 @@
+"""Byte-level BPE tokenizer rebuilt from a qwen35 GGUF's `tokenizer.*` metadata.
+
+Why: the engine reads only the GGUF, so prompts must be encoded from what the file carries (tokens, merges,
+token types, special ids, chat template). Encoding uses the `tokenizers` library (Rust BPE) with the same
+pipeline llama.cpp applies to `tokenizer.ggml.pre = qwen35`: specials split out by exact match, the qwen35
+regex split ("isolated"), GPT-2 byte mapping, ranked merges. There is deliberately no NFC normaliser
+(llama.cpp has none; HF's tokenizer.json does, so the two differ only on non-NFC input).
+
+Metadata is read with a small KV-only GGUF parser (`read_gguf_metadata`) because `gguf.GGUFReader` is slow
+on 248K-entry string arrays; it stops before the tensor infos.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+EOG_NAMES = ("<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GGUF metadata (KV section only)
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Return every GGUF key -> value (arrays of numbers as lists, strings decoded). Tensor infos are skipped."""
+    import numpy as np
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            if bytes(buf[:4]) != b"GGUF":
+                raise ValueError(f"{path}: not a GGUF file")
+            version, _n_tensors, n_kv = struct.unpack_from("<Iqq", buf, 4)
+            if version not in (2, 3):
+                raise ValueError(f"{path}: unsupported GGUF version {version}")
+            off = 24
+
+            def string(o: int) -> tuple[str, int]:
+                (n,) = struct.unpack_from("<Q", buf, o)
+                return str(buf[o + 8:o + 8 + n], "utf-8", "replace"), o + 8 + n
+
+            def value(t: int, o: int) -> tuple[Any, int]:
+                if t == 8:
+                    return string(o)
+                if t in _SCALAR:
+                    fmt = _SCALAR[t]
+                    return struct.unpack_from(fmt, buf, o)[0], o + struct.calcsize(fmt)
+                if t == 9:
+                    et, n = struct.unpack_from("<IQ", buf, o)
+                    o += 12
+                    if et == 8:
+                        out = []
+                        unpack = struct.Struct("<Q").unpack_from
+                        for _ in range(n):
+                            (ln,) = unpack(buf, o)
+                            out.append(str(buf[o + 8:o + 8 + ln], "utf-8", "replace"))
+                            o += 8 + ln
+                        return out, o
+                    if et in _NP:
+                        dt = np.dtype(_NP[et])
+                        arr = np.frombuffer(buf, dtype=dt, count=n, offset=o).tolist()
+                        return arr, o + n * dt.itemsize
+                    out = []
+                    for _ in range(n):
+                        v, o = value(et, o)
+                        out.append(v)
+                    return out, o
+                raise ValueError(f"{path}: bad GGUF value type {t}")
+
+            meta: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key, off = string(off)
+                (vt,) = struct.unpack_from("<I", buf, off)
+                meta[key], off = value(vt, off + 4)
+            return meta
+        finally:
+            del buf
+
+
+# ----------------------------------------------------------------------------------------------------------
+# byte <-> unicode table of GPT-2 byte-level BPE
+
+def byte_to_unicode() -> dict[int, str]:
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+_U2B = {u: b for b, u in byte_to_unicode().items()}
+
+
+def _build_hf_tokenizer(tokens: list[str], merges: Iterable[str], types: list[int], regex: str):
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    pairs = []
+    for m in merges:
+        k = m.find(" ", 1)
+        pairs.append((m[:k], m[k + 1:]))
+    tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, unk_token=None, fuse_unk=False,
+                          byte_fallback=False, ignore_merges=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == TOKEN_CONTROL]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types)
+            if t == TOKEN_USER_DEFINED]
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+class Tokenizer:
+    """Encode/decode for a GGUF byte-level BPE vocab (`tokenizer.ggml.model == "gpt2"`)."""
+
+    def __init__(self, meta: Mapping[str, Any]):
+        model = meta.get("tokenizer.ggml.model", "gpt2")
+        if model != "gpt2":
+            raise ValueError(f"unsupported tokenizer model {model!r} (only byte-level BPE 'gpt2')")
+        self.tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        n = len(self.tokens)
+        types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
+        self.token_types: list[int] = types
+        self.pre = meta.get("tokenizer.ggml.pre", "qwen35")
+        regex = QWEN2_REGEX if self.pre == "qwen2" else QWEN35_REGEX
+        self._tok = _build_hf_tokenizer(self.tokens, meta.get("tokenizer.ggml.merges") or [], types, regex)
+        self.eos_id: int | None = meta.get("tokenizer.ggml.eos_token_id")
+        self.bos_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
+        self.pad_id: int | None = meta.get("tokenizer.ggml.padding_token_id")
+        self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and self.bos_id is not None
+        self.chat_template: str | None = meta.get("tokenizer.chat_template") or None
+        self._special_ids = frozenset(i for i, t in enumerate(types) if t == TOKEN_CONTROL)
+        eos = {self.eos_id} if self.eos_id is not None else set()
+        by_name = {t: i for i, t in enumerate(self.tokens) if types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+        eos |= {by_name[s] for s in EOG_NAMES if s in by_name and types[by_name[s]] == TOKEN_CONTROL}
+        self.eos_ids: frozenset[int] = frozenset(eos)
+        self._added_ids = frozenset(by_name.values())
+        self._bytes_cache: dict[int, bytes] = {}
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        return cls(read_gguf_metadata(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    # -- encode / decode ---------------------------------------------------------------------------------
+    def encode(self, text: str, parse_special: bool = True, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`. With parse_special=False, control tokens written in the text are plain text."""
+        self._tok.encode_special_tokens = not parse_special
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def token_bytes(self, tid: int) -> bytes:
+        """Raw bytes of one token (added tokens are stored as text, others byte-mapped)."""
+        b = self._bytes_cache.get(tid)
+        if b is None:
+            t = self.tokens[tid]
+            if tid in self._added_ids or any(c not in _U2B for c in t):
+                b = t.encode("utf-8")
+            else:
+                b = bytes(_U2B[c] for c in t)
+            self._bytes_cache[tid] = b
+        return b
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special:
+            ids = [i for i in ids if i not in self._special_ids]
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", "replace")
+
+    def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special)
+
+    # -- chat template ---------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render `messages` with the file's Jinja template (ChatML if the file has none), like HF does."""
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg: str):
+            raise jinja2.exceptions.TemplateError(msg)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        def strftime_now(fmt: str) -> str:
+            import datetime
+            return datetime.datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        tmpl = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        ctx = dict(bos_token=self._name(self.bos_id), eos_token=self._name(self.eos_id), pad_token=self._name(self.pad_id))
+        ctx.update(kwargs)
+        return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt, **ctx)
+
+    def _name(self, tid: int | None) -> str:
+        return self.tokens[tid] if tid is not None and 0 <= tid < len(self.tokens) else ""
+
+
+class StreamDecoder:
+    """Incremental detokeniser: `push(id)` returns only newly completed text; incomplete UTF-8 is held back."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = False):
+        self._tok = tok
+        self._skip = skip_special
+        self._pending = b""
+
+    def push(self, token_id: int) -> str:
+        if self._skip and token_id in self._tok._special_ids:
+            return ""
+        buf = self._pending + self._tok.token_bytes(int(token_id))
+        cut = _complete_prefix_len(buf)
+        self._pending = buf[cut:]
+        return buf[:cut].decode("utf-8", "replace")
+
+    def flush(self) -> str:
+        out, self._pending = self._pending.decode("utf-8", "replace"), b""
+        return out
+
+
+def _complete_prefix_len(buf: bytes) -> int:
+    """Length of `buf` without a trailing, still-incomplete UTF-8 sequence (at most 3 bytes held back)."""
+    n = len(buf)
+    for back in range(1, min(4, n) + 1):
+        c = buf[n - back]
+        if c & 0xC0 == 0x80:          # continuation byte: keep looking for the lead byte
+            continue
+        need = 2 if c & 0xE0 == 0xC0 else 3 if c & 0xF0 == 0xE0 else 4 if c & 0xF8 == 0xF0 else 1
+        return n - back if need > back else n
+    return n
