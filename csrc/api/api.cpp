@@ -1,0 +1,275 @@
+// api.cpp — the C ABI: handles, status codes, last-error, exception barrier.
+//
+// Every entry point runs its body inside `guard`, which turns dfl::Error (and
+// any other exception, e.g. bad_alloc) into DFL_ERROR plus a message for
+// dfl_last_error(); no C++ exception ever crosses the ABI.
+#include "dflash27b.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/context.h"
+#include "ops/cpu_ops.h"
+#include "quant/quant.h"
+#include "spec/generator.h"
+
+#ifndef DFLASH27B_VERSION
+#define DFLASH27B_VERSION "0.0.0"
+#endif
+#ifndef DFLASH27B_CUDA_ARCHS
+#define DFLASH27B_CUDA_ARCHS ""
+#endif
+
+struct dfl_model {
+  std::unique_ptr<dfl::Model> m;
+};
+struct dfl_context {
+  std::unique_ptr<dfl::Context> ctx;
+  std::unique_ptr<dfl::Generator> gen;
+};
+
+namespace {
+thread_local std::string g_last_error;
+
+template <class F>
+int guard(F&& f) {
+  try {
+    f();
+    return DFL_OK;
+  } catch (const std::bad_alloc&) {
+    g_last_error = "out of memory";
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+  } catch (...) {
+    g_last_error = "unknown error";
+  }
+  return DFL_ERROR;
+}
+
+void need(const void* p, const char* what) {
+  if (!p) dfl::fail("%s is NULL", what);
+}
+}  // namespace
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+const char* dfl_version(void) { return DFLASH27B_VERSION; }
+
+const char* dfl_build_info(void) {
+  static std::string s = std::string("cpu: ") + dfl::simd_name() + "; cuda: " +
+                         (std::strlen(DFLASH27B_CUDA_ARCHS) ? DFLASH27B_CUDA_ARCHS : "not built");
+  return s.c_str();
+}
+
+const char* dfl_last_error(void) { return g_last_error.c_str(); }
+
+const char* dfl_type_name(uint32_t type) {
+  const dfl::TypeTraits* t = dfl::type_traits(type);
+  return t ? t->name : nullptr;
+}
+
+dfl_model* dfl_model_load(const char* path) {
+  dfl_model* out = nullptr;
+  guard([&] {
+    need(path, "path");
+    auto m = std::make_unique<dfl_model>();
+    m->m = dfl::load_qwen35(path);
+    out = m.release();
+  });
+  return out;
+}
+
+void dfl_model_free(dfl_model* m) { delete m; }
+
+int dfl_model_get_info(const dfl_model* m, dfl_model_info* o) {
+  return guard([&] {
+    need(m, "model");
+    need(o, "info");
+    const dfl::Qwen35Config& c = m->m->cfg;
+    *o = dfl_model_info{};
+    o->n_layer = c.n_layer; o->n_embd = c.n_embd; o->n_ff = c.n_ff; o->n_head = c.n_head;
+    o->n_head_kv = c.n_head_kv; o->head_dim = c.head_dim; o->n_rot = c.n_rot; o->n_vocab = c.n_vocab;
+    o->n_ctx_train = c.n_ctx_train; o->ssm_conv_kernel = c.conv_kernel; o->ssm_dk = c.ssm_dk;
+    o->ssm_nk = c.ssm_nk; o->ssm_nv = c.ssm_nv; o->ssm_dv = c.ssm_dv; o->tied_embeddings = c.tied_embeddings;
+    o->rope_base = c.rope_base; o->rms_eps = c.rms_eps;
+    o->weight_bytes = m->m->weight_bytes; o->file_bytes = m->m->file->file_size();
+  });
+}
+
+int dfl_model_layer_is_recurrent(const dfl_model* m, int32_t layer) {
+  if (!m || layer < 0 || layer >= m->m->cfg.n_layer) return -1;
+  return m->m->cfg.is_recurrent[layer];
+}
+
+int32_t dfl_model_tensor_count(const dfl_model* m) { return m ? (int32_t)m->m->file->tensors().size() : -1; }
+
+int dfl_model_tensor_info(const dfl_model* m, int32_t i, const char** name, uint32_t* type, int64_t ne[4]) {
+  return guard([&] {
+    need(m, "model");
+    const auto& ts = m->m->file->tensors();
+    if (i < 0 || i >= (int32_t)ts.size()) dfl::fail("tensor index %d out of range", i);
+    if (name) *name = ts[i].name.c_str();
+    if (type) *type = ts[i].type;
+    if (ne) for (int d = 0; d < 4; ++d) ne[d] = ts[i].ne[d];
+  });
+}
+
+dfl_context_params dfl_context_default_params(void) {
+  dfl_context_params p;
+  p.n_ctx = 4096;
+  p.n_batch = 512;
+  p.n_threads = 0;
+  p.kv_type = DFL_TYPE_F16;
+  return p;
+}
+
+dfl_context* dfl_context_new(dfl_model* m, const dfl_context_params* p) {
+  dfl_context* out = nullptr;
+  guard([&] {
+    need(m, "model");
+    dfl_context_params d = p ? *p : dfl_context_default_params();
+    dfl::ContextParams cp;
+    cp.n_ctx = d.n_ctx;
+    cp.n_batch = d.n_batch;
+    cp.n_threads = d.n_threads;
+    cp.kv_type = (dfl::DType)d.kv_type;
+    auto c = std::make_unique<dfl_context>();
+    c->ctx = std::make_unique<dfl::Context>(*m->m, cp);
+    c->gen = std::make_unique<dfl::Generator>(*c->ctx);
+    out = c.release();
+  });
+  return out;
+}
+
+void dfl_context_free(dfl_context* c) { delete c; }
+
+int dfl_context_reset(dfl_context* c) {
+  return guard([&] {
+    need(c, "context");
+    c->ctx->reset();
+  });
+}
+
+int32_t dfl_context_n_past(const dfl_context* c) { return c ? c->ctx->n_past() : -1; }
+
+int dfl_forward(dfl_context* c, int32_t n, const int32_t* tokens, const int32_t* pos, const int32_t* parent,
+                int32_t n_logits, const int32_t* logit_rows, float* logits, int32_t n_capture,
+                const int32_t* capture_layers, float* hidden, int32_t commit) {
+  return guard([&] {
+    need(c, "context");
+    need(tokens, "tokens");
+    need(pos, "pos");
+    if (n_logits > 0) { need(logit_rows, "logit_rows"); need(logits, "logits"); }
+    if (n_capture > 0) { need(capture_layers, "capture_layers"); need(hidden, "hidden"); }
+    dfl::Batch b{n, tokens, pos, parent};
+    dfl::ForwardOutputs o;
+    o.n_logits = n_logits; o.logit_rows = logit_rows; o.logits = logits;
+    o.n_capture = n_capture; o.capture_layers = capture_layers; o.hidden = hidden;
+    c->ctx->forward(b, o, commit != 0);
+  });
+}
+
+int dfl_commit_path(dfl_context* c, const int32_t* nodes, int32_t n) {
+  return guard([&] {
+    need(c, "context");
+    need(nodes, "nodes");
+    c->ctx->commit_path(nodes, n);
+  });
+}
+
+int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, const dfl_gen_params* p) {
+  return guard([&] {
+    need(c, "context");
+    need(prompt, "prompt");
+    dfl::GenParams gp;
+    if (p) {
+      gp.max_new_tokens = p->max_new_tokens;
+      gp.ignore_eos = p->ignore_eos != 0;
+      if (p->n_eos > 0) {
+        need(p->eos_ids, "eos_ids");
+        gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);
+      }
+    }
+    c->gen->begin(prompt, n_prompt, gp);
+  });
+}
+
+int32_t dfl_generate_next(dfl_context* c, int32_t* out_tokens, int32_t cap) {
+  int32_t n = 0;
+  int rc = guard([&] {
+    need(c, "context");
+    need(out_tokens, "out_tokens");
+    if (cap <= 0) dfl::fail("output capacity must be positive");
+    std::vector<int32_t> toks;
+    c->gen->next(toks);
+    if ((int32_t)toks.size() > cap) dfl::fail("output capacity %d too small for %zu tokens", cap, toks.size());
+    std::memcpy(out_tokens, toks.data(), toks.size() * 4);
+    n = (int32_t)toks.size();
+  });
+  return rc == DFL_OK ? n : -1;
+}
+
+int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* o) {
+  return guard([&] {
+    need(c, "context");
+    need(o, "stats");
+    const dfl::GenStats& s = c->gen->stats();
+    o->prompt_tokens = s.prompt_tokens;
+    o->generated_tokens = s.generated_tokens;
+    o->steps = s.steps;
+    o->stop_reason = (int32_t)s.stop;
+    o->prefill_s = s.prefill_s;
+    o->decode_s = s.decode_s;
+  });
+}
+
+int dfl_dequantize(uint32_t type, const void* src, int64_t n, float* dst) {
+  return guard([&] {
+    need(src, "src");
+    need(dst, "dst");
+    const dfl::TypeTraits* t = dfl::type_traits(type);
+    if (!t) dfl::fail("unsupported tensor type %u", type);
+    if (n % t->block_elems) dfl::fail("%lld elements is not a multiple of the %s block size", (long long)n, t->name);
+    dfl::dequantize_row((dfl::DType)type, src, dst, n);
+  });
+}
+
+int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst) {
+  return guard([&] {
+    need(src, "src");
+    need(dst, "dst");
+    dfl::DType t = (dfl::DType)type;
+    if (t != dfl::DType::F32 && t != dfl::DType::F16 && t != dfl::DType::BF16 && t != dfl::DType::Q8_0 &&
+        t != dfl::DType::Q4_0)
+      dfl::fail("quantization to type %u is not implemented", type);
+    if (n % dfl::type_traits(type)->block_elems) dfl::fail("length not a multiple of the block size");
+    dfl::quantize_row(t, src, dst, n);
+  });
+}
+
+int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
+               int32_t n_threads) {
+  return guard([&] {
+    need(w, "w");
+    need(x, "x");
+    need(y, "y");
+    const dfl::TypeTraits* t = dfl::type_traits(type);
+    if (!t) dfl::fail("unsupported tensor type %u", type);
+    if (cols % 32 || cols % t->block_elems) dfl::fail("cols must be a multiple of 32 and of the block size");
+    dfl::Weight W;
+    W.type = (dfl::DType)type;
+    W.data = (const uint8_t*)w;
+    W.rows = rows;
+    W.cols = cols;
+    W.row_bytes = dfl::row_bytes(W.type, cols);
+    dfl::ThreadPool pool(n_threads > 0 ? n_threads : 1);
+    std::vector<dfl::block_q8_act> act((size_t)n * cols / 32 + 1);
+    dfl::matmul(pool, W, x, n, y, act.data());
+  });
+}
+
+}  // extern "C"
+#pragma GCC visibility pop

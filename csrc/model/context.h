@@ -1,0 +1,72 @@
+// context.h — one decoding sequence's state, and the one forward.
+//
+// A Context owns everything that changes while decoding: the KV cache of the
+// full-attention layers (F32/F16/Q8_0/Q4_0), each delta-net layer's conv
+// window and recurrent state, and per-node copies of those states for batches
+// that are verified rather than committed.  `forward` is the only way the
+// model runs: prefill, AR steps, chain verify and tree verify are all a Batch
+// of tokens with absolute positions and parent indices.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "model/qwen35.h"
+#include "util/threadpool.h"
+
+namespace dfl {
+
+struct ContextParams {
+  int n_ctx = 4096;
+  int n_batch = 512;      // tokens per internal chunk; also the largest verify batch
+  DType kv_type = DType::F16;
+  int n_threads = 0;      // 0: hardware concurrency
+};
+
+struct Batch {
+  int n = 0;
+  const int32_t* tokens = nullptr;
+  const int32_t* pos = nullptr;     // absolute positions (RoPE)
+  const int32_t* parent = nullptr;  // index in batch of the parent, -1 = committed state; null = chain
+};
+
+struct ForwardOutputs {
+  int n_logits = 0;
+  const int32_t* logit_rows = nullptr;  // batch indices whose logits are wanted
+  float* logits = nullptr;              // [n_logits][n_vocab]
+  int n_capture = 0;
+  const int32_t* capture_layers = nullptr;  // residual stream after these layers
+  float* hidden = nullptr;                  // [n][n_capture * n_embd], layer-major within a row
+};
+
+class Context {
+ public:
+  Context(const Model& model, const ContextParams& p);
+  ~Context();
+
+  const Model& model() const { return model_; }
+  const ContextParams& params() const { return params_; }
+  int n_past() const { return n_past_; }
+  void reset();
+
+  // commit == true: the batch must be a chain continuing the committed state;
+  //   KV and recurrent state advance by n tokens.
+  // commit == false: any tree (parent[i] < i); node i's KV goes to slot
+  //   n_past + i and its delta-net states are kept per node until
+  //   commit_path() picks the accepted nodes; the committed state is untouched.
+  void forward(const Batch& b, const ForwardOutputs& out, bool commit);
+  void commit_path(const int32_t* nodes, int n);
+
+  size_t state_bytes() const;
+
+ private:
+  struct Impl;
+  void run_chunk(const Batch& b, int off, int n, const ForwardOutputs& out, bool commit);
+
+  const Model& model_;
+  ContextParams params_;
+  int n_past_ = 0;
+  int n_verify_ = 0;  // nodes held by the last non-committing forward
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dfl

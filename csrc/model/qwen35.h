@@ -1,0 +1,78 @@
+// qwen35.h — the qwen35 target model: configuration and weights from GGUF.
+//
+// Everything about the model's shape comes from the file's metadata and is
+// checked against every tensor's shape at load time, so a file that loads is
+// one the forward can run.  Weights are views into the mmapped GGUF (no
+// copies); the small 1-D tensors (norms, gates' biases) are dequantised into
+// owned f32 vectors because every op reads them in f32.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gguf/gguf.h"
+#include "quant/blocks.h"
+
+namespace dfl {
+
+struct Qwen35Config {
+  int n_layer = 0;        // trunk layers (block_count - nextn_predict_layers)
+  int n_embd = 0;         // H
+  int n_ff = 0;           // F
+  int n_head = 0;         // attention q heads
+  int n_head_kv = 0;
+  int head_dim = 0;
+  int n_rot = 0;          // rotary dims per head (NeoX half-split)
+  float rope_base = 0.f;
+  float rms_eps = 0.f;
+  int conv_kernel = 0;    // K
+  int ssm_dk = 0;         // linear key head dim (state_size)
+  int ssm_nk = 0;         // linear key heads (group_count)
+  int ssm_nv = 0;         // linear value heads (time_step_rank)
+  int ssm_dv = 0;         // linear value head dim (inner_size / nv)
+  int n_vocab = 0;
+  int n_ctx_train = 0;
+  bool tied_embeddings = false;
+  std::vector<uint8_t> is_recurrent;  // per trunk layer: GDN (1) or full attention (0)
+
+  int conv_channels() const { return 2 * ssm_nk * ssm_dk + ssm_nv * ssm_dv; }
+  int ssm_inner() const { return ssm_nv * ssm_dv; }
+  int q_dim() const { return n_head * head_dim; }
+  int kv_dim() const { return n_head_kv * head_dim; }
+};
+
+// A 2-D weight matrix: `rows` outputs of `cols` inputs, each row `row_bytes`.
+struct Weight {
+  DType type = DType::F32;
+  const uint8_t* data = nullptr;
+  int64_t cols = 0;
+  int64_t rows = 0;
+  size_t row_bytes = 0;
+  const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
+};
+
+struct LayerWeights {
+  std::vector<float> attn_norm, post_norm;
+  Weight ffn_gate, ffn_up, ffn_down;
+  // full attention
+  Weight wq, wk, wv, wo;  // wq rows: per head [q (hd) | gate (hd)]
+  std::vector<float> q_norm, k_norm;
+  // gated delta-net
+  Weight wqkv, wgate, wbeta, walpha, ssm_out;
+  std::vector<float> conv1d;     // [Cconv][K], tap 0 oldest
+  std::vector<float> dt_bias, ssm_a, ssm_norm;
+};
+
+struct Model {
+  std::unique_ptr<GGUFFile> file;
+  Qwen35Config cfg;
+  Weight tok_embd, output;
+  std::vector<float> output_norm;
+  std::vector<LayerWeights> layers;
+  uint64_t weight_bytes = 0;  // bytes of all weight tensors (what one AR step reads)
+};
+
+// Loads and validates; throws dfl::Error naming the file and the problem.
+std::unique_ptr<Model> load_qwen35(const std::string& path);
+
+}  // namespace dfl

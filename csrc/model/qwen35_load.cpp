@@ -1,0 +1,156 @@
+// qwen35_load.cpp — GGUF -> Model, with every shape checked against metadata.
+#include <cmath>
+
+#include "model/qwen35.h"
+#include "quant/quant.h"
+
+namespace dfl {
+
+namespace {
+
+struct Loader {
+  const GGUFFile& f;
+  const Qwen35Config& c;
+  uint64_t bytes = 0;
+
+  const GGUFTensor& get(const std::string& name) {
+    const GGUFTensor* t = f.find_tensor(name);
+    if (!t) fail("%s: missing tensor '%s'", f.path().c_str(), name.c_str());
+    bytes += t->nbytes;
+    return *t;
+  }
+  void check_shape(const GGUFTensor& t, int64_t ne0, int64_t ne1) {
+    int64_t want1 = ne1 < 0 ? 1 : ne1;
+    int want_dims = ne1 < 0 ? 1 : 2;
+    bool ok = t.ne[0] == ne0 && t.ne[1] == want1 && t.ne[2] == 1 && t.ne[3] == 1 &&
+              (t.n_dims == want_dims || (want_dims == 2 && t.n_dims == 1 && want1 == 1));
+    if (!ok) {
+      if (ne1 < 0)
+        fail("%s: tensor '%s' has shape [%lld, %lld] but the metadata implies [%lld]", f.path().c_str(),
+             t.name.c_str(), (long long)t.ne[0], (long long)t.ne[1], (long long)ne0);
+      fail("%s: tensor '%s' has shape [%lld, %lld] but the metadata implies [%lld, %lld]", f.path().c_str(),
+           t.name.c_str(), (long long)t.ne[0], (long long)t.ne[1], (long long)ne0, (long long)ne1);
+    }
+  }
+  Weight mat(const std::string& name, int64_t cols, int64_t rows) {
+    const GGUFTensor& t = get(name);
+    check_shape(t, cols, rows);
+    Weight w;
+    w.type = (DType)t.type;
+    w.data = t.data;
+    w.cols = cols;
+    w.rows = rows;
+    w.row_bytes = row_bytes(w.type, cols);
+    if (w.type != DType::F32 && w.type != DType::F16 && w.type != DType::BF16 && cols % 32 != 0)
+      fail("%s: tensor '%s' has %lld columns, not a multiple of 32", f.path().c_str(), name.c_str(), (long long)cols);
+    return w;
+  }
+  std::vector<float> vec(const std::string& name, int64_t n, int64_t n1 = -1) {
+    const GGUFTensor& t = get(name);
+    check_shape(t, n, n1);
+    std::vector<float> out((size_t)(n * (n1 < 0 ? 1 : n1)));
+    dequantize_row((DType)t.type, t.data, out.data(), (int64_t)out.size());
+    return out;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Model> load_qwen35(const std::string& path) {
+  auto m = std::make_unique<Model>();
+  m->file = std::make_unique<GGUFFile>(path);
+  const GGUFFile& f = *m->file;
+  const GGUFValue* arch = f.find("general.architecture");
+  if (!arch) fail("%s: missing metadata key 'general.architecture'", path.c_str());
+  if (arch->type != GGUFType::STRING) fail("%s: general.architecture is not a string", path.c_str());
+  if (arch->s != "qwen35")
+    fail("%s: unsupported architecture '%s' (this engine runs 'qwen35' models)", path.c_str(), arch->s.c_str());
+
+  Qwen35Config& c = m->cfg;
+  const std::string a = "qwen35.";
+  int block_count = (int)f.get_u32(a + "block_count");
+  int nextn = (int)f.get_u32(a + "nextn_predict_layers", 0);
+  c.n_layer = block_count - nextn;
+  c.n_embd = (int)f.get_u32(a + "embedding_length");
+  c.n_ff = (int)f.get_u32(a + "feed_forward_length");
+  c.n_head = (int)f.get_u32(a + "attention.head_count");
+  c.n_head_kv = (int)f.get_u32(a + "attention.head_count_kv");
+  c.head_dim = (int)f.get_u32(a + "attention.key_length");
+  int vlen = (int)f.get_u32(a + "attention.value_length", (uint32_t)c.head_dim);
+  c.rms_eps = f.get_f32(a + "attention.layer_norm_rms_epsilon");
+  c.rope_base = f.get_f32(a + "rope.freq_base", 10000.f);
+  c.n_rot = (int)f.get_u32(a + "rope.dimension_count", (uint32_t)c.head_dim);
+  c.conv_kernel = (int)f.get_u32(a + "ssm.conv_kernel");
+  c.ssm_dk = (int)f.get_u32(a + "ssm.state_size");
+  c.ssm_nk = (int)f.get_u32(a + "ssm.group_count");
+  c.ssm_nv = (int)f.get_u32(a + "ssm.time_step_rank");
+  int inner = (int)f.get_u32(a + "ssm.inner_size");
+  c.n_ctx_train = (int)f.get_u32(a + "context_length", 0);
+  int interval = (int)f.get_u32(a + "full_attention_interval", 4);
+
+  auto bad = [&](const char* what) { fail("%s: invalid metadata: %s", path.c_str(), what); };
+  if (c.n_layer <= 0 || nextn < 0) bad("block_count must exceed nextn_predict_layers");
+  if (c.n_embd <= 0 || c.n_ff <= 0 || c.n_head <= 0 || c.n_head_kv <= 0 || c.head_dim <= 0) bad("zero dimension");
+  if (vlen != c.head_dim) bad("attention.value_length differs from key_length");
+  if (c.n_head % c.n_head_kv != 0) bad("head_count is not a multiple of head_count_kv");
+  if (c.n_rot <= 0 || c.n_rot > c.head_dim || c.n_rot % 2) bad("rope.dimension_count must be even and <= key_length");
+  if (c.ssm_nk <= 0 || c.ssm_nv <= 0 || c.ssm_dk <= 0 || inner <= 0 || inner % c.ssm_nv) bad("ssm sizes");
+  if (c.ssm_nv % c.ssm_nk) bad("ssm.time_step_rank is not a multiple of ssm.group_count");
+  if (c.conv_kernel < 2 || c.conv_kernel > 16) bad("ssm.conv_kernel out of range");
+  if (interval <= 0) bad("full_attention_interval must be positive");
+  if (c.head_dim % 32 || c.ssm_dk % 32) bad("head dims must be multiples of 32");
+  c.ssm_dv = inner / c.ssm_nv;
+
+  std::vector<int64_t> rec = f.get_int_array(a + "attention.recurrent_layers");
+  c.is_recurrent.resize(c.n_layer);
+  for (int i = 0; i < c.n_layer; ++i)
+    c.is_recurrent[i] = rec.empty() ? (uint8_t)((i + 1) % interval != 0) : (uint8_t)(rec.at(i) != 0);
+  if (!rec.empty() && (int)rec.size() < c.n_layer) bad("attention.recurrent_layers is shorter than block_count");
+
+  Loader L{f, c};
+  const GGUFTensor* emb = f.find_tensor("token_embd.weight");
+  if (!emb) fail("%s: missing tensor 'token_embd.weight'", path.c_str());
+  c.n_vocab = (int)emb->ne[1];
+  if (const GGUFValue* toks = f.find("tokenizer.ggml.tokens"))
+    if (toks->arr_n != (uint64_t)c.n_vocab)
+      fail("%s: tokenizer has %llu tokens but token_embd.weight has %d rows", path.c_str(),
+           (unsigned long long)toks->arr_n, c.n_vocab);
+  m->tok_embd = L.mat("token_embd.weight", c.n_embd, c.n_vocab);
+  c.tied_embeddings = f.find_tensor("output.weight") == nullptr;
+  m->output = c.tied_embeddings ? m->tok_embd : L.mat("output.weight", c.n_embd, c.n_vocab);
+  m->output_norm = L.vec("output_norm.weight", c.n_embd);
+
+  const int H = c.n_embd, Cconv = c.conv_channels(), Cv = c.ssm_inner();
+  m->layers.resize(c.n_layer);
+  for (int i = 0; i < c.n_layer; ++i) {
+    LayerWeights& w = m->layers[i];
+    std::string p = "blk." + std::to_string(i) + ".";
+    w.attn_norm = L.vec(p + "attn_norm.weight", H);
+    w.post_norm = L.vec(p + "post_attention_norm.weight", H);
+    w.ffn_gate = L.mat(p + "ffn_gate.weight", H, c.n_ff);
+    w.ffn_up = L.mat(p + "ffn_up.weight", H, c.n_ff);
+    w.ffn_down = L.mat(p + "ffn_down.weight", c.n_ff, H);
+    if (c.is_recurrent[i]) {
+      w.wqkv = L.mat(p + "attn_qkv.weight", H, Cconv);
+      w.wgate = L.mat(p + "attn_gate.weight", H, Cv);
+      w.wbeta = L.mat(p + "ssm_beta.weight", H, c.ssm_nv);
+      w.walpha = L.mat(p + "ssm_alpha.weight", H, c.ssm_nv);
+      w.ssm_out = L.mat(p + "ssm_out.weight", Cv, H);
+      w.conv1d = L.vec(p + "ssm_conv1d.weight", c.conv_kernel, Cconv);
+      w.dt_bias = L.vec(p + "ssm_dt.bias", c.ssm_nv);
+      w.ssm_a = L.vec(p + "ssm_a", c.ssm_nv);
+      w.ssm_norm = L.vec(p + "ssm_norm.weight", c.ssm_dv);
+    } else {
+      w.wq = L.mat(p + "attn_q.weight", H, 2 * c.q_dim());
+      w.wk = L.mat(p + "attn_k.weight", H, c.kv_dim());
+      w.wv = L.mat(p + "attn_v.weight", H, c.kv_dim());
+      w.wo = L.mat(p + "attn_output.weight", c.q_dim(), H);
+      w.q_norm = L.vec(p + "attn_q_norm.weight", c.head_dim);
+      w.k_norm = L.vec(p + "attn_k_norm.weight", c.head_dim);
+    }
+  }
+  m->weight_bytes = L.bytes;
+  return m;
+}
+
+}  // namespace dfl

@@ -1,0 +1,38 @@
+// cpu_ops.h — the CPU backend's ops, each a plain function over f32 rows.
+//
+// Every op computes each output row (token) from that row's inputs alone with
+// a fixed reduction order, so results never depend on batch composition or
+// thread count.  Parallel ops split work over rows/heads with the pool; the
+// split only decides which thread computes an element, not how.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "model/qwen35.h"
+#include "util/threadpool.h"
+
+namespace dfl {
+
+// y[t][r] = sum_i W[r][i] x[t][i] for t < n.  `act` is scratch for the
+// quantised activations: at least n * W.cols / 32 blocks.
+void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, block_q8_act* act);
+
+// y = x / sqrt(mean(x^2) + eps) * w   (w may be null), over `n` rows of `dim`.
+void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, float* y);
+
+// NeoX rotation of the first n_rot dims of one head vector at position pos.
+void rope_neox(float* v, int n_rot, int64_t pos, float base);
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+// Row of the embedding table (any weight type) as f32.
+void embed_row(const Weight& W, int32_t token, float* out);
+
+// out[j] = sum_i S[i][j] * q[i]  etc.: one gated delta-rule step on one head.
+// S is dk x dv row-major (key dim outer).  Updates S in place.
+void delta_rule_step(float* S, const float* k, const float* v, const float* q, float decay, float beta,
+                     int dk, int dv, float* out);
+
+}  // namespace dfl

@@ -1,0 +1,111 @@
+/* dflash27b.h — the C ABI of libdflash27b.
+ *
+ * Opaque handles, integer status codes (0 = ok, -1 = error) and a
+ * thread-local last-error string.  No call prints, exits or aborts on bad
+ * input; every failure is a status plus dfl_last_error().  The Python package
+ * mirrors this header in its cffi cdef (python/dflash27b/_lib.py): keep the
+ * two in step.
+ */
+#ifndef DFLASH27B_H
+#define DFLASH27B_H
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DFL_OK 0
+#define DFL_ERROR (-1)
+
+/* ggml type ids (GGUF tensor types) the engine understands */
+#define DFL_TYPE_F32 0
+#define DFL_TYPE_F16 1
+#define DFL_TYPE_Q4_0 2
+#define DFL_TYPE_Q8_0 8
+#define DFL_TYPE_Q4_K 12
+#define DFL_TYPE_Q5_K 13
+#define DFL_TYPE_Q6_K 14
+#define DFL_TYPE_BF16 30
+
+typedef struct dfl_model dfl_model;
+typedef struct dfl_context dfl_context;
+
+const char* dfl_version(void);
+/* e.g. "cpu: avx2; cuda: not built" or "cpu: avx2; cuda: sm_86,sm_89,sm_90" */
+const char* dfl_build_info(void);
+const char* dfl_last_error(void);
+const char* dfl_type_name(uint32_t type); /* NULL if unknown */
+
+typedef struct {
+  int32_t n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, n_rot, n_vocab, n_ctx_train;
+  int32_t ssm_conv_kernel, ssm_dk, ssm_nk, ssm_nv, ssm_dv, tied_embeddings;
+  float rope_base, rms_eps;
+  uint64_t weight_bytes, file_bytes;
+} dfl_model_info;
+
+dfl_model* dfl_model_load(const char* path);
+void dfl_model_free(dfl_model* m);
+int dfl_model_get_info(const dfl_model* m, dfl_model_info* out);
+int dfl_model_layer_is_recurrent(const dfl_model* m, int32_t layer);
+int32_t dfl_model_tensor_count(const dfl_model* m);
+/* name valid while the model lives */
+int dfl_model_tensor_info(const dfl_model* m, int32_t i, const char** name, uint32_t* type, int64_t ne[4]);
+
+typedef struct {
+  int32_t n_ctx;
+  int32_t n_batch;   /* tokens per internal chunk and largest verify batch */
+  int32_t n_threads; /* 0 = all cores */
+  uint32_t kv_type;  /* DFL_TYPE_F32 / F16 / Q8_0 / Q4_0 */
+} dfl_context_params;
+
+dfl_context_params dfl_context_default_params(void);
+dfl_context* dfl_context_new(dfl_model* m, const dfl_context_params* p);
+void dfl_context_free(dfl_context* c);
+int dfl_context_reset(dfl_context* c);
+int32_t dfl_context_n_past(const dfl_context* c);
+
+/* The one forward.  n tokens with absolute positions and parent indices
+ * (parent == NULL means a chain: parent[i] = i-1).  Logits of the rows in
+ * logit_rows go to logits[n_logits][n_vocab]; the residual stream after each
+ * layer in capture_layers goes to hidden[n][n_capture][n_embd].
+ * commit != 0: the chain is appended to the committed state.
+ * commit == 0: the batch (any tree) is verified; dfl_commit_path then keeps a
+ * root-to-node path of it. */
+int dfl_forward(dfl_context* c, int32_t n, const int32_t* tokens, const int32_t* pos, const int32_t* parent,
+                int32_t n_logits, const int32_t* logit_rows, float* logits, int32_t n_capture,
+                const int32_t* capture_layers, float* hidden, int32_t commit);
+int dfl_commit_path(dfl_context* c, const int32_t* nodes, int32_t n);
+
+/* ---- generation (pull style: begin, then next until it returns 0) ---- */
+typedef struct {
+  int32_t max_new_tokens;
+  int32_t ignore_eos;
+  int32_t n_eos;
+  const int32_t* eos_ids;
+} dfl_gen_params;
+
+typedef struct {
+  int32_t prompt_tokens;
+  int32_t generated_tokens;
+  int32_t steps;           /* target forwards after prefill */
+  int32_t stop_reason;     /* 0 running, 1 length, 2 eos, 3 context full */
+  double prefill_s;
+  double decode_s;
+} dfl_gen_stats;
+
+int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, const dfl_gen_params* p);
+/* Writes up to cap new tokens; returns how many (0 = finished), -1 on error. */
+int32_t dfl_generate_next(dfl_context* c, int32_t* out_tokens, int32_t cap);
+int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* out);
+
+/* ---- op entry points for tests and tools ---- */
+int dfl_dequantize(uint32_t type, const void* src, int64_t n, float* dst);
+int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst); /* F32/F16/BF16/Q8_0/Q4_0 */
+/* y[t][r] = W[r] . x[t] for a rows x cols weight of `type` (row-major blocks) */
+int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
+               int32_t n_threads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
