@@ -1,0 +1,145 @@
+"""`dflash27b` command line (click), shaped like llama.cpp's where it can be.
+
+Every failure the core or the package reports (DFlashError, bad files, bad
+flags) becomes one `error: ...` line on stderr and exit status 1; tracebacks
+are for bugs only.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from . import __version__
+from ._lib import DFlashError, load
+from .decoder import DEVICES, KV_TYPES, Decoder
+
+
+def _version_line() -> str:
+    try:
+        ffi, lib = load()
+        build = ffi.string(lib.dfl_build_info()).decode()
+    except DFlashError as e:  # library missing: still answer --version
+        build = f"core not loadable: {e}"
+    return f"dflash27b {__version__} ({build})"
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(1)
+
+
+def _parse_ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {s!r}", param_hint="--prompt-ids")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(message="%(version)s", version=_version_line())
+def main() -> None:
+    """Speculative decoding for Qwen3.5 (qwen35) GGUF models."""
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("-m", "--target", "target", type=click.Path(dir_okay=False), help="target model GGUF")
+@click.option("--prompt-ids", help="prompt as comma-separated token ids instead of text")
+@click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=0))
+@click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
+@click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
+@click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
+def generate(prompt, target, prompt_ids, max_new_tokens, ignore_eos, ctx, kv_type, device, threads, raw, as_json):
+    """Generate a continuation of PROMPT (or --prompt-ids)."""
+    if target is None:
+        _fail("no target model given: pass -m/--target PATH.gguf")
+    if (prompt is None) == (prompt_ids is None):
+        _fail("give exactly one of PROMPT or --prompt-ids")
+    try:
+        p = _parse_ids(prompt_ids) if prompt_ids is not None else prompt
+        with Decoder(target, device=device, kv_type=kv_type, ctx=ctx, threads=threads) as dec:
+            if as_json:
+                r = dec.generate(p, max_new_tokens, ignore_eos=ignore_eos, chat=not raw)
+                click.echo(json.dumps({"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}))
+                return
+            for piece in dec.stream(p, max_new_tokens, ignore_eos=ignore_eos, chat=not raw):
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+            click.echo()
+            s = dec.last_stats()
+            click.echo(f"[{s.mode} {s.device}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
+                       f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s | stop: {s.stop_reason}",
+                       err=True)
+    except DFlashError as e:
+        _fail(str(e))
+
+
+@main.command()
+@click.argument("gguf", type=click.Path(dir_okay=False))
+@click.option("--tensors", is_flag=True, help="also list every tensor")
+def info(gguf, tensors):
+    """Print architecture, shapes and the tensor type mix of a GGUF."""
+    from ._handles import Model
+    try:
+        m = Model(gguf)
+    except DFlashError as e:
+        _fail(str(e))
+    i = m.info
+    n_rec = sum(m.layer_is_recurrent(l) for l in range(i["n_layer"]))
+    click.echo(f"file: {gguf} ({i['file_bytes'] / 1e9:.3f} GB, weights {i['weight_bytes'] / 1e9:.3f} GB)")
+    click.echo(f"architecture: qwen35, {i['n_layer']} layers ({n_rec} gated delta-net + "
+               f"{i['n_layer'] - n_rec} full attention)")
+    click.echo(f"hidden {i['n_embd']}, ffn {i['n_ff']}, vocab {i['n_vocab']}, tied embeddings: "
+               f"{bool(i['tied_embeddings'])}, trained context {i['n_ctx_train']}")
+    click.echo(f"attention: {i['n_head']} q heads / {i['n_head_kv']} kv heads of {i['head_dim']}, "
+               f"rope dims {i['n_rot']} base {i['rope_base']:g}")
+    click.echo(f"delta-net: {i['ssm_nk']} key heads / {i['ssm_nv']} value heads, dk {i['ssm_dk']}, "
+               f"dv {i['ssm_dv']}, conv kernel {i['ssm_conv_kernel']}")
+    mix: dict[str, int] = {}
+    ts = m.tensors()
+    for _, t, _ in ts:
+        mix[t] = mix.get(t, 0) + 1
+    click.echo(f"tensors: {len(ts)} (" + ", ".join(f"{k} {v}" for k, v in sorted(mix.items())) + ")")
+    if tensors:
+        for name, t, ne in ts:
+            click.echo(f"  {name:40s} {t:6s} {list(ne)}")
+    m.close()
+
+
+@main.command()
+@click.argument("hf_dir", type=click.Path(file_okay=False, exists=True))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f32", show_default=True)
+def convert(hf_dir, out, outtype):
+    """Convert a Hugging Face Qwen3.5 checkpoint to a qwen35 GGUF."""
+    from .tools.convert import convert_hf_to_gguf
+    try:
+        convert_hf_to_gguf(hf_dir, out, outtype)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        _fail(str(e))
+    click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--shape", default="tiny", show_default=True, help="tiny, 0.8b, 9b or 27b")
+@click.option("--ftype", default="q4_k_m", show_default=True)
+@click.option("--seed", default=0, show_default=True, type=int)
+def synth(out, shape, ftype, seed):
+    """Write a synthetic qwen35 GGUF (random weights, exact layout and type mix)."""
+    from .tools.synth import write_synthetic
+    try:
+        write_synthetic(out, shape, ftype, seed)
+    except (ValueError, KeyError) as e:
+        _fail(str(e))
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

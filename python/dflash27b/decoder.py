@@ -1,0 +1,203 @@
+"""`Decoder`: the Python face of the engine.
+
+Loads a qwen35 GGUF (weights through the C core, tokenizer and chat template
+from the same file's metadata), and decodes with the core's generation loop.
+Results are frozen dataclasses; the names here (generate/stream/logits/
+tokenize/detokenize, stats fields) are the interface scripts rely on.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import _handles
+from ._lib import TYPE_IDS, DFlashError, load
+from .tokenizer import Tokenizer
+
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class GenerateStats:
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_tok_s: float
+    prefill_tok_s: float
+    steps: int
+    stop_reason: str
+    mode: str = "ar"
+    device: str = "cpu"
+    mean_accept: float = 1.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    tokens: list[int]
+    text: str
+    stats: GenerateStats
+    prompt_tokens: list[int] = field(default_factory=list)
+
+
+def cuda_available() -> bool:
+    """True when the core was built with CUDA (devices are checked by the backend itself)."""
+    ffi, lib = load()
+    return "cuda: not built" not in ffi.string(lib.dfl_build_info()).decode()
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise DFlashError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+    if device == "cuda":
+        # The CUDA backend is not part of this build yet: say so instead of silently using the CPU.
+        raise DFlashError("device 'cuda' requested but this build of dflash27b has no CUDA backend "
+                          "(dflash27b --version shows what was built); use device='cpu'")
+    return "cpu"
+
+
+class Decoder:
+    """A loaded target model with one decoding context.
+
+    >>> with Decoder("model.gguf") as d:
+    ...     print(d.generate("def fib(n):", max_new_tokens=32).text)
+    """
+
+    def __init__(self, target: str | os.PathLike, *, device: str = "auto", kv_type: str = "f16", ctx: int = 4096,
+                 threads: int | None = None, batch: int = 512):
+        if kv_type not in KV_TYPES:
+            raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
+        if ctx <= 0:
+            raise DFlashError(f"ctx must be positive (got {ctx})")
+        self.device = resolve_device(device)
+        self.target = str(target)
+        if not os.path.isfile(self.target):
+            raise DFlashError(f"{self.target}: no such file")
+        self.kv_type = kv_type
+        self.threads = threads if threads else (os.cpu_count() or 1)
+        self._model = _handles.Model(self.target)
+        self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type])
+        self.tokenizer = Tokenizer.from_gguf(self.target)
+        self.n_ctx = ctx
+
+    # -- model facts -----------------------------------------------------------------------------------
+    @property
+    def info(self) -> dict:
+        return dict(self._model.info)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids
+
+    # -- text <-> ids -----------------------------------------------------------------------------------
+    def tokenize(self, text: str, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict] | str, **kwargs) -> str:
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(self.chat_prompt(prompt) if chat else prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self._ctx.n_vocab]
+        if bad:
+            raise DFlashError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self._ctx.n_vocab - 1})")
+        return ids
+
+    # -- decoding ---------------------------------------------------------------------------------------
+    def stream_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
+                   chat: bool = False) -> Iterator[list[int]]:
+        """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards."""
+        ids = self._prompt_ids(prompt, chat)
+        self._last_prompt = ids
+        self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids)
+        while True:
+            toks = self._ctx.generate_next()
+            if not toks:
+                break
+            yield toks
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
+               chat: bool = False) -> Iterator[str]:
+        """Yields text pieces as they are decoded (incomplete UTF-8 is held back)."""
+        sd = self.tokenizer.stream_decoder()
+        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat):
+            piece = "".join(sd.push(t) for t in toks)
+            if piece:
+                yield piece
+        tail = sd.flush()
+        if tail:
+            yield tail
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
+                 chat: bool = False) -> GenerateResult:
+        tokens: list[int] = []
+        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat):
+            tokens.extend(toks)
+        return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
+                              prompt_tokens=list(self._last_prompt))
+
+    def last_stats(self) -> GenerateStats:
+        s = self._ctx.generate_stats()
+        after_first = max(s["generated_tokens"] - 1, 0)  # the first new token comes from the prefill
+        return GenerateStats(
+            prompt_tokens=s["prompt_tokens"], generated_tokens=s["generated_tokens"], prefill_s=s["prefill_s"],
+            decode_s=s["decode_s"], decode_tok_s=after_first / s["decode_s"] if s["decode_s"] > 0 else 0.0,
+            prefill_tok_s=s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] > 0 else 0.0,
+            steps=s["steps"], stop_reason=s["stop_reason"], device=self.device)
+
+    # -- tools -------------------------------------------------------------------------------------------
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [n, vocab]: the logits at every position of `token_ids`, from a fresh state."""
+        ids = self._prompt_ids(list(token_ids), chat=False)
+        if not ids:
+            raise DFlashError("logits() needs at least one token")
+        if len(ids) > self.n_ctx:
+            raise DFlashError(f"{len(ids)} tokens do not fit the context length {self.n_ctx}")
+        self._ctx.reset()
+        lg, _ = self._ctx.forward(ids)
+        self._ctx.reset()
+        return lg
+
+    def hidden_states(self, token_ids: Sequence[int], layers: Sequence[int]) -> np.ndarray:
+        """float32 [n, len(layers), n_embd]: residual stream after each layer, from a fresh state."""
+        ids = self._prompt_ids(list(token_ids), chat=False)
+        self._ctx.reset()
+        _, hid = self._ctx.forward(ids, logit_rows=[], capture_layers=list(layers))
+        self._ctx.reset()
+        return hid
+
+    @property
+    def context(self) -> _handles.Context:
+        """The raw context (forward with parents, commit_path) for tools and tests."""
+        return self._ctx
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.close()
+            self._ctx = None
+        if getattr(self, "_model", None) is not None:
+            self._model.close()
+            self._model = None
+
+    def __enter__(self) -> "Decoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
