@@ -1,0 +1,111 @@
+"""Test helper (not a test): a plain numpy forward of a qwen35 GGUF, written from qwen35.md §3.
+
+Used to check that converted/synthetic files mean what the sheet says (tiled V heads, +1 norms, -exp(A_log),
+per-head [q | gate] packing) by comparing with transformers' logits. Token-by-token (recurrent GDN form),
+float64, no cache tricks: slow but obviously correct for a few dozen tokens on the tiny model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGUFReader
+from gguf import quants as gq
+
+
+def load(path) -> tuple[dict, dict[str, np.ndarray]]:
+    r = GGUFReader(path)
+    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("qwen35.")}
+    w = {}
+    for t in r.tensors:
+        shape = tuple(int(v) for v in reversed(t.shape))
+        w[t.name] = gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float64)
+    return meta, w
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def _softplus(x):
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+
+def forward(meta: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """Logits [len(ids), V] for one sequence starting at position 0."""
+    a = "qwen35."
+    L, eps = meta[a + "block_count"], meta[a + "attention.layer_norm_rms_epsilon"]
+    nh, nkv, hd = meta[a + "attention.head_count"], meta[a + "attention.head_count_kv"], meta[a + "attention.key_length"]
+    nrot, base = meta[a + "rope.dimension_count"], meta[a + "rope.freq_base"]
+    K, dk, nk, nv = meta[a + "ssm.conv_kernel"], meta[a + "ssm.state_size"], meta[a + "ssm.group_count"], meta[a + "ssm.time_step_rank"]
+    dv = meta[a + "ssm.inner_size"] // nv
+    rec = meta[a + "attention.recurrent_layers"]
+    T = len(ids)
+    x = w["token_embd.weight"][ids]
+    inv = base ** (-np.arange(nrot // 2) * 2.0 / nrot)
+
+    def rope(v, pos):                                   # v: [heads, hd], NeoX half split on first nrot dims
+        th = pos * inv
+        c, s = np.cos(th), np.sin(th)
+        a1, b1 = v[:, :nrot // 2].copy(), v[:, nrot // 2:nrot].copy()
+        v = v.copy()
+        v[:, :nrot // 2], v[:, nrot // 2:nrot] = a1 * c - b1 * s, a1 * s + b1 * c
+        return v
+
+    for i in range(L):
+        p = f"blk.{i}."
+        h = _rms(x, w[p + "attn_norm.weight"], eps)
+        out = np.zeros_like(x)
+        if rec[i]:
+            m = h @ w[p + "attn_qkv.weight"].T
+            z = h @ w[p + "attn_gate.weight"].T
+            b = h @ w[p + "ssm_beta.weight"].T
+            al = h @ w[p + "ssm_alpha.weight"].T
+            conv = w[p + "ssm_conv1d.weight"]           # [Cconv, K]
+            mp = np.concatenate([np.zeros((K - 1, m.shape[1])), m])
+            S = np.zeros((nv, dk, dv))
+            for t in range(T):
+                c = _silu(np.einsum("kc,ck->c", mp[t:t + K], conv))
+                q = c[:nk * dk].reshape(nk, dk)
+                k = c[nk * dk:2 * nk * dk].reshape(nk, dk)
+                v = c[2 * nk * dk:].reshape(nv, dv)
+                q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), eps) / np.sqrt(dk)
+                k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), eps)
+                y = np.empty((nv, dv))
+                for hh in range(nv):
+                    kh = hh % nk                          # tiled GGUF order
+                    beta = _sigmoid(b[t, hh])
+                    g = w[p + "ssm_a"][hh] * _softplus(al[t, hh] + w[p + "ssm_dt.bias"][hh])
+                    S[hh] *= np.exp(g)
+                    delta = beta * (v[hh] - S[hh].T @ k[kh])
+                    S[hh] += np.outer(k[kh], delta)
+                    o = S[hh].T @ q[kh]
+                    y[hh] = _rms(o, w[p + "ssm_norm.weight"], eps) * _silu(z[t, hh * dv:(hh + 1) * dv])
+                out[t] = w[p + "ssm_out.weight"] @ y.reshape(-1)
+        else:
+            qg = (h @ w[p + "attn_q.weight"].T).reshape(T, nh, 2 * hd)
+            q, gate = qg[..., :hd], qg[..., hd:]
+            k = (h @ w[p + "attn_k.weight"].T).reshape(T, nkv, hd)
+            v = (h @ w[p + "attn_v.weight"].T).reshape(T, nkv, hd)
+            q = np.stack([rope(_rms(q[t], w[p + "attn_q_norm.weight"], eps), t) for t in range(T)])
+            k = np.stack([rope(_rms(k[t], w[p + "attn_k_norm.weight"], eps), t) for t in range(T)])
+            grp = nh // nkv
+            o = np.empty((T, nh, hd))
+            for j in range(nh):
+                sc = q[:, j] @ k[:, j // grp].T / np.sqrt(hd)
+                sc = np.where(np.tril(np.ones((T, T), bool)), sc, -np.inf)
+                pr = np.exp(sc - sc.max(-1, keepdims=True))
+                o[:, j] = (pr / pr.sum(-1, keepdims=True)) @ v[:, j // grp]
+            out = (o * _sigmoid(gate)).reshape(T, -1) @ w[p + "attn_output.weight"].T
+        x = x + out
+        h2 = _rms(x, w[p + "post_attention_norm.weight"], eps)
+        x = x + (_silu(h2 @ w[p + "ffn_gate.weight"].T) * (h2 @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+    head = w.get("output.weight", w["token_embd.weight"])
+    return _rms(x, w["output_norm.weight"], eps) @ head.T
