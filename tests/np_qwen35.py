@@ -42,9 +42,11 @@ def forward(meta: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     """Logits [len(ids), V] for one sequence starting at position 0."""
     a = "qwen35."
     L, eps = meta[a + "block_count"], meta[a + "attention.layer_norm_rms_epsilon"]
-    nh, nkv, hd = meta[a + "attention.head_count"], meta[a + "attention.head_count_kv"], meta[a + "attention.key_length"]
+    nh, nkv = meta[a + "attention.head_count"], meta[a + "attention.head_count_kv"]
+    hd = meta[a + "attention.key_length"]
     nrot, base = meta[a + "rope.dimension_count"], meta[a + "rope.freq_base"]
-    K, dk, nk, nv = meta[a + "ssm.conv_kernel"], meta[a + "ssm.state_size"], meta[a + "ssm.group_count"], meta[a + "ssm.time_step_rank"]
+    K, dk = meta[a + "ssm.conv_kernel"], meta[a + "ssm.state_size"]
+    nk, nv = meta[a + "ssm.group_count"], meta[a + "ssm.time_step_rank"]
     dv = meta[a + "ssm.inner_size"] // nv
     rec = meta[a + "attention.recurrent_layers"]
     T = len(ids)

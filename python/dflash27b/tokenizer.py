@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,7 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(eos)
         self._added_ids = frozenset(by_name.values())
         self._bytes_cache: dict[int, bytes] = {}
+        self._lock = threading.Lock()              # encode toggles a flag on the shared Rust tokenizer
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
@@ -185,8 +187,9 @@ class Tokenizer:
     # -- encode / decode ---------------------------------------------------------------------------------
     def encode(self, text: str, parse_special: bool = True, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. With parse_special=False, control tokens written in the text are plain text."""
-        self._tok.encode_special_tokens = not parse_special
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        with self._lock:
+            self._tok.encode_special_tokens = not parse_special
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
@@ -236,7 +239,8 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         tmpl = env.from_string(self.chat_template or CHATML_TEMPLATE)
-        ctx = dict(bos_token=self._name(self.bos_id), eos_token=self._name(self.eos_id), pad_token=self._name(self.pad_id))
+        ctx = dict(bos_token=self._name(self.bos_id), eos_token=self._name(self.eos_id),
+                   pad_token=self._name(self.pad_id))
         ctx.update(kwargs)
         return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt, **ctx)
 
