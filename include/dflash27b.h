@@ -99,6 +99,8 @@ int32_t dfl_generate_next(dfl_context* c, int32_t* out_tokens, int32_t cap);
 int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* out);
 
 /* ---- op entry points for tests and tools ---- */
+/* Streams `bytes` of memory with n_threads threads; returns GB/s read (best of 3). */
+double dfl_measure_read_bandwidth(int64_t bytes, int32_t n_threads);
 int dfl_dequantize(uint32_t type, const void* src, int64_t n, float* dst);
 int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst); /* F32/F16/BF16/Q8_0/Q4_0 */
 /* y[t][r] = W[r] . x[t] for a rows x cols weight of `type` (row-major blocks) */

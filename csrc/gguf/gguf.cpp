@@ -76,6 +76,15 @@ void read_scalar(Cursor& c, GGUFType t, GGUFValue& v, const char* what) {
   }
 }
 
+// Names of ggml types this engine does not implement, for error messages.
+const char* other_type_name(uint32_t t) {
+  static const char* names[] = {"F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
+                                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS",
+                                "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64",
+                                "IQ1_M", "BF16"};
+  return t < sizeof(names) / sizeof(names[0]) ? names[t] : "unknown";
+}
+
 const char* type_name(GGUFType t) {
   static const char* names[] = {"u8", "i8", "u16", "i16", "u32", "i32", "f32",
                                 "bool", "string", "array", "u64", "i64", "f64"};
@@ -179,7 +188,9 @@ GGUFFile::GGUFFile(const std::string& path) : path_(path) {
       t.type = c.read<uint32_t>("a tensor type");
       t.offset = c.read<uint64_t>("a tensor offset");
       const TypeTraits* tt = type_traits(t.type);
-      if (!tt) fail("%s: tensor '%s' has unsupported tensor type %u", path.c_str(), t.name.c_str(), t.type);
+      if (!tt)
+        fail("%s: tensor '%s' has unsupported tensor type %u (%s); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K",
+             path.c_str(), t.name.c_str(), t.type, other_type_name(t.type));
       if (t.ne[0] % tt->block_elems != 0)
         fail("%s: tensor '%s' row length %lld is not a multiple of the %s block size %d", path.c_str(),
              t.name.c_str(), (long long)t.ne[0], tt->name, tt->block_elems);

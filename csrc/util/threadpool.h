@@ -76,7 +76,7 @@ class ThreadPool {
   }
 
   void worker_loop(int tid) {
-    uint64_t seen = gen_.load(std::memory_order_acquire);
+    uint64_t seen = 0;  // generation 0 is "no job yet", even if a job started before this thread
     for (;;) {
       uint64_t g;
       int spins = 0;

@@ -1,0 +1,114 @@
+"""CPU autoregressive decode benchmark on a synthetic Qwen3.5-0.8B-shaped Q4_K_M.
+
+Prints prefill and decode tok/s with the thread count, bytes read per token,
+the machine's measured read bandwidth and the fraction of the bandwidth floor
+reached; if llama-cpp-python is installed, times llama.cpp on the same file in
+the same run and prints the ratio.
+
+    python bench/ar.py [--model PATH] [--threads 2] [--prefill 512] [--decode 64]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash27b import Decoder
+from dflash27b._lib import load
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def ensure_model(path: Path, shape: str) -> Path:
+    if not path.exists():
+        from dflash27b.tools.synth import write_synthetic
+        print(f"writing synthetic {shape} Q4_K_M to {path} ...", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_synthetic(path, shape, "q4_k_m", seed=0, random_quant=True)
+    return path
+
+
+def bench_ours(model: Path, threads: int, prompt: list[int], n_decode: int) -> dict:
+    with Decoder(model, threads=threads, ctx=len(prompt) + n_decode + 8, kv_type="f16") as d:
+        d.generate(prompt[:8], 4, ignore_eos=True)  # warm-up: page in the weights
+        r = d.generate(prompt, n_decode, ignore_eos=True)
+        s = r.stats
+        return {"prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s, "weight_bytes": d.info["weight_bytes"],
+                "tokens": r.tokens}
+
+
+def bench_llama_cpp(model: Path, threads: int, prompt: list[int], n_decode: int) -> dict | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(model), n_threads=threads, n_threads_batch=threads,
+                          n_ctx=len(prompt) + n_decode + 8, n_batch=512, verbose=False, logits_all=False)
+    llm.eval(prompt[:8])  # warm-up
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    toks = [tok]
+    t2 = time.perf_counter()
+    for _ in range(n_decode - 1):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        toks.append(tok)
+    t3 = time.perf_counter()
+    return {"prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (n_decode - 1) / (t3 - t2), "tokens": toks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF to run (default: synthetic, written once)")
+    ap.add_argument("--shape", default="0.8b")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--no-peer", action="store_true", help="skip llama.cpp even if installed")
+    a = ap.parse_args()
+    model = a.model or ensure_model(Path("/tmp/dflash27b-bench") / f"qwen35-{a.shape}-q4_k_m.gguf", a.shape)
+    ffi, lib = load()
+    bw = lib.dfl_measure_read_bandwidth(1 << 30, a.threads)
+    prompt = np.random.default_rng(0).integers(0, 240000, size=a.prefill).tolist()
+
+    ours = bench_ours(model, a.threads, prompt, a.decode)
+    floor = bw * 1e9 / ours["weight_bytes"]
+    peer = None if a.no_peer else bench_llama_cpp(model, a.threads, prompt, a.decode)
+
+    print(f"\nmachine: {cpu_name()}, {os.cpu_count()} cores; build: {ffi.string(lib.dfl_build_info()).decode()}")
+    print(f"model: {model.name} ({model.stat().st_size / 1e9:.3f} GB file)")
+    print(f"threads: {a.threads}   prefill: {a.prefill} tokens   decode: {a.decode} tokens")
+    print(f"bytes read per token (weights): {ours['weight_bytes'] / 1e9:.3f} GB")
+    print(f"measured read bandwidth ({a.threads} threads): {bw:.1f} GB/s -> floor {floor:.1f} tok/s")
+    print(f"{'engine':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'of floor':>9s}")
+    print(f"{'dflash27b':12s} {ours['prefill_tok_s']:14.1f} {ours['decode_tok_s']:13.2f} "
+          f"{ours['decode_tok_s'] / floor:9.2f}")
+    if peer:
+        print(f"{'llama.cpp':12s} {peer['prefill_tok_s']:14.1f} {peer['decode_tok_s']:13.2f} "
+              f"{peer['decode_tok_s'] / floor:9.2f}")
+        print(f"ratio dflash27b / llama.cpp: prefill {ours['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x, "
+              f"decode {ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x")
+        same = sum(x == y for x, y in zip(ours["tokens"], peer["tokens"]))
+        print(f"greedy tokens identical to llama.cpp: {same}/{len(ours['tokens'])} "
+              f"(llama.cpp quantises activations differently; near-ties may flip)")
+    else:
+        print("llama.cpp: not installed (pip install llama-cpp-python) — no peer row")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Block formats: dequantization bit-exact against gguf-py, quantised matmul
+within a stated tolerance of the dequantised F32 matmul, KV writers sane."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from dflash27b._lib import check, load
+
+# type -> (ggml id, block elems, block bytes, byte offsets of f16 scale fields)
+FORMATS = {
+    "F16": (T.F16, 1, 2, ()),
+    "BF16": (T.BF16, 1, 2, ()),
+    "Q8_0": (T.Q8_0, 32, 34, (0,)),
+    "Q4_0": (T.Q4_0, 32, 18, (0,)),
+    "Q4_K": (T.Q4_K, 256, 144, (0, 2)),
+    "Q5_K": (T.Q5_K, 256, 176, (0, 2)),
+    "Q6_K": (T.Q6_K, 256, 210, (208,)),
+}
+# Activations are quantised to int8 per 32 values (one f32 scale), so a dot
+# product carries about 2^-8 relative noise per term; over random rows the
+# result stays within 1% of the largest |y|.
+MATMUL_REL_TOL = {"F32": 1e-6, "F16": 1e-6, "BF16": 1e-6, "Q8_0": 1e-2, "Q4_0": 1e-2, "Q4_K": 1e-2,
+                  "Q5_K": 1e-2, "Q6_K": 1e-2}
+
+
+def random_blocks(name, nb, rng):
+    tid, be, bb, scale_offs = FORMATS[name]
+    raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
+    if name in ("F16", "BF16"):
+        vals = rng.standard_normal(nb).astype(np.float32) * 3
+        if name == "F16":
+            raw = vals.astype(np.float16).view(np.uint8).reshape(nb, 2)
+            raw[::7] = np.frombuffer(np.float16(1e-6).tobytes(), np.uint8)  # subnormals too
+        else:
+            raw = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(nb, 2)
+    for off in scale_offs:
+        d = (rng.uniform(-1, 1, nb) * 0.05).astype(np.float16)
+        raw[:, off:off + 2] = d.view(np.uint8).reshape(nb, 2)
+    return raw
+
+
+def ours_dequant(tid, raw, n):
+    ffi, lib = load()
+    out = np.empty(n, np.float32)
+    raw = np.ascontiguousarray(raw)
+    check(lib.dfl_dequantize(int(tid), ffi.cast("void*", raw.ctypes.data), n, ffi.cast("float*", out.ctypes.data)))
+    return out
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_dequantize_bit_exact_vs_gguf_py(name):
+    rng = np.random.default_rng(1)
+    tid, be, bb, _ = FORMATS[name]
+    nb = 64
+    raw = random_blocks(name, nb, rng)
+    ref = quants.dequantize(raw.reshape(-1), tid).astype(np.float32).reshape(-1)
+    ours = ours_dequant(tid, raw, nb * be)
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+def test_f16_writer_matches_numpy_rounding():
+    ffi, lib = load()
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.standard_normal(4096) * 10 ** rng.uniform(-8, 5, 4096), [0.0, -0.0, 65504, 7e4, 1e-8,
+                                                                                      6e-8, 3e-8]]).astype(np.float32)
+    out = np.empty(len(x), np.uint16)
+    check(lib.dfl_quantize(1, ffi.cast("float*", x.ctypes.data), len(x), ffi.cast("void*", out.ctypes.data)))
+    assert np.array_equal(out, x.astype(np.float16).view(np.uint16))
+
+
+@pytest.mark.parametrize("name,tid", [("Q8_0", T.Q8_0), ("Q4_0", T.Q4_0)])
+def test_kv_quantizers_roundtrip(name, tid):
+    """The KV writers produce valid blocks (decoded by gguf-py) within their format's error."""
+    ffi, lib = load()
+    x = np.random.default_rng(3).standard_normal(32 * 64).astype(np.float32)
+    bb = FORMATS[name][2]
+    out = np.empty(64 * bb, np.uint8)
+    check(lib.dfl_quantize(int(tid), ffi.cast("float*", x.ctypes.data), len(x), ffi.cast("void*", out.ctypes.data)))
+    y = quants.dequantize(out, tid).reshape(-1)
+    amax = np.abs(x.reshape(64, 32)).max(1, keepdims=True)
+    step = amax / (127 if name == "Q8_0" else 8)
+    assert (np.abs(y.reshape(64, 32) - x.reshape(64, 32)) <= step * 0.5 + 1e-3 * step + 1e-7).all()
+
+
+@pytest.mark.parametrize("name", ["F32"] + list(FORMATS))
+@pytest.mark.parametrize("ntok", [1, 3, 16])
+def test_matmul_close_to_dequantized_f32(name, ntok):
+    ffi, lib = load()
+    rng = np.random.default_rng(4)
+    rows, cols = 48, 512
+    if name == "F32":
+        tid, w = T.F32, rng.standard_normal((rows, cols)).astype(np.float32)
+        wf = w
+        raw = w.view(np.uint8)
+    else:
+        tid, be, bb, _ = FORMATS[name]
+        raw = random_blocks(name, rows * cols // be, rng).reshape(rows, -1)
+        wf = quants.dequantize(raw.reshape(-1), tid).astype(np.float32).reshape(rows, cols)
+    x = rng.standard_normal((ntok, cols)).astype(np.float32)
+    y = np.empty((ntok, rows), np.float32)
+    raw = np.ascontiguousarray(raw)
+    check(lib.dfl_matmul(int(tid), ffi.cast("void*", raw.ctypes.data), rows, cols, ffi.cast("float*", x.ctypes.data),
+                         ntok, ffi.cast("float*", y.ctypes.data), 2))
+    ref = (x.astype(np.float64) @ wf.astype(np.float64).T)
+    rel = np.abs(y - ref).max() / np.abs(ref).max()
+    assert rel < MATMUL_REL_TOL[name], rel
+    # each token's row is what it would be alone (batch invariance at the op level)
+    y1 = np.empty((1, rows), np.float32)
+    check(lib.dfl_matmul(int(tid), ffi.cast("void*", raw.ctypes.data), rows, cols,
+                         ffi.cast("float*", x[-1:].ctypes.data), 1, ffi.cast("float*", y1.ctypes.data), 1))
+    assert np.array_equal(y1[0], y[-1])
