@@ -62,11 +62,13 @@ def test_dequantize_bit_exact_vs_gguf_py(name):
 def test_f16_writer_matches_numpy_rounding():
     ffi, lib = load()
     rng = np.random.default_rng(2)
-    x = np.concatenate([rng.standard_normal(4096) * 10 ** rng.uniform(-8, 5, 4096), [0.0, -0.0, 65504, 7e4, 1e-8,
-                                                                                      6e-8, 3e-8]]).astype(np.float32)
+    x = np.concatenate([rng.standard_normal(4096) * 10 ** rng.uniform(-8, 5, 4096),
+                        [0.0, -0.0, 65504, 7e4, 1e-8, 6e-8, 3e-8]]).astype(np.float32)
     out = np.empty(len(x), np.uint16)
     check(lib.dfl_quantize(1, ffi.cast("float*", x.ctypes.data), len(x), ffi.cast("void*", out.ctypes.data)))
-    assert np.array_equal(out, x.astype(np.float16).view(np.uint16))
+    with np.errstate(over="ignore"):  # overflow to inf is the behaviour under test
+        ref = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(out, ref)
 
 
 @pytest.mark.parametrize("name,tid", [("Q8_0", T.Q8_0), ("Q4_0", T.Q4_0)])
@@ -80,7 +82,10 @@ def test_kv_quantizers_roundtrip(name, tid):
     y = quants.dequantize(out, tid).reshape(-1)
     amax = np.abs(x.reshape(64, 32)).max(1, keepdims=True)
     step = amax / (127 if name == "Q8_0" else 8)
-    assert (np.abs(y.reshape(64, 32) - x.reshape(64, 32)) <= step * 0.5 + 1e-3 * step + 1e-7).all()
+    # half a step of rounding plus the f16 rounding of the scale (x127 at most); Q4_0's range
+    # [-8, 7] clips the extreme of the other sign by up to one step.
+    bound = step * (0.5 + 127 * 2.0**-11) if name == "Q8_0" else step * 1.0
+    assert (np.abs(y.reshape(64, 32) - x.reshape(64, 32)) <= bound + 1e-7).all()
 
 
 @pytest.mark.parametrize("name", ["F32"] + list(FORMATS))

@@ -125,10 +125,10 @@ GGUFFile::GGUFFile(const std::string& path) : path_(path) {
     // Every KV needs >= 13 bytes and every tensor info >= 28: bounds the counts
     // by the file size before allocating anything.
     if (n_tensors < 0 || (uint64_t)n_tensors > size_ / 28)
-      fail("%s: corrupt GGUF header: tensor count %lld is impossible for a %llu-byte file",
+      fail("%s: truncated GGUF file or corrupt header: %lld tensors cannot fit in %llu bytes",
            path.c_str(), (long long)n_tensors, (unsigned long long)size_);
     if (n_kv < 0 || (uint64_t)n_kv > size_ / 13)
-      fail("%s: corrupt GGUF header: metadata count %lld is impossible for a %llu-byte file",
+      fail("%s: truncated GGUF file or corrupt header: %lld metadata entries cannot fit in %llu bytes",
            path.c_str(), (long long)n_kv, (unsigned long long)size_);
 
     for (int64_t k = 0; k < n_kv; ++k) {
