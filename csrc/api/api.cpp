@@ -293,8 +293,8 @@ int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const f
     W.cols = cols;
     W.row_bytes = dfl::row_bytes(W.type, cols);
     dfl::ThreadPool pool(n_threads > 0 ? n_threads : 1);
-    std::vector<dfl::block_q8_act> act((size_t)n * cols / 32 + 1);
-    dfl::matmul(pool, W, x, n, y, act.data());
+    dfl::ActScratch act;
+    dfl::matmul(pool, W, x, n, y, act);
   });
 }
 

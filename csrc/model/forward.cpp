@@ -30,7 +30,7 @@ struct Context::Impl {
   std::vector<int32_t> node_parent;           // parents of the last verified batch
   // scratch, sized for n_batch tokens
   std::vector<float> x, hn, out, a0, a1, a2, a3, a4;
-  std::vector<block_q8_act> act;
+  ActScratch act;
 
   explicit Impl(int threads) : pool(threads) {}
 };
@@ -76,7 +76,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   I.a2.resize(nb * widest);
   I.a3.resize(nb * std::max(c.ssm_nv, 1));
   I.a4.resize(nb * std::max(c.ssm_nv, 1));
-  I.act.resize(nb * widest / 32 + 1);
+  I.act.reserve((int64_t)nb * widest);
 }
 
 Context::~Context() = default;
@@ -214,9 +214,9 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       float* qg = I.a0.data();
       float* kk = I.a1.data();
       float* vv = I.a2.data();
-      matmul(I.pool, w.wq, I.hn.data(), n, qg, I.act.data());
-      matmul(I.pool, w.wk, I.hn.data(), n, kk, I.act.data());
-      matmul(I.pool, w.wv, I.hn.data(), n, vv, I.act.data());
+      matmul(I.pool, w.wq, I.hn.data(), n, qg, I.act);
+      matmul(I.pool, w.wk, I.hn.data(), n, kk, I.act);
+      matmul(I.pool, w.wv, I.hn.data(), n, vv, I.act);
       for (int t = 0; t < n; ++t) {
         const int32_t pos = b.pos[off + t];
         for (int j = 0; j < c.n_head; ++j) {
@@ -261,9 +261,9 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
             float d;
             if (dtype_is_quantized(kvt)) {
               dequantize_row(kvt, kr, tmp.data(), hd);
-              d = vec_dot(DType::F32, tmp.data(), q, hd);
+              d = dot_f(DType::F32, tmp.data(), q, hd);
             } else {
-              d = vec_dot(kvt, kr, q, hd);
+              d = dot_f(kvt, kr, q, hd);
             }
             sc[s] = d * scale;
             mx = std::max(mx, sc[s]);
@@ -285,7 +285,7 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
           for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv * sigmoid(gate[d]);
         }
       });
-      matmul(I.pool, w.wo, o, n, I.out.data(), I.act.data());
+      matmul(I.pool, w.wo, o, n, I.out.data(), I.act);
     } else {
       // ---- gated delta-net ----
       const int Cconv = c.conv_channels(), Cv = c.ssm_inner(), K = c.conv_kernel;
@@ -295,10 +295,10 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       float* y = I.a2.data();
       float* bb = I.a3.data();
       float* aa = I.a4.data();
-      matmul(I.pool, w.wqkv, I.hn.data(), n, mm, I.act.data());
-      matmul(I.pool, w.wgate, I.hn.data(), n, z, I.act.data());
-      matmul(I.pool, w.wbeta, I.hn.data(), n, bb, I.act.data());
-      matmul(I.pool, w.walpha, I.hn.data(), n, aa, I.act.data());
+      matmul(I.pool, w.wqkv, I.hn.data(), n, mm, I.act);
+      matmul(I.pool, w.wgate, I.hn.data(), n, z, I.act);
+      matmul(I.pool, w.wbeta, I.hn.data(), n, bb, I.act);
+      matmul(I.pool, w.walpha, I.hn.data(), n, aa, I.act);
       const size_t cs = I.conv[l].size(), rs = I.rec[l].size();
       const float qscale = 1.f / std::sqrt((float)dk);
       for (int t = 0; t < n; ++t) {
@@ -351,7 +351,7 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
           }
         });
       }
-      matmul(I.pool, w.ssm_out, y, n, I.out.data(), I.act.data());
+      matmul(I.pool, w.ssm_out, y, n, I.out.data(), I.act);
     }
     for (size_t i = 0; i < (size_t)n * H; ++i) x[i] += I.out[i];
 
@@ -359,10 +359,10 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
     rmsnorm_rows(x, w.post_norm.data(), n, H, c.rms_eps, I.hn.data());
     float* g = I.a0.data();
     float* u = I.a1.data();
-    matmul(I.pool, w.ffn_gate, I.hn.data(), n, g, I.act.data());
-    matmul(I.pool, w.ffn_up, I.hn.data(), n, u, I.act.data());
+    matmul(I.pool, w.ffn_gate, I.hn.data(), n, g, I.act);
+    matmul(I.pool, w.ffn_up, I.hn.data(), n, u, I.act);
     for (size_t i = 0; i < (size_t)n * c.n_ff; ++i) g[i] = silu(g[i]) * u[i];
-    matmul(I.pool, w.ffn_down, g, n, I.out.data(), I.act.data());
+    matmul(I.pool, w.ffn_down, g, n, I.out.data(), I.act);
     for (size_t i = 0; i < (size_t)n * H; ++i) x[i] += I.out[i];
 
     for (int ci = 0; ci < out.n_capture; ++ci)
@@ -377,7 +377,7 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
     if (row < off || row >= off + n) continue;
     float* hrow = I.hn.data();
     rmsnorm_rows(x + (size_t)(row - off) * H, M.output_norm.data(), 1, H, c.rms_eps, hrow);
-    matmul(I.pool, M.output, hrow, 1, out.logits + (size_t)r * c.n_vocab, I.act.data());
+    matmul(I.pool, M.output, hrow, 1, out.logits + (size_t)r * c.n_vocab, I.act);
   }
 }
 

@@ -8,27 +8,45 @@
 
 namespace dfl {
 
-void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, block_q8_act* act) {
+void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, ActScratch& act) {
   const bool q = dtype_is_quantized(W.type);
-  const int64_t nblk = W.cols / 32;
+  const int64_t cols = W.cols;
+  std::vector<ActRow> rows;
   if (q) {
+    act.reserve((int64_t)n * cols);
     pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) quantize_act_row(x + t * W.cols, act + t * nblk, W.cols);
+      for (int64_t t = t0; t < t1; ++t)
+        quantize_act_row(x + t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
+                         act.s.data() + t * (cols / 32), cols);
     });
+    rows.resize(n);
+    for (int t = 0; t < n; ++t)
+      rows[t] = ActRow{act.q.data() + (int64_t)t * cols, act.d.data() + (int64_t)t * (cols / 32),
+                       act.s.data() + (int64_t)t * (cols / 32)};
   }
-  // Rows in groups of 16 so a group's weights stay in L1 while every token
-  // of the batch passes over them.
+  // Rows in groups of 16 so a group's weights stay in L1 while every token of
+  // the batch passes over them, up to kDotMaxTokens tokens per weight unpack.
   const int64_t group = 16;
-  pool.parallel_for(W.rows, group, [&](int64_t r0, int64_t r1) {
+  const int64_t work = (int64_t)W.rows * cols * n;
+  auto body = [&](int64_t r0, int64_t r1) {
+    float tmp[kDotMaxTokens];
     for (int64_t g = r0; g < r1; g += group) {
-      int64_t ge = g + group < r1 ? g + group : r1;
-      for (int t = 0; t < n; ++t) {
-        const void* xt = q ? (const void*)(act + t * nblk) : (const void*)(x + t * W.cols);
-        float* yt = y + (int64_t)t * W.rows;
-        for (int64_t r = g; r < ge; ++r) yt[r] = vec_dot(W.type, W.row(r), xt, W.cols);
+      const int64_t ge = g + group < r1 ? g + group : r1;
+      for (int t0 = 0; t0 < n; t0 += kDotMaxTokens) {
+        const int nt = n - t0 < kDotMaxTokens ? n - t0 : kDotMaxTokens;
+        for (int64_t r = g; r < ge; ++r) {
+          if (q) {
+            dot_row_q(W.type, W.row(r), rows.data() + t0, nt, cols, tmp);
+          } else {
+            for (int k = 0; k < nt; ++k) tmp[k] = dot_f(W.type, W.row(r), x + (int64_t)(t0 + k) * cols, cols);
+          }
+          for (int k = 0; k < nt; ++k) y[(int64_t)(t0 + k) * W.rows + r] = tmp[k];
+        }
       }
     }
-  });
+  };
+  if (work < (1 << 16)) body(0, W.rows);  // too small to be worth waking workers
+  else pool.parallel_for(W.rows, group, body);
 }
 
 void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, float* y) {

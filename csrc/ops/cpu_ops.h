@@ -7,15 +7,28 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "model/qwen35.h"
 #include "util/threadpool.h"
 
 namespace dfl {
 
-// y[t][r] = sum_i W[r][i] x[t][i] for t < n.  `act` is scratch for the
-// quantised activations: at least n * W.cols / 32 blocks.
-void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, block_q8_act* act);
+// Scratch for activations quantised to int8 (see ActRow), grown on demand.
+struct ActScratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  void reserve(int64_t n_values) {
+    if ((int64_t)q.size() < n_values) {
+      q.resize(n_values);
+      d.resize(n_values / 32 + 1);
+      s.resize(n_values / 32 + 1);
+    }
+  }
+};
+
+// y[t][r] = sum_i W[r][i] x[t][i] for t < n.
+void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, ActScratch& act);
 
 // y = x / sqrt(mean(x^2) + eps) * w   (w may be null), over `n` rows of `dim`.
 void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, float* y);

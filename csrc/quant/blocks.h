@@ -61,15 +61,15 @@ struct block_q6_K {
 static_assert(sizeof(block_q6_K) == 210, "q6_K block size");
 #pragma pack(pop)
 
-// Activation blocks used inside quantised dot products: 32 values quantised to
-// int8 with one f32 scale, plus the scaled sum (d * sum(q)) that min/offset
-// terms of the weight formats need.  One format serves every weight type.
-struct block_q8_act {
-  float d;
-  float s;                   // d * sum(qs)
-  int8_t qs[32];
+// One activation row quantised for the integer dot products: per 32 values
+// an f32 scale d and the scaled sum s = d * sum(q) that min/offset terms of
+// the weight formats need.  Scales live in their own arrays so a kernel loads
+// the 8 scales of a 256-value super-block as one vector.
+struct ActRow {
+  const int8_t* q;   // n values
+  const float* d;    // n / 32 scales
+  const float* s;    // n / 32 scaled sums
 };
-static_assert(sizeof(block_q8_act) == 40, "activation block size");
 
 struct TypeTraits {
   const char* name;

@@ -1,15 +1,18 @@
-// dot_cpu.cpp — one weight row times one activation row, per format.
+// dot_cpu.cpp — one weight row times up to 4 activation rows, per format.
 //
 // AVX2/FMA kernels when the compiler targets them, a scalar fallback
-// otherwise.  Quantised formats multiply int8 activation blocks (32 values,
-// one f32 scale) with the weight's integer quants using maddubs/madd, then
-// scale in float once per 32 values (per 16 for Q6_K's scales, folded into
-// the integer madd).  Offsets (Q4_0's -8, K-quant mins) are applied through
-// the activation block's precomputed scaled sum.  Each function's reduction
-// order is fixed by the row length alone.
+// otherwise.  Quantised formats multiply int8 activations (32 values per f32
+// scale) with the weight's integer quants through maddubs/madd.  K-quant
+// kernels reduce the 8 sub-block sums of a super-block to one int32 vector
+// (`reduce8`) and apply the 8 (weight scale x activation scale) factors with
+// one vector multiply; offsets (K-quant mins, Q4_0's -8) go through the
+// activation's scaled sums.  A weight block is unpacked once and used for up
+// to 4 tokens; each token keeps its own accumulators and sees exactly the
+// same operations in the same order as when it is alone (batch invariance).
 #include <cmath>
 
 #include "quant/quant.h"
+#include "util/error.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -26,6 +29,28 @@ const char* simd_name() {
 #endif
 }
 
+// K-quant (scale, min) pairs of a Q4_K/Q5_K super-block as 8 + 8 bytes.
+static inline void unpack_k_scales(const uint8_t* sc, uint8_t scales[8], uint8_t mins[8]) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, sc, 4);
+  std::memcpy(&w1, sc + 4, 4);
+  std::memcpy(&w2, sc + 8, 4);
+  uint32_t s_lo = w0 & 0x3f3f3f3f, m_lo = w1 & 0x3f3f3f3f;
+  uint32_t s_hi = (w2 & 0x0f0f0f0f) | (((w0 >> 6) & 0x03030303) << 4);
+  uint32_t m_hi = ((w2 >> 4) & 0x0f0f0f0f) | (((w1 >> 6) & 0x03030303) << 4);
+  std::memcpy(scales, &s_lo, 4);
+  std::memcpy(scales + 4, &s_hi, 4);
+  std::memcpy(mins, &m_lo, 4);
+  std::memcpy(mins + 4, &m_hi, 4);
+}
+
+#ifdef DFL_AVX2
+// Hardware f16 -> f32 (F16C); exact, like the scalar f16_to_f32.
+static inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float fp16(uint16_t h) { return f16_to_f32(h); }
+#endif
+
 #ifdef DFL_AVX2
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -33,182 +58,267 @@ static inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-// Sum of 32 products u8*s8 as 8 int32 lanes (u8 values must be < 128 or the
-// pairwise int16 sums could saturate; every caller respects that).
+// 32 products u8*s8 summed into 8 int32 lanes (u8 < 128 avoids int16 saturation).
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 static inline __m256i dot_s8s8(__m256i a, __m256i b) {
   return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
+// [sum(v0), ..., sum(v7)] as one int32 vector.
+static inline __m256i reduce8(const __m256i* v) {
+  __m256i s01 = _mm256_hadd_epi32(v[0], v[1]), s23 = _mm256_hadd_epi32(v[2], v[3]);
+  __m256i s45 = _mm256_hadd_epi32(v[4], v[5]), s67 = _mm256_hadd_epi32(v[6], v[7]);
+  __m256i a = _mm256_hadd_epi32(s01, s23), b = _mm256_hadd_epi32(s45, s67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+static inline __m256 bytes_to_ps(const uint8_t* b8) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b8)));
+}
+static inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 #endif
 
-static float dot_q8_0(const block_q8_0* w, const block_q8_act* x, int64_t nb) {
+// ---- Q4_K and Q5_K ---------------------------------------------------------
+template <int NT, bool Q5>
+static void dot_k45(const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
+  constexpr size_t bsize = Q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
+  constexpr size_t qs_off = Q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs);
 #ifdef DFL_AVX2
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[NT], accm[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
   for (int64_t i = 0; i < nb; ++i) {
-    __m256i p = dot_s8s8(_mm256_loadu_si256((const __m256i*)w[i].qs),
-                         _mm256_loadu_si256((const __m256i*)x[i].qs));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(w[i].d) * x[i].d), _mm256_cvtepi32_ps(p), acc);
+    const uint8_t* blk = w + i * bsize;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    uint8_t sc[8], mn[8];
+    unpack_k_scales(blk + 4, sc, mn);
+    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(fp16(dh)), bytes_to_ps(sc));
+    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(fp16(mh)), bytes_to_ps(mn));
+    __m256i lo[4], hi[4];
+    const __m256i qhv = Q5 ? load256(blk + offsetof(block_q5_K, qh)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i q = load256(blk + qs_off + 32 * c);
+      lo[c] = _mm256_and_si256(q, m4);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if (Q5) {
+        const __m256i bl = _mm256_set1_epi8((char)(1 << (2 * c))), bh = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+        lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bl), bl), b16));
+        hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bh), bh), b16));
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* xq = x[t].q + i * 256;
+      __m256i v[8];
+      for (int c = 0; c < 4; ++c) {
+        v[2 * c] = dot_u8s8(lo[c], load256(xq + 64 * c));
+        v[2 * c + 1] = dot_u8s8(hi[c], load256(xq + 64 * c + 32));
+      }
+      const __m256 isum = _mm256_cvtepi32_ps(reduce8(v));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_loadu_ps(x[t].d + 8 * i)), isum, acc[t]);
+      accm[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x[t].s + 8 * i), accm[t]);
+    }
   }
-  return hsum(acc);
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - hsum(accm[t]);
 #else
-  float acc = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
-    int s = 0;
-    for (int j = 0; j < 32; ++j) s += w[i].qs[j] * x[i].qs[j];
-    acc += f16_to_f32(w[i].d) * x[i].d * (float)s;
+  for (int t = 0; t < NT; ++t) {
+    float acc = 0.f, accm = 0.f;
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* blk = w + i * bsize;
+      uint16_t dh, mh;
+      std::memcpy(&dh, blk, 2);
+      std::memcpy(&mh, blk + 2, 2);
+      uint8_t sc[8], mn[8];
+      unpack_k_scales(blk + 4, sc, mn);
+      const uint8_t* qs = blk + qs_off;
+      const uint8_t* qh = Q5 ? blk + offsetof(block_q5_K, qh) : nullptr;
+      const int8_t* xq = x[t].q + i * 256;
+      for (int c = 0; c < 4; ++c) {
+        int slo = 0, shi = 0;
+        for (int l = 0; l < 32; ++l) {
+          int a = qs[32 * c + l] & 15, b = qs[32 * c + l] >> 4;
+          if (Q5) {
+            a += ((qh[l] >> (2 * c)) & 1) << 4;
+            b += ((qh[l] >> (2 * c + 1)) & 1) << 4;
+          }
+          slo += a * xq[64 * c + l];
+          shi += b * xq[64 * c + 32 + l];
+        }
+        acc += fp16(dh) * sc[2 * c] * x[t].d[8 * i + 2 * c] * (float)slo;
+        acc += fp16(dh) * sc[2 * c + 1] * x[t].d[8 * i + 2 * c + 1] * (float)shi;
+      }
+      for (int k = 0; k < 8; ++k) accm += fp16(mh) * mn[k] * x[t].s[8 * i + k];
+    }
+    out[t] = acc - accm;
   }
-  return acc;
 #endif
 }
 
-static float dot_q4_0(const block_q4_0* w, const block_q8_act* x, int64_t nb) {
-  float off = 0.f;
+// ---- Q6_K -------------------------------------------------------------------
+template <int NT>
+static void dot_q6_k(const block_q6_K* w, const ActRow* x, int64_t nb, float* out) {
 #ifdef DFL_AVX2
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+  // shuffles that spread int16 scale 2j over the low lane and 2j+1 over the high lane
+  __m256i smask[4];
+  for (int j = 0; j < 4; ++j) {
+    alignas(32) int8_t m[32];
+    for (int k = 0; k < 16; ++k) {
+      m[k] = (int8_t)(4 * j + (k & 1));
+      m[16 + k] = (int8_t)(4 * j + 2 + (k & 1));
+    }
+    smask[j] = _mm256_load_si256((const __m256i*)m);
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const __m256 d = _mm256_set1_ps(fp16(w[i].d));
+    __m256i q[8], scv[8];
+    for (int n = 0; n < 2; ++n) {
+      const __m256i ql0 = load256(w[i].ql + 64 * n), ql1 = load256(w[i].ql + 64 * n + 32);
+      const __m256i qh = load256(w[i].qh + 32 * n);
+      q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+      q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+      q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+      q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+      const __m128i s16 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[i].scales + 8 * n)));
+      const __m256i s256 = _mm256_set_m128i(s16, s16);
+      for (int j = 0; j < 4; ++j) {
+        q[4 * n + j] = _mm256_sub_epi8(q[4 * n + j], b32);
+        scv[4 * n + j] = _mm256_shuffle_epi8(s256, smask[j]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* xq = x[t].q + i * 256;
+      __m256i v[8];
+      for (int g = 0; g < 8; ++g) {
+        const __m256i xv = load256(xq + 32 * g);
+        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q[g], q[g]), _mm256_sign_epi8(xv, q[g]));
+        v[g] = _mm256_madd_epi16(p16, scv[g]);
+      }
+      const __m256 isum = _mm256_cvtepi32_ps(reduce8(v));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + 8 * i)), isum, acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+#else
+  for (int t = 0; t < NT; ++t) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < nb; ++i) {
+      const float d = fp16(w[i].d);
+      for (int n = 0; n < 2; ++n) {
+        const uint8_t* ql = w[i].ql + 64 * n;
+        const uint8_t* qh = w[i].qh + 32 * n;
+        const int8_t* sc = w[i].scales + 8 * n;
+        for (int j = 0; j < 4; ++j) {
+          const int8_t* xq = x[t].q + i * 256 + 128 * n + 32 * j;
+          int sum = 0;
+          for (int l = 0; l < 32; ++l) {
+            int src = (j & 1) ? ql[l + 32] : ql[l];
+            int low = (j < 2) ? (src & 15) : (src >> 4);
+            int qv = (low | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
+            sum += sc[2 * j + l / 16] * qv * xq[l];
+          }
+          acc += d * x[t].d[8 * i + 4 * n + j] * (float)sum;
+        }
+      }
+    }
+    out[t] = acc;
+  }
+#endif
+}
+
+// ---- Q8_0 and Q4_0 ----------------------------------------------------------
+template <int NT>
+static void dot_q8_0(const block_q8_0* w, const ActRow* x, int64_t nb, float* out) {
+#ifdef DFL_AVX2
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const __m256i wq = load256(w[i].qs);
+    const float dw = fp16(w[i].d);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i p = dot_s8s8(wq, load256(x[t].q + 32 * i));
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[i]), _mm256_cvtepi32_ps(p), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+#else
+  for (int t = 0; t < NT; ++t) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < nb; ++i) {
+      int s = 0;
+      for (int j = 0; j < 32; ++j) s += w[i].qs[j] * x[t].q[32 * i + j];
+      acc += fp16(w[i].d) * x[t].d[i] * (float)s;
+    }
+    out[t] = acc;
+  }
+#endif
+}
+
+template <int NT>
+static void dot_q4_0(const block_q4_0* w, const ActRow* x, int64_t nb, float* out) {
+  float off[NT];
+  for (int t = 0; t < NT; ++t) off[t] = 0.f;
+#ifdef DFL_AVX2
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   const __m128i m4 = _mm_set1_epi8(15);
   for (int64_t i = 0; i < nb; ++i) {
-    __m128i q = _mm_loadu_si128((const __m128i*)w[i].qs);
-    __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    __m256i p = dot_u8s8(wq, _mm256_loadu_si256((const __m256i*)x[i].qs));
-    float dw = f16_to_f32(w[i].d);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[i].d), _mm256_cvtepi32_ps(p), acc);
-    off += dw * x[i].s;
+    const __m128i q = _mm_loadu_si128((const __m128i*)w[i].qs);
+    const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    const float dw = fp16(w[i].d);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i p = dot_u8s8(wq, load256(x[t].q + 32 * i));
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[i]), _mm256_cvtepi32_ps(p), acc[t]);
+      off[t] += dw * x[t].s[i];
+    }
   }
-  return hsum(acc) - 8.f * off;
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - 8.f * off[t];
 #else
-  float acc = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
-    int s = 0;
-    for (int j = 0; j < 16; ++j)
-      s += (w[i].qs[j] & 15) * x[i].qs[j] + (w[i].qs[j] >> 4) * x[i].qs[j + 16];
-    float dw = f16_to_f32(w[i].d);
-    acc += dw * x[i].d * (float)s;
-    off += dw * x[i].s;
+  for (int t = 0; t < NT; ++t) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < nb; ++i) {
+      const int8_t* xq = x[t].q + 32 * i;
+      int s = 0;
+      for (int j = 0; j < 16; ++j) s += (w[i].qs[j] & 15) * xq[j] + (w[i].qs[j] >> 4) * xq[j + 16];
+      const float dw = fp16(w[i].d);
+      acc += dw * x[t].d[i] * (float)s;
+      off[t] += dw * x[t].s[i];
+    }
+    out[t] = acc - 8.f * off[t];
   }
-  return acc - 8.f * off;
 #endif
 }
 
-// Q4_K (qh == nullptr) and Q5_K: 8 sub-blocks of 32 per super-block, each
-// aligned with one activation block.
-static float dot_k45(const uint8_t* base, size_t bstride, size_t qs_off, size_t qh_off, bool has_qh,
-                     const block_q8_act* x, int64_t nb) {
-  float off = 0.f;
-#ifdef DFL_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
-#else
-  float acc = 0.f;
-#endif
-  for (int64_t i = 0; i < nb; ++i, x += 8) {
-    const uint8_t* blk = base + i * bstride;
-    uint16_t dh, dminh;
-    std::memcpy(&dh, blk, 2);
-    std::memcpy(&dminh, blk + 2, 2);
-    const float d = f16_to_f32(dh), dmin = f16_to_f32(dminh);
-    const uint8_t* sc = blk + 4;
-    const uint8_t* qs = blk + qs_off;
-    const uint8_t* qh = blk + qh_off;
-    uint8_t s[8], m[8];
-    for (int k = 0; k < 8; ++k) kquant_scale_min(sc, k, &s[k], &m[k]);
-    for (int k = 0; k < 8; ++k) off += dmin * (float)m[k] * x[k].s;
-#ifdef DFL_AVX2
-    __m256i qhv = has_qh ? _mm256_loadu_si256((const __m256i*)qh) : _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-      __m256i lo = _mm256_and_si256(q, m4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-      if (has_qh) {
-        __m256i bl = _mm256_set1_epi8((char)(1 << (2 * c))), bh = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bl), bl), b16));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bh), bh), b16));
-      }
-      __m256i plo = dot_u8s8(lo, _mm256_loadu_si256((const __m256i*)x[2 * c].qs));
-      __m256i phi = dot_u8s8(hi, _mm256_loadu_si256((const __m256i*)x[2 * c + 1].qs));
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s[2 * c] * x[2 * c].d), _mm256_cvtepi32_ps(plo), acc);
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s[2 * c + 1] * x[2 * c + 1].d), _mm256_cvtepi32_ps(phi), acc);
-    }
-#else
-    for (int c = 0; c < 4; ++c) {
-      int slo = 0, shi = 0;
-      for (int l = 0; l < 32; ++l) {
-        int lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
-        if (has_qh) {
-          lo += ((qh[l] >> (2 * c)) & 1) << 4;
-          hi += ((qh[l] >> (2 * c + 1)) & 1) << 4;
-        }
-        slo += lo * x[2 * c].qs[l];
-        shi += hi * x[2 * c + 1].qs[l];
-      }
-      acc += d * (float)s[2 * c] * x[2 * c].d * (float)slo;
-      acc += d * (float)s[2 * c + 1] * x[2 * c + 1].d * (float)shi;
-    }
-#endif
+template <int NT>
+static void dot_q_nt(DType t, const void* w, const ActRow* x, int64_t n, float* out) {
+  switch (t) {
+    case DType::Q4_K: dot_k45<NT, false>((const uint8_t*)w, x, n / QK_K, out); return;
+    case DType::Q5_K: dot_k45<NT, true>((const uint8_t*)w, x, n / QK_K, out); return;
+    case DType::Q6_K: dot_q6_k<NT>((const block_q6_K*)w, x, n / QK_K, out); return;
+    case DType::Q8_0: dot_q8_0<NT>((const block_q8_0*)w, x, n / QK8_0, out); return;
+    case DType::Q4_0: dot_q4_0<NT>((const block_q4_0*)w, x, n / QK4_0, out); return;
+    default: fail("dot_row_q: %s is not a quantised type", type_traits((uint32_t)t)->name);
   }
-#ifdef DFL_AVX2
-  return hsum(acc) - off;
-#else
-  return acc - off;
-#endif
 }
 
-static float dot_q6_k(const block_q6_K* w, const block_q8_act* x, int64_t nb) {
-#ifdef DFL_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
-  for (int64_t i = 0; i < nb; ++i) {
-    const float d = f16_to_f32(w[i].d);
-    for (int n = 0; n < 2; ++n, x += 4) {
-      __m256i ql0 = _mm256_loadu_si256((const __m256i*)(w[i].ql + 64 * n));
-      __m256i ql1 = _mm256_loadu_si256((const __m256i*)(w[i].ql + 64 * n + 32));
-      __m256i qh = _mm256_loadu_si256((const __m256i*)(w[i].qh + 32 * n));
-      __m256i q[4];
-      q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-      q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
-      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
-      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
-      const int8_t* sc = w[i].scales + 8 * n;
-      for (int j = 0; j < 4; ++j) {
-        __m256i wq = _mm256_sub_epi8(q[j], b32);
-        __m256i xq = _mm256_loadu_si256((const __m256i*)x[j].qs);
-        __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-        __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-        __m256i p = _mm256_madd_epi16(p16, scv);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[j].d), _mm256_cvtepi32_ps(p), acc);
-      }
-    }
+void dot_row_q(DType t, const void* w, const ActRow* x, int nt, int64_t n, float* out) {
+  switch (nt) {
+    case 1: dot_q_nt<1>(t, w, x, n, out); return;
+    case 2: dot_q_nt<2>(t, w, x, n, out); return;
+    case 3: dot_q_nt<3>(t, w, x, n, out); return;
+    case 4: dot_q_nt<4>(t, w, x, n, out); return;
+    default: fail("dot_row_q: %d tokens (1..4 allowed)", nt);
   }
-  return hsum(acc);
-#else
-  float acc = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
-    const float d = f16_to_f32(w[i].d);
-    for (int n = 0; n < 2; ++n, x += 4) {
-      const uint8_t* ql = w[i].ql + 64 * n;
-      const uint8_t* qh = w[i].qh + 32 * n;
-      const int8_t* sc = w[i].scales + 8 * n;
-      for (int j = 0; j < 4; ++j) {
-        int sum = 0;
-        for (int l = 0; l < 32; ++l) {
-          int lowsrc = (j & 1) ? ql[l + 32] : ql[l];
-          int low = (j < 2) ? (lowsrc & 15) : (lowsrc >> 4);
-          int q = (low | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
-          sum += sc[2 * j + l / 16] * q * x[j].qs[l];
-        }
-        acc += d * x[j].d * (float)sum;
-      }
-    }
-  }
-  return acc;
-#endif
 }
 
-static float dot_float(DType t, const void* wv, const float* x, int64_t n) {
+// ---- float weights ----------------------------------------------------------
+float dot_f(DType t, const void* wv, const float* x, int64_t n) {
   int64_t i = 0;
   float tail = 0.f;
 #ifdef DFL_AVX2
@@ -230,30 +340,12 @@ static float dot_float(DType t, const void* wv, const float* x, int64_t n) {
   float head = 0.f;
 #endif
   for (; i < n; ++i) {
-    float w = t == DType::F32 ? ((const float*)wv)[i]
-              : t == DType::F16 ? f16_to_f32(((const uint16_t*)wv)[i])
+    float w = t == DType::F32   ? ((const float*)wv)[i]
+              : t == DType::F16 ? fp16(((const uint16_t*)wv)[i])
                                 : bf16_to_f32(((const uint16_t*)wv)[i]);
     tail += w * x[i];
   }
   return head + tail;
-}
-
-float vec_dot(DType t, const void* w, const void* x, int64_t n) {
-  const block_q8_act* xa = (const block_q8_act*)x;
-  switch (t) {
-    case DType::F32:
-    case DType::F16:
-    case DType::BF16: return dot_float(t, w, (const float*)x, n);
-    case DType::Q8_0: return dot_q8_0((const block_q8_0*)w, xa, n / 32);
-    case DType::Q4_0: return dot_q4_0((const block_q4_0*)w, xa, n / 32);
-    case DType::Q4_K:
-      return dot_k45((const uint8_t*)w, sizeof(block_q4_K), offsetof(block_q4_K, qs), 0, false, xa, n / QK_K);
-    case DType::Q5_K:
-      return dot_k45((const uint8_t*)w, sizeof(block_q5_K), offsetof(block_q5_K, qs),
-                     offsetof(block_q5_K, qh), true, xa, n / QK_K);
-    case DType::Q6_K: return dot_q6_k((const block_q6_K*)w, xa, n / QK_K);
-  }
-  return 0.f;
 }
 
 }  // namespace dfl

@@ -128,20 +128,20 @@ void dequantize_row(DType t, const void* src, float* y, int64_t n) {
   }
 }
 
-void quantize_act_row(const float* x, block_q8_act* out, int64_t n) {
-  for (int64_t b = 0; b < n / 32; ++b, x += 32) {
+void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int64_t n) {
+  for (int64_t b = 0; b < n / 32; ++b, x += 32, q += 32) {
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
     float d = amax / 127.f;
     float id = d > 0.f ? 1.f / d : 0.f;
     int sum = 0;
     for (int j = 0; j < 32; ++j) {
-      int q = (int)std::nearbyint(x[j] * id);
-      out[b].qs[j] = (int8_t)q;
-      sum += q;
+      int v = (int)std::nearbyint(x[j] * id);
+      q[j] = (int8_t)v;
+      sum += v;
     }
-    out[b].d = d;
-    out[b].s = d * (float)sum;
+    dd[b] = d;
+    ss[b] = d * (float)sum;
   }
 }
 

@@ -3,7 +3,7 @@
 // Every format has a scalar `dequantize_row` (the source of truth, checked
 // bit-exactly against gguf-py) and a dot product against an activation row.
 // Quantised weights are multiplied with activations quantised per 32 values
-// to int8 (`block_q8_act`), so the inner loops run on integer SIMD; float
+// to int8 (`ActRow`), so the inner loops run on integer SIMD; float
 // weights are multiplied with f32 activations.  A dot product's result depends
 // only on its two rows, never on batch size or thread count: that is what
 // makes the whole forward batch-invariant.
@@ -17,14 +17,19 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n);
 
 // Activation side of a dot product.
 bool dtype_is_quantized(DType t);
-void quantize_act_row(const float* x, block_q8_act* out, int64_t n);  // n % 32 == 0
+void quantize_act_row(const float* x, int8_t* q, float* d, float* s, int64_t n);  // n % 32 == 0
 
 // KV-cache / generic writers (round to nearest, as ggml's reference quantizers).
 void quantize_row(DType t, const float* x, void* dst, int64_t n);  // F32, F16, BF16, Q8_0, Q4_0
 
-// w_row: one row of `n` weights of type t; x: block_q8_act[n/32] if t is
-// quantized, else float[n].
-float vec_dot(DType t, const void* w_row, const void* x, int64_t n);
+// Quantised weights: out[k] = w_row . x[k] for k < nt (1 <= nt <= 4).  The
+// weight block is unpacked once for all nt tokens, but each token's result is
+// computed by the same sequence of operations whatever nt is (batch
+// invariance), so a token's value never depends on its neighbours.
+void dot_row_q(DType t, const void* w_row, const ActRow* x, int nt, int64_t n, float* out);
+constexpr int kDotMaxTokens = 4;
+// Float weights (F32/F16/BF16) against f32 activations.
+float dot_f(DType t, const void* w_row, const float* x, int64_t n);
 
 const char* simd_name();  // "avx2" or "scalar"
 
