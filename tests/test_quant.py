@@ -17,11 +17,11 @@ FORMATS = {
     "Q5_K": (T.Q5_K, 256, 176, (0, 2)),
     "Q6_K": (T.Q6_K, 256, 210, (208,)),
 }
-# Activations are quantised to int8 per 32 values (one f32 scale), so a dot
-# product carries about 2^-8 relative noise per term; over random rows the
-# result stays within 1% of the largest |y|.
-MATMUL_REL_TOL = {"F32": 1e-6, "F16": 1e-6, "BF16": 1e-6, "Q8_0": 1e-2, "Q4_0": 1e-2, "Q4_K": 1e-2,
-                  "Q5_K": 1e-2, "Q6_K": 1e-2}
+# Activations are quantised to int8: per 32 values for Q8_0/Q4_0 (about 2^-8
+# relative noise per term, within 1% of the largest |y| over random rows), per
+# 256 values for K-quants as llama.cpp's Q8_K (a coarser scale: within 2%).
+MATMUL_REL_TOL = {"F32": 1e-6, "F16": 1e-6, "BF16": 1e-6, "Q8_0": 1e-2, "Q4_0": 1e-2, "Q4_K": 2e-2,
+                  "Q5_K": 2e-2, "Q6_K": 2e-2}
 
 
 def random_blocks(name, nb, rng):

@@ -14,10 +14,11 @@ void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, 
   std::vector<ActRow> rows;
   if (q) {
     act.reserve((int64_t)n * cols);
+    const int blk = act_block(W.type);
     pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         quantize_act_row(x + t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
-                         act.s.data() + t * (cols / 32), cols);
+                         act.s.data() + t * (cols / 32), cols, blk);
     });
     rows.resize(n);
     for (int t = 0; t < n; ++t)

@@ -61,13 +61,14 @@ struct block_q6_K {
 static_assert(sizeof(block_q6_K) == 210, "q6_K block size");
 #pragma pack(pop)
 
-// One activation row quantised for the integer dot products: per 32 values
-// an f32 scale d and the scaled sum s = d * sum(q) that min/offset terms of
-// the weight formats need.  Scales live in their own arrays so a kernel loads
-// the 8 scales of a 256-value super-block as one vector.
+// One activation row quantised for the integer dot products.  K-quant
+// weights take one f32 scale per 256 values (so a super-block's sub-block
+// sums accumulate in integers, as llama.cpp's Q8_K); 32-value formats take one
+// per 32.  Either way `s` holds d * sum(q) per 32 values for min/offset terms.
+// Scales live in their own arrays so kernels load 8 of them as one vector.
 struct ActRow {
   const int8_t* q;   // n values
-  const float* d;    // n / 32 scales
+  const float* d;    // n / act_block(type) scales
   const float* s;    // n / 32 scaled sums
 };
 

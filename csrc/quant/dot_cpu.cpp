@@ -78,7 +78,29 @@ static inline __m256 bytes_to_ps(const uint8_t* b8) {
 static inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 #endif
 
+#ifdef DFL_AVX2
+// shuffle masks broadcasting int16 element k of each 128-bit lane to the lane
+// and (q6) element 2j to the low lane with 2j+1 to the high lane.
+struct BcastMasks {
+  __m256i m[8], pair[4];
+  BcastMasks() {
+    alignas(32) int8_t b[32];
+    for (int k = 0; k < 8; ++k) {
+      for (int i = 0; i < 32; ++i) b[i] = (int8_t)(2 * k + (i & 1));
+      m[k] = _mm256_load_si256((const __m256i*)b);
+    }
+    for (int j = 0; j < 4; ++j) {
+      for (int i = 0; i < 32; ++i) b[i] = (int8_t)(4 * j + (i >= 16 ? 2 : 0) + (i & 1));
+      pair[j] = _mm256_load_si256((const __m256i*)b);
+    }
+  }
+};
+static const BcastMasks kBcast;
+#endif
+
 // ---- Q4_K and Q5_K ---------------------------------------------------------
+// Activations: one scale per super-block (act_block == 256), so the 8 scaled
+// sub-block sums add up in int32 and are converted once.
 template <int NT, bool Q5>
 static void dot_k45(const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
   constexpr size_t bsize = Q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
@@ -94,9 +116,11 @@ static void dot_k45(const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
     std::memcpy(&mh, blk + 2, 2);
     uint8_t sc[8], mn[8];
     unpack_k_scales(blk + 4, sc, mn);
-    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(fp16(dh)), bytes_to_ps(sc));
+    const float d = fp16(dh);
     const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(fp16(mh)), bytes_to_ps(mn));
-    __m256i lo[4], hi[4];
+    const __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sc));
+    const __m256i s256 = _mm256_set_m128i(s16, s16);
+    __m256i lo[4], hi[4], slo[4], shi[4];
     const __m256i qhv = Q5 ? load256(blk + offsetof(block_q5_K, qh)) : _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       __m256i q = load256(blk + qs_off + 32 * c);
@@ -107,16 +131,18 @@ static void dot_k45(const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
         lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bl), bl), b16));
         hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bh), bh), b16));
       }
+      slo[c] = _mm256_shuffle_epi8(s256, kBcast.m[2 * c]);
+      shi[c] = _mm256_shuffle_epi8(s256, kBcast.m[2 * c + 1]);
     }
     for (int t = 0; t < NT; ++t) {
       const int8_t* xq = x[t].q + i * 256;
-      __m256i v[8];
+      __m256i isum = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        v[2 * c] = dot_u8s8(lo[c], load256(xq + 64 * c));
-        v[2 * c + 1] = dot_u8s8(hi[c], load256(xq + 64 * c + 32));
+        const __m256i plo = _mm256_maddubs_epi16(lo[c], load256(xq + 64 * c));
+        const __m256i phi = _mm256_maddubs_epi16(hi[c], load256(xq + 64 * c + 32));
+        isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(plo, slo[c]), _mm256_madd_epi16(phi, shi[c])));
       }
-      const __m256 isum = _mm256_cvtepi32_ps(reduce8(v));
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_loadu_ps(x[t].d + 8 * i)), isum, acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].d[i]), _mm256_cvtepi32_ps(isum), acc[t]);
       accm[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x[t].s + 8 * i), accm[t]);
     }
   }
@@ -134,6 +160,7 @@ static void dot_k45(const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
       const uint8_t* qs = blk + qs_off;
       const uint8_t* qh = Q5 ? blk + offsetof(block_q5_K, qh) : nullptr;
       const int8_t* xq = x[t].q + i * 256;
+      int isum = 0;
       for (int c = 0; c < 4; ++c) {
         int slo = 0, shi = 0;
         for (int l = 0; l < 32; ++l) {
@@ -145,9 +172,9 @@ static void dot_k45(const uint8_t* w, const ActRow* x, int64_t nb, float* out) {
           slo += a * xq[64 * c + l];
           shi += b * xq[64 * c + 32 + l];
         }
-        acc += fp16(dh) * sc[2 * c] * x[t].d[8 * i + 2 * c] * (float)slo;
-        acc += fp16(dh) * sc[2 * c + 1] * x[t].d[8 * i + 2 * c + 1] * (float)shi;
+        isum += sc[2 * c] * slo + sc[2 * c + 1] * shi;
       }
+      acc += fp16(dh) * x[t].d[i] * (float)isum;
       for (int k = 0; k < 8; ++k) accm += fp16(mh) * mn[k] * x[t].s[8 * i + k];
     }
     out[t] = acc - accm;
@@ -162,18 +189,8 @@ static void dot_q6_k(const block_q6_K* w, const ActRow* x, int64_t nb, float* ou
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
-  // shuffles that spread int16 scale 2j over the low lane and 2j+1 over the high lane
-  __m256i smask[4];
-  for (int j = 0; j < 4; ++j) {
-    alignas(32) int8_t m[32];
-    for (int k = 0; k < 16; ++k) {
-      m[k] = (int8_t)(4 * j + (k & 1));
-      m[16 + k] = (int8_t)(4 * j + 2 + (k & 1));
-    }
-    smask[j] = _mm256_load_si256((const __m256i*)m);
-  }
   for (int64_t i = 0; i < nb; ++i) {
-    const __m256 d = _mm256_set1_ps(fp16(w[i].d));
+    const float d = fp16(w[i].d);
     __m256i q[8], scv[8];
     for (int n = 0; n < 2; ++n) {
       const __m256i ql0 = load256(w[i].ql + 64 * n), ql1 = load256(w[i].ql + 64 * n + 32);
@@ -185,23 +202,23 @@ static void dot_q6_k(const block_q6_K* w, const ActRow* x, int64_t nb, float* ou
                                      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
       q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                                      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+      // group j of this half uses scale 2j on its first 16 values and 2j+1 on the rest
       const __m128i s16 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[i].scales + 8 * n)));
       const __m256i s256 = _mm256_set_m128i(s16, s16);
       for (int j = 0; j < 4; ++j) {
         q[4 * n + j] = _mm256_sub_epi8(q[4 * n + j], b32);
-        scv[4 * n + j] = _mm256_shuffle_epi8(s256, smask[j]);
+        scv[4 * n + j] = _mm256_shuffle_epi8(s256, kBcast.pair[j]);
       }
     }
     for (int t = 0; t < NT; ++t) {
       const int8_t* xq = x[t].q + i * 256;
-      __m256i v[8];
+      __m256i isum = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
         const __m256i xv = load256(xq + 32 * g);
         const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q[g], q[g]), _mm256_sign_epi8(xv, q[g]));
-        v[g] = _mm256_madd_epi16(p16, scv[g]);
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, scv[g]));
       }
-      const __m256 isum = _mm256_cvtepi32_ps(reduce8(v));
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + 8 * i)), isum, acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].d[i]), _mm256_cvtepi32_ps(isum), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
@@ -209,23 +226,22 @@ static void dot_q6_k(const block_q6_K* w, const ActRow* x, int64_t nb, float* ou
   for (int t = 0; t < NT; ++t) {
     float acc = 0.f;
     for (int64_t i = 0; i < nb; ++i) {
-      const float d = fp16(w[i].d);
+      int isum = 0;
       for (int n = 0; n < 2; ++n) {
         const uint8_t* ql = w[i].ql + 64 * n;
         const uint8_t* qh = w[i].qh + 32 * n;
         const int8_t* sc = w[i].scales + 8 * n;
         for (int j = 0; j < 4; ++j) {
           const int8_t* xq = x[t].q + i * 256 + 128 * n + 32 * j;
-          int sum = 0;
           for (int l = 0; l < 32; ++l) {
             int src = (j & 1) ? ql[l + 32] : ql[l];
             int low = (j < 2) ? (src & 15) : (src >> 4);
             int qv = (low | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
-            sum += sc[2 * j + l / 16] * qv * xq[l];
+            isum += sc[2 * j + l / 16] * qv * xq[l];
           }
-          acc += d * x[t].d[8 * i + 4 * n + j] * (float)sum;
         }
       }
+      acc += fp16(w[i].d) * x[t].d[i] * (float)isum;
     }
     out[t] = acc;
   }

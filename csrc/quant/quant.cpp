@@ -128,20 +128,24 @@ void dequantize_row(DType t, const void* src, float* y, int64_t n) {
   }
 }
 
-void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int64_t n) {
-  for (int64_t b = 0; b < n / 32; ++b, x += 32, q += 32) {
+int act_block(DType t) { return (t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K) ? 256 : 32; }
+
+void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int64_t n, int block) {
+  for (int64_t b = 0; b < n / block; ++b, x += block, q += block) {
     float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
-    float d = amax / 127.f;
-    float id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      int v = (int)std::nearbyint(x[j] * id);
-      q[j] = (int8_t)v;
-      sum += v;
+    for (int j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    for (int k = 0; k < block / 32; ++k) {
+      int sum = 0;
+      for (int j = 32 * k; j < 32 * k + 32; ++j) {
+        int v = (int)std::nearbyint(x[j] * id);
+        q[j] = (int8_t)v;
+        sum += v;
+      }
+      ss[b * (block / 32) + k] = d * (float)sum;
     }
     dd[b] = d;
-    ss[b] = d * (float)sum;
   }
 }
 
