@@ -18,12 +18,12 @@ void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, 
     pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         quantize_act_row(x + t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
-                         act.s.data() + t * (cols / 32), cols, blk);
+                         act.s.data() + t * (cols / 32), act.bsum.data() + t * (cols / 16), cols, blk);
     });
     rows.resize(n);
     for (int t = 0; t < n; ++t)
       rows[t] = ActRow{act.q.data() + (int64_t)t * cols, act.d.data() + (int64_t)t * (cols / 32),
-                       act.s.data() + (int64_t)t * (cols / 32)};
+                       act.s.data() + (int64_t)t * (cols / 32), act.bsum.data() + (int64_t)t * (cols / 16)};
   }
   // Rows in groups of 16 so a group's weights stay in L1 while every token of
   // the batch passes over them, up to kDotMaxTokens tokens per weight unpack.

@@ -70,6 +70,7 @@ struct ActRow {
   const int8_t* q;   // n values
   const float* d;    // n / act_block(type) scales
   const float* s;    // n / 32 scaled sums
+  const int16_t* bsum;  // n / 16 integer sums of q (K-quant layout only; Q6_K's offset)
 };
 
 struct TypeTraits {

@@ -188,7 +188,7 @@ static void dot_q6_k(const block_q6_K* w, const ActRow* x, int64_t nb, float* ou
 #ifdef DFL_AVX2
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
   for (int64_t i = 0; i < nb; ++i) {
     const float d = fp16(w[i].d);
     __m256i q[8], scv[8];
@@ -205,17 +205,17 @@ static void dot_q6_k(const block_q6_K* w, const ActRow* x, int64_t nb, float* ou
       // group j of this half uses scale 2j on its first 16 values and 2j+1 on the rest
       const __m128i s16 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w[i].scales + 8 * n)));
       const __m256i s256 = _mm256_set_m128i(s16, s16);
-      for (int j = 0; j < 4; ++j) {
-        q[4 * n + j] = _mm256_sub_epi8(q[4 * n + j], b32);
-        scv[4 * n + j] = _mm256_shuffle_epi8(s256, kBcast.pair[j]);
-      }
+      for (int j = 0; j < 4; ++j) scv[4 * n + j] = _mm256_shuffle_epi8(s256, kBcast.pair[j]);
     }
+    // 32 * sum(scale * x) over the 16 sub-blocks, from the activation's sums
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)w[i].scales));
     for (int t = 0; t < NT; ++t) {
       const int8_t* xq = x[t].q + i * 256;
-      __m256i isum = _mm256_setzero_si256();
+      __m256i isum = _mm256_slli_epi32(
+          _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)(x[t].bsum + i * 16))), 5);
+      isum = _mm256_sub_epi32(_mm256_setzero_si256(), isum);
       for (int g = 0; g < 8; ++g) {
-        const __m256i xv = load256(xq + 32 * g);
-        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q[g], q[g]), _mm256_sign_epi8(xv, q[g]));
+        const __m256i p16 = _mm256_maddubs_epi16(q[g], load256(xq + 32 * g));
         isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, scv[g]));
       }
       acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t].d[i]), _mm256_cvtepi32_ps(isum), acc[t]);

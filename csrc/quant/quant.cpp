@@ -130,7 +130,7 @@ void dequantize_row(DType t, const void* src, float* y, int64_t n) {
 
 int act_block(DType t) { return (t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K) ? 256 : 32; }
 
-void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int64_t n, int block) {
+void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int16_t* bsum, int64_t n, int block) {
   for (int64_t b = 0; b < n / block; ++b, x += block, q += block) {
     float amax = 0.f;
     for (int j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(x[j]));
@@ -138,10 +138,16 @@ void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int64_t n
     const float id = d > 0.f ? 1.f / d : 0.f;
     for (int k = 0; k < block / 32; ++k) {
       int sum = 0;
+      int half = 0;
       for (int j = 32 * k; j < 32 * k + 32; ++j) {
         int v = (int)std::nearbyint(x[j] * id);
         q[j] = (int8_t)v;
         sum += v;
+        if (j == 32 * k + 15) half = sum;
+      }
+      if (bsum) {
+        bsum[b * (block / 16) + 2 * k] = (int16_t)half;            // first 16 values
+        bsum[b * (block / 16) + 2 * k + 1] = (int16_t)(sum - half);  // last 16
       }
       ss[b * (block / 32) + k] = d * (float)sum;
     }

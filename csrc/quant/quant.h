@@ -19,7 +19,7 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n);
 bool dtype_is_quantized(DType t);
 // Values per activation scale for weights of type t: 256 for K-quants, else 32.
 int act_block(DType t);
-void quantize_act_row(const float* x, int8_t* q, float* d, float* s, int64_t n, int block);
+void quantize_act_row(const float* x, int8_t* q, float* d, float* s, int16_t* bsum, int64_t n, int block);
 
 // KV-cache / generic writers (round to nearest, as ggml's reference quantizers).
 void quantize_row(DType t, const float* x, void* dst, int64_t n);  // F32, F16, BF16, Q8_0, Q4_0
