@@ -72,6 +72,7 @@ def generate(prompt, target, prompt_ids, max_new_tokens, ignore_eos, ctx, kv_typ
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
+            sys.stdout.flush()
             s = dec.last_stats()
             click.echo(f"[{s.mode} {s.device}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
                        f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s | stop: {s.stop_reason}",
