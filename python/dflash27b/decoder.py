@@ -57,9 +57,12 @@ def resolve_device(device: str) -> str:
     if device not in DEVICES:
         raise DFlashError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
     if device == "cuda":
-        # The CUDA backend is not part of this build yet: say so instead of silently using the CPU.
-        raise DFlashError("device 'cuda' requested but this build of dflash27b has no CUDA backend "
-                          "(dflash27b --version shows what was built); use device='cpu'")
+        # Never fall back silently: a user who asks for the GPU must know they are not on it.
+        if not cuda_available():
+            raise DFlashError("device 'cuda' requested but this build of dflash27b has no CUDA backend "
+                              "(dflash27b --version shows what was built); use device='cpu'")
+        raise DFlashError("device 'cuda' requested but the CUDA forward is not implemented yet in this version "
+                          "(only CUDA kernels are built); use device='cpu'")
     return "cpu"
 
 

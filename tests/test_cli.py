@@ -1,0 +1,69 @@
+"""The CLI contract scripts rely on: --version, generate (text and --json), info."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "dflash27b.cli", *args], capture_output=True, text=True)
+
+
+def test_version_names_build():
+    r = run("--version")
+    assert r.returncode == 0
+    assert re.match(r"dflash27b \d+\.\d+\.\d+ \(cpu: (avx2|scalar); cuda: (not built|sm_\d+(,sm_\d+)*)\)", r.stdout)
+
+
+@pytest.fixture(scope="module")
+def model(synth_gguf):
+    return str(synth_gguf("q4_k_m"))
+
+
+def test_generate_json_contract(model):
+    r = run("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "6", "--ignore-eos", "--json", "-t", "2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    obj = json.loads(lines[0])
+    assert len(obj["tokens"]) == 6 and isinstance(obj["text"], str)
+    for k in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decode_tok_s"):
+        assert k in obj["stats"]
+    assert obj["stats"]["prompt_tokens"] == 3 and obj["stats"]["generated_tokens"] == 6
+
+
+def test_generate_text_matches_json(model):
+    j = json.loads(run("generate", "-m", model, "def f(x):", "-n", "8", "--ignore-eos", "--json").stdout)
+    r = run("generate", "-m", model, "def f(x):", "-n", "8", "--ignore-eos")
+    assert r.returncode == 0
+    # same tokens; invalid UTF-8 from a random model may be replaced at different points when streamed
+    strip = lambda t: t.replace("\ufffd", "").rstrip("\n")  # noqa: E731
+    assert strip(r.stdout) == strip(j["text"])
+    assert "tok/s" in r.stderr
+
+
+def test_generate_chat_and_kv_flags(model):
+    r = run("generate", "-m", model, "hello", "--chat", "--kv-type", "q4_0", "-c", "256", "-n", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["prompt_tokens"] > 3  # template tokens were added
+
+
+def test_info(model):
+    r = run("info", model)
+    assert r.returncode == 0
+    assert "qwen35, 8 layers (6 gated delta-net + 2 full attention)" in r.stdout
+    assert "Q4_K" in r.stdout and "Q6_K" in r.stdout
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "hi"], "no target model given"),
+    (["generate", "-m", "MODEL"], "give exactly one of PROMPT or --prompt-ids"),
+    (["generate", "-m", "MODEL", "--prompt-ids", "1,2", "-c", "2"], "does not fit the context length 2"),
+    (["generate", "-m", "MODEL", "--prompt-ids", "1,2", "--device", "cuda"], "device 'cuda'"),
+])
+def test_cli_errors(model, args, msg):
+    r = run(*[model if a == "MODEL" else a for a in args])
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and msg in r.stderr
