@@ -56,17 +56,23 @@ def bench_llama_cpp(model: Path, threads: int, prompt: list[int], n_decode: int)
         return None
     llm = llama_cpp.Llama(model_path=str(model), n_threads=threads, n_threads_batch=threads,
                           n_ctx=len(prompt) + n_decode + 8, n_batch=512, verbose=False, logits_all=False)
+    n_vocab = llm.n_vocab()
+
+    def last_argmax() -> int:
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
+
     llm.eval(prompt[:8])  # warm-up
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = last_argmax()
     toks = [tok]
     t2 = time.perf_counter()
     for _ in range(n_decode - 1):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = last_argmax()
         toks.append(tok)
     t3 = time.perf_counter()
     return {"prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (n_decode - 1) / (t3 - t2), "tokens": toks}
