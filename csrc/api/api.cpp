@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "api/last_error.h"
 #include "model/context.h"
 #include "ops/cpu_ops.h"
 #include "quant/quant.h"
@@ -54,6 +55,9 @@ void need(const void* p, const char* what) {
   if (!p) dfl::fail("%s is NULL", what);
 }
 }  // namespace
+
+// For entry points in other translation units (csrc/api/last_error.h).
+void dfl::set_last_error(const char* msg) { g_last_error = msg ? msg : ""; }
 
 #pragma GCC visibility push(default)
 extern "C" {
