@@ -107,6 +107,20 @@ int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst); /* F32/
 int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
                int32_t n_threads);
 
+/* ==================== CUDA op entry points (tests and tools) ====================
+ * Present in every build.  When the library was built without the CUDA
+ * backend (dfl_build_info() says "cuda: not built"), dfl_cuda_device_count()
+ * returns 0 and the others fail with "CUDA backend not built".  Without a
+ * driver or GPU they fail with "no usable CUDA device: ...". */
+/* Number of CUDA devices usable by this build (0: none, no driver, or not built). */
+int dfl_cuda_device_count(void);
+/* dfl_matmul on the GPU (device 0), host pointers: uploads w and x, runs,
+ * downloads y.  Activations stay f32 (no int8 quantisation, unlike the CPU). */
+int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y);
+/* Milliseconds per call of the CUDA matmul on random device-resident weights
+ * and activations (CUDA events, no host transfers timed); -1 on error. */
+double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,24 @@
+// cuda_stubs.cpp — the CUDA entry points of a build without the CUDA backend.
+//
+// CMake compiles this file only when no cuda/*.cu is built, so each entry
+// point of include/dflash27b.h's CUDA section has exactly one definition.
+#include "api/last_error.h"
+#include "dflash27b.h"
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+int dfl_cuda_device_count(void) { return 0; }
+
+int dfl_cuda_matmul(uint32_t, const void*, int64_t, int64_t, const float*, int32_t, float*) {
+  dfl::set_last_error("CUDA backend not built");
+  return DFL_ERROR;
+}
+
+double dfl_cuda_bench_matmul(uint32_t, int64_t, int64_t, int32_t, int32_t) {
+  dfl::set_last_error("CUDA backend not built");
+  return -1.0;
+}
+
+}  // extern "C"
+#pragma GCC visibility pop

@@ -1,0 +1,184 @@
+// api.cu — the CUDA backend's C entry points for tests and tools.
+//
+// Host-pointer wrappers around dfl::cuda::matmul (upload, run, download) and
+// a timing entry point.  Every failure, a CUDA runtime error included, is
+// DFL_ERROR plus a message for dfl_last_error(), through api_guard; nothing
+// aborts, and a machine without a driver or GPU just reports 0 devices.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "api/last_error.h"
+#include "common.cuh"
+#include "dflash27b.h"
+#include "matmul.cuh"
+#include "quant/quant.h"
+
+namespace dfl {
+namespace cuda {
+namespace {
+
+// Owns one device allocation, rounded up to 16 bytes (matmul's requirement).
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(size_t bytes) { CUDA_CHECK(cudaMalloc(&p, (bytes + 15) / 16 * 16 + 16)); }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { CUDA_CHECK(cudaEventCreate(&e)); }
+  ~Event() {
+    if (e) cudaEventDestroy(e);
+  }
+};
+
+void need_device() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    fail("no usable CUDA device: %s", cudaGetErrorString(e));
+  }
+  if (n <= 0) fail("no usable CUDA device: none found");
+}
+
+const TypeTraits& check_matmul_args(uint32_t type, int64_t rows, int64_t cols, int32_t n) {
+  const TypeTraits* t = type_traits(type);
+  if (!t) fail("unsupported tensor type %u", type);
+  if (rows <= 0) fail("rows must be positive (got %lld)", (long long)rows);
+  if (cols <= 0 || cols % 32 || cols % t->block_elems)
+    fail("cols must be a positive multiple of 32 and of the %s block size (got %lld)", t->name, (long long)cols);
+  if (n <= 0) fail("n must be positive (got %d)", n);
+  return *t;
+}
+
+// Random weights of any format, made on the device: random bytes, then
+// finite f16 scales (|d| <= 0.05) or finite float values, so no NaN reaches
+// the timed kernels.
+__global__ void fill_random(uint8_t* w, int64_t nbytes, uint32_t seed) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nbytes; i += (int64_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 0x9E3779B1u ^ seed;
+    h ^= h >> 15; h *= 0x2C1B3C6Du; h ^= h >> 12; h *= 0x297A2D39u; h ^= h >> 15;
+    w[i] = (uint8_t)h;
+  }
+}
+// Overwrites 2-byte field `off` of each block with a finite f16 / bf16 / f32 value.
+__global__ void fix_fields(uint8_t* w, int64_t nblocks, int block_bytes, int off, int kind) {
+  for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < nblocks; b += (int64_t)gridDim.x * blockDim.x) {
+    uint8_t* p = w + b * block_bytes + off;
+    const uint32_t r = (uint32_t)(b * 2654435761u) >> 8;
+    const float v = ((float)(r & 0xffff) / 65535.f - 0.5f) * (kind == 0 ? 0.1f : 4.f);
+    if (kind == 2) {  // f32
+      std::memcpy(p, &v, 4);
+    } else if (kind == 3) {  // bf16
+      const uint32_t u = __float_as_uint(v) >> 16;
+      p[0] = (uint8_t)u; p[1] = (uint8_t)(u >> 8);
+    } else {  // f16
+      const uint32_t u = __half_as_ushort(__float2half(v));
+      p[0] = (uint8_t)u; p[1] = (uint8_t)(u >> 8);
+    }
+  }
+}
+
+void fill_weights(DType t, uint8_t* w, int64_t rows, int64_t cols, uint32_t seed) {
+  const TypeTraits& tt = *type_traits((uint32_t)t);
+  const int64_t nblocks = rows * (cols / tt.block_elems);
+  const int64_t nbytes = nblocks * tt.block_bytes;
+  fill_random<<<1024, 256>>>(w, nbytes, seed);
+  auto fix = [&](int off, int kind) { fix_fields<<<1024, 256>>>(w, nblocks, tt.block_bytes, off, kind); };
+  switch (t) {
+    case DType::F32: fix(0, 2); break;
+    case DType::F16: fix(0, 1); break;
+    case DType::BF16: fix(0, 3); break;
+    case DType::Q4_0: fix(kQ4_0_d, 0); break;
+    case DType::Q8_0: fix(kQ8_0_d, 0); break;
+    case DType::Q4_K: fix(0, 0); fix(2, 0); break;
+    case DType::Q5_K: fix(0, 0); fix(2, 0); break;
+    case DType::Q6_K: fix(kQ6_K_d, 0); break;
+  }
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace dfl
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+int dfl_cuda_device_count(void) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear it: no driver / no device is not an error here
+    return 0;
+  }
+  return n;
+}
+
+int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y) {
+  using namespace dfl::cuda;
+  return dfl::api_guard([&] {
+    if (!w || !x || !y) dfl::fail("w, x and y must not be NULL");
+    const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
+    need_device();
+    const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
+    DevBuf dw(wbytes), dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
+    CUDA_CHECK(cudaMemcpy(dw.p, w, wbytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dx.p, x, (size_t)n * cols * sizeof(float), cudaMemcpyHostToDevice));
+    matmul((dfl::DType)type, dw.p, rows, cols, dx.as<float>(), n, dy.as<float>(), 0);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(y, dy.p, (size_t)n * rows * sizeof(float), cudaMemcpyDeviceToHost));
+  });
+}
+
+double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters) {
+  using namespace dfl::cuda;
+  double ms = -1.0;
+  dfl::api_guard([&] {
+    const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
+    if (iters <= 0) dfl::fail("iters must be positive (got %d)", iters);
+    need_device();
+    const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
+    // Enough copies of the weights to stream >= 256 MiB per round, so that
+    // the timed calls read DRAM rather than a warm L2 (50 MB on an H100).
+    int copies = (int)((256u << 20) / (wbytes ? wbytes : 1)) + 1;
+    if (copies > 8) copies = 8;
+    std::vector<std::unique_ptr<DevBuf>> ws;
+    for (int c = 0; c < copies; ++c) {
+      ws.push_back(std::make_unique<DevBuf>(wbytes));
+      fill_weights((dfl::DType)type, ws.back()->as<uint8_t>(), rows, cols, 1234u + c);
+    }
+    DevBuf dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
+    fill_weights(dfl::DType::F32, dx.as<uint8_t>(), n, cols, 99u);
+    auto run = [&](int i) {
+      matmul((dfl::DType)type, ws[i % copies]->p, rows, cols, dx.as<float>(), n, dy.as<float>(), 0);
+    };
+    for (int i = 0; i < 3; ++i) run(i);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    Event e0, e1;
+    CUDA_CHECK(cudaEventRecord(e0.e, 0));
+    for (int i = 0; i < iters; ++i) run(i);
+    CUDA_CHECK(cudaEventRecord(e1.e, 0));
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaEventSynchronize(e1.e));
+    float total = 0.f;
+    CUDA_CHECK(cudaEventElapsedTime(&total, e0.e, e1.e));
+    ms = (double)total / iters;
+  });
+  return ms;
+}
+
+}  // extern "C"
+#pragma GCC visibility pop

@@ -1,0 +1,102 @@
+// common.cuh — what every CUDA source of the backend shares.
+//
+// The block formats come from csrc/quant/blocks.h, unchanged: its structs and
+// constants compile under nvcc as they are (its inline helpers are host-only
+// and are not used on the device).  Device code reads blocks through the byte
+// offsets below, each pinned to the struct with a static_assert, and converts
+// f16/bf16 with the device helpers here.
+//
+// CUDA_CHECK turns a failed runtime call into dfl::Error, so the C entry points
+// report it through dfl_last_error() like every other failure.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "quant/blocks.h"
+#include "util/error.h"
+
+#define CUDA_CHECK(expr)                                                                          \
+  do {                                                                                            \
+    cudaError_t dfl_err_ = (expr);                                                                \
+    if (dfl_err_ != cudaSuccess)                                                                  \
+      ::dfl::fail("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(dfl_err_),                \
+                  cudaGetErrorString(dfl_err_), #expr, __FILE__, __LINE__);                       \
+  } while (0)
+
+namespace dfl {
+namespace cuda {
+
+// ---- block field offsets (bytes), checked against blocks.h ----
+constexpr int kQ4_0_d = 0, kQ4_0_qs = 2;
+constexpr int kQ8_0_d = 0, kQ8_0_qs = 2;
+constexpr int kQ4_K_d = 0, kQ4_K_scales = 4, kQ4_K_qs = 16;
+constexpr int kQ5_K_d = 0, kQ5_K_scales = 4, kQ5_K_qh = 16, kQ5_K_qs = 48;
+constexpr int kQ6_K_ql = 0, kQ6_K_qh = 128, kQ6_K_scales = 192, kQ6_K_d = 208;
+static_assert(offsetof(block_q4_0, d) == kQ4_0_d && offsetof(block_q4_0, qs) == kQ4_0_qs, "q4_0 layout");
+static_assert(offsetof(block_q8_0, d) == kQ8_0_d && offsetof(block_q8_0, qs) == kQ8_0_qs, "q8_0 layout");
+static_assert(offsetof(block_q4_K, d) == kQ4_K_d && offsetof(block_q4_K, dmin) == 2 &&
+                  offsetof(block_q4_K, scales) == kQ4_K_scales && offsetof(block_q4_K, qs) == kQ4_K_qs,
+              "q4_K layout");
+static_assert(offsetof(block_q5_K, d) == kQ5_K_d && offsetof(block_q5_K, dmin) == 2 &&
+                  offsetof(block_q5_K, scales) == kQ5_K_scales && offsetof(block_q5_K, qh) == kQ5_K_qh &&
+                  offsetof(block_q5_K, qs) == kQ5_K_qs,
+              "q5_K layout");
+static_assert(offsetof(block_q6_K, ql) == kQ6_K_ql && offsetof(block_q6_K, qh) == kQ6_K_qh &&
+                  offsetof(block_q6_K, scales) == kQ6_K_scales && offsetof(block_q6_K, d) == kQ6_K_d,
+              "q6_K layout");
+
+// ---- device conversions (exact, like blocks.h's scalar ones) ----
+__device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
+  return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
+}
+__device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) { return __uint_as_float((h & 0xffffu) << 16); }
+
+// Unaligned little-endian reads from a 2-byte aligned block (scalar; for
+// headers and the slow paths).
+__device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+__device__ __forceinline__ float ld_f16(const uint8_t* p) { return f16_bits_to_f32(ld_u16(p)); }
+__device__ __forceinline__ uint32_t ld_u8(const uint8_t* p) { return __ldg(p); }
+
+// 16 bytes from a 16-byte aligned address.
+__device__ __forceinline__ uint4 ld16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// 16 bytes from any 2-byte aligned address, as one or two aligned 16-byte loads
+// and funnel shifts (never a byte-wise gather).  The second load is issued
+// only when p is not 16-aligned, and then it holds at least one wanted byte,
+// so nothing past the 16-byte chunk holding the last wanted byte is read.
+__device__ __forceinline__ uint4 ld16_u(const uint8_t* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uint32_t s = (uint32_t)(a & 15u);
+  const uint4* q = reinterpret_cast<const uint4*>(a - s);
+  const uint4 lo = __ldg(q);
+  if (s == 0) return lo;
+  const uint4 hi = __ldg(q + 1);
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  const uint32_t wsel = s >> 2, sh = (s & 3u) * 8u;
+  uint32_t v[6], u[5];
+#pragma unroll
+  for (int i = 0; i < 6; ++i) v[i] = (wsel & 2u) ? w[i + 2] : w[i];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) u[i] = (wsel & 1u) ? v[i + 1] : v[i];
+  return make_uint4(__funnelshift_r(u[0], u[1], sh), __funnelshift_r(u[1], u[2], sh),
+                    __funnelshift_r(u[2], u[3], sh), __funnelshift_r(u[3], u[4], sh));
+}
+
+__device__ __forceinline__ uint32_t u4_word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant at every use
+}
+
+// Byte m (0..3) of v as the float 2^23 + byte: exact, with no int->float
+// conversion instruction (one byte permute; the caller subtracts 2^23 + offset).
+__device__ __forceinline__ float byte_as_f(uint32_t v, int m) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | (uint32_t)m));
+}
+constexpr float kTwo23 = 8388608.0f;
+
+}  // namespace cuda
+}  // namespace dfl

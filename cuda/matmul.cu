@@ -1,0 +1,81 @@
+// matmul.cu — quantised / float weight x f32 activations on the GPU.
+//
+// Matvec kernel (n <= 8 tokens).  A CTA is 4 warps; a warp owns RW = 4
+// consecutive rows.  The columns are walked in chunks: the CTA copies the
+// chunk's activations of all tokens into shared memory in *task order* (see
+// formats.cuh: the order in which a lane decodes a task's values), padded so
+// that the float4 reads of a warp hit distinct banks.  Each lane then takes
+// the chunk's tasks lane, lane+32, ...; for a task it issues the 16-byte
+// weight loads of all RW rows, decodes 4 values at a time in registers and
+// accumulates w * x for every (row, token).  At the end a butterfly of warp
+// shuffles sums the 32 lanes.  A chunk holds a multiple of 32 tasks, so lane
+// L always owns the row's tasks L mod 32 in increasing order, whatever the
+// chunk size: the summation order of a token's dot product does not depend
+// on n (batch invariance for n in 1..8).  The kernel is instantiated for
+// NT = 1, 2, 4, 8 tokens; n = 3, 5, 6, 7 run with zero padding tokens.
+//
+// Tiled kernel (n > 8).  64 rows x 64 tokens per CTA of 256 threads, 32
+// columns per step: the weight tile is decoded (deq8) into shared memory as
+// f32, the activation tile copied beside it, and each thread accumulates a
+// 4 x 4 block of outputs.  Plain CUDA-core FMAs; tensor cores come later.
+#include "matmul.cuh"
+#include "matmul_kernels.cuh"
+
+namespace dfl {
+namespace cuda {
+namespace {
+
+using namespace kern;
+
+template <class F, int NT>
+void launch_matvec(const uint8_t* w, int64_t rows, int64_t cols, int64_t rb, const float* x, int n, float* y,
+                   cudaStream_t s) {
+  const int chunk = Layout<F>::chunk_cols(NT, cols);
+  const size_t smem = Layout<F>::smem_bytes(NT, chunk);  // <= 37 KiB: no opt-in above 48 KiB needed
+  const int64_t grid = matvec_ctas(rows);
+  if (grid > 0x7fffffff) fail("matmul: %lld rows is too many", (long long)rows);
+  matvec_kernel<F, NT, kRowsPerWarp><<<(unsigned)grid, kWarps * 32, smem, s>>>(w, rows, cols, rb, x, n, y, chunk);
+}
+
+template <class F>
+void launch(const void* wv, int64_t rows, int64_t cols, const float* x, int n, float* y, cudaStream_t s) {
+  const uint8_t* w = static_cast<const uint8_t*>(wv);
+  const int64_t rb = cols / F::BE * F::BB;
+  if (n <= kMatvecMaxTokens) {
+    switch (matvec_nt(n)) {
+      case 1: return launch_matvec<F, 1>(w, rows, cols, rb, x, n, y, s);
+      case 2: return launch_matvec<F, 2>(w, rows, cols, rb, x, n, y, s);
+      case 4: return launch_matvec<F, 4>(w, rows, cols, rb, x, n, y, s);
+      default: return launch_matvec<F, 8>(w, rows, cols, rb, x, n, y, s);
+    }
+  }
+  const int64_t gx = (rows + kTileM - 1) / kTileM, gy = (n + kTileN - 1) / kTileN;
+  if (gx > 0x7fffffff || gy > 65535) fail("matmul: %lld rows x %d tokens is too large", (long long)rows, n);
+  tiled_kernel<F><<<dim3((unsigned)gx, (unsigned)gy), 256, 0, s>>>(w, rows, cols, rb, x, n, y);
+}
+
+}  // namespace
+
+void matmul(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
+            cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return;
+  if (cols <= 0 || cols % 32) fail("matmul: cols %lld is not a positive multiple of 32", (long long)cols);
+  switch (t) {
+    case DType::F32: return launch<FmtF32>(w, rows, cols, x, n, y, stream);
+    case DType::F16: return launch<FmtF16>(w, rows, cols, x, n, y, stream);
+    case DType::BF16: return launch<FmtBF16>(w, rows, cols, x, n, y, stream);
+    case DType::Q4_0: return launch<FmtQ4_0>(w, rows, cols, x, n, y, stream);
+    case DType::Q8_0: return launch<FmtQ8_0>(w, rows, cols, x, n, y, stream);
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
+      if (cols % QK_K) fail("matmul: cols %lld is not a multiple of 256", (long long)cols);
+      if (t == DType::Q4_K) return launch<FmtQ4_K>(w, rows, cols, x, n, y, stream);
+      if (t == DType::Q5_K) return launch<FmtQ5_K>(w, rows, cols, x, n, y, stream);
+      return launch<FmtQ6_K>(w, rows, cols, x, n, y, stream);
+  }
+  fail("matmul: unsupported tensor type %u", (unsigned)t);
+}
+
+}  // namespace cuda
+}  // namespace dfl

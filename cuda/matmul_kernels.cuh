@@ -1,0 +1,177 @@
+// matmul_kernels.cuh — the matmul kernels (launched by matmul.cu; see there).
+#pragma once
+#include "formats.cuh"
+
+namespace dfl {
+namespace cuda {
+namespace kern {
+
+constexpr int kWarps = 4;              // warps per matvec CTA
+constexpr int kRowsPerWarp = 4;        // RW
+constexpr int kChunkTokenCols = 4096;  // chunk columns x tokens (the shared-memory budget)
+constexpr int kTileM = 64, kTileN = 64, kTileK = 32;
+
+// Launch geometry, shared by matmul.cu and the CPU emulator (emu/).
+template <class F>
+struct Layout {
+  static constexpr int S = F::P == 4 ? 4 : F::P + 4;  // floats per task in shared memory (padded)
+  static constexpr int CQ = 32 * F::BE / F::TPB;        // columns per 32 tasks: the chunk quantum
+  static int chunk_cols(int nt, int64_t cols) {
+    int c = kChunkTokenCols / nt / CQ * CQ;
+    if (c < CQ) c = CQ;
+    const int64_t cols_up = (cols + CQ - 1) / CQ * CQ;
+    return cols_up < c ? (int)cols_up : c;
+  }
+  static size_t smem_bytes(int nt, int chunk) { return (size_t)nt * (chunk / F::BE * F::TPB) * S * sizeof(float); }
+};
+inline int64_t matvec_ctas(int64_t rows) { return (rows + kWarps * kRowsPerWarp - 1) / (kWarps * kRowsPerWarp); }
+// The matvec instantiation (tokens per pass) that serves n <= 8 tokens.
+inline int matvec_nt(int n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+
+template <class F, int NT, int RW>
+__global__ void __launch_bounds__(kWarps * 32)
+    matvec_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                  const float* __restrict__ x, int n, float* __restrict__ y, int chunk_cols) {
+  extern __shared__ float4 smem_f4[];
+  float* xs = reinterpret_cast<float*>(smem_f4);
+  constexpr int S = Layout<F>::S;
+  constexpr int G = F::P / 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunk_tasks = chunk_cols / F::BE * F::TPB;
+  const int64_t row_tasks = cols / F::BE * F::TPB;
+  const int64_t row0 = ((int64_t)blockIdx.x * kWarps + warp) * RW;
+
+  // Rows past the end are read (as the last row), never written.
+  const uint8_t* wbase = w + (row0 < rows ? row0 : rows - 1) * row_bytes;
+  const int rlast = row0 + RW <= rows ? RW - 1 : (int)(rows - 1 - (row0 < rows ? row0 : rows - 1));
+
+  float acc[RW][NT];
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+
+  for (int64_t task0 = 0; task0 < row_tasks; task0 += chunk_tasks) {
+    const int ntask = row_tasks - task0 < chunk_tasks ? (int)(row_tasks - task0) : chunk_tasks;
+    const int64_t col0 = task0 / F::TPB * F::BE;
+    __syncthreads();  // the previous chunk's reads are done
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float* dst = xs + (size_t)t * chunk_tasks * S;
+      const float* src = x + (int64_t)t * cols + col0;
+      for (int k = threadIdx.x; k < ntask * F::P; k += kWarps * 32) {
+        const int task = k / F::P, i = k % F::P;
+        const int e = task / F::TPB * F::BE + F::elem(task % F::TPB, i);
+        dst[task * S + i] = t < n ? __ldg(src + e) : 0.f;
+      }
+    }
+    __syncthreads();
+
+#pragma unroll 1
+    for (int task = lane; task < ntask; task += 32) {
+      const int64_t gt = task0 + task;
+      const int64_t boff = gt / F::TPB * F::BB;
+      const int j = (int)(gt % F::TPB);
+      typename F::Raw raw[RW];
+#pragma unroll
+      for (int r = 0; r < RW; ++r) F::load(wbase + (r < rlast ? r : rlast) * row_bytes + boff, j, raw[r]);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float wv[RW][4];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) F::deq4(raw[r], g, wv[r]);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const float4 xv = *reinterpret_cast<const float4*>(xs + ((size_t)t * chunk_tasks + task) * S + 4 * g);
+#pragma unroll
+          for (int r = 0; r < RW; ++r) {
+            float a = acc[r][t];
+            a = fmaf(wv[r][0], xv.x, a);
+            a = fmaf(wv[r][1], xv.y, a);
+            a = fmaf(wv[r][2], xv.z, a);
+            a = fmaf(wv[r][3], xv.w, a);
+            acc[r][t] = a;
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      acc[r][t] = v;
+    }
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (lane == (r * NT + t) % 32 && t < n && row0 + r < rows) y[(int64_t)t * rows + row0 + r] = acc[r][t];
+}
+
+template <class F>
+__global__ void __launch_bounds__(256)
+    tiled_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                 const float* __restrict__ x, int n, float* __restrict__ y) {
+  __shared__ __align__(16) float ws[kTileK][kTileM + 4];
+  __shared__ __align__(16) float xs[kTileK][kTileN + 4];
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int64_t m0 = (int64_t)blockIdx.x * kTileM;
+  const int64_t n0 = (int64_t)blockIdx.y * kTileN;
+  const int wr = tid >> 2, wp = tid & 3;  // weight decode: row, 8-column part
+  const int64_t wrow = m0 + wr < rows ? m0 + wr : rows - 1;
+  const uint8_t* wp_row = w + wrow * row_bytes;
+
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+
+  for (int64_t k0 = 0; k0 < cols; k0 += kTileK) {
+    float v[8];
+    deq8<F>(wp_row, k0 + 8 * wp, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ws[8 * wp + i][wr] = v[i];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int idx = tid + 256 * q, t = idx >> 3, c4 = idx & 7;
+      float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (n0 + t < n) xv = __ldg(reinterpret_cast<const float4*>(x + (n0 + t) * cols + k0) + c4);
+      xs[4 * c4 + 0][t] = xv.x;
+      xs[4 * c4 + 1][t] = xv.y;
+      xs[4 * c4 + 2][t] = xv.z;
+      xs[4 * c4 + 3][t] = xv.w;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int kk = 0; kk < kTileK; ++kk) {
+      const float4 a = *reinterpret_cast<const float4*>(&ws[kk][4 * tx]);
+      const float4 b = *reinterpret_cast<const float4*>(&xs[kk][4 * ty]);
+      const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t t = n0 + 4 * ty + j;
+    if (t >= n) continue;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t r = m0 + 4 * tx + i;
+      if (r < rows) y[t * rows + r] = acc[i][j];
+    }
+  }
+}
+
+}  // namespace kern
+}  // namespace cuda
+}  // namespace dfl
