@@ -1,0 +1,237 @@
+"""CUDA matmul kernels (cuda/matmul.cu) against numpy on gguf-dequantized
+weights and against the CPU backend's dfl_matmul.
+
+Tests marked `cuda` need a GPU (conftest skips them without one; on the lent
+GPU machine bench/gpu_check.sh runs them).  The others run everywhere: the
+no-GPU behaviour of the entry points, and the kernels' source executed on the
+CPU by the emulator in cuda/emu (built with g++ when the build has CUDA).
+
+Tolerances, as a fraction of max|y_ref| over the whole output (y_ref: f64
+numpy product of the gguf-py-dequantized weights and the f32 activations):
+  * CUDA vs y_ref: 1e-4 for every format.  The GPU keeps activations in f32
+    and decodes weights exactly, so only f32 summation error remains
+    (observed about 3e-7 for n <= 8, a few 1e-6 for the tiled n > 8 kernel).
+  * CUDA vs CPU: the CPU's own stated tolerance (test_quant.MATMUL_REL_TOL:
+    1e-6 for float weights, 1e-2 / 2e-2 for quantized ones, whose activations
+    the CPU quantizes to int8) plus the CUDA tolerance.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash27b._lib import load, last_error
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import quants  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (ggml type, block elems, block bytes, byte offsets of the f16 scale fields)
+FORMATS = {
+    "F32": (T.F32, 1, 4, ()),
+    "F16": (T.F16, 1, 2, ()),
+    "BF16": (T.BF16, 1, 2, ()),
+    "Q4_0": (T.Q4_0, 32, 18, (0,)),
+    "Q8_0": (T.Q8_0, 32, 34, (0,)),
+    "Q4_K": (T.Q4_K, 256, 144, (0, 2)),
+    "Q5_K": (T.Q5_K, 256, 176, (0, 2)),
+    "Q6_K": (T.Q6_K, 256, 210, (208,)),
+}
+CUDA_REL_TOL = 1e-4
+CPU_REL_TOL = {"F32": 1e-6, "F16": 1e-6, "BF16": 1e-6, "Q8_0": 1e-2, "Q4_0": 1e-2, "Q4_K": 2e-2,
+               "Q5_K": 2e-2, "Q6_K": 2e-2}  # as tests/test_quant.py's MATMUL_REL_TOL
+NS = [1, 2, 7, 16, 23, 64, 512]
+ROWS = 37  # not a multiple of the 16 rows of a matvec CTA nor of the 64 of a tile
+
+
+def cols_for(name: str) -> int:
+    # Several 4096-column chunks at n = 1 with a partial last one; an odd block count.
+    return 4352 if name.endswith("_K") else 4384
+
+
+def random_blocks(name: str, nb: int, rng) -> np.ndarray:
+    """nb random blocks (non-zero quants, finite f16 scales |d| <= 0.05) as uint8 [nb, block_bytes]."""
+    tid, be, bb, scale_offs = FORMATS[name]
+    raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
+    if name == "F32":
+        raw = (rng.standard_normal(nb).astype(np.float32) * 3).view(np.uint8).reshape(nb, 4)
+    elif name == "F16":
+        vals = rng.standard_normal(nb).astype(np.float32) * 3
+        raw = vals.astype(np.float16).view(np.uint8).reshape(nb, 2).copy()
+        raw[::7] = np.frombuffer(np.float16(1e-6).tobytes(), np.uint8)  # subnormals too
+    elif name == "BF16":
+        vals = rng.standard_normal(nb).astype(np.float32) * 3
+        raw = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(nb, 2)
+    for off in scale_offs:
+        d = (rng.uniform(-1, 1, nb) * 0.05).astype(np.float16)
+        raw[:, off:off + 2] = d.view(np.uint8).reshape(nb, 2)
+    return np.ascontiguousarray(raw)
+
+
+def make_case(name: str, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    tid, be, bb, _ = FORMATS[name]
+    cols = cols_for(name)
+    raw = random_blocks(name, ROWS * cols // be, rng).reshape(ROWS, -1)
+    wf = quants.dequantize(raw.reshape(-1), tid).astype(np.float32).reshape(ROWS, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    return int(tid), raw, wf, x
+
+
+def cuda_matmul(tid: int, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    ffi, lib = load()
+    n = x.shape[0]
+    y = np.full((n, rows), np.nan, np.float32)  # poisoned: every entry must be written
+    x = np.ascontiguousarray(x, np.float32)
+    rc = lib.dfl_cuda_matmul(tid, ffi.cast("void*", raw.ctypes.data), rows, cols,
+                             ffi.cast("float*", x.ctypes.data), n, ffi.cast("float*", y.ctypes.data))
+    assert rc == 0, last_error()
+    return y
+
+
+def cpu_matmul(tid: int, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    ffi, lib = load()
+    n = x.shape[0]
+    y = np.full((n, rows), np.nan, np.float32)
+    rc = lib.dfl_matmul(tid, ffi.cast("void*", raw.ctypes.data), rows, cols, ffi.cast("float*", x.ctypes.data), n,
+                        ffi.cast("float*", y.ctypes.data), 4)
+    assert rc == 0, last_error()
+    return y
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_cuda_matmul_vs_numpy_and_cpu(name, n):
+    tid, raw, wf, x = make_case(name, n)
+    cols = wf.shape[1]
+    ref = x.astype(np.float64) @ wf.astype(np.float64).T
+    scale = np.abs(ref).max()
+    y = cuda_matmul(tid, raw, ROWS, cols, x)
+    assert np.isfinite(y).all(), "output left unwritten (NaN poison) or non-finite"
+    rel = np.abs(y - ref).max() / scale
+    assert rel < CUDA_REL_TOL, f"CUDA vs f64 reference: {rel:.2e}"
+    y_cpu = cpu_matmul(tid, raw, ROWS, cols, x)
+    rel_cpu = np.abs(y - y_cpu).max() / scale
+    assert rel_cpu < CPU_REL_TOL[name] + CUDA_REL_TOL, f"CUDA vs CPU: {rel_cpu:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_cuda_matmul_batch_invariance(name):
+    """A token's result does not depend on the rest of the batch: bit-exact for
+    every n in 1..8 (matvec kernel) and for every n > 8 (tiled kernel)."""
+    tid, raw, wf, x = make_case(name, 23, seed=5)
+    cols = wf.shape[1]
+    alone = cuda_matmul(tid, raw, ROWS, cols, x[-1:])
+    for n in (2, 3, 5, 8):
+        y = cuda_matmul(tid, raw, ROWS, cols, x[-n:])
+        assert np.array_equal(y[-1], alone[0]), f"n={n}"
+    y16 = cuda_matmul(tid, raw, ROWS, cols, x[:16])
+    y23 = cuda_matmul(tid, raw, ROWS, cols, x)
+    assert np.array_equal(y23[:16], y16)
+
+
+@pytest.mark.cuda
+def test_cuda_matmul_shapes_and_misaligned_rows():
+    """Odd row counts and rows that start at every 2-byte misalignment (Q8_0, 34-byte blocks)."""
+    rng = np.random.default_rng(9)
+    for rows, cols, n in [(1, 32, 1), (3, 32, 9), (16, 64, 4), (17, 96, 8), (65, 160, 70), (200, 544, 3)]:
+        tid = int(T.Q8_0)
+        raw = random_blocks("Q8_0", rows * cols // 32, rng).reshape(rows, -1)
+        wf = quants.dequantize(raw.reshape(-1), T.Q8_0).astype(np.float32).reshape(rows, cols)
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        ref = x.astype(np.float64) @ wf.astype(np.float64).T
+        y = cuda_matmul(tid, raw, rows, cols, x)
+        assert np.abs(y - ref).max() <= CUDA_REL_TOL * np.abs(ref).max(), (rows, cols, n)
+
+
+@pytest.mark.cuda
+def test_cuda_matmul_bad_arguments():
+    ffi, lib = load()
+    w = np.zeros(4096, np.uint8)
+    x = np.zeros(512, np.float32)
+    y = np.zeros(512, np.float32)
+    wp, xp, yp = (ffi.cast("void*", w.ctypes.data), ffi.cast("float*", x.ctypes.data),
+                  ffi.cast("float*", y.ctypes.data))
+    assert lib.dfl_cuda_matmul(3, wp, 2, 32, xp, 1, yp) == -1
+    assert "unsupported tensor type 3" in last_error()
+    assert lib.dfl_cuda_matmul(int(T.Q4_K), wp, 2, 128, xp, 1, yp) == -1
+    assert "multiple of 32 and of the Q4_K block size" in last_error()
+    assert lib.dfl_cuda_matmul(0, wp, 2, 32, xp, 0, yp) == -1
+    assert "n must be positive" in last_error()
+    assert lib.dfl_cuda_matmul(0, ffi.NULL, 2, 32, xp, 1, yp) == -1
+    assert "NULL" in last_error()
+    assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 1, 3) > 0, last_error()
+
+
+def _have_cuda_device() -> bool:  # as conftest.py decides whether `cuda` tests run
+    try:
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        n = ctypes.c_int(0)
+        return lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
+    except OSError:
+        return False
+
+
+def test_cuda_entry_points_without_gpu():
+    """Without a GPU (or without the CUDA build) nothing crashes: 0 devices and a clear error."""
+    if _have_cuda_device():
+        pytest.skip("this machine has a CUDA device")
+    ffi, lib = load()
+    assert lib.dfl_cuda_device_count() == 0
+    w = np.zeros(2 * 34, np.uint8)
+    x = np.ones(32, np.float32)
+    y = np.full(2, np.nan, np.float32)
+    rc = lib.dfl_cuda_matmul(int(T.Q8_0), ffi.cast("void*", w.ctypes.data), 2, 32, ffi.cast("float*", x.ctypes.data),
+                             1, ffi.cast("float*", y.ctypes.data))
+    assert rc == -1
+    msg = last_error()
+    built = "not built" not in ffi.string(lib.dfl_build_info()).decode()
+    if built:
+        assert msg.startswith("no usable CUDA device"), msg
+    else:
+        assert msg == "CUDA backend not built", msg
+    assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 16, 32, 1, 1) == -1.0
+    assert np.isnan(y).all()  # y untouched
+
+
+def test_build_info_names_cuda_archs_when_built():
+    ffi, lib = load()
+    info = ffi.string(lib.dfl_build_info()).decode()
+    m = re.search(r"cuda: (.*)$", info)
+    assert m, info
+    assert m.group(1) == "not built" or re.fullmatch(r"sm_\d+(,sm_\d+)*", m.group(1)), info
+
+
+def test_kernels_on_cpu_emulator(tmp_path):
+    """The kernel source itself (cuda/matmul_kernels.cuh, cuda/formats.cuh) run on the CPU
+    by cuda/emu/emu_matmul.cpp: decoders bit-exact vs the reference dequantizers, matvec
+    and tiled kernels within 1e-5 of an f64 reference, batch invariance for n <= 8."""
+    cxx = shutil.which("g++")
+    if not cxx:
+        pytest.skip("no g++")
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    src = (ROOT / "cuda" / "matmul_kernels.cuh").read_text()
+    decl = "extern __shared__ float4 smem_f4[];"
+    assert decl in src  # the emulator supplies the dynamic shared memory itself
+    (gen / "matmul_kernels.cuh").write_text(src.replace(decl, ""))
+    exe = tmp_path / "emu_matmul"
+    cmd = [cxx, "-std=c++20", "-O2", "-pthread", "-Wno-unknown-pragmas", f"-I{gen}", f"-I{ROOT / 'cuda/emu/shim'}",
+           f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'include'}", str(ROOT / "cuda/emu/emu_matmul.cpp"),
+           str(ROOT / "csrc/quant/quant.cpp"), "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    if build.returncode != 0 and "barrier" in build.stderr and "No such file" in build.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("ALL OK"), run.stdout[-4000:] + run.stderr[-2000:]
