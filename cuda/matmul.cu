@@ -18,43 +18,11 @@
 // columns per step: the weight tile is decoded (deq8) into shared memory as
 // f32, the activation tile copied beside it, and each thread accumulates a
 // 4 x 4 block of outputs.  Plain CUDA-core FMAs; tensor cores come later.
-#include "matmul.cuh"
-#include "matmul_kernels.cuh"
+#include "matmul_launch.cuh"
 
 namespace dfl {
 namespace cuda {
-namespace {
-
 using namespace kern;
-
-template <class F, int NT>
-void launch_matvec(const uint8_t* w, int64_t rows, int64_t cols, int64_t rb, const float* x, int n, float* y,
-                   cudaStream_t s) {
-  const int chunk = Layout<F>::chunk_cols(NT, cols);
-  const size_t smem = Layout<F>::smem_bytes(NT, chunk);  // <= 37 KiB: no opt-in above 48 KiB needed
-  const int64_t grid = matvec_ctas(rows);
-  if (grid > 0x7fffffff) fail("matmul: %lld rows is too many", (long long)rows);
-  matvec_kernel<F, NT, kRowsPerWarp><<<(unsigned)grid, kWarps * 32, smem, s>>>(w, rows, cols, rb, x, n, y, chunk);
-}
-
-template <class F>
-void launch(const void* wv, int64_t rows, int64_t cols, const float* x, int n, float* y, cudaStream_t s) {
-  const uint8_t* w = static_cast<const uint8_t*>(wv);
-  const int64_t rb = cols / F::BE * F::BB;
-  if (n <= kMatvecMaxTokens) {
-    switch (matvec_nt(n)) {
-      case 1: return launch_matvec<F, 1>(w, rows, cols, rb, x, n, y, s);
-      case 2: return launch_matvec<F, 2>(w, rows, cols, rb, x, n, y, s);
-      case 4: return launch_matvec<F, 4>(w, rows, cols, rb, x, n, y, s);
-      default: return launch_matvec<F, 8>(w, rows, cols, rb, x, n, y, s);
-    }
-  }
-  const int64_t gx = (rows + kTileM - 1) / kTileM, gy = (n + kTileN - 1) / kTileN;
-  if (gx > 0x7fffffff || gy > 65535) fail("matmul: %lld rows x %d tokens is too large", (long long)rows, n);
-  tiled_kernel<F><<<dim3((unsigned)gx, (unsigned)gy), 256, 0, s>>>(w, rows, cols, rb, x, n, y);
-}
-
-}  // namespace
 
 void matmul(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
             cudaStream_t stream) {
