@@ -9,7 +9,9 @@
 //   F::TPB, F::P     tasks per block, values per task (TPB * P == BE)
 //   F::load(b, j, r) issue the loads of task j of the block at b into r
 //   F::deq4(r, g, w) values 4g..4g+3 of the task (g constant after unrolling)
-//   F::elem(j, i)    the element of the block that the task's value i is
+//   F::elem(j, i)    the element of the block that the task's value i is;
+//                    runs of 4 stay together: elem(j, 4g + m) == elem(j, 4g) + m
+//                    and elem(j, 4g) % 4 == 0 (activations move as float4s)
 //
 // The matvec kernel stores activations in shared memory in task order
 // (elem), so each lane reads its task's P activations as consecutive float4s.

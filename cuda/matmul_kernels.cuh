@@ -55,14 +55,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int ntask = row_tasks - task0 < chunk_tasks ? (int)(row_tasks - task0) : chunk_tasks;
     const int64_t col0 = task0 / F::TPB * F::BE;
     __syncthreads();  // the previous chunk's reads are done
+    // A task's values 4g..4g+3 are 4 consecutive elements starting at a multiple
+    // of 4 (every format's elem() keeps runs of 4), so the copy moves float4s.
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       float* dst = xs + (size_t)t * chunk_tasks * S;
       const float* src = x + (int64_t)t * cols + col0;
-      for (int k = threadIdx.x; k < ntask * F::P; k += kWarps * 32) {
-        const int task = k / F::P, i = k % F::P;
-        const int e = task / F::TPB * F::BE + F::elem(task % F::TPB, i);
-        dst[task * S + i] = t < n ? __ldg(src + e) : 0.f;
+#pragma unroll 4
+      for (int k = threadIdx.x; k < ntask * G; k += kWarps * 32) {
+        const int task = k / G, g = k % G;
+        const int e = task / F::TPB * F::BE + F::elem(task % F::TPB, 4 * g);
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < n) v = __ldg(reinterpret_cast<const float4*>(src + e));
+        *reinterpret_cast<float4*>(dst + task * S + 4 * g) = v;
       }
     }
     __syncthreads();

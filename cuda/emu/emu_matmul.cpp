@@ -119,6 +119,9 @@ int check_decoders(int64_t rows, int64_t cols, int shift) {
   const int64_t rb = cols / F::BE * F::BB;
   std::vector<float> ref(cols), fast(cols), slow(cols);
   int bad = 0;
+  // The matvec kernel copies activations as float4: runs of 4 values are 4 consecutive elements.
+  for (int j = 0; j < F::TPB; ++j)
+    for (int i = 0; i < F::P; ++i) bad += F::elem(j, i) != F::elem(j, i & ~3) + (i & 3) || F::elem(j, i & ~3) % 4;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = W.p + r * rb;
     dequantize_row(F::T, row, ref.data(), cols);
