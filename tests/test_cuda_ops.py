@@ -172,14 +172,7 @@ def test_cuda_matmul_bad_arguments():
     assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 1, 3) > 0, last_error()
 
 
-def _have_cuda_device() -> bool:  # as conftest.py decides whether `cuda` tests run
-    try:
-        import ctypes
-        lib = ctypes.CDLL("libcuda.so.1")
-        n = ctypes.c_int(0)
-        return lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value > 0
-    except OSError:
-        return False
+from conftest import _have_cuda_device  # noqa: E402  (the same rule that skips `cuda` tests)
 
 
 def test_cuda_entry_points_without_gpu():

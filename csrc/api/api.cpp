@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/last_error.h"
@@ -36,19 +37,10 @@ struct dfl_context {
 namespace {
 thread_local std::string g_last_error;
 
+// Every entry point's body runs inside the one exception barrier (last_error.h).
 template <class F>
 int guard(F&& f) {
-  try {
-    f();
-    return DFL_OK;
-  } catch (const std::bad_alloc&) {
-    g_last_error = "out of memory";
-  } catch (const std::exception& e) {
-    g_last_error = e.what();
-  } catch (...) {
-    g_last_error = "unknown error";
-  }
-  return DFL_ERROR;
+  return dfl::api_guard(std::forward<F>(f));
 }
 
 void need(const void* p, const char* what) {
