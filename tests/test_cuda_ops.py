@@ -205,6 +205,7 @@ def test_build_info_names_cuda_archs_when_built():
     assert m.group(1) == "not built" or re.fullmatch(r"sm_\d+(,sm_\d+)*", m.group(1)), info
 
 
+@pytest.mark.slow
 def test_kernels_on_cpu_emulator(tmp_path):
     """The kernel source itself (cuda/matmul_kernels.cuh, cuda/formats.cuh) run on the CPU
     by cuda/emu/emu_matmul.cpp: decoders bit-exact vs the reference dequantizers, matvec
