@@ -239,25 +239,28 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       const int committed = commit ? cv.slot0 : n_past_;
       I.pool.parallel_for((int64_t)n * c.n_head, 1, [&](int64_t w0, int64_t w1) {
         thread_local std::vector<float> sc, tmp;
-        thread_local std::vector<int32_t> slots;
+        thread_local std::vector<int32_t> extra;
         tmp.resize(hd);
         for (int64_t wi = w0; wi < w1; ++wi) {
           const int t = (int)(wi / c.n_head), j = (int)(wi % c.n_head), m = j / group;
-          // visible KV slots, ascending: committed context, then ancestors and self
-          slots.clear();
+          // Visible KV slots, ascending: a contiguous prefix [0, n_prefix), then
+          // (tree verify only) the node's ancestors and itself.
+          extra.clear();
+          int n_prefix;
           if (commit) {
-            for (int s = 0; s <= cv.slot0 + t; ++s) slots.push_back(s);
+            n_prefix = cv.slot0 + t + 1;
           } else {
-            for (int s = 0; s < committed; ++s) slots.push_back(s);
-            size_t mark = slots.size();
-            for (int a = off + t; a >= 0; a = I.node_parent[a]) slots.push_back(committed + a);
-            std::reverse(slots.begin() + mark, slots.end());
+            n_prefix = committed;
+            for (int a = off + t; a >= 0; a = I.node_parent[a]) extra.push_back(committed + a);
+            std::reverse(extra.begin(), extra.end());
           }
+          const size_t n_vis = (size_t)n_prefix + extra.size();
+          auto slot = [&](size_t s) -> size_t { return s < (size_t)n_prefix ? s : (size_t)extra[s - n_prefix]; };
           const float* q = qg + (size_t)t * qd2 + (size_t)j * 2 * hd;
-          sc.resize(slots.size());
+          sc.resize(n_vis);
           float mx = -INFINITY;
-          for (size_t s = 0; s < slots.size(); ++s) {
-            const uint8_t* kr = I.k[l].data() + (size_t)slots[s] * I.kv_row + m * head_bytes;
+          for (size_t s = 0; s < n_vis; ++s) {
+            const uint8_t* kr = I.k[l].data() + slot(s) * I.kv_row + m * head_bytes;
             float d;
             if (dtype_is_quantized(kvt)) {
               dequantize_row(kvt, kr, tmp.data(), hd);
@@ -269,17 +272,14 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
             mx = std::max(mx, sc[s]);
           }
           float sum = 0.f;
-          for (size_t s = 0; s < slots.size(); ++s) {
+          for (size_t s = 0; s < n_vis; ++s) {
             sc[s] = std::exp(sc[s] - mx);
             sum += sc[s];
           }
           float* ot = o + (size_t)t * c.q_dim() + (size_t)j * hd;
           for (int d = 0; d < hd; ++d) ot[d] = 0.f;
-          for (size_t s = 0; s < slots.size(); ++s) {
-            dequantize_row(kvt, I.v[l].data() + (size_t)slots[s] * I.kv_row + m * head_bytes, tmp.data(), hd);
-            const float p = sc[s];
-            for (int d = 0; d < hd; ++d) ot[d] += p * tmp[d];
-          }
+          for (size_t s = 0; s < n_vis; ++s)
+            axpy_row(kvt, I.v[l].data() + slot(s) * I.kv_row + m * head_bytes, sc[s], ot, hd, tmp.data());
           const float* gate = q + hd;
           const float inv = 1.f / sum;
           for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv * sigmoid(gate[d]);

@@ -364,4 +364,24 @@ float dot_f(DType t, const void* wv, const float* x, int64_t n) {
   return head + tail;
 }
 
+void axpy_row(DType t, const void* row, float p, float* out, int64_t n, float* tmp) {
+  const float* v = (const float*)row;
+  if (t != DType::F32) {
+#ifdef DFL_AVX2
+    if (t == DType::F16 && n % 8 == 0) {  // convert on the fly: same values as dequantize_row
+      const uint16_t* h = (const uint16_t*)row;
+      const __m256 pv = _mm256_set1_ps(p);
+      for (int64_t i = 0; i < n; i += 8) {
+        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i)));
+        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(pv, w)));
+      }
+      return;
+    }
+#endif
+    dequantize_row(t, row, tmp, n);
+    v = tmp;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
+}
+
 }  // namespace dfl
