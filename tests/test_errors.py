@@ -16,13 +16,17 @@ def good(synth_gguf):
     return synth_gguf("f32")
 
 
-def rewrite(src, dst, *, drop_key=None, set_kv=None, drop_tensor=None, arch=None):
+def rewrite(src, dst, *, drop_key=None, set_kv=None, drop_tensor=None, arch=None, alignment=None, extra_kv=()):
     """Copy a GGUF with gguf-py, changing one thing."""
     r = GGUFReader(src)
     w = GGUFWriter(str(dst), arch or r.fields["general.architecture"].contents())
+    if alignment:
+        w.add_custom_alignment(alignment)
+    for name, val, vt, sub in extra_kv:
+        w.add_key_value(name, val, vt, sub_type=sub)
     set_kv = set_kv or {}
     for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", drop_key):
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment", drop_key):
             continue
         vt = f.types[0]
         val = set_kv.get(name, f.contents())
@@ -126,3 +130,28 @@ def test_bad_arguments(good):
     with pytest.raises(DFlashError, match="empty prompt"):
         with Decoder(good, threads=1) as d:
             d.generate([], 2)
+
+
+def test_every_metadata_value_type_and_custom_alignment(good, tmp_path):
+    """The reader walks keys of all 13 GGUF value types (arrays included) and honours
+    general.alignment; the model computes exactly what the original file computes."""
+    V = GGUFValueType
+    extra = [("x.u8", 7, V.UINT8, None), ("x.i8", -7, V.INT8, None), ("x.u16", 700, V.UINT16, None),
+             ("x.i16", -700, V.INT16, None), ("x.u32", 70000, V.UINT32, None), ("x.i32", -70000, V.INT32, None),
+             ("x.f32", 1.5, V.FLOAT32, None), ("x.bool", True, V.BOOL, None), ("x.str", "héllo", V.STRING, None),
+             ("x.u64", 2**40, V.UINT64, None), ("x.i64", -2**40, V.INT64, None), ("x.f64", 2.25, V.FLOAT64, None),
+             ("x.arr_i16", [1, -2, 3], V.ARRAY, V.INT16), ("x.arr_str", ["a", "", "ccc"], V.ARRAY, V.STRING),
+             ("x.arr_f64", [0.5, 1.5], V.ARRAY, V.FLOAT64), ("x.arr_bool", [True, False], V.ARRAY, V.BOOL)]
+    other = rewrite(good, tmp_path / "extra.gguf", alignment=256, extra_kv=extra)
+    assert GGUFReader(other).fields["general.alignment"].contents() == 256
+    ids = [3, 14, 15, 92, 65]
+    with Decoder(good, threads=1) as a, Decoder(other, threads=1) as b:
+        assert np.array_equal(a.logits(ids), b.logits(ids))
+
+
+def test_misaligned_tensor_offset(good, tmp_path):
+    pos = tensor_info_pos(good, "blk.1.ffn_up.weight")[1]
+    bad = patched(good, tmp_path, lambda b: b.__setitem__(
+        slice(pos, pos + 8), struct.pack("<Q", struct.unpack("<Q", bytes(b[pos:pos + 8]))[0] + 4)))
+    with pytest.raises(DFlashError, match=r"tensor 'blk.1.ffn_up.weight' data offset \d+ is not aligned to 32"):
+        Decoder(bad, threads=1)
