@@ -121,6 +121,31 @@ int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, co
  * and activations (CUDA events, no host transfers timed); -1 on error. */
 double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters);
 
+/* ==================== DFlash drafter (z-lab layout) ====================
+ * path: a directory holding config.json + model.safetensors, or the
+ * .safetensors file with config.json beside it.  Every tensor is checked
+ * against the shapes config.json implies.  target: the model the drafter will
+ * serve; when not NULL the pair is validated (hidden size, target_layer_ids
+ * inside the target's layers, vocab size, mask token) and a mismatch fails
+ * with a message naming it.  NULL skips the pair checks.  The drafter does not
+ * keep a reference to target. */
+typedef struct dfl_draft dfl_draft;
+
+typedef struct {
+  int32_t n_layer, hidden, n_head, n_head_kv, head_dim, n_ff, n_vocab;
+  int32_t block_size, mask_token_id;
+  int32_t n_target_layers;       /* entries used in target_layer_ids (at most 16) */
+  int32_t target_layer_ids[16];  /* 0-based target layers whose outputs feed fc */
+  int32_t n_sliding_layers;      /* layers whose layer_types entry is sliding_attention */
+  int32_t sliding_window;        /* 0: none */
+  float rms_eps, rope_theta;
+  uint64_t weight_bytes;         /* bytes of all tensors in model.safetensors */
+} dfl_draft_info;
+
+dfl_draft* dfl_draft_load(const char* path, const dfl_model* target);
+void dfl_draft_free(dfl_draft* d);
+int dfl_draft_get_info(const dfl_draft* d, dfl_draft_info* out);
+
 #ifdef __cplusplus
 }
 #endif

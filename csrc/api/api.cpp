@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/handles.h"
 #include "api/last_error.h"
 #include "model/context.h"
 #include "ops/cpu_ops.h"
@@ -26,9 +27,6 @@
 #define DFLASH27B_CUDA_ARCHS ""
 #endif
 
-struct dfl_model {
-  std::unique_ptr<dfl::Model> m;
-};
 struct dfl_context {
   std::unique_ptr<dfl::Context> ctx;
   std::unique_ptr<dfl::Generator> gen;

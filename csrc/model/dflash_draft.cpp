@@ -1,0 +1,310 @@
+// dflash_draft.cpp — DFlash drafter config.json + model.safetensors loading.
+#include "model/dflash_draft.h"
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include "quant/quant.h"
+#include "util/json.h"
+
+namespace dfl {
+
+namespace {
+
+struct Cfg {
+  const JsonValue& root;
+  const JsonValue* dflash;  // dflash_config object or nullptr
+  const std::string& path;
+
+  // dflash_config[key] first, then the top level (z-lab's lookup order).
+  const JsonValue* find_dflash(const char* key) const {
+    if (dflash)
+      if (const JsonValue* v = dflash->find(key)) return v;
+    return root.find(key);
+  }
+
+  int64_t as_int(const JsonValue* v, const char* key, int64_t lo, int64_t hi) const {
+    if (!v->is_number() || !v->is_int)
+      fail("%s: config key '%s' should be an integer, found %s", path.c_str(), key,
+           v->is_number() ? "a non-integer number" : json_kind_name(v->kind));
+    if (v->i < lo || v->i > hi)
+      fail("%s: config key '%s' = %lld is out of range [%lld, %lld]", path.c_str(), key, (long long)v->i,
+           (long long)lo, (long long)hi);
+    return v->i;
+  }
+  int64_t req_int(const char* key, int64_t lo, int64_t hi) const {
+    const JsonValue* v = root.find(key);
+    if (!v || v->is_null()) fail("%s: missing config key '%s'", path.c_str(), key);
+    return as_int(v, key, lo, hi);
+  }
+  double as_num(const JsonValue* v, const char* key) const {
+    if (!v->is_number())
+      fail("%s: config key '%s' should be a number, found %s", path.c_str(), key, json_kind_name(v->kind));
+    return v->num;
+  }
+  double req_pos_num(const char* key) const {
+    const JsonValue* v = root.find(key);
+    if (!v || v->is_null()) fail("%s: missing config key '%s'", path.c_str(), key);
+    double d = as_num(v, key);
+    if (!(d > 0) || !std::isfinite(d)) fail("%s: config key '%s' must be positive, found %g", path.c_str(), key, d);
+    return d;
+  }
+  double opt_num(const char* key, double def) const {
+    const JsonValue* v = find_dflash(key);
+    return (!v || v->is_null()) ? def : as_num(v, key);
+  }
+  bool opt_bool(const char* key, bool def) const {
+    const JsonValue* v = root.find(key);
+    if (!v || v->is_null()) return def;
+    if (!v->is_bool()) fail("%s: config key '%s' should be true or false", path.c_str(), key);
+    return v->b;
+  }
+};
+
+constexpr int64_t kMaxDim = int64_t(1) << 20;
+
+bool is_dir(const std::string& p) {
+  struct stat st;
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+bool exists(const std::string& p) {
+  struct stat st;
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+std::string dims_str(const std::vector<int64_t>& d) {
+  std::string s = "[";
+  for (size_t k = 0; k < d.size(); ++k) s += (k ? ", " : "") + std::to_string(d[k]);
+  return s + "]";
+}
+
+struct Loader {
+  const SafetensorsFile& f;
+  std::set<std::string> used;
+
+  const STTensor& get(const std::string& name, std::vector<int64_t> shape) {
+    const STTensor* t = f.find(name);
+    if (!t) fail("%s: missing tensor '%s' (expected shape %s)", f.path().c_str(), name.c_str(), dims_str(shape).c_str());
+    if (t->shape != shape)
+      fail("%s: tensor '%s' has shape %s, expected %s from config.json", f.path().c_str(), name.c_str(),
+           t->shape_str().c_str(), dims_str(shape).c_str());
+    used.insert(name);
+    return *t;
+  }
+  Weight mat(const std::string& name, int64_t rows, int64_t cols) {
+    const STTensor& t = get(name, {rows, cols});
+    Weight w;
+    w.type = t.dtype;
+    w.data = t.data;
+    w.rows = rows;
+    w.cols = cols;
+    w.row_bytes = (size_t)(t.nbytes() / (uint64_t)rows);
+    return w;
+  }
+  std::vector<float> vec(const std::string& name, int64_t n) {
+    const STTensor& t = get(name, {n});
+    std::vector<float> out((size_t)n);
+    // The mapping need not be aligned for the element type: copy first.
+    std::vector<uint8_t> tmp(t.nbytes());
+    if (!tmp.empty()) std::memcpy(tmp.data(), t.data, tmp.size());
+    dequantize_row(t.dtype, tmp.data(), out.data(), n);
+    return out;
+  }
+};
+
+}  // namespace
+
+std::vector<int> build_target_layer_ids(int n_target, int n_draft) {
+  if (n_draft == 1) return {n_target / 2};
+  const int start = 1, end = n_target - 3, span = end - start;
+  std::vector<int> ids;
+  for (int i = 0; i < n_draft; ++i)
+    ids.push_back((int)std::nearbyint(start + (double)i * span / (n_draft - 1)));  // ties to even, as Python's round
+  return ids;
+}
+
+DraftConfig parse_draft_config(const std::string& path) {
+  JsonLimits lim;
+  lim.max_bytes = size_t(16) << 20;
+  lim.max_depth = 32;
+  JsonValue root = parse_json_file(path, lim);
+  if (!root.is_object()) fail("%s: config.json is a JSON %s, expected an object", path.c_str(), json_kind_name(root.kind));
+  const JsonValue* dfc = root.find("dflash_config");
+  if (dfc && !dfc->is_null() && !dfc->is_object())
+    fail("%s: config key 'dflash_config' should be an object, found %s", path.c_str(), json_kind_name(dfc->kind));
+  Cfg c{root, dfc && dfc->is_object() ? dfc : nullptr, path};
+  DraftConfig d;
+
+  d.n_layer = (int)c.req_int("num_hidden_layers", 1, 1024);
+  d.hidden = (int)c.req_int("hidden_size", 1, kMaxDim);
+  d.n_head = (int)c.req_int("num_attention_heads", 1, 4096);
+  d.n_head_kv = (int)c.req_int("num_key_value_heads", 1, 4096);
+  d.head_dim = (int)c.req_int("head_dim", 2, 4096);
+  d.n_ff = (int)c.req_int("intermediate_size", 1, kMaxDim);
+  d.rms_eps = (float)c.req_pos_num("rms_norm_eps");
+  d.rope_theta = c.req_pos_num("rope_theta");
+  d.n_vocab = (int)c.req_int("vocab_size", 1, int64_t(1) << 30);
+  d.max_pos = c.req_int("max_position_embeddings", 1, int64_t(1) << 40);
+  if (d.n_head % d.n_head_kv != 0)
+    fail("%s: num_attention_heads %d is not a multiple of num_key_value_heads %d", path.c_str(), d.n_head, d.n_head_kv);
+  if (d.head_dim % 2 != 0) fail("%s: head_dim %d is odd (RoPE needs pairs)", path.c_str(), d.head_dim);
+
+  if (const JsonValue* a = root.find("hidden_act"))
+    if (!a->is_null() && (!a->is_string() || a->str != "silu"))
+      fail("%s: config key 'hidden_act' must be \"silu\"", path.c_str());
+  if (c.opt_bool("attention_bias", false))
+    fail("%s: config key 'attention_bias' is true; DFlash drafters have no attention biases", path.c_str());
+
+  if (const JsonValue* rs = root.find("rope_scaling"); rs && !rs->is_null()) {
+    if (!rs->is_object()) fail("%s: config key 'rope_scaling' should be an object or null", path.c_str());
+    const JsonValue* t = rs->find("rope_type");
+    if (!t) t = rs->find("type");
+    if (!t || !t->is_string()) fail("%s: config key 'rope_scaling' lacks a string 'rope_type'", path.c_str());
+    d.rope_scaling_type = t->str;
+    if (const JsonValue* f = rs->find("factor")) d.rope_scaling_factor = c.as_num(f, "rope_scaling.factor");
+    if (const JsonValue* o = rs->find("original_max_position_embeddings"); o && !o->is_null())
+      d.rope_scaling_orig_max_pos = c.as_int(o, "rope_scaling.original_max_position_embeddings", 1, int64_t(1) << 40);
+    if (d.rope_scaling_type == "default") d.rope_scaling_type.clear();
+  }
+
+  // sliding window and layer types
+  const JsonValue* sw = root.find("sliding_window");
+  if (sw && !sw->is_null()) d.sliding_window = (int)c.as_int(sw, "sliding_window", 1, int64_t(1) << 30);
+  d.is_sliding.assign((size_t)d.n_layer, 0);
+  const JsonValue* lt = root.find("layer_types");
+  if (lt && !lt->is_null()) {
+    if (!lt->is_array()) fail("%s: config key 'layer_types' should be an array", path.c_str());
+    if ((int)lt->arr.size() != d.n_layer)
+      fail("%s: config key 'layer_types' has %zu entries but num_hidden_layers is %d", path.c_str(), lt->arr.size(),
+           d.n_layer);
+    for (int i = 0; i < d.n_layer; ++i) {
+      const JsonValue& e = lt->arr[(size_t)i];
+      if (e.is_string() && e.str == "full_attention") continue;
+      if (e.is_string() && e.str == "sliding_attention") { d.is_sliding[(size_t)i] = 1; continue; }
+      fail("%s: layer_types[%d] is %s%s%s; expected \"full_attention\" or \"sliding_attention\"", path.c_str(), i,
+           e.is_string() ? "'" : "a JSON ", e.is_string() ? e.str.c_str() : json_kind_name(e.kind),
+           e.is_string() ? "'" : "");
+    }
+  } else if (c.opt_bool("use_sliding_window", false) && d.sliding_window > 0) {
+    // transformers' Qwen3Config default: layers from max_window_layers on slide
+    int64_t mwl = 28;
+    if (const JsonValue* m = root.find("max_window_layers"); m && !m->is_null())
+      mwl = c.as_int(m, "max_window_layers", 0, 1 << 20);
+    for (int i = 0; i < d.n_layer; ++i) d.is_sliding[(size_t)i] = i >= mwl;
+  }
+  for (int i = 0; i < d.n_layer; ++i)
+    if (d.is_sliding[(size_t)i] && d.sliding_window <= 0)
+      fail("%s: layer %d is sliding_attention but 'sliding_window' is not a positive integer", path.c_str(), i);
+  if (const JsonValue* ic = root.find("is_causal"); ic && !ic->is_null()) {
+    if (!ic->is_bool()) fail("%s: config key 'is_causal' should be true, false or null", path.c_str());
+    d.is_causal = ic->b ? 1 : 0;
+  }
+
+  // DFlash keys
+  if (const JsonValue* v = c.find_dflash("block_size"); v && !v->is_null())
+    d.block_size = (int)c.as_int(v, "block_size", 1, 4096);
+  const JsonValue* mt = c.find_dflash("mask_token_id");
+  if (!mt || mt->is_null()) fail("%s: missing config key 'dflash_config.mask_token_id'", path.c_str());
+  d.mask_token_id = (int)c.as_int(mt, "mask_token_id", 0, int64_t(1) << 30);
+  if (d.mask_token_id >= d.n_vocab)
+    fail("%s: mask_token_id %d is outside the drafter's vocab_size %d", path.c_str(), d.mask_token_id, d.n_vocab);
+  if (const JsonValue* v = c.find_dflash("num_target_layers"); v && !v->is_null())
+    d.num_target_layers = (int)c.as_int(v, "num_target_layers", 1, 1 << 20);
+  const JsonValue* ids = c.find_dflash("target_layer_ids");
+  if (ids && !ids->is_null()) {
+    if (!ids->is_array()) fail("%s: config key 'target_layer_ids' should be an array", path.c_str());
+    if (ids->arr.empty()) fail("%s: config key 'target_layer_ids' is empty", path.c_str());
+    if (ids->arr.size() > 1024) fail("%s: config key 'target_layer_ids' has %zu entries", path.c_str(), ids->arr.size());
+    for (const JsonValue& e : ids->arr) d.target_layer_ids.push_back((int)c.as_int(&e, "target_layer_ids[]", 0, 1 << 20));
+  } else if (d.num_target_layers > 0) {
+    if (d.n_layer > 1 && d.num_target_layers < 4)
+      fail("%s: num_target_layers %d is too small to derive target_layer_ids", path.c_str(), d.num_target_layers);
+    d.target_layer_ids = build_target_layer_ids(d.num_target_layers, d.n_layer);
+    d.layer_ids_derived = true;
+  } else {
+    fail("%s: missing config key 'dflash_config.target_layer_ids' (and no 'num_target_layers' to derive it from)",
+         path.c_str());
+  }
+  std::set<int> seen;
+  for (int id : d.target_layer_ids)
+    if (!seen.insert(id).second) fail("%s: target_layer_ids lists layer %d twice", path.c_str(), id);
+  if ((int64_t)d.hidden * (int64_t)d.target_layer_ids.size() > (int64_t(1) << 30))
+    fail("%s: fc input size hidden_size x len(target_layer_ids) is absurd", path.c_str());
+
+  d.input_embedding_scale = (float)c.opt_num("input_embedding_scale", 1.0);
+  d.output_multiplier = (float)c.opt_num("output_multiplier", 1.0);
+  d.final_logit_softcapping = (float)c.opt_num("final_logit_softcapping", 0.0);
+  return d;
+}
+
+std::unique_ptr<DraftModel> load_draft(const std::string& path) {
+  std::string cfg_path, st_path;
+  if (is_dir(path)) {
+    std::string dir = path;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    cfg_path = dir + "/config.json";
+    st_path = dir + "/model.safetensors";
+  } else if (exists(path)) {
+    st_path = path;
+    size_t slash = path.find_last_of('/');
+    cfg_path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + "config.json";
+  } else {
+    fail("%s: cannot open drafter: no such file or directory", path.c_str());
+  }
+  if (!exists(cfg_path)) fail("%s: drafter config.json not found (expected %s)", path.c_str(), cfg_path.c_str());
+  if (!exists(st_path)) fail("%s: drafter model.safetensors not found (expected %s)", path.c_str(), st_path.c_str());
+
+  auto m = std::make_unique<DraftModel>();
+  m->config_path = cfg_path;
+  m->cfg = parse_draft_config(cfg_path);
+  m->file = std::make_unique<SafetensorsFile>(st_path);
+  const DraftConfig& c = m->cfg;
+  Loader L{*m->file, {}};
+  const int64_t H = c.hidden, Q = c.q_dim(), KV = c.kv_dim(), F = c.n_ff, D = c.head_dim;
+  m->fc = L.mat("fc.weight", H, c.fc_in());
+  m->hidden_norm = L.vec("hidden_norm.weight", H);
+  m->norm = L.vec("norm.weight", H);
+  m->layers.resize((size_t)c.n_layer);
+  for (int i = 0; i < c.n_layer; ++i) {
+    DraftLayerWeights& l = m->layers[(size_t)i];
+    const std::string p = "layers." + std::to_string(i) + ".";
+    l.input_norm = L.vec(p + "input_layernorm.weight", H);
+    l.post_norm = L.vec(p + "post_attention_layernorm.weight", H);
+    l.wq = L.mat(p + "self_attn.q_proj.weight", Q, H);
+    l.wk = L.mat(p + "self_attn.k_proj.weight", KV, H);
+    l.wv = L.mat(p + "self_attn.v_proj.weight", KV, H);
+    l.wo = L.mat(p + "self_attn.o_proj.weight", H, Q);
+    l.q_norm = L.vec(p + "self_attn.q_norm.weight", D);
+    l.k_norm = L.vec(p + "self_attn.k_norm.weight", D);
+    l.gate = L.mat(p + "mlp.gate_proj.weight", F, H);
+    l.up = L.mat(p + "mlp.up_proj.weight", F, H);
+    l.down = L.mat(p + "mlp.down_proj.weight", H, F);
+  }
+  for (const STTensor& t : m->file->tensors()) {
+    if (!L.used.count(t.name))
+      fail("%s: unexpected tensor '%s' (not part of a %d-layer DFlash drafter)", st_path.c_str(), t.name.c_str(),
+           c.n_layer);
+    m->weight_bytes += t.nbytes();
+  }
+  return m;
+}
+
+void validate_pair(const DraftConfig& d, const Qwen35Config& t) {
+  if (d.hidden != t.n_embd)
+    fail("drafter/target mismatch: drafter hidden_size %d != target hidden size %d", d.hidden, t.n_embd);
+  for (int id : d.target_layer_ids)
+    if (id < 0 || id >= t.n_layer)
+      fail("drafter/target mismatch: target_layer_id %d is outside the target's layers [0, %d)", id, t.n_layer);
+  if (d.layer_ids_derived && d.num_target_layers != t.n_layer)
+    fail("drafter/target mismatch: drafter num_target_layers %d (its target_layer_ids derive from it) != target layers %d",
+         d.num_target_layers, t.n_layer);
+  if (d.mask_token_id < 0 || d.mask_token_id >= t.n_vocab)
+    fail("drafter/target mismatch: mask_token_id %d is outside the target vocab [0, %d)", d.mask_token_id, t.n_vocab);
+  if (d.n_vocab != t.n_vocab)
+    fail("drafter/target mismatch: drafter vocab_size %d != target vocab size %d", d.n_vocab, t.n_vocab);
+}
+
+}  // namespace dfl

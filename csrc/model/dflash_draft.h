@@ -1,0 +1,88 @@
+// dflash_draft.h — z-lab's DFlash drafter: configuration (config.json) and
+// weights (model.safetensors), every shape validated against the config.
+//
+// A drafter is a small Qwen3-style transformer without embedding or lm_head
+// (it borrows the target's); it reads features captured from the target after
+// each layer in `target_layer_ids`, concatenated and projected by `fc`.
+// Loading checks that every tensor z-lab's checkpoint has is present with the
+// shape the config implies (and nothing else); `validate_pair` checks the
+// drafter against a target.  Failures are one-line dfl::Errors naming the
+// file (or the pair) and the problem.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/qwen35.h"
+#include "safetensors/safetensors.h"
+
+namespace dfl {
+
+struct DraftConfig {
+  // the drafter's own transformer (standard Qwen3 keys)
+  int n_layer = 0;        // num_hidden_layers
+  int hidden = 0;         // hidden_size (= the target's hidden size)
+  int n_head = 0;         // num_attention_heads
+  int n_head_kv = 0;      // num_key_value_heads
+  int head_dim = 0;
+  int n_ff = 0;           // intermediate_size
+  float rms_eps = 0.f;    // rms_norm_eps
+  double rope_theta = 0;  // full rotary over head_dim (NeoX rotate-half)
+  // rope_scaling: empty type = none (null or absent); else its rope_type/type,
+  // factor and original_max_position_embeddings (0 when absent).
+  std::string rope_scaling_type;
+  double rope_scaling_factor = 1.0;
+  int64_t rope_scaling_orig_max_pos = 0;
+  int n_vocab = 0;        // vocab_size (= the target's; no embedding of its own)
+  int64_t max_pos = 0;    // max_position_embeddings
+  std::vector<uint8_t> is_sliding;  // per layer: layer_types[i] == "sliding_attention"
+  int sliding_window = 0;           // 0: none (null/absent); required when a layer slides
+  int is_causal = -1;               // config `is_causal`: -1 absent, else 0/1 (applies to every layer)
+  // DFlash keys (dflash_config first, then top level)
+  int block_size = 16;
+  int mask_token_id = -1;
+  std::vector<int> target_layer_ids;  // 0-based target layers whose outputs are captured
+  int num_target_layers = 0;          // 0: absent
+  bool layer_ids_derived = false;     // ids came from build_target_layer_ids(num_target_layers, n_layer)
+  // optional scalars, neutral by default
+  float input_embedding_scale = 1.f;
+  float output_multiplier = 1.f;
+  float final_logit_softcapping = 0.f;  // 0: off
+
+  int q_dim() const { return n_head * head_dim; }
+  int kv_dim() const { return n_head_kv * head_dim; }
+  int fc_in() const { return hidden * (int)target_layer_ids.size(); }
+};
+
+struct DraftLayerWeights {
+  std::vector<float> input_norm, post_norm;  // [hidden]
+  std::vector<float> q_norm, k_norm;         // [head_dim]
+  Weight wq, wk, wv, wo;                     // q_proj [q_dim, H], k/v [kv_dim, H], o [H, q_dim]
+  Weight gate, up, down;                     // [F, H], [F, H], [H, F]
+};
+
+struct DraftModel {
+  std::unique_ptr<SafetensorsFile> file;
+  std::string config_path;
+  DraftConfig cfg;
+  Weight fc;                            // [H, H * n_target_layers]
+  std::vector<float> hidden_norm, norm; // [H]
+  std::vector<DraftLayerWeights> layers;
+  uint64_t weight_bytes = 0;            // bytes of all tensors in the file
+};
+
+// z-lab's build_target_layer_ids(N target layers, n draft layers).
+std::vector<int> build_target_layer_ids(int n_target_layers, int n_draft_layers);
+
+// Parses and validates config.json; errors name `path`.
+DraftConfig parse_draft_config(const std::string& path);
+
+// `path`: a directory with config.json + model.safetensors, or the
+// .safetensors file with config.json beside it.
+std::unique_ptr<DraftModel> load_draft(const std::string& path);
+
+// Refuses a drafter that cannot run against `target`: hidden sizes, every
+// target_layer_id inside [0, target n_layer), mask token id, vocab sizes.
+void validate_pair(const DraftConfig& draft, const Qwen35Config& target);
+
+}  // namespace dfl

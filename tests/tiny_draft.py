@@ -1,0 +1,168 @@
+"""A tiny random DFlash drafter in z-lab's published layout, for tests.
+
+`make_tiny_draft` writes `config.json` (the keys z-lab's Qwen3.5-27B-DFlash
+config carries) and `model.safetensors` (the exact tensor names z-lab's
+checkpoint has: fc, hidden_norm, norm, layers.{i}.{input_layernorm,
+post_attention_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+mlp.{gate,up,down}_proj}).  The safetensors file is written by hand
+(json + struct) so tests can also write deliberately broken ones with
+`write_safetensors_raw`.  BF16 tensors are stored as uint16 bit patterns
+(f32 rounded to nearest even).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DROP = object()  # config override value that removes the key
+_DFLASH_KEYS = ("target_layer_ids", "mask_token_id")
+_ST_DTYPE = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+
+
+def build_target_layer_ids(n_target: int, n_draft: int) -> list[int]:
+    """z-lab's helper (Python round: ties to even)."""
+    if n_draft == 1:
+        return [n_target // 2]
+    start, end = 1, n_target - 3
+    span = end - start
+    return [int(round(start + i * span / (n_draft - 1))) for i in range(n_draft)]
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def encode(x: np.ndarray, dtype: str) -> bytes:
+    if dtype == "bf16":
+        return f32_to_bf16_bits(x).tobytes()
+    if dtype == "f16":
+        return np.ascontiguousarray(x, dtype=np.float16).tobytes()
+    return np.ascontiguousarray(x, dtype=np.float32).tobytes()
+
+
+def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor a drafter with this config.json has, in z-lab's order."""
+    H, F, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    Q, KV = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
+    n_ids = len(cfg["dflash_config"]["target_layer_ids"])
+    out = [("fc.weight", (H, H * n_ids)), ("hidden_norm.weight", (H,))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,)),
+                (p + "mlp.down_proj.weight", (H, F)),
+                (p + "mlp.gate_proj.weight", (F, H)),
+                (p + "mlp.up_proj.weight", (F, H)),
+                (p + "post_attention_layernorm.weight", (H,)),
+                (p + "self_attn.k_norm.weight", (D,)),
+                (p + "self_attn.k_proj.weight", (KV, H)),
+                (p + "self_attn.o_proj.weight", (H, Q)),
+                (p + "self_attn.q_norm.weight", (D,)),
+                (p + "self_attn.q_proj.weight", (Q, H)),
+                (p + "self_attn.v_proj.weight", (KV, H))]
+    out.append(("norm.weight", (H,)))
+    return out
+
+
+def write_safetensors_raw(path: str | Path, header: dict[str, Any], data: bytes, header_pad: bool = True) -> Path:
+    """Writes header (a dict, taken as is) + data; pads the JSON with spaces to 8 bytes like the reference."""
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    if header_pad:
+        hb += b" " * (-len(hb) % 8)
+    path = Path(path)
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + data)
+    return path
+
+
+def read_safetensors_raw(path: str | Path) -> tuple[dict[str, Any], bytes]:
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_safetensors(path: str | Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]],
+                      metadata: dict[str, str] | None = None) -> Path:
+    """tensors: (name, dtype "BF16"/"F16"/"F32"/..., shape, bytes), laid out in order."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    data = bytearray()
+    for name, dt, shape, b in tensors:
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [len(data), len(data) + len(b)]}
+        data += b
+    return write_safetensors_raw(path, header, bytes(data))
+
+
+def draft_config(target_hidden: int = 256, target_layers: int = 8, vocab: int = 2048, n_layers: int = 1,
+                 block_size: int = 16, mask_token_id: int | None = None, n_head: int = 4, n_head_kv: int = 2,
+                 head_dim: int = 64, ffn: int = 512, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "block_size": block_size,
+        "bos_token_id": None,
+        "dflash_config": {
+            "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
+            "target_layer_ids": build_target_layer_ids(target_layers, n_layers),
+        },
+        "dtype": "bfloat16",
+        "eos_token_id": None,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": target_hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": ffn,
+        "layer_types": ["full_attention"] * n_layers,
+        "max_position_embeddings": 4096,
+        "max_window_layers": n_layers,
+        "model_type": "qwen3",
+        "num_attention_heads": n_head,
+        "num_hidden_layers": n_layers,
+        "num_key_value_heads": n_head_kv,
+        "num_target_layers": target_layers,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab,
+    }
+    for k, v in overrides.items():
+        where = cfg["dflash_config"] if k in _DFLASH_KEYS else cfg
+        if v is DROP:
+            where.pop(k, None)
+        else:
+            where[k] = v
+    return cfg
+
+
+def make_tiny_draft(out_dir: str | Path, target_hidden: int = 256, target_layers: int = 8, vocab: int = 2048,
+                    n_layers: int = 1, block_size: int = 16, mask_token_id: int | None = None, dtype: str = "bf16",
+                    seed: int = 0, **config_overrides: Any) -> Path:
+    """Writes out_dir/config.json and out_dir/model.safetensors; returns out_dir.
+    config_overrides: top-level config keys (target_layer_ids / mask_token_id go into
+    dflash_config); DROP removes a key.  Shapes follow the final config."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = draft_config(target_hidden, target_layers, vocab, n_layers, block_size, mask_token_id, **config_overrides)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    # Shapes come from the config as written; a dropped key falls back to the defaults.
+    full = draft_config(target_hidden, target_layers, vocab, n_layers, block_size, mask_token_id)
+    full.update({k: v for k, v in cfg.items() if k != "dflash_config"})
+    full["dflash_config"] = {**full["dflash_config"], **cfg.get("dflash_config", {})}
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for name, shape in tensor_shapes(full):
+        if len(shape) == 1:
+            x = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            x = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+        tensors.append((name, _ST_DTYPE[dtype], shape, encode(x, dtype)))
+    write_safetensors(out / "model.safetensors", tensors)
+    return out
