@@ -47,7 +47,12 @@ void need(const void* p, const char* what) {
 }  // namespace
 
 // For entry points in other translation units (csrc/api/last_error.h).
-void dfl::set_last_error(const char* msg) { g_last_error = msg ? msg : ""; }
+// Messages may quote names read from a corrupt file: keep them one printable line.
+void dfl::set_last_error(const char* msg) {
+  g_last_error = msg ? msg : "";
+  for (char& ch : g_last_error)
+    if ((unsigned char)ch < 0x20 || ch == 0x7f) ch = '?';
+}
 
 #pragma GCC visibility push(default)
 extern "C" {

@@ -87,7 +87,12 @@ class Decoder:
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
         self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type])
-        self.tokenizer = Tokenizer.from_gguf(self.target)
+        try:
+            self.tokenizer = Tokenizer.from_gguf(self.target)
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            self.close()
+            why = "".join(ch if ch.isprintable() else "?" for ch in str(e))[:300]
+            raise DFlashError(f"{self.target}: invalid tokenizer metadata: {why}") from None
         self.n_ctx = ctx
 
     # -- model facts -----------------------------------------------------------------------------------
