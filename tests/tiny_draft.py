@@ -106,7 +106,7 @@ def draft_config(target_hidden: int = 256, target_layers: int = 8, vocab: int = 
         "block_size": block_size,
         "bos_token_id": None,
         "dflash_config": {
-            "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
+            "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,  # DROP: removed below
             "target_layer_ids": build_target_layer_ids(target_layers, n_layers),
         },
         "dtype": "bfloat16",
@@ -135,10 +135,10 @@ def draft_config(target_hidden: int = 256, target_layers: int = 8, vocab: int = 
     }
     for k, v in overrides.items():
         where = cfg["dflash_config"] if k in _DFLASH_KEYS else cfg
-        if v is DROP:
-            where.pop(k, None)
-        else:
-            where[k] = v
+        where[k] = v
+    for where in (cfg, cfg["dflash_config"]):
+        for k in [k for k, v in where.items() if v is DROP]:
+            del where[k]
     return cfg
 
 
@@ -152,10 +152,11 @@ def make_tiny_draft(out_dir: str | Path, target_hidden: int = 256, target_layers
     out.mkdir(parents=True, exist_ok=True)
     cfg = draft_config(target_hidden, target_layers, vocab, n_layers, block_size, mask_token_id, **config_overrides)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    # Shapes come from the config as written; a dropped key falls back to the defaults.
-    full = draft_config(target_hidden, target_layers, vocab, n_layers, block_size, mask_token_id)
-    full.update({k: v for k, v in cfg.items() if k != "dflash_config"})
-    full["dflash_config"] = {**full["dflash_config"], **cfg.get("dflash_config", {})}
+    # Shapes follow the config as written; dropped keys and values of the wrong type
+    # (written to test the loader's checks) fall back to the defaults.
+    usable = {k: v for k, v in config_overrides.items() if v is not DROP and not isinstance(v, str)}
+    full = draft_config(target_hidden, target_layers, vocab, n_layers, block_size,
+                        None if mask_token_id is DROP else mask_token_id, **usable)
     rng = np.random.default_rng(seed)
     tensors = []
     for name, shape in tensor_shapes(full):
