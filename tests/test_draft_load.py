@@ -351,3 +351,57 @@ def test_fuzz_corruptions_never_crash(tmp_path, good):
     last = r.stdout.strip().splitlines()[-1].split()
     assert last[0] == "done" and int(last[1]) + int(last[2]) == 200
     assert int(last[2]) > 100  # most corruptions must be refused
+
+
+# ---------------------------------------------------------------- the JSON parser (through config.json)
+
+def _cfg_text(d: Path) -> str:
+    return (d / "config.json").read_text()
+
+
+def test_json_escapes_and_unicode(tmp_path):
+    d = make_tiny_draft(tmp_path / "d")
+    t = _cfg_text(d)
+    t = t.replace('"full_attention"', '"full\\u005fattention"')  # \\uXXXX decoded before comparing
+    t = t.replace('"qwen3"', '"q\\ud83d\\ude00\\"\\\\\\/\\b\\f\\n\\r\\t \u00e9\u4e2d\U0001F600"')  # pair + raw UTF-8
+    (d / "config.json").write_text(t, encoding="utf-8")
+    assert draft_load(d)["n_layer"] == 1
+
+
+@pytest.mark.parametrize("old,new,fragment", [
+    ('"qwen3"', '"\\ud83d"', "high surrogate not followed by a low surrogate"),
+    ('"qwen3"', '"\\ude00"', "unpaired low surrogate"),
+    ('"qwen3"', '"\\u12G4"', "invalid hex digit"),
+    ('"qwen3"', '"\\x"', "invalid escape character"),
+    ('"qwen3"', '"a\tb"', "raw control character"),
+    ('"hidden_size": 256', '"hidden_size": 0256', "leading zero"),
+    ('"hidden_size": 256', '"hidden_size": NaN', "unexpected character"),
+    ('"hidden_size": 256', '"hidden_size": -', "expected a digit"),
+    ('"hidden_size": 256', '"hidden_size": 1e999', "number out of range"),
+    ('"hidden_size": 256', '"hidden_size": 256, "hidden_size": 256', "duplicate key 'hidden_size'"),
+    ('"use_cache": true', '"use_cache": tru', "invalid literal"),
+    ('"use_cache": true', '"use_cache": [1, 2,]', "expected a value"),
+])
+def test_json_rejects(tmp_path, old, new, fragment):
+    d = make_tiny_draft(tmp_path / "d")
+    t = _cfg_text(d)
+    assert old in t
+    (d / "config.json").write_text(t.replace(old, new, 1))
+    expect_error(d, "config.json: malformed JSON at byte", fragment)
+
+
+def test_json_limits_and_bytes(tmp_path):
+    d = make_tiny_draft(tmp_path / "d")
+    t = _cfg_text(d)
+    (d / "config.json").write_text(t.replace('"use_cache": true', '"use_cache": ' + "[" * 100 + "]" * 100))
+    expect_error(d, "nesting deeper than the limit")
+    (d / "config.json").write_bytes(t.replace('"qwen3"', '"q\xff"').encode("latin-1"))
+    expect_error(d, "invalid UTF-8")
+    (d / "config.json").write_bytes(t.replace('"qwen3"', '"q\xc0\xaf"').encode("latin-1"))  # overlong '/'
+    expect_error(d, "invalid UTF-8")
+    (d / "config.json").write_text(t + " x")
+    expect_error(d, "unexpected data after the JSON value")
+    (d / "config.json").write_text(t[: t.index('"vocab_size"') - 2])
+    expect_error(d, "unexpected end of input inside an object")
+    (d / "config.json").write_text("[]")
+    expect_error(d, "config.json is a JSON array, expected an object")
