@@ -118,6 +118,122 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (lane == (r * NT + t) % 32 && t < n && row0 + r < rows) y[(int64_t)t * rows + row0 + r] = acc[r][t];
 }
 
+// Register-staged variant (see matmul.cu): no shared memory, activations read
+// from global memory; MINB CTAs per SM bound the registers.
+template <class F, int NT, int RW, int U, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB)
+    matvec_gx_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                  const float* __restrict__ x, int n, float* __restrict__ y) {
+  constexpr int G = F::P / 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row_tasks = cols / F::BE * F::TPB;
+  const int64_t row0 = ((int64_t)blockIdx.x * kWarps + warp) * RW;
+
+  // Rows past the end are read (as the last row), never written.
+  const uint8_t* wbase = w + (row0 < rows ? row0 : rows - 1) * row_bytes;
+  const int rlast = row0 + RW <= rows ? RW - 1 : (int)(rows - 1 - (row0 < rows ? row0 : rows - 1));
+
+  float acc[RW][NT];
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+
+  // Lane L takes the row's tasks L, L+32, L+64, ... in increasing order, U at
+  // a time: the loads of all U x RW (task, row) pairs go out first, then they
+  // are decoded 4 values at a time and multiplied with the activations, read
+  // straight from global memory (L1/L2 resident: every warp reads the same x)
+  // as float4s, since a task's runs of 4 values are 4 consecutive elements.
+#pragma unroll 1
+  for (int64_t task0 = lane; task0 < row_tasks; task0 += 32 * U) {
+    typename F::Raw raw[U][RW];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t gt = task0 + 32 * u;
+      if (gt < row_tasks) {
+        const int64_t boff = gt / F::TPB * F::BB;
+        const int j = (int)(gt % F::TPB);
+#pragma unroll
+        for (int r = 0; r < RW; ++r) F::load(wbase + (r < rlast ? r : rlast) * row_bytes + boff, j, raw[u][r]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t gt = task0 + 32 * u;
+      if (gt < row_tasks) {
+        const int j = (int)(gt % F::TPB);
+        const float* xb = x + gt / F::TPB * F::BE;
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          float wv[RW][4];
+#pragma unroll
+          for (int r = 0; r < RW; ++r) F::deq4(raw[u][r], g, wv[r]);
+          const int e = F::elem(j, 4 * g);
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t < n) xv = __ldg(reinterpret_cast<const float4*>(xb + (int64_t)t * cols + e));
+#pragma unroll
+            for (int r = 0; r < RW; ++r) {
+              float a = acc[r][t];
+              a = fmaf(wv[r][0], xv.x, a);
+              a = fmaf(wv[r][1], xv.y, a);
+              a = fmaf(wv[r][2], xv.z, a);
+              a = fmaf(wv[r][3], xv.w, a);
+              acc[r][t] = a;
+            }
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      acc[r][t] = v;
+    }
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (lane == (r * NT + t) % 32 && t < n && row0 + r < rows) y[(int64_t)t * rows + row0 + r] = acc[r][t];
+}
+
+// Which matvec kernel serves format F at NT tokens per pass (measured on an
+// H100, bench/RESULTS.md): the shared-memory kernel (gx = false) or the
+// register-staged one with RW rows per warp, U tasks per lane in flight and at
+// least MINB CTAs per SM.  Both sum a token's products in the same order
+// (lane L: tasks L mod 32 ascending, values in task order), so the results are
+// bit-identical whichever serves an n.
+template <class F, int NT>
+struct MatvecCfg { static constexpr bool gx = false; static constexpr int RW = kRowsPerWarp, U = 1, MINB = 1; };
+#define DFL_MV_CFG(Fmt, N, rw, u, minb)                                                              \
+  template <>                                                                                         \
+  struct MatvecCfg<Fmt, N> { static constexpr bool gx = true; static constexpr int RW = rw, U = u, MINB = minb; }
+DFL_MV_CFG(FmtQ4_K, 1, 2, 1, 8);
+DFL_MV_CFG(FmtQ4_K, 2, 4, 1, 6);
+DFL_MV_CFG(FmtQ4_K, 4, 4, 1, 5);
+DFL_MV_CFG(FmtQ5_K, 1, 2, 1, 8);
+DFL_MV_CFG(FmtQ5_K, 2, 4, 1, 6);
+DFL_MV_CFG(FmtQ5_K, 4, 4, 1, 5);
+DFL_MV_CFG(FmtQ6_K, 1, 2, 1, 8);
+DFL_MV_CFG(FmtQ6_K, 4, 4, 2, 4);
+DFL_MV_CFG(FmtQ8_0, 1, 2, 1, 8);
+DFL_MV_CFG(FmtQ8_0, 2, 4, 2, 5);
+DFL_MV_CFG(FmtQ8_0, 4, 4, 1, 6);
+DFL_MV_CFG(FmtQ8_0, 8, 4, 1, 5);
+DFL_MV_CFG(FmtF16, 1, 2, 1, 8);
+DFL_MV_CFG(FmtF16, 2, 2, 1, 8);
+DFL_MV_CFG(FmtF16, 4, 4, 1, 5);
+DFL_MV_CFG(FmtF16, 8, 4, 1, 5);
+#undef DFL_MV_CFG
+inline int64_t matvec_gx_ctas(int64_t rows, int rw) { return (rows + kWarps * rw - 1) / (kWarps * rw); }
+
 template <class F>
 __global__ void __launch_bounds__(256)
     tiled_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,

@@ -14,11 +14,18 @@ namespace kern {
 template <class F, int NT>
 void launch_matvec(const uint8_t* w, int64_t rows, int64_t cols, int64_t rb, const float* x, int n, float* y,
                    cudaStream_t s) {
-  const int chunk = Layout<F>::chunk_cols(NT, cols);
-  const size_t smem = Layout<F>::smem_bytes(NT, chunk);  // <= 37 KiB: no opt-in above 48 KiB needed
-  const int64_t grid = matvec_ctas(rows);
-  if (grid > 0x7fffffff) fail("matmul: %lld rows is too many", (long long)rows);
-  matvec_kernel<F, NT, kRowsPerWarp><<<(unsigned)grid, kWarps * 32, smem, s>>>(w, rows, cols, rb, x, n, y, chunk);
+  using C = MatvecCfg<F, NT>;
+  if constexpr (C::gx) {
+    const int64_t grid = matvec_gx_ctas(rows, C::RW);
+    if (grid > 0x7fffffff) fail("matmul: %lld rows is too many", (long long)rows);
+    matvec_gx_kernel<F, NT, C::RW, C::U, C::MINB><<<(unsigned)grid, kWarps * 32, 0, s>>>(w, rows, cols, rb, x, n, y);
+  } else {
+    const int chunk = Layout<F>::chunk_cols(NT, cols);
+    const size_t smem = Layout<F>::smem_bytes(NT, chunk);  // <= 37 KiB: no opt-in above 48 KiB needed
+    const int64_t grid = matvec_ctas(rows);
+    if (grid > 0x7fffffff) fail("matmul: %lld rows is too many", (long long)rows);
+    matvec_kernel<F, NT, kRowsPerWarp><<<(unsigned)grid, kWarps * 32, smem, s>>>(w, rows, cols, rb, x, n, y, chunk);
+  }
 }
 
 // y = W x for n tokens of a weight of format F (see matmul.cuh).

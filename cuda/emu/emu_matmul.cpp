@@ -54,6 +54,13 @@ void emu_launch(dim3 grid, int threads, K kernel) {
 
 template <class F, int NT>
 void matvec(const uint8_t* w, int64_t rows, int64_t cols, int64_t rb, const float* x, int n, float* y) {
+  using C = MatvecCfg<F, NT>;
+  if constexpr (C::gx) {
+    dim3 g;
+    g.x = (unsigned)matvec_gx_ctas(rows, C::RW);
+    emu_launch(g, kWarps * 32, [&] { matvec_gx_kernel<F, NT, C::RW, C::U, C::MINB>(w, rows, cols, rb, x, n, y); });
+    return;
+  }
   const int chunk = Layout<F>::chunk_cols(NT, cols);
   if (Layout<F>::smem_bytes(NT, chunk) > sizeof(smem_f4)) std::abort();
   dim3 g;
