@@ -405,3 +405,24 @@ def test_json_limits_and_bytes(tmp_path):
     expect_error(d, "unexpected end of input inside an object")
     (d / "config.json").write_text("[]")
     expect_error(d, "config.json is a JSON array, expected an object")
+
+
+# ---------------------------------------------------------------- interop with the reference safetensors package
+
+def test_reference_package_interop(tmp_path, target):
+    st_np = pytest.importorskip("safetensors.numpy")
+    import numpy as np
+    # our writer's F32 file reads back with the reference reader
+    d = make_tiny_draft(tmp_path / "ours", dtype="f32")
+    ref = st_np.load_file(str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    assert sorted(ref) == sorted(n for n, _ in tensor_shapes(cfg))
+    assert all(ref[n].shape == s for n, s in tensor_shapes(cfg))
+    # a file written by the reference writer loads in ours
+    d2 = tmp_path / "theirs"
+    d2.mkdir()
+    shutil.copy(d / "config.json", d2 / "config.json")
+    st_np.save_file({k: v.astype(np.float16) if v.ndim == 2 else v for k, v in ref.items()},
+                    str(d2 / "model.safetensors"), metadata={"format": "pt"})
+    info = draft_load(d2, target)
+    assert info["weight_bytes"] == sum(v.size * (2 if v.ndim == 2 else 4) for v in ref.values())
