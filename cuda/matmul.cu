@@ -14,6 +14,20 @@
 // on n (batch invariance for n in 1..8).  The kernel is instantiated for
 // NT = 1, 2, 4, 8 tokens; n = 3, 5, 6, 7 run with zero padding tokens.
 //
+// Register-staged matvec (matvec_gx_kernel), chosen per format and NT by
+// MatvecCfg (matmul_kernels.cuh) where it measured faster on an H100: no
+// shared memory and no barrier; a warp owns RW (2 or 4) rows, each lane issues
+// the weight loads of U tasks x RW rows before decoding them and reads the
+// activations straight from global memory (L1-resident), and __launch_bounds__
+// caps the registers so that MINB CTAs fit an SM.  Lane L still takes the
+// row's tasks L mod 32 in increasing order with the same per-task arithmetic,
+// so both kernels give bit-identical results and batch invariance holds across
+// the NT instances whichever kernel serves them.  Both go through task_dot;
+// for formats with F::kAffine (Q6_K) it sums q * x per half task and applies
+// the scale once per half (one multiply per value fewer).  (ncu on Q4_K n = 1: ~70% of
+// issue slots and ~77% of L1 throughput busy, DRAM ~35%: the f32 decode is
+// instruction-bound, not load-bound.)
+//
 // Tiled kernel (n > 8).  64 rows x 64 tokens per CTA of 256 threads, 32
 // columns per step: the weight tile is decoded (deq8) into shared memory as
 // f32, the activation tile copied beside it, and each thread accumulates a

@@ -19,7 +19,7 @@ namespace cuda {
 // x: n x cols f32, y: n x rows f32, both device memory, 16-byte aligned.
 // cols must be a multiple of 32 and of the format's block size; n >= 1.
 //
-// n <= 8 takes the matvec kernel (a warp per 4 rows); each token's result is
+// n <= 8 takes a matvec kernel (a warp per 2 or 4 rows); each token's result is
 // bit-identical for every n in 1..8.  n > 8 takes the tiled kernel, whose
 // results are bit-identical for every n > 8 but may differ from the matvec
 // kernel's in the last bits (another summation order).

@@ -28,6 +28,56 @@ inline int64_t matvec_ctas(int64_t rows) { return (rows + kWarps * kRowsPerWarp 
 // The matvec instantiation (tokens per pass) that serves n <= 8 tokens.
 inline int matvec_nt(int n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
 
+// For formats with F::kAffine (value = scale * q - min per half task, q an
+// exact small integer): acc[r][t] += (task's values of row r) . (activations
+// of token t) with the scales factored out of each half, acc += ds * (q . x)
+// - dm * sum(x), which saves a multiply per value.  xf(t, g) gives activations
+// 4g..4g+3 of token t.  Shared by both matvec kernels, so they sum in the same
+// order (bit-identical results); other formats keep the plain loop inline.
+template <class F, int NT, int RW, class XF>
+__device__ __forceinline__ void task_dot(const typename F::Raw (&raw)[RW], XF xf, float (&acc)[RW][NT]) {
+  constexpr int G = F::P / 4;
+  static_assert(F::kAffine, "task_dot: factored formats only");
+  {
+    constexpr int GH = G / 2;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float sd[RW][NT], xsum[NT];
+#pragma unroll
+      for (int gg = 0; gg < GH; ++gg) {
+        const int g = hf * GH + gg;
+        float q[RW][4];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) F::qf4(raw[r], g, q[r]);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const float4 xv = xf(t, g);
+          if (F::kMin) xsum[t] = gg == 0 ? (xv.x + xv.y) + (xv.z + xv.w) : xsum[t] + ((xv.x + xv.y) + (xv.z + xv.w));
+#pragma unroll
+          for (int r = 0; r < RW; ++r) {
+            float a = gg == 0 ? q[r][0] * xv.x : fmaf(q[r][0], xv.x, sd[r][t]);
+            a = fmaf(q[r][1], xv.y, a);
+            a = fmaf(q[r][2], xv.z, a);
+            a = fmaf(q[r][3], xv.w, a);
+            sd[r][t] = a;
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        float ds, dm;
+        F::half_scale(raw[r], hf, ds, dm);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          float a = fmaf(ds, sd[r][t], acc[r][t]);
+          if (F::kMin) a = fmaf(-dm, xsum[t], a);
+          acc[r][t] = a;
+        }
+      }
+    }
+  }
+}
+
 template <class F, int NT, int RW>
 __global__ void __launch_bounds__(kWarps * 32)
     matvec_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
@@ -80,22 +130,29 @@ __global__ void __launch_bounds__(kWarps * 32)
       typename F::Raw raw[RW];
 #pragma unroll
       for (int r = 0; r < RW; ++r) F::load(wbase + (r < rlast ? r : rlast) * row_bytes + boff, j, raw[r]);
+      if constexpr (F::kAffine) {
+        const float* xt = xs + (size_t)task * S;
+        task_dot<F, NT, RW>(raw, [&](int t, int g) {
+          return *reinterpret_cast<const float4*>(xt + (size_t)t * chunk_tasks * S + 4 * g);
+        }, acc);
+      } else {
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float wv[RW][4];
+        for (int g = 0; g < G; ++g) {
+          float wv[RW][4];
 #pragma unroll
-        for (int r = 0; r < RW; ++r) F::deq4(raw[r], g, wv[r]);
+          for (int r = 0; r < RW; ++r) F::deq4(raw[r], g, wv[r]);
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          const float4 xv = *reinterpret_cast<const float4*>(xs + ((size_t)t * chunk_tasks + task) * S + 4 * g);
+          for (int t = 0; t < NT; ++t) {
+            const float4 xv = *reinterpret_cast<const float4*>(xs + ((size_t)t * chunk_tasks + task) * S + 4 * g);
 #pragma unroll
-          for (int r = 0; r < RW; ++r) {
-            float a = acc[r][t];
-            a = fmaf(wv[r][0], xv.x, a);
-            a = fmaf(wv[r][1], xv.y, a);
-            a = fmaf(wv[r][2], xv.z, a);
-            a = fmaf(wv[r][3], xv.w, a);
-            acc[r][t] = a;
+            for (int r = 0; r < RW; ++r) {
+              float a = acc[r][t];
+              a = fmaf(wv[r][0], xv.x, a);
+              a = fmaf(wv[r][1], xv.y, a);
+              a = fmaf(wv[r][2], xv.z, a);
+              a = fmaf(wv[r][3], xv.w, a);
+              acc[r][t] = a;
+            }
           }
         }
       }
@@ -163,24 +220,32 @@ __global__ void __launch_bounds__(kWarps * 32, MINB)
       if (gt < row_tasks) {
         const int j = (int)(gt % F::TPB);
         const float* xb = x + gt / F::TPB * F::BE;
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float wv[RW][4];
-#pragma unroll
-          for (int r = 0; r < RW; ++r) F::deq4(raw[u][r], g, wv[r]);
-          const int e = F::elem(j, 4 * g);
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
+        if constexpr (F::kAffine) {
+          task_dot<F, NT, RW>(raw[u], [&](int t, int g) {
             float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (t < n) xv = __ldg(reinterpret_cast<const float4*>(xb + (int64_t)t * cols + e));
+            if (t < n) xv = __ldg(reinterpret_cast<const float4*>(xb + (int64_t)t * cols + F::elem(j, 4 * g)));
+            return xv;
+          }, acc);
+        } else {
 #pragma unroll
-            for (int r = 0; r < RW; ++r) {
-              float a = acc[r][t];
-              a = fmaf(wv[r][0], xv.x, a);
-              a = fmaf(wv[r][1], xv.y, a);
-              a = fmaf(wv[r][2], xv.z, a);
-              a = fmaf(wv[r][3], xv.w, a);
-              acc[r][t] = a;
+          for (int g = 0; g < G; ++g) {
+            float wv[RW][4];
+#pragma unroll
+            for (int r = 0; r < RW; ++r) F::deq4(raw[u][r], g, wv[r]);
+            const int e = F::elem(j, 4 * g);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+              float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
+              if (t < n) xv = __ldg(reinterpret_cast<const float4*>(xb + (int64_t)t * cols + e));
+#pragma unroll
+              for (int r = 0; r < RW; ++r) {
+                float a = acc[r][t];
+                a = fmaf(wv[r][0], xv.x, a);
+                a = fmaf(wv[r][1], xv.y, a);
+                a = fmaf(wv[r][2], xv.z, a);
+                a = fmaf(wv[r][3], xv.w, a);
+                acc[r][t] = a;
+              }
             }
           }
         }
@@ -221,8 +286,9 @@ DFL_MV_CFG(FmtQ4_K, 4, 4, 1, 5);
 DFL_MV_CFG(FmtQ5_K, 1, 2, 1, 8);
 DFL_MV_CFG(FmtQ5_K, 2, 4, 1, 6);
 DFL_MV_CFG(FmtQ5_K, 4, 4, 1, 5);
-DFL_MV_CFG(FmtQ6_K, 1, 2, 1, 8);
-DFL_MV_CFG(FmtQ6_K, 4, 4, 2, 4);
+DFL_MV_CFG(FmtQ6_K, 1, 4, 1, 3);
+DFL_MV_CFG(FmtQ6_K, 2, 4, 1, 5);
+DFL_MV_CFG(FmtQ6_K, 4, 4, 1, 3);
 DFL_MV_CFG(FmtQ8_0, 1, 2, 1, 8);
 DFL_MV_CFG(FmtQ8_0, 2, 4, 2, 5);
 DFL_MV_CFG(FmtQ8_0, 4, 4, 1, 6);
