@@ -342,7 +342,8 @@ def test_fuzz_corruptions_never_crash(tmp_path, good):
     work = tmp_path / "work"
     work.mkdir()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1] / "python"),
+    import dflash27b  # the child imports the same package (and library) as this process
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(dflash27b.__file__).resolve().parents[1]),
                                          env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _FUZZ, str(good), str(work)], env=env, capture_output=True, text=True,
                        timeout=300)
