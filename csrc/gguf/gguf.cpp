@@ -93,21 +93,9 @@ const char* type_name(GGUFType t) {
 
 }  // namespace
 
-GGUFFile::GGUFFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY);
-  if (fd_ < 0) fail("%s: cannot open: %s", path.c_str(), std::strerror(errno));
-  struct stat st;
-  if (fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd_);
-    fd_ = -1;
-    fail("%s: not a regular file", path.c_str());
-  }
-  size_ = (uint64_t)st.st_size;
-  try {
+GGUFFile::GGUFFile(const std::string& path) : path_(path), file_(path), map_(file_.data()), size_(file_.size()) {
+  {
     if (size_ < 4) fail("%s: not a GGUF file: only %llu bytes", path.c_str(), (unsigned long long)size_);
-    void* m = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd_, 0);
-    if (m == MAP_FAILED) fail("%s: mmap failed: %s", path.c_str(), std::strerror(errno));
-    map_ = (uint8_t*)m;
 
     Cursor c{map_, size_, 0, path_};
     if (std::memcmp(map_, "GGUF", 4) != 0)
@@ -213,18 +201,7 @@ GGUFFile::GGUFFile(const std::string& path) : path_(path) {
              (unsigned long long)(data_start + t.offset + t.nbytes), (unsigned long long)size_);
       t.data = map_ + data_start + t.offset;
     }
-  } catch (...) {
-    if (map_) munmap(map_, size_);
-    map_ = nullptr;
-    ::close(fd_);
-    fd_ = -1;
-    throw;
   }
-}
-
-GGUFFile::~GGUFFile() {
-  if (map_) munmap(map_, size_);
-  if (fd_ >= 0) ::close(fd_);
 }
 
 const GGUFValue* GGUFFile::find(const std::string& key) const {

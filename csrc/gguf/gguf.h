@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "util/error.h"
+#include "util/mapped_file.h"
 
 namespace dfl {
 
@@ -50,7 +51,7 @@ struct GGUFTensor {
 class GGUFFile {
  public:
   explicit GGUFFile(const std::string& path);
-  ~GGUFFile();
+  ~GGUFFile() = default;
   GGUFFile(const GGUFFile&) = delete;
   GGUFFile& operator=(const GGUFFile&) = delete;
 
@@ -74,8 +75,8 @@ class GGUFFile {
 
  private:
   std::string path_;
-  int fd_ = -1;
-  uint8_t* map_ = nullptr;
+  MappedFile file_;  // declared before the views into it
+  const uint8_t* map_ = nullptr;
   uint64_t size_ = 0;
   uint32_t version_ = 0;
   std::map<std::string, GGUFValue> kv_;

@@ -56,23 +56,11 @@ uint64_t get_uint(const JsonValue& v, const std::string& path, const std::string
 
 }  // namespace
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY);
-  if (fd_ < 0) fail("%s: cannot open: %s", path.c_str(), std::strerror(errno));
-  struct stat st;
-  if (fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd_);
-    fd_ = -1;
-    fail("%s: not a regular file", path.c_str());
-  }
-  size_ = (uint64_t)st.st_size;
-  try {
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), file_(path), map_(file_.data()), size_(file_.size()) {
+  {
     if (size_ < 8)
       fail("%s: truncated safetensors file: %llu bytes, too short for the 8-byte header length", path.c_str(),
            (unsigned long long)size_);
-    void* m = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd_, 0);
-    if (m == MAP_FAILED) fail("%s: mmap failed: %s", path.c_str(), std::strerror(errno));
-    map_ = (uint8_t*)m;
 
     uint64_t hlen = 0;
     for (int k = 7; k >= 0; --k) hlen = (hlen << 8) | map_[k];  // little-endian whatever the host
@@ -178,18 +166,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
              (unsigned long long)b.begin, (unsigned long long)b.end);
       if (!prev || b.end > prev->end) prev = &b;
     }
-  } catch (...) {
-    if (map_) munmap(map_, size_);
-    map_ = nullptr;
-    ::close(fd_);
-    fd_ = -1;
-    throw;
   }
-}
-
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) munmap(map_, size_);
-  if (fd_ >= 0) ::close(fd_);
 }
 
 const STTensor* SafetensorsFile::find(const std::string& name) const {

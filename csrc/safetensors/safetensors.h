@@ -18,6 +18,7 @@
 
 #include "quant/blocks.h"
 #include "util/error.h"
+#include "util/mapped_file.h"
 
 namespace dfl {
 
@@ -39,7 +40,7 @@ class SafetensorsFile {
   static constexpr uint64_t kMaxHeaderBytes = 100000000;  // the format's own limit
 
   explicit SafetensorsFile(const std::string& path);
-  ~SafetensorsFile();
+  ~SafetensorsFile() = default;
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
@@ -52,8 +53,8 @@ class SafetensorsFile {
 
  private:
   std::string path_;
-  int fd_ = -1;
-  uint8_t* map_ = nullptr;
+  MappedFile file_;  // declared before the views into it
+  const uint8_t* map_ = nullptr;
   uint64_t size_ = 0;
   uint64_t data_off_ = 0;
   std::vector<STTensor> tensors_;
