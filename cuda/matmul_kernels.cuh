@@ -78,6 +78,52 @@ __device__ __forceinline__ void task_dot(const typename F::Raw (&raw)[RW], XF xf
   }
 }
 
+// The plain loop for the other formats: dequantize 4 values, fma with the
+// activations.  Shared by both matvec kernels like task_dot.
+template <class F, int NT, int RW, class XF>
+__device__ __forceinline__ void task_dot_plain(const typename F::Raw (&raw)[RW], XF xf, float (&acc)[RW][NT]) {
+  constexpr int G = F::P / 4;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float wv[RW][4];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) F::deq4(raw[r], g, wv[r]);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float4 xv = xf(t, g);
+#pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        float a = acc[r][t];
+        a = fmaf(wv[r][0], xv.x, a);
+        a = fmaf(wv[r][1], xv.y, a);
+        a = fmaf(wv[r][2], xv.z, a);
+        a = fmaf(wv[r][3], xv.w, a);
+        acc[r][t] = a;
+      }
+    }
+  }
+}
+
+// Warp butterfly sum of each (row, token) accumulator, then one lane stores it.
+template <int NT, int RW>
+__device__ __forceinline__ void warp_reduce_store(float (&acc)[RW][NT], int lane, int n, int64_t rows, int64_t row0,
+                                                  float* __restrict__ y) {
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      acc[r][t] = v;
+    }
+#pragma unroll
+  for (int r = 0; r < RW; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (lane == (r * NT + t) % 32 && t < n && row0 + r < rows) y[(int64_t)t * rows + row0 + r] = acc[r][t];
+}
+
 template <class F, int NT, int RW>
 __global__ void __launch_bounds__(kWarps * 32)
     matvec_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
@@ -136,43 +182,14 @@ __global__ void __launch_bounds__(kWarps * 32)
           return *reinterpret_cast<const float4*>(xt + (size_t)t * chunk_tasks * S + 4 * g);
         }, acc);
       } else {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float wv[RW][4];
-#pragma unroll
-          for (int r = 0; r < RW; ++r) F::deq4(raw[r], g, wv[r]);
-#pragma unroll
-          for (int t = 0; t < NT; ++t) {
-            const float4 xv = *reinterpret_cast<const float4*>(xs + ((size_t)t * chunk_tasks + task) * S + 4 * g);
-#pragma unroll
-            for (int r = 0; r < RW; ++r) {
-              float a = acc[r][t];
-              a = fmaf(wv[r][0], xv.x, a);
-              a = fmaf(wv[r][1], xv.y, a);
-              a = fmaf(wv[r][2], xv.z, a);
-              a = fmaf(wv[r][3], xv.w, a);
-              acc[r][t] = a;
-            }
-          }
-        }
+        task_dot_plain<F, NT, RW>(raw, [&](int t, int g) {
+          return *reinterpret_cast<const float4*>(xs + ((size_t)t * chunk_tasks + task) * S + 4 * g);
+        }, acc);
       }
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      float v = acc[r][t];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      acc[r][t] = v;
-    }
-#pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-      if (lane == (r * NT + t) % 32 && t < n && row0 + r < rows) y[(int64_t)t * rows + row0 + r] = acc[r][t];
+  warp_reduce_store<NT, RW>(acc, lane, n, rows, row0, y);
 }
 
 // Register-staged variant (see matmul.cu): no shared memory, activations read
@@ -227,46 +244,17 @@ __global__ void __launch_bounds__(kWarps * 32, MINB)
             return xv;
           }, acc);
         } else {
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            float wv[RW][4];
-#pragma unroll
-            for (int r = 0; r < RW; ++r) F::deq4(raw[u][r], g, wv[r]);
-            const int e = F::elem(j, 4 * g);
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-              float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
-              if (t < n) xv = __ldg(reinterpret_cast<const float4*>(xb + (int64_t)t * cols + e));
-#pragma unroll
-              for (int r = 0; r < RW; ++r) {
-                float a = acc[r][t];
-                a = fmaf(wv[r][0], xv.x, a);
-                a = fmaf(wv[r][1], xv.y, a);
-                a = fmaf(wv[r][2], xv.z, a);
-                a = fmaf(wv[r][3], xv.w, a);
-                acc[r][t] = a;
-              }
-            }
-          }
+          task_dot_plain<F, NT, RW>(raw[u], [&](int t, int g) {
+            float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t < n) xv = __ldg(reinterpret_cast<const float4*>(xb + (int64_t)t * cols + F::elem(j, 4 * g)));
+            return xv;
+          }, acc);
         }
       }
     }
   }
 
-#pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      float v = acc[r][t];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      acc[r][t] = v;
-    }
-#pragma unroll
-  for (int r = 0; r < RW; ++r)
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-      if (lane == (r * NT + t) % 32 && t < n && row0 + r < rows) y[(int64_t)t * rows + row0 + r] = acc[r][t];
+  warp_reduce_store<NT, RW>(acc, lane, n, rows, row0, y);
 }
 
 // Which matvec kernel serves format F at NT tokens per pass (measured on an
