@@ -76,12 +76,29 @@ int dfl_forward(dfl_context* c, int32_t n, const int32_t* tokens, const int32_t*
                 const int32_t* capture_layers, float* hidden, int32_t commit);
 int dfl_commit_path(dfl_context* c, const int32_t* nodes, int32_t n);
 
-/* ---- generation (pull style: begin, then next until it returns 0) ---- */
+/* The committed state as bytes (per layer: KV rows [0, n_past) of attention
+ * layers, conv window + recurrent state of delta-net layers).  Two contexts
+ * that committed the same tokens hold equal bytes. */
+int64_t dfl_context_state_size(const dfl_context* c);
+int dfl_context_get_state(const dfl_context* c, void* dst, int64_t size);
+/* Target forwards run by this context so far. */
+int64_t dfl_context_n_forwards(const dfl_context* c);
+
+/* ---- generation (pull style: begin, then next until it returns 0) ----
+ * The first next() returns the prefill's token; every later call runs one
+ * step (AR: one target forward; chain: one draft forward, one target forward
+ * verifying [root, drafts], a commit by gather) and returns the tokens it
+ * committed. */
+#define DFL_MODE_AR 0
+#define DFL_MODE_CHAIN 1
+
 typedef struct {
   int32_t max_new_tokens;
   int32_t ignore_eos;
   int32_t n_eos;
   const int32_t* eos_ids;
+  int32_t mode;        /* DFL_MODE_AR / DFL_MODE_CHAIN (needs an attached drafter or hook) */
+  int32_t block_size;  /* chain: verify block incl. the root; 0 = the drafter's block_size */
 } dfl_gen_params;
 
 typedef struct {
@@ -97,6 +114,17 @@ int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, 
 /* Writes up to cap new tokens; returns how many (0 = finished), -1 on error. */
 int32_t dfl_generate_next(dfl_context* c, int32_t* out_tokens, int32_t cap);
 int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* out);
+
+typedef struct {
+  int32_t committed;       /* tokens the step added to the output, bonus included (1..block) */
+  int32_t drafted;         /* draft tokens verified */
+  int32_t accepted;        /* leading drafts equal to the target's choice */
+  int32_t target_forwards; /* target forwards the step ran (1) */
+  double draft_s, verify_s, commit_s;
+} dfl_step_stats;
+
+int32_t dfl_generate_n_steps(const dfl_context* c);
+int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* out);
 
 /* ---- op entry points for tests and tools ---- */
 /* Streams `bytes` of memory with n_threads threads; returns GB/s read (best of 3). */
@@ -145,6 +173,39 @@ typedef struct {
 dfl_draft* dfl_draft_load(const char* path, const dfl_model* target);
 void dfl_draft_free(dfl_draft* d);
 int dfl_draft_get_info(const dfl_draft* d, dfl_draft_info* out);
+
+/* The drafter at run time: a feature ring of ring_capacity positions and a
+ * draft KV cache of the same capacity (memory constant in context length). */
+typedef struct {
+  int32_t ring_capacity; /* default 4096 */
+  int32_t n_threads;     /* standalone drafters only; 0 = all cores */
+} dfl_drafter_params;
+
+dfl_drafter_params dfl_drafter_default_params(void);
+
+/* Attaches drafter d (which must outlive the context's use of it) to c for
+ * chain decoding, on c's threads; d == NULL detaches.  The pair is validated. */
+int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_drafter_params* p);
+/* Bytes held by the attached drafter's ring and KV cache (0 when none). */
+int64_t dfl_context_draft_state_bytes(const dfl_context* c);
+
+/* Test hook: when set, chain steps take their drafts from fn instead of the
+ * drafter: fn writes n tokens for the block whose root token sits at
+ * root_pos and returns 0 (nonzero aborts the step with an error). */
+typedef int32_t (*dfl_draft_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t n, int32_t* tokens);
+int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user);
+
+/* A standalone drafter runtime (tests and tools): push the features of
+ * committed positions, then propose a block rooted at the next position. */
+typedef struct dfl_drafter dfl_drafter;
+dfl_drafter* dfl_drafter_new(const dfl_draft* d, const dfl_model* target, const dfl_drafter_params* p);
+void dfl_drafter_free(dfl_drafter* r);
+int dfl_drafter_reset(dfl_drafter* r);
+int32_t dfl_drafter_n_pos(const dfl_drafter* r);
+/* features: [n][len(target_layer_ids) * hidden] for positions pos0 .. pos0+n-1 (pos0 = n_pos) */
+int dfl_drafter_push_features(dfl_drafter* r, int32_t pos0, int32_t n, const float* features);
+/* block_tokens[0] is the root at position n_pos; logits: [n_block-1][n_vocab] */
+int dfl_drafter_propose(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, float* logits);
 
 #ifdef __cplusplus
 }

@@ -27,11 +27,6 @@
 #define DFLASH27B_CUDA_ARCHS ""
 #endif
 
-struct dfl_context {
-  std::unique_ptr<dfl::Context> ctx;
-  std::unique_ptr<dfl::Generator> gen;
-};
-
 namespace {
 thread_local std::string g_last_error;
 
@@ -156,6 +151,21 @@ int dfl_context_reset(dfl_context* c) {
 
 int32_t dfl_context_n_past(const dfl_context* c) { return c ? c->ctx->n_past() : -1; }
 
+int64_t dfl_context_state_size(const dfl_context* c) { return c ? (int64_t)c->ctx->committed_state_size() : -1; }
+
+int dfl_context_get_state(const dfl_context* c, void* dst, int64_t size) {
+  return guard([&] {
+    need(c, "context");
+    need(dst, "dst");
+    if (size < (int64_t)c->ctx->committed_state_size())
+      dfl::fail("state buffer of %lld bytes is smaller than the state (%zu bytes)", (long long)size,
+                c->ctx->committed_state_size());
+    c->ctx->copy_committed_state((uint8_t*)dst);
+  });
+}
+
+int64_t dfl_context_n_forwards(const dfl_context* c) { return c ? c->ctx->n_forwards() : -1; }
+
 int dfl_forward(dfl_context* c, int32_t n, const int32_t* tokens, const int32_t* pos, const int32_t* parent,
                 int32_t n_logits, const int32_t* logit_rows, float* logits, int32_t n_capture,
                 const int32_t* capture_layers, float* hidden, int32_t commit) {
@@ -189,6 +199,10 @@ int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, 
     if (p) {
       gp.max_new_tokens = p->max_new_tokens;
       gp.ignore_eos = p->ignore_eos != 0;
+      if (p->mode != DFL_MODE_AR && p->mode != DFL_MODE_CHAIN) dfl::fail("unknown decode mode %d", p->mode);
+      gp.mode = (dfl::DecodeMode)p->mode;
+      if (p->block_size < 0) dfl::fail("block size must be >= 0 (got %d)", p->block_size);
+      gp.block_size = p->block_size;
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);
@@ -224,6 +238,21 @@ int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* o) {
     o->stop_reason = (int32_t)s.stop;
     o->prefill_s = s.prefill_s;
     o->decode_s = s.decode_s;
+  });
+}
+
+int32_t dfl_generate_n_steps(const dfl_context* c) { return c ? (int32_t)c->gen->steps().size() : -1; }
+
+int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) {
+  return guard([&] {
+    need(c, "context");
+    need(o, "stats");
+    const auto& st = c->gen->steps();
+    if (i < 0 || i >= (int32_t)st.size()) dfl::fail("step %d out of range (%zu steps)", i, st.size());
+    const dfl::StepRecord& r = st[(size_t)i];
+    o->committed = r.committed; o->drafted = r.drafted; o->accepted = r.accepted;
+    o->target_forwards = r.target_forwards;
+    o->draft_s = r.draft_s; o->verify_s = r.verify_s; o->commit_s = r.commit_s;
   });
 }
 

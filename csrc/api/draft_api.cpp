@@ -1,4 +1,5 @@
-// draft_api.cpp — C entry points for the DFlash drafter (load, info, free).
+// draft_api.cpp — C entry points for the DFlash drafter: load/info/free, the
+// drafter runtime attached to a context (or standalone), and the draft hook.
 // Bodies run inside dfl::api_guard, like every entry point in api.cpp.
 #include <memory>
 
@@ -6,10 +7,6 @@
 #include "api/last_error.h"
 #include "dflash27b.h"
 #include "model/dflash_draft.h"
-
-struct dfl_draft {
-  std::unique_ptr<dfl::DraftModel> d;
-};
 
 namespace {
 constexpr int kMaxInfoLayerIds = 16;  // dfl_draft_info.target_layer_ids
@@ -50,6 +47,90 @@ int dfl_draft_get_info(const dfl_draft* d, dfl_draft_info* o) {
     o->sliding_window = c.sliding_window;
     o->rms_eps = c.rms_eps; o->rope_theta = (float)c.rope_theta;
     o->weight_bytes = d->d->weight_bytes;
+  });
+}
+
+dfl_drafter_params dfl_drafter_default_params(void) {
+  dfl_drafter_params p;
+  p.ring_capacity = dfl::DrafterParams{}.ring_capacity;
+  p.n_threads = 0;
+  return p;
+}
+
+static dfl::DrafterParams drafter_params(const dfl_drafter_params* p) {
+  dfl_drafter_params d = p ? *p : dfl_drafter_default_params();
+  dfl::DrafterParams dp;
+  dp.ring_capacity = d.ring_capacity;
+  dp.n_threads = d.n_threads;
+  return dp;
+}
+
+int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_drafter_params* p) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    c->gen->set_drafter(nullptr);
+    c->drafter.reset();
+    if (!d) return;
+    c->drafter = std::make_unique<dfl::Drafter>(*d->d, c->ctx->model(), drafter_params(p), &c->ctx->pool());
+    c->gen->set_drafter(c->drafter.get());
+  });
+}
+
+int64_t dfl_context_draft_state_bytes(const dfl_context* c) {
+  if (!c) return -1;
+  return c->drafter ? (int64_t)c->drafter->state_bytes() : 0;
+}
+
+int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    if (!fn) {
+      c->gen->set_draft_source(nullptr);
+      return;
+    }
+    c->gen->set_draft_source([fn, user](int32_t root_pos, int32_t root, int n, int32_t* toks) {
+      if (fn(user, root_pos, root, n, toks) != 0) dfl::fail("draft hook failed at position %d", root_pos);
+    });
+  });
+}
+
+dfl_drafter* dfl_drafter_new(const dfl_draft* d, const dfl_model* target, const dfl_drafter_params* p) {
+  dfl_drafter* out = nullptr;
+  dfl::api_guard([&] {
+    if (!d) dfl::fail("draft is NULL");
+    if (!target) dfl::fail("target model is NULL");
+    auto r = std::make_unique<dfl_drafter>();
+    r->r = std::make_unique<dfl::Drafter>(*d->d, *target->m, drafter_params(p));
+    out = r.release();
+  });
+  return out;
+}
+
+void dfl_drafter_free(dfl_drafter* r) { delete r; }
+
+int dfl_drafter_reset(dfl_drafter* r) {
+  return dfl::api_guard([&] {
+    if (!r) dfl::fail("drafter is NULL");
+    r->r->reset();
+  });
+}
+
+int32_t dfl_drafter_n_pos(const dfl_drafter* r) { return r ? r->r->n_pos() : -1; }
+
+int dfl_drafter_push_features(dfl_drafter* r, int32_t pos0, int32_t n, const float* features) {
+  return dfl::api_guard([&] {
+    if (!r) dfl::fail("drafter is NULL");
+    if (n > 0 && !features) dfl::fail("features is NULL");
+    r->r->push_features(pos0, n, features);
+  });
+}
+
+int dfl_drafter_propose(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, float* logits) {
+  return dfl::api_guard([&] {
+    if (!r) dfl::fail("drafter is NULL");
+    if (!block_tokens) dfl::fail("block_tokens is NULL");
+    if (!logits) dfl::fail("logits is NULL");
+    r->r->propose(block_tokens, n_block, logits);
   });
 }
 

@@ -1,10 +1,28 @@
-// handles.h — the definition of the dfl_model handle, shared by the C entry
-// points outside api.cpp that take a model (csrc/api/draft_api.cpp).
+// handles.h — the definitions of the C handles, shared by the translation
+// units of the C ABI (api.cpp, draft_api.cpp).
 #pragma once
 #include <memory>
 
+#include "model/context.h"
+#include "model/dflash_draft.h"
+#include "model/drafter.h"
 #include "model/qwen35.h"
+#include "spec/generator.h"
 
 struct dfl_model {
   std::unique_ptr<dfl::Model> m;
+};
+
+struct dfl_draft {
+  std::unique_ptr<dfl::DraftModel> d;
+};
+
+struct dfl_context {
+  std::unique_ptr<dfl::Context> ctx;
+  std::unique_ptr<dfl::Generator> gen;
+  std::unique_ptr<dfl::Drafter> drafter;  // attached drafter runtime (on ctx's threads)
+};
+
+struct dfl_drafter {
+  std::unique_ptr<dfl::Drafter> r;
 };

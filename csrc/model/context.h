@@ -57,6 +57,16 @@ class Context {
   void commit_path(const int32_t* nodes, int n);
 
   size_t state_bytes() const;
+  // The committed state as bytes: per layer in order, KV rows [0, n_past) of
+  // attention layers (K then V), conv window and recurrent state of delta-net
+  // layers.  Two contexts that decoded the same tokens compare equal (==).
+  size_t committed_state_size() const;
+  void copy_committed_state(uint8_t* dst) const;
+
+  // Target forwards run since construction (tests count them per step).
+  int64_t n_forwards() const { return n_forwards_; }
+  // The context's worker threads, shared with a drafter serving it.
+  ThreadPool& pool();
 
  private:
   struct Impl;
@@ -66,6 +76,7 @@ class Context {
   ContextParams params_;
   int n_past_ = 0;
   int n_verify_ = 0;  // nodes held by the last non-committing forward
+  int64_t n_forwards_ = 0;
   std::unique_ptr<Impl> impl_;
 };
 

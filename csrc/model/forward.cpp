@@ -97,6 +97,33 @@ size_t Context::state_bytes() const {
   return b;
 }
 
+ThreadPool& Context::pool() { return impl_->pool; }
+
+size_t Context::committed_state_size() const {
+  const Impl& I = *impl_;
+  size_t b = 0;
+  for (int l = 0; l < model_.cfg.n_layer; ++l)
+    b += model_.cfg.is_recurrent[l] ? (I.conv[l].size() + I.rec[l].size()) * 4 : 2 * (size_t)n_past_ * I.kv_row;
+  return b;
+}
+
+void Context::copy_committed_state(uint8_t* dst) const {
+  const Impl& I = *impl_;
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (model_.cfg.is_recurrent[l]) {
+      std::memcpy(dst, I.conv[l].data(), I.conv[l].size() * 4);
+      dst += I.conv[l].size() * 4;
+      std::memcpy(dst, I.rec[l].data(), I.rec[l].size() * 4);
+      dst += I.rec[l].size() * 4;
+    } else {
+      const size_t n = (size_t)n_past_ * I.kv_row;
+      std::memcpy(dst, I.k[l].data(), n);
+      std::memcpy(dst + n, I.v[l].data(), n);
+      dst += 2 * n;
+    }
+  }
+}
+
 void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
   const Qwen35Config& c = model_.cfg;
   if (b.n <= 0) fail("empty batch");
@@ -115,6 +142,7 @@ void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
   for (int i = 0; i < out.n_capture; ++i)
     if (out.capture_layers[i] < 0 || out.capture_layers[i] >= c.n_layer)
       fail("capture layer %d outside 0..%d", out.capture_layers[i], c.n_layer - 1);
+  ++n_forwards_;
   if (commit) {
     n_verify_ = 0;
     for (int off = 0; off < b.n; off += params_.n_batch) {

@@ -1,7 +1,8 @@
-// generator.cpp — autoregressive greedy decoding on top of Context::forward.
+// generator.cpp — AR and chain-speculative greedy decoding on Context::forward.
 #include "spec/generator.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace dfl {
 
@@ -10,6 +11,9 @@ static double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// Lowest index wins ties, so the choice never depends on scan order.
+static int32_t argmax(const float* v, int n) { return (int32_t)(std::max_element(v, v + n) - v); }
+
 void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
   const Qwen35Config& c = ctx_.model().cfg;
   if (n_prompt <= 0) fail("empty prompt: give at least one token");
@@ -17,30 +21,68 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
     fail("prompt of %d tokens does not fit the context length %d (leave room for at least one new token)",
          n_prompt, ctx_.params().n_ctx);
   if (p.max_new_tokens < 0) fail("max_new_tokens must be >= 0 (got %d)", p.max_new_tokens);
+  block_ = 1;
+  if (p.mode == DecodeMode::Chain) {
+    if (!drafter_ && !source_) fail("chain mode needs a drafter (none is attached)");
+    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : 0;
+    if (block_ < 1) fail("chain mode needs a block size (no drafter to take it from)");
+    if (block_ > ctx_.params().n_batch)
+      fail("block size %d exceeds the context's batch size %d", block_, ctx_.params().n_batch);
+  } else if (p.mode != DecodeMode::AR) {
+    fail("unknown decode mode %d", (int)p.mode);
+  }
   p_ = p;
   stats_ = GenStats{};
   stats_.prompt_tokens = n_prompt;
+  steps_.clear();
   ctx_.reset();
-  logits_.assign(c.n_vocab, 0.f);
-  std::vector<int32_t> pos(n_prompt);
-  for (int i = 0; i < n_prompt; ++i) pos[i] = i;
-  int32_t last = n_prompt - 1;
-  Batch b{n_prompt, prompt, pos.data(), nullptr};
-  ForwardOutputs out;
-  out.n_logits = 1;
-  out.logit_rows = &last;
-  out.logits = logits_.data();
+  if (drafter_) drafter_->reset();
+  logits_.assign((size_t)std::max(block_, 1) * c.n_vocab, 0.f);
   auto t0 = Clock::now();
-  ctx_.forward(b, out, true);
+  prefill(prompt, n_prompt);
   stats_.prefill_s = since(t0);
-  pending_ = argmax_last();
-  done_ = p.max_new_tokens == 0;
-  if (done_) stats_.stop = StopReason::Length;
+  first_emitted_ = false;
+  done_ = false;
+  if (p.max_new_tokens == 0) {
+    done_ = true;
+    stats_.stop = StopReason::Length;
+  }
 }
 
-int32_t Generator::argmax_last() const {
-  // Lowest index wins ties, so the choice never depends on scan order.
-  return (int32_t)(std::max_element(logits_.begin(), logits_.end()) - logits_.begin());
+void Generator::prefill(const int32_t* prompt, int n) {
+  const Qwen35Config& c = ctx_.model().cfg;
+  const int chunk = ctx_.params().n_batch;
+  const bool cap = capturing();
+  if (cap) capture_ = drafter_->config().target_layer_ids;
+  // Only the newest `capacity` positions can reach the drafter: capture those.
+  const int first_captured = cap ? std::max(0, n - drafter_->capacity()) : n;
+  for (int off = 0; off < n; off += chunk) {
+    const int m = std::min(chunk, n - off);
+    pos_.resize(m);
+    for (int i = 0; i < m; ++i) pos_[i] = off + i;
+    Batch b{m, prompt + off, pos_.data(), nullptr};
+    ForwardOutputs o;
+    int32_t last = m - 1;
+    if (off + m == n) {
+      o.n_logits = 1;
+      o.logit_rows = &last;
+      o.logits = logits_.data();
+    }
+    const bool grab = cap && off + m > first_captured;
+    if (grab) {
+      hidden_.resize((size_t)m * drafter_->feature_width());
+      o.n_capture = (int)capture_.size();
+      o.capture_layers = capture_.data();
+      o.hidden = hidden_.data();
+    }
+    ctx_.forward(b, o, true);
+    if (cap) {
+      // The ring skips positions it could never serve; it only needs the count.
+      if (grab) drafter_->push_features(off, m, hidden_.data());
+      else drafter_->skip_features(off, m);
+    }
+  }
+  pending_ = argmax(logits_.data(), c.n_vocab);
 }
 
 bool Generator::is_eos(int32_t t) const {
@@ -49,37 +91,123 @@ bool Generator::is_eos(int32_t t) const {
 
 int Generator::next(std::vector<int32_t>& out) {
   if (done_) return 0;
-  auto t0 = Clock::now();
-  const int32_t tok = pending_;
-  if (is_eos(tok)) {
-    done_ = true;
-    stats_.stop = StopReason::Eos;
-    return 0;
-  }
-  out.push_back(tok);
-  stats_.generated_tokens++;
-  if (stats_.generated_tokens >= p_.max_new_tokens) {
-    done_ = true;
-    stats_.stop = StopReason::Length;
-    stats_.decode_s += since(t0);
+  if (!first_emitted_) {
+    // The prefill's token belongs to no step (z-lab's convention).
+    first_emitted_ = true;
+    if (is_eos(pending_)) {
+      done_ = true;
+      stats_.stop = StopReason::Eos;
+      return 0;
+    }
+    out.push_back(pending_);
+    stats_.generated_tokens = 1;
+    if (stats_.generated_tokens >= p_.max_new_tokens) {
+      done_ = true;
+      stats_.stop = StopReason::Length;
+    }
     return 1;
   }
-  if (ctx_.n_past() + 1 > ctx_.params().n_ctx) {
+  auto t0 = Clock::now();
+  int n = step(out);
+  stats_.decode_s += since(t0);
+  return n;
+}
+
+int Generator::step(std::vector<int32_t>& out) {
+  const Qwen35Config& c = ctx_.model().cfg;
+  const int32_t s = ctx_.n_past();
+  const int room = ctx_.params().n_ctx - s;
+  if (room <= 0) {
     done_ = true;
     stats_.stop = StopReason::ContextFull;
-    return 1;
+    return 0;
   }
-  int32_t pos = ctx_.n_past(), zero = 0;
-  Batch b{1, &tok, &pos, nullptr};
+  const int remaining = p_.max_new_tokens - stats_.generated_tokens;  // >= 1 here
+  // The block shrinks at the end (as z-lab's loop) and to the room left.
+  const int V = std::min({block_, remaining + 1, room});
+  StepRecord rec;
+  const int64_t fwd0 = ctx_.n_forwards();
+
+  // ---- DRAFT ----
+  auto t0 = Clock::now();
+  block_tokens_.assign(V, 0);
+  block_tokens_[0] = pending_;
+  if (V > 1) {
+    if (source_) {
+      source_(s, pending_, V - 1, block_tokens_.data() + 1);
+      for (int i = 1; i < V; ++i)
+        if (block_tokens_[i] < 0 || block_tokens_[i] >= c.n_vocab)
+          fail("draft hook gave token %d outside the vocabulary", block_tokens_[i]);
+    } else {
+      for (int i = 1; i < V; ++i) block_tokens_[i] = drafter_->config().mask_token_id;
+      draft_logits_.resize((size_t)(V - 1) * c.n_vocab);
+      drafter_->propose(block_tokens_.data(), V, draft_logits_.data());
+      for (int i = 1; i < V; ++i) block_tokens_[i] = argmax(draft_logits_.data() + (size_t)(i - 1) * c.n_vocab, c.n_vocab);
+    }
+  }
+  rec.draft_s = since(t0);
+  rec.drafted = V - 1;
+
+  // ---- VERIFY ---- one target forward over [root, drafts]
+  t0 = Clock::now();
+  pos_.resize(V);
+  std::vector<int32_t> rows(V);
+  for (int i = 0; i < V; ++i) pos_[i] = s + i, rows[i] = i;
+  Batch b{V, block_tokens_.data(), pos_.data(), nullptr};
   ForwardOutputs o;
-  o.n_logits = 1;
-  o.logit_rows = &zero;
+  o.n_logits = V;
+  o.logit_rows = rows.data();
   o.logits = logits_.data();
-  ctx_.forward(b, o, true);
-  stats_.steps++;
-  pending_ = argmax_last();
-  stats_.decode_s += since(t0);
-  return 1;
+  const bool cap = capturing();
+  if (cap) {
+    hidden_.resize((size_t)V * drafter_->feature_width());
+    o.n_capture = (int)capture_.size();
+    o.capture_layers = capture_.data();
+    o.hidden = hidden_.data();
+  }
+  const bool ar = p_.mode == DecodeMode::AR;
+  ctx_.forward(b, o, /*commit=*/ar);
+  int a = 0;
+  while (a < V - 1 && block_tokens_[a + 1] == argmax(logits_.data() + (size_t)a * c.n_vocab, c.n_vocab)) ++a;
+  const int32_t bonus = argmax(logits_.data() + (size_t)a * c.n_vocab, c.n_vocab);
+  rec.verify_s = since(t0);
+  rec.accepted = a;
+
+  // ---- COMMIT ---- gather the accepted nodes; nothing is re-run
+  t0 = Clock::now();
+  if (!ar) {
+    std::vector<int32_t> path(a + 1);
+    for (int i = 0; i <= a; ++i) path[i] = i;
+    ctx_.commit_path(path.data(), a + 1);
+    if (cap) drafter_->push_features(s, a + 1, hidden_.data());
+  }
+  rec.commit_s = since(t0);
+  rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);
+
+  // ---- EMIT ---- drafts 1..a, then the bonus, within max_new_tokens
+  const int produced = std::min(a + 1, remaining);
+  int emitted = 0;
+  rec.committed = produced;
+  for (int i = 0; i < produced; ++i) {
+    const int32_t t = i < a ? block_tokens_[i + 1] : bonus;
+    if (is_eos(t)) {
+      rec.committed = i + 1;
+      done_ = true;
+      stats_.stop = StopReason::Eos;
+      break;
+    }
+    out.push_back(t);
+    ++emitted;
+  }
+  stats_.generated_tokens += emitted;
+  pending_ = bonus;
+  steps_.push_back(rec);
+  stats_.steps = (int)steps_.size();
+  if (!done_ && stats_.generated_tokens >= p_.max_new_tokens) {
+    done_ = true;
+    stats_.stop = StopReason::Length;
+  }
+  return emitted;
 }
 
 }  // namespace dfl

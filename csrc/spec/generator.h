@@ -1,23 +1,34 @@
 // generator.h — the decode loop as an explicit state machine.
 //
-// PREFILL -> STEP (one target forward, greedy pick) -> EMIT ... -> DONE.
-// It prints nothing and times itself into a stats struct.  Later modes
-// (chain, DDTree) add DRAFT/VERIFY/COMMIT states here rather than a second
-// loop elsewhere.
+//   begin:  PREFILL (target over the prompt; features into the drafter's ring)
+//   next:   EMIT the prefill's token, then one STEP per call:
+//           DRAFT (one drafter forward proposes a block) ->
+//           VERIFY (one target forward over [root, drafts], chain parents) ->
+//           ACCEPT (longest prefix equal to the target's argmax, + bonus) ->
+//           COMMIT (commit_path gathers the accepted nodes' KV and states;
+//                   their features go into the ring)            ... -> DONE
+// AR mode is the same STEP with a block of one token and no drafter.  It
+// prints nothing and records each step (tokens committed, times, target
+// forwards) for the stats.
 #pragma once
 #include <chrono>
+#include <functional>
 #include <vector>
 
 #include "model/context.h"
+#include "model/drafter.h"
 
 namespace dfl {
 
 enum class StopReason : int { Running = 0, Length = 1, Eos = 2, ContextFull = 3 };
+enum class DecodeMode : int { AR = 0, Chain = 1 };
 
 struct GenParams {
   int max_new_tokens = 256;
   bool ignore_eos = false;
   std::vector<int32_t> eos_ids;
+  DecodeMode mode = DecodeMode::AR;
+  int block_size = 0;  // chain: verify block incl. the root; 0 = the drafter's block_size
 };
 
 struct GenStats {
@@ -26,23 +37,48 @@ struct GenStats {
   double prefill_s = 0, decode_s = 0;
 };
 
+struct StepRecord {
+  int committed = 0;        // tokens this step added to the output (z-lab's acceptance length)
+  int drafted = 0;          // draft tokens verified
+  int accepted = 0;         // leading drafts equal to the target's choice
+  int target_forwards = 0;  // always 1; counted, not assumed
+  double draft_s = 0, verify_s = 0, commit_s = 0;
+};
+
+// Test hook: writes n draft tokens for the block whose root `root` sits at
+// position root_pos; replaces the drafter's proposal.
+using DraftSource = std::function<void(int32_t root_pos, int32_t root, int n, int32_t* tokens)>;
+
 class Generator {
  public:
   explicit Generator(Context& ctx) : ctx_(ctx) {}
+  void set_drafter(Drafter* d) { drafter_ = d; }
+  Drafter* drafter() const { return drafter_; }
+  void set_draft_source(DraftSource src) { source_ = std::move(src); }
+
   void begin(const int32_t* prompt, int n_prompt, const GenParams& p);
   // Appends the tokens decided by one step; returns how many (0 when done).
   int next(std::vector<int32_t>& out);
   const GenStats& stats() const { return stats_; }
+  const std::vector<StepRecord>& steps() const { return steps_; }
 
  private:
-  int32_t argmax_last() const;
+  void prefill(const int32_t* prompt, int n);
+  int step(std::vector<int32_t>& out);
   bool is_eos(int32_t t) const;
+  bool capturing() const { return drafter_ && p_.mode == DecodeMode::Chain; }
 
   Context& ctx_;
+  Drafter* drafter_ = nullptr;
+  DraftSource source_;
   GenParams p_;
+  int block_ = 1;
   GenStats stats_;
-  std::vector<float> logits_;
+  std::vector<StepRecord> steps_;
+  std::vector<float> logits_, draft_logits_, hidden_;
+  std::vector<int32_t> block_tokens_, pos_, capture_;
   int32_t pending_ = -1;  // decided but not yet fed to the target
+  bool first_emitted_ = false;
   bool done_ = true;
 };
 

@@ -110,7 +110,52 @@ class Context:
         nodes = _i32(nodes)
         check(self._lib.dfl_commit_path(self.handle, self._p(nodes), len(nodes)))
 
-    def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids) -> None:
+    def state(self) -> bytes:
+        """The committed state (KV rows, conv and recurrent states) as bytes."""
+        n = self._lib.dfl_context_state_size(self.handle)
+        buf = self._ffi.new("uint8_t[]", max(n, 1))
+        check(self._lib.dfl_context_get_state(self.handle, buf, n))
+        return bytes(self._ffi.buffer(buf, n))
+
+    @property
+    def n_forwards(self) -> int:
+        return self._lib.dfl_context_n_forwards(self.handle)
+
+    def attach_draft(self, draft: "Draft | None", ring_capacity: int = 4096) -> None:
+        p = self._lib.dfl_drafter_default_params()
+        p.ring_capacity = ring_capacity
+        check(self._lib.dfl_context_attach_draft(self.handle, draft.handle if draft is not None else self._ffi.NULL,
+                                                 self._ffi.new("dfl_drafter_params*", p)))
+        self.draft = draft  # keep it alive while attached
+
+    @property
+    def draft_state_bytes(self) -> int:
+        return self._lib.dfl_context_draft_state_bytes(self.handle)
+
+    def set_draft_hook(self, fn) -> None:
+        """fn(root_pos, root_token, n) -> n draft tokens; None removes the hook (the drafter proposes)."""
+        ffi = self._ffi
+        if fn is None:
+            check(self._lib.dfl_context_set_draft_hook(self.handle, ffi.NULL, ffi.NULL))
+            self._hook = None
+            return
+
+        def call(user, root_pos, root_token, n, out):
+            try:
+                toks = [int(t) for t in fn(root_pos, root_token, n)]
+                if len(toks) != n:
+                    return 1
+                for i, t in enumerate(toks):
+                    out[i] = t
+                return 0
+            except Exception:
+                return 1
+
+        self._hook = ffi.callback("dfl_draft_hook", call)  # must outlive its use
+        check(self._lib.dfl_context_set_draft_hook(self.handle, self._hook, ffi.NULL))
+
+    def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids, mode: int = 0,
+                       block_size: int = 0) -> None:
         ffi = self._ffi
         prompt = _i32(prompt)
         if len(prompt) == 0:
@@ -119,8 +164,9 @@ class Context:
         gp = ffi.new("dfl_gen_params*")
         gp.max_new_tokens, gp.ignore_eos = max_new_tokens, 1 if ignore_eos else 0
         gp.n_eos, gp.eos_ids = len(self._eos), self._p(self._eos)
+        gp.mode, gp.block_size = mode, block_size
         check(self._lib.dfl_generate_begin(self.handle, self._p(prompt), len(prompt), gp))
-        self._buf = np.empty(256, np.int32)
+        self._buf = np.empty(max(256, block_size + 1), np.int32)
 
     def generate_next(self) -> list[int]:
         n = check(self._lib.dfl_generate_next(self.handle, self._p(self._buf), len(self._buf)))
@@ -133,9 +179,103 @@ class Context:
         d["stop_reason"] = _STOP_REASONS.get(s.stop_reason, "unknown")
         return d
 
+    def step_stats(self) -> list[dict]:
+        """Per decode step: committed (incl. bonus), drafted, accepted, target_forwards, draft/verify/commit s."""
+        lib, out = self._lib, []
+        st = self._ffi.new("dfl_step_stats*")
+        for i in range(lib.dfl_generate_n_steps(self.handle)):
+            check(lib.dfl_generate_step_stats(self.handle, i, st))
+            out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "target_forwards",
+                                                     "draft_s", "verify_s", "commit_s")})
+        return out
+
     def close(self) -> None:
         if getattr(self, "_h", None) is not None:
             self._lib.dfl_context_free(self._h)
+            self._h = None
+
+    def __del__(self):
+        self.close()
+
+
+def _info_dict(info) -> dict:
+    out = {}
+    for k in dir(info):
+        v = getattr(info, k)
+        out[k] = list(v) if not isinstance(v, (int, float)) else v
+    return out
+
+
+class Draft:
+    """A loaded DFlash drafter (config.json + model.safetensors), validated against `target` when given."""
+
+    def __init__(self, path: str, target: Model | None = None):
+        ffi, lib = load()
+        self._ffi, self._lib = ffi, lib
+        h = lib.dfl_draft_load(str(path).encode(), target.handle if target is not None else ffi.NULL)
+        if h == ffi.NULL:
+            raise DFlashError(ffi.string(lib.dfl_last_error()).decode("utf-8", "replace"))
+        self._h = h
+        info = ffi.new("dfl_draft_info*")
+        check(lib.dfl_draft_get_info(h, info))
+        d = _info_dict(info)
+        d["target_layer_ids"] = d["target_layer_ids"][:d["n_target_layers"]]
+        self.info = d
+        self.path = str(path)
+
+    @property
+    def handle(self):
+        if self._h is None:
+            raise DFlashError("draft is closed")
+        return self._h
+
+    def close(self) -> None:
+        if getattr(self, "_h", None) is not None:
+            self._lib.dfl_draft_free(self._h)
+            self._h = None
+
+    def __del__(self):
+        self.close()
+
+
+class Drafter:
+    """A standalone drafter runtime (feature ring + draft KV cache) for tests and tools."""
+
+    def __init__(self, draft: Draft, target: Model, ring_capacity: int = 4096, n_threads: int = 0):
+        ffi, lib = draft._ffi, draft._lib
+        self._ffi, self._lib, self.draft, self.target = ffi, lib, draft, target
+        p = lib.dfl_drafter_default_params()
+        p.ring_capacity, p.n_threads = ring_capacity, n_threads
+        h = lib.dfl_drafter_new(draft.handle, target.handle, ffi.new("dfl_drafter_params*", p))
+        if h == ffi.NULL:
+            raise DFlashError(ffi.string(lib.dfl_last_error()).decode("utf-8", "replace"))
+        self._h = h
+        self.n_vocab = target.info["n_vocab"]
+
+    @property
+    def n_pos(self) -> int:
+        return self._lib.dfl_drafter_n_pos(self._h)
+
+    def reset(self) -> None:
+        check(self._lib.dfl_drafter_reset(self._h))
+
+    def push_features(self, features: np.ndarray, pos0: int | None = None) -> None:
+        f = np.ascontiguousarray(features, dtype=np.float32)
+        f = f.reshape(f.shape[0], -1)
+        check(self._lib.dfl_drafter_push_features(self._h, self.n_pos if pos0 is None else pos0, f.shape[0],
+                                                  self._ffi.cast("float*", f.ctypes.data)))
+
+    def propose(self, block_tokens) -> np.ndarray:
+        """float32 [len(block_tokens)-1, vocab]: draft logits of block positions 1.."""
+        b = _i32(block_tokens)
+        out = np.empty((max(len(b) - 1, 1), self.n_vocab), np.float32)
+        check(self._lib.dfl_drafter_propose(self._h, len(b), self._ffi.cast("int32_t*", b.ctypes.data),
+                                            self._ffi.cast("float*", out.ctypes.data)))
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_h", None) is not None:
+            self._lib.dfl_drafter_free(self._h)
             self._h = None
 
     def __del__(self):
