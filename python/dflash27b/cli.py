@@ -13,7 +13,7 @@ import click
 
 from . import __version__
 from ._lib import DFlashError, load
-from .decoder import DEVICES, KV_TYPES, Decoder
+from .decoder import DEVICES, KV_TYPES, MODES, Decoder
 
 
 def _version_line() -> str:
@@ -46,6 +46,14 @@ def main() -> None:
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("-m", "--target", "target", type=click.Path(dir_okay=False), help="target model GGUF")
+@click.option("-md", "--draft", "draft", type=click.Path(), help="DFlash drafter (directory with config.json + "
+              "model.safetensors)")
+@click.option("--mode", type=click.Choice(MODES), default=None,
+              help="decoding mode [default: chain with a drafter, else ar]")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="tokens per draft block incl. the root [default: the drafter's]")
+@click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="target positions the drafter keeps as context")
 @click.option("--prompt-ids", help="prompt as comma-separated token ids instead of text")
 @click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=0))
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
@@ -55,7 +63,8 @@ def main() -> None:
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
-def generate(prompt, target, prompt_ids, max_new_tokens, ignore_eos, ctx, kv_type, device, threads, raw, as_json):
+def generate(prompt, target, draft, mode, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
+             kv_type, device, threads, raw, as_json):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None:
         _fail("no target model given: pass -m/--target PATH.gguf")
@@ -63,20 +72,23 @@ def generate(prompt, target, prompt_ids, max_new_tokens, ignore_eos, ctx, kv_typ
         _fail("give exactly one of PROMPT or --prompt-ids")
     try:
         p = _parse_ids(prompt_ids) if prompt_ids is not None else prompt
-        with Decoder(target, device=device, kv_type=kv_type, ctx=ctx, threads=threads) as dec:
+        with Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
+                     feature_ring=feature_ring) as dec:
+            kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size)
             if as_json:
-                r = dec.generate(p, max_new_tokens, ignore_eos=ignore_eos, chat=not raw)
+                r = dec.generate(p, max_new_tokens, **kw)
                 click.echo(json.dumps({"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}))
                 return
-            for piece in dec.stream(p, max_new_tokens, ignore_eos=ignore_eos, chat=not raw):
+            for piece in dec.stream(p, max_new_tokens, **kw):
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
             sys.stdout.flush()
             s = dec.last_stats()
+            accept = f" | accept {s.mean_accept:.2f} (block {s.block_size})" if s.mode != "ar" else ""
             click.echo(f"[{s.mode} {s.device}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
-                       f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s | stop: {s.stop_reason}",
-                       err=True)
+                       f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s{accept} | "
+                       f"stop: {s.stop_reason}", err=True)
     except DFlashError as e:
         _fail(str(e))
 

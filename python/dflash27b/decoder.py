@@ -19,6 +19,8 @@ from .tokenizer import Tokenizer
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 DEVICES = ("auto", "cpu", "cuda")
+MODES = ("ar", "chain")
+_MODE_IDS = {"ar": 0, "chain": 1}
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,14 @@ class GenerateStats:
     mode: str = "ar"
     device: str = "cpu"
     mean_accept: float = 1.0
+    block_size: int = 1
+    # per decode step (z-lab's convention: tokens committed incl. the bonus; the prefill's token
+    # belongs to no step; the last step counts only tokens kept within max_new_tokens)
+    accept_lengths: list[int] = field(default_factory=list)
+    draft_ms: list[float] = field(default_factory=list)
+    verify_ms: list[float] = field(default_factory=list)
+    commit_ms: list[float] = field(default_factory=list)
+    target_forwards: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,8 +83,9 @@ class Decoder:
     ...     print(d.generate("def fib(n):", max_new_tokens=32).text)
     """
 
-    def __init__(self, target: str | os.PathLike, *, device: str = "auto", kv_type: str = "f16", ctx: int = 4096,
-                 threads: int | None = None, batch: int = 512):
+    def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *, device: str = "auto",
+                 kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
+                 feature_ring: int = 4096):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
         if ctx <= 0:
@@ -87,6 +98,16 @@ class Decoder:
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
         self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type])
+        self._draft = None
+        self.draft = None if draft is None else str(draft)
+        try:
+            if draft is not None:
+                # The pair is validated by the core; a mismatch names the offending field.
+                self._draft = _handles.Draft(self.draft, self._model)
+                self._ctx.attach_draft(self._draft, feature_ring)
+        except DFlashError:
+            self.close()
+            raise
         try:
             self.tokenizer = Tokenizer.from_gguf(self.target)
         except Exception as e:  # the tokenizers library raises plain Exceptions
@@ -99,6 +120,14 @@ class Decoder:
     @property
     def info(self) -> dict:
         return dict(self._model.info)
+
+    @property
+    def draft_info(self) -> dict | None:
+        return dict(self._draft.info) if self._draft is not None else None
+
+    @property
+    def default_mode(self) -> str:
+        return "chain" if self._draft is not None else "ar"
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -126,12 +155,28 @@ class Decoder:
         return ids
 
     # -- decoding ---------------------------------------------------------------------------------------
+    def _resolve_mode(self, mode: str | None, block_size: int | None) -> tuple[str, int]:
+        mode = self.default_mode if mode is None else mode
+        if mode not in MODES:
+            raise DFlashError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        if mode == "ar":
+            return mode, 1
+        if self._draft is None:
+            raise DFlashError(f"mode {mode!r} needs a drafter: pass draft=PATH (CLI: -md/--draft)")
+        bs = self._draft.info["block_size"] if block_size is None else int(block_size)
+        if bs < 1:
+            raise DFlashError(f"block_size must be >= 1 (got {bs})")
+        return mode, bs
+
     def stream_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-                   chat: bool = False) -> Iterator[list[int]]:
+                   chat: bool = False, mode: str | None = None, block_size: int | None = None) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards."""
+        mode, bs = self._resolve_mode(mode, block_size)
         ids = self._prompt_ids(prompt, chat)
         self._last_prompt = ids
-        self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids)
+        self._last_mode = (mode, bs)
+        self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
+                                 bs if mode != "ar" else 0)
         while True:
             toks = self._ctx.generate_next()
             if not toks:
@@ -139,10 +184,11 @@ class Decoder:
             yield toks
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-               chat: bool = False) -> Iterator[str]:
+               chat: bool = False, mode: str | None = None, block_size: int | None = None) -> Iterator[str]:
         """Yields text pieces as they are decoded (incomplete UTF-8 is held back)."""
         sd = self.tokenizer.stream_decoder()
-        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat):
+        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
+                                    block_size=block_size):
             piece = "".join(sd.push(t) for t in toks)
             if piece:
                 yield piece
@@ -151,21 +197,30 @@ class Decoder:
             yield tail
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-                 chat: bool = False) -> GenerateResult:
+                 chat: bool = False, mode: str | None = None, block_size: int | None = None) -> GenerateResult:
+        """Greedy decoding; mode "ar" (target only) or "chain" (DFlash drafts verified by the target),
+        default "chain" when a drafter is loaded.  Output is the same token for token in every mode."""
         tokens: list[int] = []
-        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat):
+        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
+                                    block_size=block_size):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt))
 
     def last_stats(self) -> GenerateStats:
         s = self._ctx.generate_stats()
+        steps = self._ctx.step_stats()
+        mode, bs = getattr(self, "_last_mode", ("ar", 1))
         after_first = max(s["generated_tokens"] - 1, 0)  # the first new token comes from the prefill
+        acc = [st["committed"] for st in steps]
         return GenerateStats(
             prompt_tokens=s["prompt_tokens"], generated_tokens=s["generated_tokens"], prefill_s=s["prefill_s"],
             decode_s=s["decode_s"], decode_tok_s=after_first / s["decode_s"] if s["decode_s"] > 0 else 0.0,
             prefill_tok_s=s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] > 0 else 0.0,
-            steps=s["steps"], stop_reason=s["stop_reason"], device=self.device)
+            steps=s["steps"], stop_reason=s["stop_reason"], mode=mode, device=self.device,
+            mean_accept=sum(acc) / len(acc) if acc else 0.0, block_size=bs, accept_lengths=acc,
+            draft_ms=[st["draft_s"] * 1e3 for st in steps], verify_ms=[st["verify_s"] * 1e3 for st in steps],
+            commit_ms=[st["commit_s"] * 1e3 for st in steps], target_forwards=[st["target_forwards"] for st in steps])
 
     # -- tools -------------------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -197,6 +252,9 @@ class Decoder:
         if getattr(self, "_ctx", None) is not None:
             self._ctx.close()
             self._ctx = None
+        if getattr(self, "_draft", None) is not None:
+            self._draft.close()
+            self._draft = None
         if getattr(self, "_model", None) is not None:
             self._model.close()
             self._model = None
