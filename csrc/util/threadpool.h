@@ -2,15 +2,20 @@
 //
 // A decode step issues a few hundred short parallel loops, so waking workers
 // through a condition variable each time would cost more than the work on a
-// 2-core machine.  Workers therefore spin on a generation counter for a while
-// after each job and only then sleep.  The calling thread takes part as worker
-// 0.  Work is split into fixed contiguous ranges by index, so which thread
-// computes an element never changes its result (every element is computed by
-// exactly one thread, with the same code).
+// 2-core machine: workers spin on the job ticket for a while after each job
+// and only then sleep.  The calling thread takes part.  A job is cut into a
+// fixed set of parts (contiguous index ranges that depend only on n, grain and
+// the pool size) and participants claim parts from an atomic ticket, so a
+// worker that the OS has not scheduled (another process on the cores) never
+// holds up a job it has not started: the others take its parts.  Which thread
+// computes a part never changes its result (every element is computed by
+// exactly one thread, with the same code).  Spinning yields the core now and
+// then so an oversubscribed machine degrades gracefully.
 #pragma once
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -21,13 +26,13 @@ namespace dfl {
 class ThreadPool {
  public:
   explicit ThreadPool(int n_threads) : n_(std::max(1, n_threads)) {
-    for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+    for (int i = 1; i < n_; ++i) workers_.emplace_back([this] { worker_loop(); });
   }
   ~ThreadPool() {
     {
       std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-      gen_.fetch_add(1, std::memory_order_release);
+      stop_.store(true, std::memory_order_relaxed);
+      ticket_.store((++gen_) << 32, std::memory_order_release);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -39,9 +44,10 @@ class ThreadPool {
 
   // Calls fn(begin, end) on disjoint ranges covering [0, n).  Ranges are
   // multiples of `grain` (except the last) so callers can keep blocks whole.
+  // Not reentrant: one caller thread at a time.
   void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
     if (n <= 0) return;
-    int64_t chunks = (n + grain - 1) / grain;
+    const int64_t chunks = (n + grain - 1) / grain;
     if (n_ == 1 || chunks == 1) {
       fn(0, n);
       return;
@@ -49,52 +55,63 @@ class ThreadPool {
     job_ = &fn;
     job_n_ = n;
     job_grain_ = grain;
-    // Every worker takes part in every job (some with an empty range), so no
-    // worker can observe a job's parameters after they changed for the next.
-    job_threads_ = n_;
-    pending_.store(n_ - 1, std::memory_order_relaxed);
+    job_chunks_ = chunks;
+    const int parts = (int)std::min<int64_t>(chunks, (int64_t)n_ * 4);
+    job_parts_.store(parts, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t g = ++gen_;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      gen_.fetch_add(1, std::memory_order_release);
+      ticket_.store(g << 32, std::memory_order_release);
     }
     cv_.notify_all();
-    run_part(0);
-    while (pending_.load(std::memory_order_acquire) != 0) {
+    run_parts(g);
+    for (int spins = 0; done_.load(std::memory_order_acquire) != parts; ++spins) pause(spins);
+  }
+
+ private:
+  static void pause(int spins) {
+    if ((spins & 1023) == 1023) {
+      std::this_thread::yield();
+    } else {
 #if defined(__x86_64__)
       __builtin_ia32_pause();
 #endif
     }
   }
 
- private:
-  void run_part(int tid) {
-    if (tid >= job_threads_) return;
-    int64_t chunks = (job_n_ + job_grain_ - 1) / job_grain_;
-    int64_t c0 = chunks * tid / job_threads_, c1 = chunks * (tid + 1) / job_threads_;
-    int64_t b = c0 * job_grain_, e = std::min(job_n_, c1 * job_grain_);
-    if (b < e) (*job_)(b, e);
+  // Claims and runs parts of job g until none is left (or the job is gone).
+  void run_parts(uint64_t g) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    for (;;) {
+      if ((t >> 32) != g) return;
+      const uint32_t p = (uint32_t)t;
+      const int parts = job_parts_.load(std::memory_order_relaxed);
+      if (p >= (uint32_t)parts) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      // Part p of job g is ours: the job's fields stay put until every part is done.
+      const int64_t c0 = job_chunks_ * p / parts, c1 = job_chunks_ * (p + 1) / parts;
+      const int64_t b = c0 * job_grain_, e = std::min(job_n_, c1 * job_grain_);
+      if (b < e) (*job_)(b, e);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+      t = ticket_.load(std::memory_order_acquire);
+    }
   }
 
-  void worker_loop(int tid) {
-    uint64_t seen = 0;  // generation 0 is "no job yet", even if a job started before this thread
+  void worker_loop() {
+    uint64_t seen = 0;  // generation 0 is "no job yet"
     for (;;) {
       uint64_t g;
       int spins = 0;
-      while ((g = gen_.load(std::memory_order_acquire)) == seen && spins < 200000) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-        ++spins;
-      }
+      while ((g = ticket_.load(std::memory_order_acquire) >> 32) == seen && spins < 200000) pause(spins++);
       if (g == seen) {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
-        g = gen_.load(std::memory_order_acquire);
+        cv_.wait(lk, [&] { return (ticket_.load(std::memory_order_acquire) >> 32) != seen; });
+        g = ticket_.load(std::memory_order_acquire) >> 32;
       }
       seen = g;
-      if (stop_) return;
-      run_part(tid);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      if (stop_.load(std::memory_order_relaxed)) return;
+      run_parts(g);
     }
   }
 
@@ -102,12 +119,13 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int> pending_{0};
-  bool stop_ = false;
+  std::atomic<uint64_t> ticket_{0};  // (generation << 32) | next unclaimed part
+  std::atomic<int> done_{0};         // parts finished in the current job
+  std::atomic<int> job_parts_{0};
+  std::atomic<bool> stop_{false};
+  uint64_t gen_ = 0;                 // caller thread only
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
-  int64_t job_n_ = 0, job_grain_ = 1;
-  int job_threads_ = 1;
+  int64_t job_n_ = 0, job_grain_ = 1, job_chunks_ = 1;
 };
 
 }  // namespace dfl
