@@ -127,6 +127,9 @@ int32_t dfl_generate_n_steps(const dfl_context* c);
 int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* out);
 
 /* ---- op entry points for tests and tools ---- */
+/* Runs `iters` parallel loops of varied shapes on one pool of n_threads and
+ * checks every index is visited exactly once per loop; -1 with a message if not. */
+int dfl_selftest_threadpool(int32_t n_threads, int64_t iters);
 /* Streams `bytes` of memory with n_threads threads; returns GB/s read (best of 3). */
 double dfl_measure_read_bandwidth(int64_t bytes, int32_t n_threads);
 int dfl_dequantize(uint32_t type, const void* src, int64_t n, float* dst);

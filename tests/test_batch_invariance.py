@@ -67,3 +67,12 @@ def test_hidden_capture_is_residual_after_layer(synth_gguf):
         h2 = d.hidden_states(ids, [3])
         assert np.array_equal(h[:, 2], h2[:, 0])
         assert np.isfinite(h).all() and not np.array_equal(h[:, 0], h[:, 1])
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threadpool_visits_every_index_once(threads):
+    """Consecutive parallel loops on one pool: a late worker must never run a part of a finished loop
+    with the next loop's bounds (a race seen once as a duplicated range)."""
+    from dflash27b._lib import check, load
+    _, lib = load()
+    check(lib.dfl_selftest_threadpool(threads, 300000))

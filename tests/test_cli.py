@@ -67,3 +67,37 @@ def test_cli_errors(model, args, msg):
     r = run(*[model if a == "MODEL" else a for a in args])
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and msg in r.stderr
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    from tiny_draft import make_tiny_draft
+    return str(make_tiny_draft(tmp_path_factory.mktemp("cli_draft"), n_layers=1, block_size=8))
+
+
+def test_generate_chain_json_stats(model, draft_dir):
+    base = ("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "12", "--ignore-eos", "--json", "-t", "2")
+    ar = json.loads(run(*base, "--mode", "ar").stdout)
+    r = run(*base, "-md", draft_dir, "--block-size", "4")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    s = obj["stats"]
+    assert obj["tokens"] == ar["tokens"]
+    assert s["mode"] == "chain" and s["block_size"] == 4
+    # z-lab's convention: per step, tokens committed incl. the bonus; the prefill's token is in no step
+    assert sum(s["accept_lengths"]) == 11 and all(1 <= a <= 4 for a in s["accept_lengths"])
+    assert s["mean_accept"] == pytest.approx(sum(s["accept_lengths"]) / len(s["accept_lengths"]))
+    n = len(s["accept_lengths"])
+    assert len(s["draft_ms"]) == len(s["verify_ms"]) == len(s["commit_ms"]) == n
+    assert s["target_forwards"] == [1] * n
+
+
+def test_generate_mismatched_draft_is_one_error_line(model, tmp_path):
+    from tiny_draft import make_tiny_draft
+    d = make_tiny_draft(tmp_path / "wide", target_hidden=384)
+    r = run("generate", "-m", model, "--prompt-ids", "1,2", "-n", "2", "-md", str(d))
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "error: drafter/target mismatch: drafter hidden_size 384 != target hidden size 256"]
+    r = run("generate", "-m", model, "--prompt-ids", "1,2", "-n", "2", "--mode", "chain")
+    assert r.returncode == 1 and "needs a drafter" in r.stderr

@@ -256,6 +256,24 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
   });
 }
 
+int dfl_selftest_threadpool(int32_t n_threads, int64_t iters) {
+  return guard([&] {
+    dfl::ThreadPool pool(n_threads > 0 ? n_threads : 1);
+    std::vector<int> hit(4096, 0);
+    for (int64_t it = 0; it < iters; ++it) {
+      const int64_t n = 1 + (it * 7919) % 3000, grain = 1 + it % 17;
+      pool.parallel_for(n, grain, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) hit[(size_t)i]++;
+      });
+      for (int64_t i = 0; i < n; ++i) {
+        if (hit[(size_t)i] != 1)
+          dfl::fail("thread pool: loop %lld visited index %lld %d times", (long long)it, (long long)i, hit[(size_t)i]);
+        hit[(size_t)i] = 0;
+      }
+    }
+  });
+}
+
 double dfl_measure_read_bandwidth(int64_t bytes, int32_t n_threads) {
   double best = 0.0;
   guard([&] {

@@ -56,13 +56,12 @@ class ThreadPool {
     job_n_ = n;
     job_grain_ = grain;
     job_chunks_ = chunks;
-    const int parts = (int)std::min<int64_t>(chunks, (int64_t)n_ * 4);
-    job_parts_.store(parts, std::memory_order_relaxed);
+    const int parts = (int)std::min<int64_t>(chunks, std::min(n_ * 4, kMaxParts));
     done_.store(0, std::memory_order_relaxed);
     const uint64_t g = ++gen_;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      ticket_.store(g << 32, std::memory_order_release);
+      ticket_.store(g << 32 | (uint64_t)parts << 16, std::memory_order_release);
     }
     cv_.notify_all();
     run_parts(g);
@@ -81,13 +80,15 @@ class ThreadPool {
   }
 
   // Claims and runs parts of job g until none is left (or the job is gone).
+  // The part count travels in the ticket itself: a ticket of a finished job
+  // (next == parts) can never be claimed, even while the caller is already
+  // writing the next job's fields.
   void run_parts(uint64_t g) {
     uint64_t t = ticket_.load(std::memory_order_acquire);
     for (;;) {
       if ((t >> 32) != g) return;
-      const uint32_t p = (uint32_t)t;
-      const int parts = job_parts_.load(std::memory_order_relaxed);
-      if (p >= (uint32_t)parts) return;
+      const uint32_t p = (uint32_t)(t & 0xffff), parts = (uint32_t)(t >> 16) & 0xffff;
+      if (p >= parts) return;
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       // Part p of job g is ours: the job's fields stay put until every part is done.
       const int64_t c0 = job_chunks_ * p / parts, c1 = job_chunks_ * (p + 1) / parts;
@@ -119,9 +120,9 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> ticket_{0};  // (generation << 32) | next unclaimed part
+  static constexpr int kMaxParts = 0xffff;
+  std::atomic<uint64_t> ticket_{0};  // generation << 32 | parts << 16 | next unclaimed part
   std::atomic<int> done_{0};         // parts finished in the current job
-  std::atomic<int> job_parts_{0};
   std::atomic<bool> stop_{false};
   uint64_t gen_ = 0;                 // caller thread only
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;

@@ -48,7 +48,10 @@ def target_tables(gguf_path: str) -> tuple[np.ndarray, np.ndarray]:
 
 def make_data(dec: Decoder, prompts: list[list[int]], gen: int, ids: list[int]):
     toks, feats = [], []
-    for p in prompts:
+    t0 = time.time()
+    for i, p in enumerate(prompts):
+        if i % 16 == 0:
+            print(f"data: {i}/{len(prompts)} sequences, {time.time() - t0:.0f} s", flush=True)
         out = dec.generate(p, gen, ignore_eos=True, mode="ar").tokens
         seq = list(p) + out
         h = dec.hidden_states(seq, ids)  # [T, n_ids, H]
