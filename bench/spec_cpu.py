@@ -1,8 +1,8 @@
 """CPU speculative-decoding benchmark on the tiny target + its distilled DFlash drafter.
 
-Runs AR and chain decoding on the same prompts in one process and prints the mean time of a chain step
-split into draft / verify / commit, the mean accept length, and AR vs chain tokens/s (their ratio is the
-speedup).  The target is the tests' tiny Qwen3.5 (8 layers, hidden 256) converted to GGUF F32; the drafter
+Runs AR, chain and DDTree (a budget sweep) on the same prompts in one process and prints, per mode, the
+mean accept length, the mean step time split into draft / tree build / verify / commit (and in AR
+steps), tokens/s and the speedup over AR, and whether the output equals AR.  The target is the tests' tiny Qwen3.5 (8 layers, hidden 256) converted to GGUF F32; the drafter
 is tests/fixtures/tiny_draft_distilled, and the prompts are ones it was distilled on (it memorised those
 continuations; see its README), so acceptance is real but in-sample.
 
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--budgets", default="4,8,16,22,32", help="ddtree budgets to sweep")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--target", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=ROOT / "tests" / "fixtures" / "tiny_draft_distilled")
@@ -62,34 +63,53 @@ def main() -> None:
                                   head_dim=128, ffn=3 * i["n_embd"])
     rng = np.random.default_rng(0)  # the fixture drafter's training prompts
     prompts = [rng.integers(0, 2047, 16).tolist() for _ in range(a.prompts)]
+    budgets = [int(x) for x in a.budgets.split(",") if x]
     with Decoder(target, a.draft, kv_type="f32", threads=a.threads) as d:
         print(f"# target {target.name} ({d.info['weight_bytes'] / 1e9:.3f} GB weights), drafter {a.draft}")
         d.generate(prompts[0], 8, ignore_eos=True, mode="ar")  # warm-up
-        ar_tok = ar_s = sp_tok = sp_s = 0.0
-        dr, ve, co, acc, same = [], [], [], [], True
+        ar_tok = ar_s = 0.0
+        refs = []
         for p in prompts:
             ra = d.generate(p, a.new, ignore_eos=True, mode="ar")
-            rc = d.generate(p, a.new, ignore_eos=True, mode="chain", block_size=a.block)
-            same &= ra.tokens == rc.tokens
+            refs.append(ra.tokens)
             ar_tok += ra.stats.generated_tokens - 1
             ar_s += ra.stats.decode_s
-            sp_tok += rc.stats.generated_tokens - 1
-            sp_s += rc.stats.decode_s
-            dr += rc.stats.draft_ms
-            ve += rc.stats.verify_ms
-            co += rc.stats.commit_ms
-            acc += rc.stats.accept_lengths
         ar_step = ar_s / ar_tok * 1e3
-    print(f"# tiny pair on CPU: {platform.processor() or platform.machine()}, {a.threads} threads, "
-          f"block {a.block}, {a.prompts} prompts x {a.new} tokens; chain output == AR: {same}")
-    print("| | ms | x AR step |")
-    print("|---|---:|---:|")
-    for name, v in (("AR step", [ar_step]), ("chain draft", dr), ("chain verify", ve), ("chain commit", co)):
-        print(f"| {name} | {np.mean(v):.3f} | {np.mean(v) / ar_step:.2f} |")
-    step = np.mean(dr) + np.mean(ve) + np.mean(co)
-    print(f"| chain step (sum) | {step:.3f} | {step / ar_step:.2f} |")
-    print(f"\nmean accept length {np.mean(acc):.2f}; AR {ar_tok / ar_s:.1f} tok/s, chain {sp_tok / sp_s:.1f} tok/s, "
-          f"speedup {sp_tok / sp_s / (ar_tok / ar_s):.2f}x")
+        configs = [("chain", dict(mode="chain", block_size=a.block))]
+        configs += [(f"ddtree {b}", dict(mode="ddtree", block_size=a.block, budget=b)) for b in budgets]
+        rows = []
+        for name, kw in configs:
+            tok = sec = 0.0
+            dr, tr, ve, co, acc, same = [], [], [], [], [], True
+            for p, ref in zip(prompts, refs):
+                r = d.generate(p, a.new, ignore_eos=True, **kw)
+                same &= r.tokens == ref
+                tok += r.stats.generated_tokens - 1
+                sec += r.stats.decode_s
+                dr += r.stats.draft_ms
+                tr += r.stats.tree_ms
+                ve += r.stats.verify_ms
+                co += r.stats.commit_ms
+                acc += r.stats.accept_lengths
+            rows.append((name, np.mean(acc), np.mean(dr), np.mean(tr), np.mean(ve), np.mean(co), tok / sec, same))
+    print(f"# CPU: {cpu_name()}, {a.threads} threads; block {a.block}; {a.prompts} prompts x {a.new} tokens; "
+          f"AR step {ar_step:.3f} ms, AR {ar_tok / ar_s:.1f} tok/s")
+    print("| mode | mean accept | draft | tree build | verify | commit | step (x AR) | tok/s | speedup | == AR |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, m, dr, tr, ve, co, tps, same in rows:
+        step = dr + tr + ve + co
+        print(f"| {name} | {m:.2f} | {dr:.2f} ms | {tr:.3f} ms | {ve:.2f} ms | {co:.3f} ms | {step:.2f} ms "
+              f"({step / ar_step:.2f}x) | {tps:.1f} | {tps / (ar_tok / ar_s):.2f}x | {same} |")
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -91,15 +91,21 @@ int64_t dfl_context_n_forwards(const dfl_context* c);
  * committed. */
 #define DFL_MODE_AR 0
 #define DFL_MODE_CHAIN 1
+#define DFL_MODE_DDTREE 2
 
 typedef struct {
   int32_t max_new_tokens;
   int32_t ignore_eos;
   int32_t n_eos;
   const int32_t* eos_ids;
-  int32_t mode;        /* DFL_MODE_AR / DFL_MODE_CHAIN (needs an attached drafter or hook) */
-  int32_t block_size;  /* chain: verify block incl. the root; 0 = the drafter's block_size */
+  int32_t mode;        /* DFL_MODE_AR / CHAIN / DDTREE (the last two need an attached drafter or hook) */
+  int32_t block_size;  /* chain/ddtree: draft block incl. the root; 0 = the drafter's block_size */
+  int32_t tree_budget; /* ddtree: draft nodes per step (default 22) */
+  int32_t tree_topk;   /* ddtree: candidates per depth; 0 = the budget */
+  int32_t chain_seed;  /* ddtree: insert the drafter's greedy chain first (default 1) */
 } dfl_gen_params;
+
+dfl_gen_params dfl_gen_default_params(void);
 
 typedef struct {
   int32_t prompt_tokens;
@@ -117,16 +123,22 @@ int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* out);
 
 typedef struct {
   int32_t committed;       /* tokens the step added to the output, bonus included (1..block) */
-  int32_t drafted;         /* draft tokens verified */
-  int32_t accepted;        /* leading drafts equal to the target's choice */
+  int32_t drafted;         /* draft nodes verified (chain: block-1; ddtree: tree size) */
+  int32_t accepted;        /* drafts on the accepted path */
+  int32_t tree_depth;      /* deepest draft node */
   int32_t target_forwards; /* target forwards the step ran (1) */
-  double draft_s, verify_s, commit_s;
+  double draft_s, tree_s, verify_s, commit_s;
 } dfl_step_stats;
 
 int32_t dfl_generate_n_steps(const dfl_context* c);
 int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* out);
 
 /* ---- op entry points for tests and tools ---- */
+/* DDTree construction from draft logits [L][n_vocab] (depths 1..L): writes up
+ * to cap nodes in topological order (node i+1 = tokens[i] at depth[i], parent
+ * parents[i], 0 = the root) and returns how many, -1 on error. */
+int32_t dfl_build_ddtree(const float* logits, int32_t L, int32_t n_vocab, int32_t budget, int32_t topk,
+                         int32_t chain_seed, int32_t cap, int32_t* tokens, int32_t* depth, int32_t* parents);
 /* Runs `iters` parallel loops of varied shapes on one pool of n_threads and
  * checks every index is visited exactly once per loop; -1 with a message if not. */
 int dfl_selftest_threadpool(int32_t n_threads, int64_t iters);
@@ -197,6 +209,12 @@ int64_t dfl_context_draft_state_bytes(const dfl_context* c);
  * root_pos and returns 0 (nonzero aborts the step with an error). */
 typedef int32_t (*dfl_draft_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t n, int32_t* tokens);
 int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user);
+/* Test hook for ddtree steps: fn writes up to cap nodes (tokens[i], parents[i]
+ * for node i+1; parent 0 is the root, a node's parent precedes it) and returns
+ * how many (0..cap), or -1 to abort the step with an error. */
+typedef int32_t (*dfl_tree_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t cap, int32_t* tokens,
+                                 int32_t* parents);
+int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user);
 
 /* A standalone drafter runtime (tests and tools): push the features of
  * committed positions, then propose a block rooted at the next position. */

@@ -18,6 +18,7 @@
 #include "model/context.h"
 #include "ops/cpu_ops.h"
 #include "quant/quant.h"
+#include "spec/ddtree.h"
 #include "spec/generator.h"
 
 #ifndef DFLASH27B_VERSION
@@ -191,6 +192,17 @@ int dfl_commit_path(dfl_context* c, const int32_t* nodes, int32_t n) {
   });
 }
 
+dfl_gen_params dfl_gen_default_params(void) {
+  dfl_gen_params p{};
+  dfl::GenParams d;
+  p.max_new_tokens = d.max_new_tokens;
+  p.mode = DFL_MODE_AR;
+  p.tree_budget = d.tree.budget;
+  p.tree_topk = d.tree.topk;
+  p.chain_seed = d.tree.chain_seed ? 1 : 0;
+  return p;
+}
+
 int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, const dfl_gen_params* p) {
   return guard([&] {
     need(c, "context");
@@ -199,10 +211,14 @@ int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, 
     if (p) {
       gp.max_new_tokens = p->max_new_tokens;
       gp.ignore_eos = p->ignore_eos != 0;
-      if (p->mode != DFL_MODE_AR && p->mode != DFL_MODE_CHAIN) dfl::fail("unknown decode mode %d", p->mode);
+      if (p->mode != DFL_MODE_AR && p->mode != DFL_MODE_CHAIN && p->mode != DFL_MODE_DDTREE)
+        dfl::fail("unknown decode mode %d", p->mode);
       gp.mode = (dfl::DecodeMode)p->mode;
       if (p->block_size < 0) dfl::fail("block size must be >= 0 (got %d)", p->block_size);
       gp.block_size = p->block_size;
+      gp.tree.budget = p->tree_budget;
+      gp.tree.topk = p->tree_topk;
+      gp.tree.chain_seed = p->chain_seed != 0;
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);
@@ -251,9 +267,31 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     if (i < 0 || i >= (int32_t)st.size()) dfl::fail("step %d out of range (%zu steps)", i, st.size());
     const dfl::StepRecord& r = st[(size_t)i];
     o->committed = r.committed; o->drafted = r.drafted; o->accepted = r.accepted;
-    o->target_forwards = r.target_forwards;
-    o->draft_s = r.draft_s; o->verify_s = r.verify_s; o->commit_s = r.commit_s;
+    o->tree_depth = r.tree_depth; o->target_forwards = r.target_forwards;
+    o->draft_s = r.draft_s; o->tree_s = r.tree_s; o->verify_s = r.verify_s; o->commit_s = r.commit_s;
   });
+}
+
+int32_t dfl_build_ddtree(const float* logits, int32_t L, int32_t n_vocab, int32_t budget, int32_t topk,
+                         int32_t chain_seed, int32_t cap, int32_t* tokens, int32_t* depth, int32_t* parents) {
+  int32_t n = -1;
+  guard([&] {
+    need(logits, "logits");
+    if (n_vocab <= 0) dfl::fail("n_vocab must be positive");
+    dfl::TreeParams tp;
+    tp.budget = budget;
+    tp.topk = topk;
+    tp.chain_seed = chain_seed != 0;
+    const dfl::DraftTree t = dfl::build_ddtree(logits, L, n_vocab, tp);
+    if (t.size() > cap) dfl::fail("tree of %d nodes exceeds the capacity %d", t.size(), cap);
+    for (int i = 0; i < t.size(); ++i) {
+      if (tokens) tokens[i] = t.tokens[(size_t)i];
+      if (depth) depth[i] = t.depth[(size_t)i];
+      if (parents) parents[i] = t.parent[(size_t)i];
+    }
+    n = t.size();
+  });
+  return n;
 }
 
 int dfl_selftest_threadpool(int32_t n_threads, int64_t iters) {

@@ -94,6 +94,21 @@ int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user) {
   });
 }
 
+int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    if (!fn) {
+      c->gen->set_tree_source(nullptr);
+      return;
+    }
+    c->gen->set_tree_source([fn, user](int32_t root_pos, int32_t root, int cap, int32_t* toks, int32_t* parents) {
+      const int32_t n = fn(user, root_pos, root, cap, toks, parents);
+      if (n < 0) dfl::fail("tree hook failed at position %d", root_pos);
+      return (int)n;
+    });
+  });
+}
+
 dfl_drafter* dfl_drafter_new(const dfl_draft* d, const dfl_model* target, const dfl_drafter_params* p) {
   dfl_drafter* out = nullptr;
   dfl::api_guard([&] {

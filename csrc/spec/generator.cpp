@@ -22,7 +22,14 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
          n_prompt, ctx_.params().n_ctx);
   if (p.max_new_tokens < 0) fail("max_new_tokens must be >= 0 (got %d)", p.max_new_tokens);
   block_ = 1;
-  if (p.mode == DecodeMode::Chain) {
+  if (p.mode == DecodeMode::DDTree) {
+    if (!drafter_ && !tree_source_) fail("ddtree mode needs a drafter (none is attached)");
+    if (p.tree.budget < 0) fail("tree budget must be >= 0 (got %d)", p.tree.budget);
+    if (p.tree.topk < 0) fail("top-K must be >= 0 (got %d)", p.tree.topk);
+    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : 1;
+    if (p.tree.budget + 1 > ctx_.params().n_batch)
+      fail("tree budget %d exceeds the context's batch size %d (minus the root)", p.tree.budget, ctx_.params().n_batch);
+  } else if (p.mode == DecodeMode::Chain) {
     if (!drafter_ && !source_) fail("chain mode needs a drafter (none is attached)");
     block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : 0;
     if (block_ < 1) fail("chain mode needs a block size (no drafter to take it from)");
@@ -37,7 +44,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
   steps_.clear();
   ctx_.reset();
   if (drafter_) drafter_->reset();
-  logits_.assign((size_t)std::max(block_, 1) * c.n_vocab, 0.f);
+  logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
   prefill(prompt, n_prompt);
   stats_.prefill_s = since(t0);
@@ -113,6 +120,68 @@ int Generator::next(std::vector<int32_t>& out) {
   return n;
 }
 
+void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
+  const int n_vocab = ctx_.model().cfg.n_vocab;
+  for (int i = 1; i < V; ++i) {
+    parent_[i] = i - 1;
+    depth_[i] = i;
+  }
+  if (V < 2) return;
+  auto t0 = Clock::now();
+  if (source_) {
+    source_(s, pending_, V - 1, tokens_.data() + 1);
+  } else {
+    for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
+    draft_logits_.resize((size_t)(V - 1) * n_vocab);
+    drafter_->propose(tokens_.data(), V, draft_logits_.data());
+    for (int i = 1; i < V; ++i) tokens_[i] = argmax(draft_logits_.data() + (size_t)(i - 1) * n_vocab, n_vocab);
+  }
+  rec.draft_s = since(t0);
+}
+
+void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec) {
+  const int n_vocab = ctx_.model().cfg.n_vocab;
+  // Nodes that fit: the budget, the KV room left and the verify batch.
+  const int cap = std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1});
+  auto t0 = Clock::now();
+  if (tree_source_) {
+    tokens_.resize(cap + 1);
+    parent_.resize(cap + 1);
+    const int n = tree_source_(s, pending_, cap, tokens_.data() + 1, parent_.data() + 1);
+    if (n < 0 || n > cap) fail("tree hook returned %d nodes (capacity %d)", n, cap);
+    tokens_.resize(n + 1);
+    parent_.resize(n + 1);
+    depth_.assign(n + 1, 0);
+    for (int i = 1; i <= n; ++i) {
+      if (parent_[i] < 0 || parent_[i] >= i) fail("tree hook: node %d has parent %d (must be in 0..%d)", i, parent_[i], i - 1);
+      depth_[i] = depth_[parent_[i]] + 1;
+    }
+    rec.draft_s = since(t0);
+    return;
+  }
+  if (V < 2 || cap <= 0) {
+    tokens_.resize(1), parent_.resize(1), depth_.resize(1);
+    return;
+  }
+  for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
+  draft_logits_.resize((size_t)(V - 1) * n_vocab);
+  drafter_->propose(tokens_.data(), V, draft_logits_.data());
+  rec.draft_s = since(t0);
+  t0 = Clock::now();
+  TreeParams tp = p_.tree;
+  tp.budget = cap;
+  if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
+  const DraftTree t = build_ddtree(draft_logits_.data(), V - 1, n_vocab, tp);
+  const int n = t.size();
+  tokens_.resize(n + 1), parent_.resize(n + 1), depth_.resize(n + 1);
+  for (int i = 1; i <= n; ++i) {
+    tokens_[i] = t.tokens[i - 1];
+    parent_[i] = t.parent[i - 1];
+    depth_[i] = t.depth[i - 1];
+  }
+  rec.tree_s = since(t0);
+}
+
 int Generator::step(std::vector<int32_t>& out) {
   const Qwen35Config& c = ctx_.model().cfg;
   const int32_t s = ctx_.n_past();
@@ -123,73 +192,84 @@ int Generator::step(std::vector<int32_t>& out) {
     return 0;
   }
   const int remaining = p_.max_new_tokens - stats_.generated_tokens;  // >= 1 here
-  // The block shrinks at the end (as z-lab's loop) and to the room left.
+  // The draft block shrinks at the end (as z-lab's loop) and to the room left.
   const int V = std::min({block_, remaining + 1, room});
   StepRecord rec;
   const int64_t fwd0 = ctx_.n_forwards();
 
-  // ---- DRAFT ----
-  auto t0 = Clock::now();
-  block_tokens_.assign(V, 0);
-  block_tokens_[0] = pending_;
-  if (V > 1) {
-    if (source_) {
-      source_(s, pending_, V - 1, block_tokens_.data() + 1);
-      for (int i = 1; i < V; ++i)
-        if (block_tokens_[i] < 0 || block_tokens_[i] >= c.n_vocab)
-          fail("draft hook gave token %d outside the vocabulary", block_tokens_[i]);
-    } else {
-      for (int i = 1; i < V; ++i) block_tokens_[i] = drafter_->config().mask_token_id;
-      draft_logits_.resize((size_t)(V - 1) * c.n_vocab);
-      drafter_->propose(block_tokens_.data(), V, draft_logits_.data());
-      for (int i = 1; i < V; ++i) block_tokens_[i] = argmax(draft_logits_.data() + (size_t)(i - 1) * c.n_vocab, c.n_vocab);
-    }
-  }
-  rec.draft_s = since(t0);
-  rec.drafted = V - 1;
+  // ---- DRAFT ---- a chain or a tree rooted at the pending token (node 0)
+  tokens_.assign(std::max(V, 1), 0);
+  parent_.assign(tokens_.size(), -1);
+  depth_.assign(tokens_.size(), 0);
+  tokens_[0] = pending_;
+  if (p_.mode == DecodeMode::DDTree) draft_tree(s, V, room, rec);
+  else if (p_.mode == DecodeMode::Chain) draft_chain(s, V, rec);
+  const int N = (int)tokens_.size();
+  for (int i = 1; i < N; ++i)
+    if (tokens_[i] < 0 || tokens_[i] >= c.n_vocab) fail("draft token %d outside the vocabulary", tokens_[i]);
+  rec.drafted = N - 1;
+  rec.tree_depth = N > 1 ? *std::max_element(depth_.begin(), depth_.end()) : 0;
 
-  // ---- VERIFY ---- one target forward over [root, drafts]
-  t0 = Clock::now();
-  pos_.resize(V);
-  std::vector<int32_t> rows(V);
-  for (int i = 0; i < V; ++i) pos_[i] = s + i, rows[i] = i;
-  Batch b{V, block_tokens_.data(), pos_.data(), nullptr};
+  // ---- VERIFY ---- one target forward over the root and every draft node
+  auto t0 = Clock::now();
+  pos_.resize(N);
+  std::vector<int32_t> rows(N);
+  for (int i = 0; i < N; ++i) pos_[i] = s + depth_[i], rows[i] = i;
+  Batch b{N, tokens_.data(), pos_.data(), parent_.data()};
   ForwardOutputs o;
-  o.n_logits = V;
+  o.n_logits = N;
   o.logit_rows = rows.data();
+  logits_.resize((size_t)N * c.n_vocab);
   o.logits = logits_.data();
   const bool cap = capturing();
   if (cap) {
-    hidden_.resize((size_t)V * drafter_->feature_width());
+    hidden_.resize((size_t)N * drafter_->feature_width());
     o.n_capture = (int)capture_.size();
     o.capture_layers = capture_.data();
     o.hidden = hidden_.data();
   }
   const bool ar = p_.mode == DecodeMode::AR;
   ctx_.forward(b, o, /*commit=*/ar);
-  int a = 0;
-  while (a < V - 1 && block_tokens_[a + 1] == argmax(logits_.data() + (size_t)a * c.n_vocab, c.n_vocab)) ++a;
-  const int32_t bonus = argmax(logits_.data() + (size_t)a * c.n_vocab, c.n_vocab);
+  // ACCEPT: from the root, follow the child holding the target's choice.
+  std::vector<int32_t> path{0};
+  int32_t choice = argmax(logits_.data(), c.n_vocab);
+  for (;;) {
+    const int cur = path.back();
+    int next = -1;
+    for (int i = cur + 1; i < N && next < 0; ++i)
+      if (parent_[i] == cur && tokens_[i] == choice) next = i;
+    if (next < 0) break;
+    path.push_back(next);
+    choice = argmax(logits_.data() + (size_t)next * c.n_vocab, c.n_vocab);
+  }
+  const int32_t bonus = choice;
+  const int a = (int)path.size() - 1;
   rec.verify_s = since(t0);
   rec.accepted = a;
 
   // ---- COMMIT ---- gather the accepted nodes; nothing is re-run
   t0 = Clock::now();
   if (!ar) {
-    std::vector<int32_t> path(a + 1);
-    for (int i = 0; i <= a; ++i) path[i] = i;
     ctx_.commit_path(path.data(), a + 1);
-    if (cap) drafter_->push_features(s, a + 1, hidden_.data());
+    if (cap) {
+      // the accepted nodes' features, in path order (nodes off the path leave no trace)
+      const size_t w = (size_t)drafter_->feature_width();
+      std::vector<float> feats((size_t)(a + 1) * w);
+      for (int k = 0; k <= a; ++k)
+        std::copy(hidden_.begin() + (size_t)path[k] * w, hidden_.begin() + (size_t)(path[k] + 1) * w,
+                  feats.begin() + (size_t)k * w);
+      drafter_->push_features(s, a + 1, feats.data());
+    }
   }
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);
 
-  // ---- EMIT ---- drafts 1..a, then the bonus, within max_new_tokens
+  // ---- EMIT ---- accepted drafts, then the bonus, within max_new_tokens
   const int produced = std::min(a + 1, remaining);
   int emitted = 0;
   rec.committed = produced;
   for (int i = 0; i < produced; ++i) {
-    const int32_t t = i < a ? block_tokens_[i + 1] : bonus;
+    const int32_t t = i < a ? tokens_[path[i + 1]] : bonus;
     if (is_eos(t)) {
       rec.committed = i + 1;
       done_ = true;

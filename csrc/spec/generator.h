@@ -17,18 +17,20 @@
 
 #include "model/context.h"
 #include "model/drafter.h"
+#include "spec/ddtree.h"
 
 namespace dfl {
 
 enum class StopReason : int { Running = 0, Length = 1, Eos = 2, ContextFull = 3 };
-enum class DecodeMode : int { AR = 0, Chain = 1 };
+enum class DecodeMode : int { AR = 0, Chain = 1, DDTree = 2 };
 
 struct GenParams {
   int max_new_tokens = 256;
   bool ignore_eos = false;
   std::vector<int32_t> eos_ids;
   DecodeMode mode = DecodeMode::AR;
-  int block_size = 0;  // chain: verify block incl. the root; 0 = the drafter's block_size
+  int block_size = 0;  // chain/ddtree: draft block incl. the root; 0 = the drafter's block_size
+  TreeParams tree;     // ddtree: budget, top-K per depth, chain seed
 };
 
 struct GenStats {
@@ -39,15 +41,20 @@ struct GenStats {
 
 struct StepRecord {
   int committed = 0;        // tokens this step added to the output (z-lab's acceptance length)
-  int drafted = 0;          // draft tokens verified
-  int accepted = 0;         // leading drafts equal to the target's choice
+  int drafted = 0;          // draft nodes verified (chain: block - 1; ddtree: tree size)
+  int accepted = 0;         // drafts on the accepted path
+  int tree_depth = 0;       // deepest drafted node
   int target_forwards = 0;  // always 1; counted, not assumed
-  double draft_s = 0, verify_s = 0, commit_s = 0;
+  double draft_s = 0, tree_s = 0, verify_s = 0, commit_s = 0;
 };
 
-// Test hook: writes n draft tokens for the block whose root `root` sits at
-// position root_pos; replaces the drafter's proposal.
+// Test hooks replacing the drafter.  Chain: writes n draft tokens for the
+// block whose root `root` sits at position root_pos.  Tree: writes up to cap
+// nodes (tokens, parents; parent 0 = the root, node i's parent < i) and
+// returns how many.
 using DraftSource = std::function<void(int32_t root_pos, int32_t root, int n, int32_t* tokens)>;
+using TreeSource =
+    std::function<int(int32_t root_pos, int32_t root, int cap, int32_t* tokens, int32_t* parents)>;
 
 class Generator {
  public:
@@ -55,6 +62,7 @@ class Generator {
   void set_drafter(Drafter* d) { drafter_ = d; }
   Drafter* drafter() const { return drafter_; }
   void set_draft_source(DraftSource src) { source_ = std::move(src); }
+  void set_tree_source(TreeSource src) { tree_source_ = std::move(src); }
 
   void begin(const int32_t* prompt, int n_prompt, const GenParams& p);
   // Appends the tokens decided by one step; returns how many (0 when done).
@@ -65,18 +73,22 @@ class Generator {
  private:
   void prefill(const int32_t* prompt, int n);
   int step(std::vector<int32_t>& out);
+  void draft_chain(int32_t s, int V, StepRecord& rec);
+  void draft_tree(int32_t s, int V, int room, StepRecord& rec);
   bool is_eos(int32_t t) const;
-  bool capturing() const { return drafter_ && p_.mode == DecodeMode::Chain; }
+  bool capturing() const { return drafter_ && p_.mode != DecodeMode::AR; }
 
   Context& ctx_;
   Drafter* drafter_ = nullptr;
   DraftSource source_;
+  TreeSource tree_source_;
   GenParams p_;
   int block_ = 1;
   GenStats stats_;
   std::vector<StepRecord> steps_;
   std::vector<float> logits_, draft_logits_, hidden_;
-  std::vector<int32_t> block_tokens_, pos_, capture_;
+  // the step's verify batch: node 0 = root, then drafts (chain: parent i-1)
+  std::vector<int32_t> tokens_, parent_, depth_, pos_, capture_;
   int32_t pending_ = -1;  // decided but not yet fed to the target
   bool first_emitted_ = false;
   bool done_ = true;

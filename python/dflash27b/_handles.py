@@ -154,19 +154,43 @@ class Context:
         self._hook = ffi.callback("dfl_draft_hook", call)  # must outlive its use
         check(self._lib.dfl_context_set_draft_hook(self.handle, self._hook, ffi.NULL))
 
+    def set_tree_hook(self, fn) -> None:
+        """fn(root_pos, root_token, cap) -> (tokens, parents) of up to cap nodes (parent 0 = root); None removes."""
+        ffi = self._ffi
+        if fn is None:
+            check(self._lib.dfl_context_set_tree_hook(self.handle, ffi.NULL, ffi.NULL))
+            self._tree_hook = None
+            return
+
+        def call(user, root_pos, root_token, cap, toks_out, par_out):
+            try:
+                toks, pars = fn(root_pos, root_token, cap)
+                if len(toks) != len(pars) or len(toks) > cap:
+                    return -1
+                for i, (t, p) in enumerate(zip(toks, pars)):
+                    toks_out[i], par_out[i] = int(t), int(p)
+                return len(toks)
+            except Exception:
+                return -1
+
+        self._tree_hook = ffi.callback("dfl_tree_hook", call)
+        check(self._lib.dfl_context_set_tree_hook(self.handle, self._tree_hook, ffi.NULL))
+
     def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids, mode: int = 0,
-                       block_size: int = 0) -> None:
+                       block_size: int = 0, tree_budget: int = 22, tree_topk: int = 0,
+                       chain_seed: bool = True) -> None:
         ffi = self._ffi
         prompt = _i32(prompt)
         if len(prompt) == 0:
             raise DFlashError("empty prompt: give at least one token")
         self._eos = _i32(sorted(eos_ids))
-        gp = ffi.new("dfl_gen_params*")
+        gp = ffi.new("dfl_gen_params*", self._lib.dfl_gen_default_params())
         gp.max_new_tokens, gp.ignore_eos = max_new_tokens, 1 if ignore_eos else 0
         gp.n_eos, gp.eos_ids = len(self._eos), self._p(self._eos)
         gp.mode, gp.block_size = mode, block_size
+        gp.tree_budget, gp.tree_topk, gp.chain_seed = tree_budget, tree_topk, 1 if chain_seed else 0
         check(self._lib.dfl_generate_begin(self.handle, self._p(prompt), len(prompt), gp))
-        self._buf = np.empty(max(256, block_size + 1), np.int32)
+        self._buf = np.empty(max(256, block_size + 1, tree_budget + 2), np.int32)
 
     def generate_next(self) -> list[int]:
         n = check(self._lib.dfl_generate_next(self.handle, self._p(self._buf), len(self._buf)))
@@ -185,8 +209,8 @@ class Context:
         st = self._ffi.new("dfl_step_stats*")
         for i in range(lib.dfl_generate_n_steps(self.handle)):
             check(lib.dfl_generate_step_stats(self.handle, i, st))
-            out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "target_forwards",
-                                                     "draft_s", "verify_s", "commit_s")})
+            out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "tree_depth",
+                                                     "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s")})
         return out
 
     def close(self) -> None:

@@ -49,7 +49,13 @@ def main() -> None:
 @click.option("-md", "--draft", "draft", type=click.Path(), help="DFlash drafter (directory with config.json + "
               "model.safetensors)")
 @click.option("--mode", type=click.Choice(MODES), default=None,
-              help="decoding mode [default: chain with a drafter, else ar]")
+              help="decoding mode [default: ddtree with a drafter, else ar]")
+@click.option("--budget", type=click.IntRange(min=0), default=22, show_default=True,
+              help="ddtree: draft nodes verified per step")
+@click.option("--topk", type=click.IntRange(min=0), default=0, show_default=True,
+              help="ddtree: candidates per depth (0 = the budget)")
+@click.option("--chain-seed/--no-chain-seed", default=True, show_default=True,
+              help="ddtree: insert the drafter's greedy chain before best-first expansion")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="tokens per draft block incl. the root [default: the drafter's]")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -63,7 +69,7 @@ def main() -> None:
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
-def generate(prompt, target, draft, mode, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
+def generate(prompt, target, draft, mode, budget, topk, chain_seed, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
              kv_type, device, threads, raw, as_json):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None:
@@ -74,7 +80,8 @@ def generate(prompt, target, draft, mode, block_size, feature_ring, prompt_ids, 
         p = _parse_ids(prompt_ids) if prompt_ids is not None else prompt
         with Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
                      feature_ring=feature_ring) as dec:
-            kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size)
+            kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
+                      chain_seed=chain_seed)
             if as_json:
                 r = dec.generate(p, max_new_tokens, **kw)
                 click.echo(json.dumps({"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}))
@@ -85,7 +92,8 @@ def generate(prompt, target, draft, mode, block_size, feature_ring, prompt_ids, 
             click.echo()
             sys.stdout.flush()
             s = dec.last_stats()
-            accept = f" | accept {s.mean_accept:.2f} (block {s.block_size})" if s.mode != "ar" else ""
+            shape = f"budget {s.budget}" if s.mode == "ddtree" else f"block {s.block_size}"
+            accept = f" | accept {s.mean_accept:.2f} ({shape})" if s.mode != "ar" else ""
             click.echo(f"[{s.mode} {s.device}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
                        f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s{accept} | "
                        f"stop: {s.stop_reason}", err=True)

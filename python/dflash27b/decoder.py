@@ -19,8 +19,8 @@ from .tokenizer import Tokenizer
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 DEVICES = ("auto", "cpu", "cuda")
-MODES = ("ar", "chain")
-_MODE_IDS = {"ar": 0, "chain": 1}
+MODES = ("ar", "chain", "ddtree")
+_MODE_IDS = {"ar": 0, "chain": 1, "ddtree": 2}
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,17 @@ class GenerateStats:
     device: str = "cpu"
     mean_accept: float = 1.0
     block_size: int = 1
+    budget: int = 0
     # per decode step (z-lab's convention: tokens committed incl. the bonus; the prefill's token
     # belongs to no step; the last step counts only tokens kept within max_new_tokens)
     accept_lengths: list[int] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)
+    tree_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)
     commit_ms: list[float] = field(default_factory=list)
     target_forwards: list[int] = field(default_factory=list)
+    tree_size: list[int] = field(default_factory=list)   # draft nodes verified per step
+    tree_depth: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +131,7 @@ class Decoder:
 
     @property
     def default_mode(self) -> str:
-        return "chain" if self._draft is not None else "ar"
+        return "ddtree" if self._draft is not None else "ar"
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -156,6 +160,7 @@ class Decoder:
 
     # -- decoding ---------------------------------------------------------------------------------------
     def _resolve_mode(self, mode: str | None, block_size: int | None) -> tuple[str, int]:
+        """(mode, block size); the default mode is ddtree with a drafter, else ar."""
         mode = self.default_mode if mode is None else mode
         if mode not in MODES:
             raise DFlashError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -169,14 +174,17 @@ class Decoder:
         return mode, bs
 
     def stream_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-                   chat: bool = False, mode: str | None = None, block_size: int | None = None) -> Iterator[list[int]]:
+                   chat: bool = False, mode: str | None = None, block_size: int | None = None,
+                   budget: int = 22, topk: int = 0, chain_seed: bool = True) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards."""
         mode, bs = self._resolve_mode(mode, block_size)
+        if budget < 0 or topk < 0:
+            raise DFlashError(f"budget and topk must be >= 0 (got {budget}, {topk})")
         ids = self._prompt_ids(prompt, chat)
         self._last_prompt = ids
-        self._last_mode = (mode, bs)
+        self._last_mode = (mode, bs, budget if mode == "ddtree" else 0)
         self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
-                                 bs if mode != "ar" else 0)
+                                 bs if mode != "ar" else 0, budget, topk, chain_seed)
         while True:
             toks = self._ctx.generate_next()
             if not toks:
@@ -184,11 +192,12 @@ class Decoder:
             yield toks
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-               chat: bool = False, mode: str | None = None, block_size: int | None = None) -> Iterator[str]:
+               chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
+               topk: int = 0, chain_seed: bool = True) -> Iterator[str]:
         """Yields text pieces as they are decoded (incomplete UTF-8 is held back)."""
         sd = self.tokenizer.stream_decoder()
         for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
-                                    block_size=block_size):
+                                    block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed):
             piece = "".join(sd.push(t) for t in toks)
             if piece:
                 yield piece
@@ -197,12 +206,15 @@ class Decoder:
             yield tail
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-                 chat: bool = False, mode: str | None = None, block_size: int | None = None) -> GenerateResult:
-        """Greedy decoding; mode "ar" (target only) or "chain" (DFlash drafts verified by the target),
-        default "chain" when a drafter is loaded.  Output is the same token for token in every mode."""
+                 chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
+                 topk: int = 0, chain_seed: bool = True) -> GenerateResult:
+        """Greedy decoding.  mode "ar" (target only), "chain" (one DFlash block verified per step) or
+        "ddtree" (a tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded
+        with the greedy chain, verified in one target forward); default "ddtree" when a drafter is
+        loaded.  The output is the same token for token in every mode."""
         tokens: list[int] = []
         for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
-                                    block_size=block_size):
+                                    block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt))
@@ -210,7 +222,7 @@ class Decoder:
     def last_stats(self) -> GenerateStats:
         s = self._ctx.generate_stats()
         steps = self._ctx.step_stats()
-        mode, bs = getattr(self, "_last_mode", ("ar", 1))
+        mode, bs, budget = getattr(self, "_last_mode", ("ar", 1, 0))
         after_first = max(s["generated_tokens"] - 1, 0)  # the first new token comes from the prefill
         acc = [st["committed"] for st in steps]
         return GenerateStats(
@@ -218,9 +230,11 @@ class Decoder:
             decode_s=s["decode_s"], decode_tok_s=after_first / s["decode_s"] if s["decode_s"] > 0 else 0.0,
             prefill_tok_s=s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] > 0 else 0.0,
             steps=s["steps"], stop_reason=s["stop_reason"], mode=mode, device=self.device,
-            mean_accept=sum(acc) / len(acc) if acc else 0.0, block_size=bs, accept_lengths=acc,
-            draft_ms=[st["draft_s"] * 1e3 for st in steps], verify_ms=[st["verify_s"] * 1e3 for st in steps],
-            commit_ms=[st["commit_s"] * 1e3 for st in steps], target_forwards=[st["target_forwards"] for st in steps])
+            mean_accept=sum(acc) / len(acc) if acc else 0.0, block_size=bs, budget=budget, accept_lengths=acc,
+            draft_ms=[st["draft_s"] * 1e3 for st in steps], tree_ms=[st["tree_s"] * 1e3 for st in steps],
+            verify_ms=[st["verify_s"] * 1e3 for st in steps], commit_ms=[st["commit_s"] * 1e3 for st in steps],
+            target_forwards=[st["target_forwards"] for st in steps], tree_size=[st["drafted"] for st in steps],
+            tree_depth=[st["tree_depth"] for st in steps])
 
     # -- tools -------------------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -1,0 +1,40 @@
+// ddtree.h — DDTree: the draft tree under a node budget (best-first by draft log-probability).
+//
+// One draft forward gives a distribution per depth 1..L.  Treating them as
+// independent, a path's surrogate probability is the product of its tokens'
+// probabilities; the `budget` most probable prefixes form a tree (a child is
+// never more probable than its parent), which a heap builds best-first from
+// the top-K tokens of each depth.  Optionally the drafter's greedy chain is
+// inserted first (chain seed) so the tree always contains what chain
+// decoding would have verified.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace dfl {
+
+struct TreeParams {
+  int budget = 22;         // non-root nodes
+  int topk = 0;            // candidates per depth; 0 = budget (as the reference)
+  bool chain_seed = true;  // insert the greedy chain first
+};
+
+// Non-root nodes in topological order (parent < index).  Index 0 is the root
+// (the last committed token, not stored here); node i (1-based) is
+// tokens[i-1] at depth depth[i-1] with parent parent[i-1] (0 = the root).
+struct DraftTree {
+  std::vector<int32_t> tokens, depth, parent;
+  std::vector<float> logp;  // cumulative draft log-probability of the node's path
+  int size() const { return (int)tokens.size(); }
+  int max_depth() const;
+};
+
+// logits: [L][n_vocab] draft logits for depths 1..L.  Ties in log-probability
+// break by depth-major rank order (earlier pushed first), so the result is
+// deterministic.
+DraftTree build_ddtree(const float* logits, int L, int n_vocab, const TreeParams& p);
+
+// Top-k of log-softmax(row): tokens by descending log-prob, lower id first on ties.
+void topk_logprobs(const float* row, int n_vocab, int k, int32_t* tokens, float* logp);
+
+}  // namespace dfl
