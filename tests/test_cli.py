@@ -78,7 +78,7 @@ def draft_dir(tmp_path_factory):
 def test_generate_chain_json_stats(model, draft_dir):
     base = ("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "12", "--ignore-eos", "--json", "-t", "2")
     ar = json.loads(run(*base, "--mode", "ar").stdout)
-    r = run(*base, "-md", draft_dir, "--block-size", "4")
+    r = run(*base, "-md", draft_dir, "--mode", "chain", "--block-size", "4")
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout)
     s = obj["stats"]
@@ -90,6 +90,21 @@ def test_generate_chain_json_stats(model, draft_dir):
     n = len(s["accept_lengths"])
     assert len(s["draft_ms"]) == len(s["verify_ms"]) == len(s["commit_ms"]) == n
     assert s["target_forwards"] == [1] * n
+
+
+def test_generate_ddtree_is_the_default_with_a_drafter(model, draft_dir):
+    base = ("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "12", "--ignore-eos", "--json", "-t", "2")
+    ar = json.loads(run(*base).stdout)
+    r = run(*base, "-md", draft_dir, "--budget", "6", "--topk", "3", "--no-chain-seed")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    s = obj["stats"]
+    assert obj["tokens"] == ar["tokens"] and s["mode"] == "ddtree" and s["budget"] == 6
+    n = len(s["accept_lengths"])
+    assert len(s["tree_size"]) == len(s["tree_depth"]) == len(s["tree_ms"]) == n
+    assert all(1 <= k <= 6 for k in s["tree_size"]) and s["target_forwards"] == [1] * n
+    text = run("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "8", "--ignore-eos", "-md", draft_dir)
+    assert text.returncode == 0 and "accept" in text.stderr and "budget 22" in text.stderr
 
 
 def test_generate_mismatched_draft_is_one_error_line(model, tmp_path):
