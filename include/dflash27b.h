@@ -103,6 +103,12 @@ typedef struct {
   int32_t tree_budget; /* ddtree: draft nodes per step (default 22) */
   int32_t tree_topk;   /* ddtree: candidates per depth; 0 = the budget */
   int32_t chain_seed;  /* ddtree: insert the drafter's greedy chain first (default 1) */
+  /* sampling (llama.cpp order: top-k, top-p, min-p, temperature); temperature 0 = greedy */
+  float temperature;   /* >= 0 */
+  int32_t top_k;       /* 0 = off */
+  float top_p;         /* (0, 1]; 1 = off */
+  float min_p;         /* [0, 1]; 0 = off */
+  uint64_t seed;       /* the token at position p is drawn with a number that depends only on (seed, p) */
 } dfl_gen_params;
 
 dfl_gen_params dfl_gen_default_params(void);
@@ -134,6 +140,9 @@ int32_t dfl_generate_n_steps(const dfl_context* c);
 int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* out);
 
 /* ---- op entry points for tests and tools ---- */
+/* The sampler alone: the token for absolute position pos drawn from logits. */
+int32_t dfl_sample(const float* logits, int32_t n_vocab, float temperature, int32_t top_k, float top_p, float min_p,
+                   uint64_t seed, int64_t pos);
 /* DDTree construction from draft logits [L][n_vocab] (depths 1..L): writes up
  * to cap nodes in topological order (node i+1 = tokens[i] at depth[i], parent
  * parents[i], 0 = the root) and returns how many, -1 on error. */

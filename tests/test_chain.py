@@ -46,7 +46,7 @@ def ar_reference(tiny_f32_gguf):
 @pytest.mark.parametrize("block", [4, 8, 16])
 def test_chain_equals_ar_random_drafter(tiny_f32_gguf, random_draft, ar_reference, kv, n_prompt, block):
     with Decoder(tiny_f32_gguf, random_draft, kv_type=kv, ctx=1024, threads=2) as d:
-        r = d.generate(prompt_of(n_prompt), N_NEW, ignore_eos=True, block_size=block)
+        r = d.generate(prompt_of(n_prompt), N_NEW, ignore_eos=True, mode="chain", block_size=block)
     assert r.stats.mode == "chain" and r.stats.block_size == block
     assert r.tokens == ar_reference(n_prompt, kv)
     assert sum(r.stats.accept_lengths) + 1 == N_NEW
@@ -62,7 +62,7 @@ def test_chain_equals_ar_distilled_drafter(tiny_f32_gguf, kv, block):
     with Decoder(tiny_f32_gguf, kv_type=kv, ctx=1024, threads=2) as d:
         want = d.generate(prompt, N_NEW, ignore_eos=True).tokens
     with Decoder(tiny_f32_gguf, DISTILLED, kv_type=kv, ctx=1024, threads=2) as d:
-        r = d.generate(prompt, N_NEW, ignore_eos=True, block_size=block)
+        r = d.generate(prompt, N_NEW, ignore_eos=True, mode="chain", block_size=block)
     assert r.tokens == want
     # It learned the first 96 tokens of the f32-KV continuation, so most of those come as accepted
     # drafts; Q4_0 KV makes the (chaotic) target continue differently after a few tokens.
@@ -124,7 +124,7 @@ def test_injected_drafts_every_accept_length_state_equals_ar(tiny_f32_gguf, ar_r
 
 def test_small_ring_still_equals_ar_and_draft_memory_is_constant(tiny_f32_gguf, random_draft, ar_reference):
     with Decoder(tiny_f32_gguf, random_draft, kv_type="f32", ctx=1024, threads=2, feature_ring=64) as d:
-        r = d.generate(prompt_of(300), N_NEW, ignore_eos=True, block_size=8)
+        r = d.generate(prompt_of(300), N_NEW, ignore_eos=True, mode="chain", block_size=8)
         small = d.context.draft_state_bytes
     assert r.tokens == ar_reference(300, "f32")
     sizes = set()
@@ -145,7 +145,7 @@ def test_mode_errors(tiny_f32_gguf, random_draft):
             d.generate([1, 2, 3], 4, mode="tree")
     with Decoder(tiny_f32_gguf, random_draft, threads=1, batch=8) as d:
         with pytest.raises(DFlashError, match="exceeds the context's batch size"):
-            d.generate([1, 2, 3], 4, block_size=16)
+            d.generate([1, 2, 3], 4, mode="chain", block_size=16)
         r = d.generate([1, 2, 3], 4, mode="ar")
         assert r.stats.mode == "ar" and r.stats.accept_lengths == [1, 1, 1]
 
@@ -153,7 +153,7 @@ def test_mode_errors(tiny_f32_gguf, random_draft):
 def test_chain_near_context_end(tiny_f32_gguf, random_draft):
     """The verify block shrinks to the room left; the stop reason says the context is full."""
     with Decoder(tiny_f32_gguf, random_draft, kv_type="f32", ctx=40, threads=2) as d:
-        r = d.generate(prompt_of(30), 64, ignore_eos=True, block_size=8)
+        r = d.generate(prompt_of(30), 64, ignore_eos=True, mode="chain", block_size=8)
         a = d.generate(prompt_of(30), 64, ignore_eos=True, mode="ar")
     assert r.stats.stop_reason == a.stats.stop_reason == "context_full"
     assert r.tokens == a.tokens

@@ -19,6 +19,7 @@
 #include "ops/cpu_ops.h"
 #include "quant/quant.h"
 #include "spec/ddtree.h"
+#include "spec/sampler.h"
 #include "spec/generator.h"
 
 #ifndef DFLASH27B_VERSION
@@ -200,6 +201,11 @@ dfl_gen_params dfl_gen_default_params(void) {
   p.tree_budget = d.tree.budget;
   p.tree_topk = d.tree.topk;
   p.chain_seed = d.tree.chain_seed ? 1 : 0;
+  p.temperature = d.sampler.temperature;
+  p.top_k = d.sampler.top_k;
+  p.top_p = d.sampler.top_p;
+  p.min_p = d.sampler.min_p;
+  p.seed = d.sampler.seed;
   return p;
 }
 
@@ -219,6 +225,11 @@ int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, 
       gp.tree.budget = p->tree_budget;
       gp.tree.topk = p->tree_topk;
       gp.tree.chain_seed = p->chain_seed != 0;
+      gp.sampler.temperature = p->temperature;
+      gp.sampler.top_k = p->top_k;
+      gp.sampler.top_p = p->top_p;
+      gp.sampler.min_p = p->min_p;
+      gp.sampler.seed = p->seed;
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);
@@ -270,6 +281,25 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->tree_depth = r.tree_depth; o->target_forwards = r.target_forwards;
     o->draft_s = r.draft_s; o->tree_s = r.tree_s; o->verify_s = r.verify_s; o->commit_s = r.commit_s;
   });
+}
+
+int32_t dfl_sample(const float* logits, int32_t n_vocab, float temperature, int32_t top_k, float top_p, float min_p,
+                   uint64_t seed, int64_t pos) {
+  int32_t tok = -1;
+  guard([&] {
+    need(logits, "logits");
+    if (n_vocab <= 0) dfl::fail("n_vocab must be positive");
+    dfl::SamplerParams sp;
+    sp.temperature = temperature;
+    sp.top_k = top_k;
+    sp.top_p = top_p;
+    sp.min_p = min_p;
+    sp.seed = seed;
+    dfl::validate_sampler(sp);
+    std::vector<std::pair<float, int32_t>> scratch;
+    tok = dfl::sample_token(logits, n_vocab, sp, pos, scratch);
+  });
+  return tok;
 }
 
 int32_t dfl_build_ddtree(const float* logits, int32_t L, int32_t n_vocab, int32_t budget, int32_t topk,

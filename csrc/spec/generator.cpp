@@ -21,6 +21,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
     fail("prompt of %d tokens does not fit the context length %d (leave room for at least one new token)",
          n_prompt, ctx_.params().n_ctx);
   if (p.max_new_tokens < 0) fail("max_new_tokens must be >= 0 (got %d)", p.max_new_tokens);
+  validate_sampler(p.sampler);
   block_ = 1;
   if (p.mode == DecodeMode::DDTree) {
     if (!drafter_ && !tree_source_) fail("ddtree mode needs a drafter (none is attached)");
@@ -89,7 +90,11 @@ void Generator::prefill(const int32_t* prompt, int n) {
       else drafter_->skip_features(off, m);
     }
   }
-  pending_ = argmax(logits_.data(), c.n_vocab);
+  pending_ = pick(logits_.data(), n);
+}
+
+int32_t Generator::pick(const float* row, int64_t pos) {
+  return sample_token(row, ctx_.model().cfg.n_vocab, p_.sampler, pos, sample_scratch_);
 }
 
 bool Generator::is_eos(int32_t t) const {
@@ -230,9 +235,10 @@ int Generator::step(std::vector<int32_t>& out) {
   }
   const bool ar = p_.mode == DecodeMode::AR;
   ctx_.forward(b, o, /*commit=*/ar);
-  // ACCEPT: from the root, follow the child holding the target's choice.
+  // ACCEPT: from the root, follow the child holding the target's choice (its
+  // argmax, or its sample with the number of the position that token takes).
   std::vector<int32_t> path{0};
-  int32_t choice = argmax(logits_.data(), c.n_vocab);
+  int32_t choice = pick(logits_.data(), s + 1);
   for (;;) {
     const int cur = path.back();
     int next = -1;
@@ -240,7 +246,7 @@ int Generator::step(std::vector<int32_t>& out) {
       if (parent_[i] == cur && tokens_[i] == choice) next = i;
     if (next < 0) break;
     path.push_back(next);
-    choice = argmax(logits_.data() + (size_t)next * c.n_vocab, c.n_vocab);
+    choice = pick(logits_.data() + (size_t)next * c.n_vocab, s + depth_[next] + 1);
   }
   const int32_t bonus = choice;
   const int a = (int)path.size() - 1;

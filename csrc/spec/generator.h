@@ -18,6 +18,7 @@
 #include "model/context.h"
 #include "model/drafter.h"
 #include "spec/ddtree.h"
+#include "spec/sampler.h"
 
 namespace dfl {
 
@@ -31,6 +32,7 @@ struct GenParams {
   DecodeMode mode = DecodeMode::AR;
   int block_size = 0;  // chain/ddtree: draft block incl. the root; 0 = the drafter's block_size
   TreeParams tree;     // ddtree: budget, top-K per depth, chain seed
+  SamplerParams sampler;  // temperature 0 = greedy
 };
 
 struct GenStats {
@@ -76,6 +78,8 @@ class Generator {
   void draft_chain(int32_t s, int V, StepRecord& rec);
   void draft_tree(int32_t s, int V, int room, StepRecord& rec);
   bool is_eos(int32_t t) const;
+  // The target's choice for the token at absolute position pos from one logits row.
+  int32_t pick(const float* row, int64_t pos);
   bool capturing() const { return drafter_ && p_.mode != DecodeMode::AR; }
 
   Context& ctx_;
@@ -87,6 +91,7 @@ class Generator {
   GenStats stats_;
   std::vector<StepRecord> steps_;
   std::vector<float> logits_, draft_logits_, hidden_;
+  std::vector<std::pair<float, int32_t>> sample_scratch_;
   // the step's verify batch: node 0 = root, then drafts (chain: parent i-1)
   std::vector<int32_t> tokens_, parent_, depth_, pos_, capture_;
   int32_t pending_ = -1;  // decided but not yet fed to the target

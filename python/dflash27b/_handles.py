@@ -178,7 +178,8 @@ class Context:
 
     def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids, mode: int = 0,
                        block_size: int = 0, tree_budget: int = 22, tree_topk: int = 0,
-                       chain_seed: bool = True) -> None:
+                       chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                       min_p: float = 0.0, seed: int = 0) -> None:
         ffi = self._ffi
         prompt = _i32(prompt)
         if len(prompt) == 0:
@@ -189,6 +190,8 @@ class Context:
         gp.n_eos, gp.eos_ids = len(self._eos), self._p(self._eos)
         gp.mode, gp.block_size = mode, block_size
         gp.tree_budget, gp.tree_topk, gp.chain_seed = tree_budget, tree_topk, 1 if chain_seed else 0
+        gp.temperature, gp.top_k, gp.top_p, gp.min_p = temperature, top_k, top_p, min_p
+        gp.seed = seed & 0xFFFFFFFFFFFFFFFF
         check(self._lib.dfl_generate_begin(self.handle, self._p(prompt), len(prompt), gp))
         self._buf = np.empty(max(256, block_size + 1, tree_budget + 2), np.int32)
 

@@ -56,6 +56,12 @@ def main() -> None:
               help="ddtree: candidates per depth (0 = the budget)")
 @click.option("--chain-seed/--no-chain-seed", default=True, show_default=True,
               help="ddtree: insert the drafter's greedy chain before best-first expansion")
+@click.option("--temp", "temperature", type=float, default=0.0, show_default=True,
+              help="sampling temperature (0 = greedy)")
+@click.option("--top-k", type=int, default=0, show_default=True, help="top-k filter (0 = off)")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="top-p filter, in (0, 1] (1 = off)")
+@click.option("--min-p", type=float, default=0.0, show_default=True, help="min-p filter, in [0, 1] (0 = off)")
+@click.option("-s", "--seed", type=int, default=None, help="sampling seed (default: a fresh one, shown in --json)")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="tokens per draft block incl. the root [default: the drafter's]")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -69,7 +75,7 @@ def main() -> None:
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
-def generate(prompt, target, draft, mode, budget, topk, chain_seed, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
+def generate(prompt, target, draft, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
              kv_type, device, threads, raw, as_json):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None:
@@ -81,7 +87,8 @@ def generate(prompt, target, draft, mode, budget, topk, chain_seed, block_size, 
         with Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
                      feature_ring=feature_ring) as dec:
             kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
-                      chain_seed=chain_seed)
+                      chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      seed=seed)
             if as_json:
                 r = dec.generate(p, max_new_tokens, **kw)
                 click.echo(json.dumps({"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}))

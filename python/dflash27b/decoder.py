@@ -38,6 +38,8 @@ class GenerateStats:
     mean_accept: float = 1.0
     block_size: int = 1
     budget: int = 0
+    temperature: float = 0.0
+    seed: int = 0
     # per decode step (z-lab's convention: tokens committed incl. the bonus; the prefill's token
     # belongs to no step; the last step counts only tokens kept within max_new_tokens)
     accept_lengths: list[int] = field(default_factory=list)
@@ -59,6 +61,19 @@ class GenerateResult:
     text: str
     stats: GenerateStats
     prompt_tokens: list[int] = field(default_factory=list)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    """Clear errors for parameters the sampler refuses (the core checks them too)."""
+    import math
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise DFlashError(f"temperature must be a finite number >= 0 (got {temperature!r})")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise DFlashError(f"top_k must be an integer >= 0 (0 = off; got {top_k!r})")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise DFlashError(f"top_p must be in (0, 1] (got {top_p!r})")
+    if not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+        raise DFlashError(f"min_p must be in [0, 1] (got {min_p!r})")
 
 
 def cuda_available() -> bool:
@@ -175,16 +190,22 @@ class Decoder:
 
     def stream_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
                    chat: bool = False, mode: str | None = None, block_size: int | None = None,
-                   budget: int = 22, topk: int = 0, chain_seed: bool = True) -> Iterator[list[int]]:
+                   budget: int = 22, topk: int = 0, chain_seed: bool = True, temperature: float = 0.0,
+                   top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                   seed: int | None = None) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards."""
         mode, bs = self._resolve_mode(mode, block_size)
         if budget < 0 or topk < 0:
             raise DFlashError(f"budget and topk must be >= 0 (got {budget}, {topk})")
+        check_sampling(temperature, top_k, top_p, min_p)
+        if seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
+            seed = int.from_bytes(os.urandom(4), "little")
         ids = self._prompt_ids(prompt, chat)
         self._last_prompt = ids
-        self._last_mode = (mode, bs, budget if mode == "ddtree" else 0)
+        self._last_mode = (mode, bs, budget if mode == "ddtree" else 0, float(temperature), int(seed))
         self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
-                                 bs if mode != "ar" else 0, budget, topk, chain_seed)
+                                 bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
+                                 min_p, int(seed))
         while True:
             toks = self._ctx.generate_next()
             if not toks:
@@ -192,12 +213,10 @@ class Decoder:
             yield toks
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-               chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
-               topk: int = 0, chain_seed: bool = True) -> Iterator[str]:
-        """Yields text pieces as they are decoded (incomplete UTF-8 is held back)."""
+               chat: bool = False, **kw) -> Iterator[str]:
+        """Yields text pieces as they are decoded (incomplete UTF-8 is held back); keywords as generate()."""
         sd = self.tokenizer.stream_decoder()
-        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
-                                    block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed):
+        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, **kw):
             piece = "".join(sd.push(t) for t in toks)
             if piece:
                 yield piece
@@ -207,14 +226,20 @@ class Decoder:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
                  chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
-                 topk: int = 0, chain_seed: bool = True) -> GenerateResult:
-        """Greedy decoding.  mode "ar" (target only), "chain" (one DFlash block verified per step) or
-        "ddtree" (a tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded
-        with the greedy chain, verified in one target forward); default "ddtree" when a drafter is
-        loaded.  The output is the same token for token in every mode."""
+                 topk: int = 0, chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None) -> GenerateResult:
+        """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step) or "ddtree" (a
+        tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
+        greedy chain, verified in one target forward); default "ddtree" when a drafter is loaded.
+
+        Sampling follows llama.cpp's order: top_k (0 = off), top_p (1 = off), min_p (0 = off), each on
+        the softmax at temperature 1, then temperature (0 = greedy).  The token at position p is drawn
+        with a number that depends only on (seed, p), so for a given seed the output is the same token
+        for token in every mode (seed None: a fresh one, reported in stats.seed)."""
         tokens: list[int] = []
         for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
-                                    block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed):
+                                    block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt))
@@ -222,7 +247,7 @@ class Decoder:
     def last_stats(self) -> GenerateStats:
         s = self._ctx.generate_stats()
         steps = self._ctx.step_stats()
-        mode, bs, budget = getattr(self, "_last_mode", ("ar", 1, 0))
+        mode, bs, budget, temperature, seed = getattr(self, "_last_mode", ("ar", 1, 0, 0.0, 0))
         after_first = max(s["generated_tokens"] - 1, 0)  # the first new token comes from the prefill
         acc = [st["committed"] for st in steps]
         return GenerateStats(
@@ -230,7 +255,8 @@ class Decoder:
             decode_s=s["decode_s"], decode_tok_s=after_first / s["decode_s"] if s["decode_s"] > 0 else 0.0,
             prefill_tok_s=s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] > 0 else 0.0,
             steps=s["steps"], stop_reason=s["stop_reason"], mode=mode, device=self.device,
-            mean_accept=sum(acc) / len(acc) if acc else 0.0, block_size=bs, budget=budget, accept_lengths=acc,
+            mean_accept=sum(acc) / len(acc) if acc else 0.0, block_size=bs, budget=budget,
+            temperature=temperature, seed=seed, accept_lengths=acc,
             draft_ms=[st["draft_s"] * 1e3 for st in steps], tree_ms=[st["tree_s"] * 1e3 for st in steps],
             verify_ms=[st["verify_s"] * 1e3 for st in steps], commit_ms=[st["commit_s"] * 1e3 for st in steps],
             target_forwards=[st["target_forwards"] for st in steps], tree_size=[st["drafted"] for st in steps],

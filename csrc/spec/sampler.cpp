@@ -1,0 +1,88 @@
+// sampler.cpp — top-k / top-p / min-p / temperature sampling (llama.cpp order).
+#include "spec/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "util/error.h"
+
+namespace dfl {
+
+void validate_sampler(const SamplerParams& p) {
+  if (!(p.temperature >= 0.f) || !std::isfinite(p.temperature))
+    fail("temperature must be a finite number >= 0 (got %g)", (double)p.temperature);
+  if (p.top_k < 0) fail("top_k must be >= 0 (0 = off; got %d)", p.top_k);
+  if (!(p.top_p > 0.f && p.top_p <= 1.f)) fail("top_p must be in (0, 1] (got %g)", (double)p.top_p);
+  if (!(p.min_p >= 0.f && p.min_p <= 1.f)) fail("min_p must be in [0, 1] (got %g)", (double)p.min_p);
+}
+
+static uint64_t mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+double position_uniform(uint64_t seed, int64_t pos) {
+  const uint64_t h = mix64(mix64(seed) ^ mix64((uint64_t)pos ^ 0x5851f42d4c957f2dull));
+  return (double)(h >> 11) * 0x1.0p-53;
+}
+
+int32_t sample_token(const float* logits, int n_vocab, const SamplerParams& p, int64_t pos,
+                     std::vector<std::pair<float, int32_t>>& cand) {
+  if (p.greedy()) return (int32_t)(std::max_element(logits, logits + n_vocab) - logits);
+  // Candidates by descending logit, lower id first on ties: a total order, so
+  // the draw depends on nothing but the logits and the position's number.
+  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  cand.resize(n_vocab);
+  for (int i = 0; i < n_vocab; ++i) cand[i] = {logits[i], i};
+  size_t n = (size_t)n_vocab;
+  if (p.top_k > 0 && (size_t)p.top_k < n) {
+    std::partial_sort(cand.begin(), cand.begin() + p.top_k, cand.end(), better);
+    n = (size_t)p.top_k;
+  } else {
+    std::sort(cand.begin(), cand.end(), better);
+  }
+  // top-p and min-p on the softmax (temperature 1) of the survivors
+  if (p.top_p < 1.f || p.min_p > 0.f) {
+    const float mx = cand[0].first;
+    std::vector<double> e(n);
+    double sum = 0.0;
+    for (size_t i = 0; i < n; ++i) sum += e[i] = std::exp((double)cand[i].first - mx);
+    if (p.top_p < 1.f) {
+      double cum = 0.0;
+      size_t keep = n;
+      for (size_t i = 0; i < n; ++i) {
+        cum += e[i] / sum;
+        if (cum >= p.top_p) {
+          keep = i + 1;
+          break;
+        }
+      }
+      n = keep;
+    }
+    if (p.min_p > 0.f) {
+      // relative to the most probable token: p_i >= min_p * p_max  <=>  e_i >= min_p (e_0 = 1)
+      size_t keep = 1;
+      while (keep < n && e[keep] >= (double)p.min_p) ++keep;
+      n = keep;
+    }
+  }
+  // temperature, then the draw: the first candidate whose cumulative weight passes u
+  const double inv_t = 1.0 / (double)p.temperature;
+  const double mx = cand[0].first;
+  std::vector<double> w(n);
+  double total = 0.0;
+  for (size_t i = 0; i < n; ++i) total += w[i] = std::exp(((double)cand[i].first - mx) * inv_t);
+  const double target = position_uniform(p.seed, pos) * total;
+  double cum = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    cum += w[i];
+    if (target < cum) return cand[i].second;
+  }
+  return cand[n - 1].second;
+}
+
+}  // namespace dfl

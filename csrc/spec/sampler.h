@@ -1,0 +1,36 @@
+// sampler.h — sampling the target's logits, with counter-based randomness.
+//
+// Filters in llama.cpp's default order and semantics: top-k, then top-p, then
+// min-p (each on the softmax of the surviving logits at temperature 1), then
+// temperature, then a draw.  temperature <= 0 means greedy (argmax, lowest id
+// on ties).  The uniform number for the token at absolute position `pos` is a
+// pure function of (seed, pos), never a stream consumed in call order: a
+// speculative step samples every verified node with the number of the
+// position its token would occupy, exactly as AR decoding would, so sampled
+// output is the same token for token in every mode.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace dfl {
+
+struct SamplerParams {
+  float temperature = 0.f;  // <= 0: greedy
+  int top_k = 0;            // <= 0: off
+  float top_p = 1.f;        // 1: off; must be in (0, 1]
+  float min_p = 0.f;        // 0: off; must be in [0, 1]
+  uint64_t seed = 0;
+  bool greedy() const { return !(temperature > 0.f); }
+};
+
+// Throws a one-line dfl::Error naming the bad parameter.
+void validate_sampler(const SamplerParams& p);
+
+// Uniform in [0, 1) for the token at absolute position pos (SplitMix64-style hash).
+double position_uniform(uint64_t seed, int64_t pos);
+
+// The token for position `pos` drawn from logits[n_vocab] under p.
+int32_t sample_token(const float* logits, int n_vocab, const SamplerParams& p, int64_t pos,
+                     std::vector<std::pair<float, int32_t>>& scratch);
+
+}  // namespace dfl
