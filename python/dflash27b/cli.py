@@ -13,7 +13,7 @@ import click
 
 from . import __version__
 from ._lib import DFlashError, load
-from .decoder import DEVICES, KV_TYPES, MODES, Decoder
+from .decoder import DEVICES, KV_TYPES, MODES, Decoder, bundled_pair
 
 
 def _version_line() -> str:
@@ -75,10 +75,11 @@ def main() -> None:
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
+@click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
 def generate(prompt, target, draft, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
-             kv_type, device, threads, raw, as_json):
+             kv_type, device, threads, raw, as_json, compare):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
-    if target is None:
+    if target is None and bundled_pair() is None:
         _fail("no target model given: pass -m/--target PATH.gguf")
     if (prompt is None) == (prompt_ids is None):
         _fail("give exactly one of PROMPT or --prompt-ids")
@@ -89,9 +90,16 @@ def generate(prompt, target, draft, mode, budget, topk, chain_seed, temperature,
             kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
                       chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       seed=seed)
+            ar = None
+            if compare:
+                ar = dec.generate(p, max_new_tokens, **{**kw, "mode": "ar"})
             if as_json:
                 r = dec.generate(p, max_new_tokens, **kw)
-                click.echo(json.dumps({"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}))
+                obj = {"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}
+                if ar is not None:
+                    obj["ar"] = {"tokens": ar.tokens, "stats": ar.stats.to_dict(), "same_tokens": ar.tokens == r.tokens,
+                                 "speedup": r.stats.decode_tok_s / ar.stats.decode_tok_s if ar.stats.decode_tok_s else 0}
+                click.echo(json.dumps(obj))
                 return
             for piece in dec.stream(p, max_new_tokens, **kw):
                 click.echo(piece, nl=False)
@@ -104,6 +112,10 @@ def generate(prompt, target, draft, mode, budget, topk, chain_seed, temperature,
             click.echo(f"[{s.mode} {s.device}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
                        f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s{accept} | "
                        f"stop: {s.stop_reason}", err=True)
+            if ar is not None and s.mode != "ar":
+                a = ar.stats
+                click.echo(f"[ar {a.device}] {a.decode_tok_s:.2f} tok/s | speedup {s.decode_tok_s / a.decode_tok_s:.2f}x"
+                           f" | same tokens: {ar.tokens == dec._last_tokens}", err=True)
     except DFlashError as e:
         _fail(str(e))
 

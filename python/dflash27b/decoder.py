@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -63,6 +64,15 @@ class GenerateResult:
     prompt_tokens: list[int] = field(default_factory=list)
 
 
+BUNDLED_DIR = Path(__file__).resolve().parent / "models"
+
+
+def bundled_pair() -> tuple[Path, Path] | None:
+    """(target GGUF, drafter dir) of the tiny pair shipped inside the package, if this install has it."""
+    t, d = BUNDLED_DIR / "tiny-target.gguf", BUNDLED_DIR / "tiny-draft"
+    return (t, d) if t.is_file() and (d / "config.json").is_file() else None
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
     """Clear errors for parameters the sampler refuses (the core checks them too)."""
     import math
@@ -102,7 +112,8 @@ class Decoder:
     ...     print(d.generate("def fib(n):", max_new_tokens=32).text)
     """
 
-    def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *, device: str = "auto",
+    def __init__(self, target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
+                 device: str = "auto",
                  kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
                  feature_ring: int = 4096):
         if kv_type not in KV_TYPES:
@@ -110,6 +121,12 @@ class Decoder:
         if ctx <= 0:
             raise DFlashError(f"ctx must be positive (got {ctx})")
         self.device = resolve_device(device)
+        if target is None:
+            pair = bundled_pair()
+            if pair is None:
+                raise DFlashError("no target model given and this install has no bundled tiny pair "
+                                  "(pass target=PATH.gguf)")
+            target, draft = pair[0], pair[1] if draft is None else draft
         self.target = str(target)
         if not os.path.isfile(self.target):
             raise DFlashError(f"{self.target}: no such file")
@@ -206,10 +223,12 @@ class Decoder:
         self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
                                  bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
                                  min_p, int(seed))
+        self._last_tokens: list[int] = []
         while True:
             toks = self._ctx.generate_next()
             if not toks:
                 break
+            self._last_tokens += toks
             yield toks
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
