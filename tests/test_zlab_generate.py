@@ -85,7 +85,7 @@ def test_same_ids_and_acceptance_as_zlab(zlab_pair, tiny_f32_gguf, block, monkey
             ref = zl.dflash_generate(draft, target, torch.tensor([prompt]), n_new, None, block_size=block,
                                      return_stats=True)
             want_ids = ref.output_ids[0, len(prompt):].tolist()
-            got = dec.generate(prompt, n_new, ignore_eos=True, block_size=block)
+            got = dec.generate(prompt, n_new, ignore_eos=True, mode="chain", block_size=block)
             assert got.tokens == want_ids
             assert got.stats.accept_lengths == ref.acceptance_lengths
             if prompt is not PROMPTS[-1]:
