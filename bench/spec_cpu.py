@@ -13,7 +13,6 @@ continuations; see its README), so acceptance is real but in-sample.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from dflash27b import Decoder  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from ar import cpu_name  # noqa: E402
 
 
 def tiny_target(dirpath: Path) -> Path:
@@ -100,16 +102,6 @@ def main() -> None:
         step = dr + tr + ve + co
         print(f"| {name} | {m:.2f} | {dr:.2f} ms | {tr:.3f} ms | {ve:.2f} ms | {co:.3f} ms | {step:.2f} ms "
               f"({step / ar_step:.2f}x) | {tps:.1f} | {tps / (ar_tok / ar_s):.2f}x | {same} |")
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

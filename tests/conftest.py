@@ -61,3 +61,19 @@ def synth_gguf(tmp_path_factory):
         return cache[ftype]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def ar_tokens(tiny_f32_gguf):
+    """ar_tokens(prompt, kv, n): the tiny target's greedy AR continuation (cached per session)."""
+    from dflash27b import Decoder
+    cache: dict = {}
+
+    def get(prompt, kv: str, n: int = 256) -> list[int]:
+        key = (tuple(prompt), kv, n)
+        if key not in cache:
+            with Decoder(tiny_f32_gguf, kv_type=kv, ctx=1024, threads=2) as d:
+                cache[key] = d.generate(list(prompt), n, ignore_eos=True, mode="ar").tokens
+        return cache[key]
+
+    return get

@@ -29,16 +29,8 @@ def prompt_of(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ar_reference(tiny_f32_gguf):
-    cache = {}
-
-    def get(n_prompt: int, kv: str) -> list[int]:
-        if (n_prompt, kv) not in cache:
-            with Decoder(tiny_f32_gguf, kv_type=kv, ctx=1024, threads=2) as d:
-                cache[n_prompt, kv] = d.generate(prompt_of(n_prompt), N_NEW, ignore_eos=True).tokens
-        return cache[n_prompt, kv]
-
-    return get
+def ar_reference(ar_tokens):
+    return lambda n_prompt, kv: ar_tokens(prompt_of(n_prompt), kv, N_NEW)
 
 
 @pytest.mark.parametrize("kv", ["f32", "q4_0"])

@@ -124,16 +124,8 @@ def random_draft(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ar_ref(tiny_f32_gguf):
-    cache = {}
-
-    def get(prompt: tuple, kv: str) -> list[int]:
-        if (prompt, kv) not in cache:
-            with Decoder(tiny_f32_gguf, kv_type=kv, ctx=1024, threads=2) as d:
-                cache[prompt, kv] = d.generate(list(prompt), N_NEW, ignore_eos=True).tokens
-        return cache[prompt, kv]
-
-    return get
+def ar_ref(ar_tokens):
+    return lambda prompt, kv: ar_tokens(prompt, kv, N_NEW)
 
 
 TRAIN_PROMPT = tuple(np.random.default_rng(0).integers(0, 2047, 16).tolist())
