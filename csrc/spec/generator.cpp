@@ -58,7 +58,6 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
 }
 
 void Generator::prefill(const int32_t* prompt, int n) {
-  const Qwen35Config& c = ctx_.model().cfg;
   const int chunk = ctx_.params().n_batch;
   const bool cap = capturing();
   if (cap) capture_ = drafter_->config().target_layer_ids;
