@@ -13,6 +13,7 @@ import pytest
 
 from dflash27b import Decoder
 from dflash27b._lib import DFlashError
+from spec_steps import run_checking_state
 from tiny_draft import make_tiny_draft
 
 N_NEW = 256
@@ -91,25 +92,7 @@ def test_injected_drafts_every_accept_length_state_equals_ar(tiny_f32_gguf, ar_r
         ctx = sp.context
         ctx.set_draft_hook(hook)
         ctx.generate_begin(prompt_of(n_prompt), n_new, True, [], mode=1, block_size=block)
-        out, accepted = [], set()
-        fwd = ctx.n_forwards
-        while True:
-            toks = ctx.generate_next()
-            if not toks:
-                break
-            out += toks
-            steps = ctx.step_stats()
-            if not steps:
-                continue  # the prefill's token
-            st = steps[-1]
-            accepted.add(st["accepted"])
-            assert st["target_forwards"] == 1 and ctx.n_forwards == fwd + 1  # also on rejection
-            fwd = ctx.n_forwards
-            # the committed state equals a pure AR run's at the same position, byte for byte
-            n_past = ctx.n_past
-            ar.context.reset()
-            ar.context.forward(full[:n_past], logit_rows=[])
-            assert ctx.state() == ar.context.state(), f"state differs after a step accepting {st['accepted']}"
+        out, accepted = run_checking_state(ctx, ar.context, full)
         assert out == ref
         assert accepted == set(range(block))
 

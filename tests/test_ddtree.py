@@ -10,6 +10,7 @@ import pytest
 
 from dflash27b import Decoder
 from dflash27b._lib import DFlashError, check, load
+from spec_steps import run_checking_state
 from tiny_draft import make_tiny_draft
 
 DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled"
@@ -189,20 +190,7 @@ def test_injected_trees_state_equals_ar(tiny_f32_gguf, ar_ref, shape, kv):
         ctx = sp.context
         ctx.set_tree_hook(teacher_tree(full, shape, 2048, np.random.default_rng(1)))
         ctx.generate_begin(list(prompt), n_new, True, [], mode=2, tree_budget=16)
-        out, accepted = [], set()
-        while True:
-            toks = ctx.generate_next()
-            if not toks:
-                break
-            out += toks
-            steps = ctx.step_stats()
-            if not steps:
-                continue
-            assert steps[-1]["target_forwards"] == 1
-            accepted.add(steps[-1]["accepted"])
-            ar.context.reset()
-            ar.context.forward(full[: ctx.n_past], logit_rows=[])
-            assert ctx.state() == ar.context.state()
+        out, accepted = run_checking_state(ctx, ar.context, full)
         assert out == ref
         assert len(accepted) > 1 or shape == "single"
 
