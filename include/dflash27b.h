@@ -224,6 +224,11 @@ int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user);
 typedef int32_t (*dfl_tree_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t cap, int32_t* tokens,
                                  int32_t* parents);
 int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user);
+/* Prefill progress: fn(user, done, total) after each n_batch chunk of the
+   prompt; a nonzero return abandons the prefill (the call fails with
+   "prefill cancelled").  NULL removes it. */
+typedef int32_t (*dfl_progress_fn)(void* user, int32_t done, int32_t total);
+int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* user);
 
 /* A standalone drafter runtime (tests and tools): push the features of
  * committed positions, then propose a block rooted at the next position. */

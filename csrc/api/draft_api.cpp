@@ -109,6 +109,17 @@ int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user) {
   });
 }
 
+int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* user) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    if (!fn) {
+      c->gen->set_prefill_progress(nullptr);
+      return;
+    }
+    c->gen->set_prefill_progress([fn, user](int done, int total) { return fn(user, done, total) == 0; });
+  });
+}
+
 dfl_drafter* dfl_drafter_new(const dfl_draft* d, const dfl_model* target, const dfl_drafter_params* p) {
   dfl_drafter* out = nullptr;
   dfl::api_guard([&] {

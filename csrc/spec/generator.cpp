@@ -40,6 +40,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
     fail("unknown decode mode %d", (int)p.mode);
   }
   p_ = p;
+  done_ = true;  // until the prefill has succeeded: a failed begin leaves nothing to continue
   stats_ = GenStats{};
   stats_.prompt_tokens = n_prompt;
   steps_.clear();
@@ -88,6 +89,7 @@ void Generator::prefill(const int32_t* prompt, int n) {
       if (grab) drafter_->push_features(off, m, hidden_.data());
       else drafter_->skip_features(off, m);
     }
+    if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
   pending_ = pick(logits_.data(), n);
 }

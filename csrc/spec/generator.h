@@ -57,6 +57,9 @@ struct StepRecord {
 using DraftSource = std::function<void(int32_t root_pos, int32_t root, int n, int32_t* tokens)>;
 using TreeSource =
     std::function<int(int32_t root_pos, int32_t root, int cap, int32_t* tokens, int32_t* parents)>;
+// Called after each prefill chunk with (tokens done, total); returning false
+// abandons the prefill (a progress bar, or a daemon whose client went away).
+using PrefillProgress = std::function<bool(int done, int total)>;
 
 class Generator {
  public:
@@ -65,6 +68,7 @@ class Generator {
   Drafter* drafter() const { return drafter_; }
   void set_draft_source(DraftSource src) { source_ = std::move(src); }
   void set_tree_source(TreeSource src) { tree_source_ = std::move(src); }
+  void set_prefill_progress(PrefillProgress fn) { progress_ = std::move(fn); }
 
   void begin(const int32_t* prompt, int n_prompt, const GenParams& p);
   // Appends the tokens decided by one step; returns how many (0 when done).
@@ -86,6 +90,7 @@ class Generator {
   Drafter* drafter_ = nullptr;
   DraftSource source_;
   TreeSource tree_source_;
+  PrefillProgress progress_;
   GenParams p_;
   int block_ = 1;
   GenStats stats_;

@@ -176,6 +176,23 @@ class Context:
         self._tree_hook = ffi.callback("dfl_tree_hook", call)
         check(self._lib.dfl_context_set_tree_hook(self.handle, self._tree_hook, ffi.NULL))
 
+    def set_prefill_progress(self, fn) -> None:
+        """fn(done, total) after each prefill chunk; a truthy return cancels the prefill.  None removes."""
+        ffi = self._ffi
+        if fn is None:
+            check(self._lib.dfl_context_set_prefill_progress(self.handle, ffi.NULL, ffi.NULL))
+            self._progress = None
+            return
+
+        def call(user, done, total):
+            try:
+                return 1 if fn(done, total) else 0
+            except Exception:
+                return 1
+
+        self._progress = ffi.callback("dfl_progress_fn", call)
+        check(self._lib.dfl_context_set_prefill_progress(self.handle, self._progress, ffi.NULL))
+
     def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids, mode: int = 0,
                        block_size: int = 0, tree_budget: int = 22, tree_topk: int = 0,
                        chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

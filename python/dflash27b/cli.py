@@ -6,6 +6,7 @@ are for bugs only.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -30,6 +31,50 @@ def _fail(msg: str) -> None:
     sys.exit(1)
 
 
+def _last_tokens(dec) -> list[int]:
+    if hasattr(dec, "_last_tokens"):
+        return dec._last_tokens
+    return next(e for e in reversed(dec.last_events) if e.get("event") == "done")["tokens"]
+
+
+@contextlib.contextmanager
+def _loading(what: str):
+    """A spinner with elapsed time on a terminal (the core loads without progress callbacks); nothing
+    when stderr is piped, so logs stay clean."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    with Console(stderr=True).status(f"{what}…", spinner="dots"):
+        yield
+
+
+class _prefill_bar:
+    """A rich progress bar over the prompt's prefill chunks, shown on a terminal once the prompt spans
+    more than one chunk (short prompts prefill faster than a bar can be drawn)."""
+
+    def __init__(self):
+        self.progress = None
+        self.task = None
+
+    def __call__(self, done: int, total: int) -> bool:
+        if self.progress is None and done < total and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+            self.progress = Progress("prefill", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                     console=Console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("prefill", total=total)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done)
+        return False
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
 def _parse_ids(s: str) -> list[int]:
     try:
         return [int(x) for x in s.replace(" ", "").split(",") if x]
@@ -45,9 +90,12 @@ def main() -> None:
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("-m", "--target", "target", type=click.Path(dir_okay=False), help="target model GGUF")
-@click.option("-md", "--draft", "draft", type=click.Path(), help="DFlash drafter (directory with config.json + "
-              "model.safetensors)")
+@click.option("-m", "--target", "target", help="target model: a GGUF file, a directory, or a Hugging Face repo id "
+              "owner/name[:QUANT] from the local cache [default: the bundled tiny pair]")
+@click.option("-md", "--draft", "draft", help="DFlash drafter: a directory with config.json + model.safetensors, "
+              "or a Hugging Face repo id from the local cache")
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+              help="use the daemon serving on this Unix socket instead of loading models here")
 @click.option("--mode", type=click.Choice(MODES), default=None,
               help="decoding mode [default: ddtree with a drafter, else ar]")
 @click.option("--budget", type=click.IntRange(min=0), default=22, show_default=True,
@@ -76,17 +124,24 @@ def main() -> None:
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
-def generate(prompt, target, draft, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
+def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed, block_size, feature_ring, prompt_ids, max_new_tokens, ignore_eos, ctx,
              kv_type, device, threads, raw, as_json, compare):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
-    if target is None and bundled_pair() is None:
+    if target is None and bundled_pair() is None and socket_path is None:
         _fail("no target model given: pass -m/--target PATH.gguf")
     if (prompt is None) == (prompt_ids is None):
         _fail("give exactly one of PROMPT or --prompt-ids")
+    if socket_path is not None and (target or draft):
+        _fail("--socket uses the daemon's models: drop -m/-md (they were given to `dflash27b serve`)")
     try:
         p = _parse_ids(prompt_ids) if prompt_ids is not None else prompt
-        with Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
-                     feature_ring=feature_ring) as dec:
+        if socket_path is not None:
+            dec = Decoder.connect(socket_path)
+        else:
+            with _loading("loading models"):
+                dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
+                              feature_ring=feature_ring)
+        with dec:
             kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
                       chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       seed=seed)
@@ -101,7 +156,12 @@ def generate(prompt, target, draft, mode, budget, topk, chain_seed, temperature,
                                  "speedup": r.stats.decode_tok_s / ar.stats.decode_tok_s if ar.stats.decode_tok_s else 0}
                 click.echo(json.dumps(obj))
                 return
+            bar = _prefill_bar() if socket_path is None else None
+            if bar is not None:
+                kw["on_prefill"] = bar
             for piece in dec.stream(p, max_new_tokens, **kw):
+                if bar is not None:
+                    bar.close()
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
             click.echo()
@@ -115,7 +175,7 @@ def generate(prompt, target, draft, mode, budget, topk, chain_seed, temperature,
             if ar is not None and s.mode != "ar":
                 a = ar.stats
                 click.echo(f"[ar {a.device}] {a.decode_tok_s:.2f} tok/s | speedup {s.decode_tok_s / a.decode_tok_s:.2f}x"
-                           f" | same tokens: {ar.tokens == dec._last_tokens}", err=True)
+                           f" | same tokens: {ar.tokens == _last_tokens(dec)}", err=True)
     except DFlashError as e:
         _fail(str(e))
 
@@ -179,6 +239,92 @@ def synth(out, shape, ftype, seed):
     except (ValueError, KeyError) as e:
         _fail(str(e))
     click.echo(f"wrote {out}")
+
+
+def _parse_http(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"expected HOST:PORT, got {s!r}", param_hint="--http")
+    return host.strip("[]"), int(port)
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+              help="serve newline-delimited JSON on this Unix socket (created mode 0600)")
+@click.option("--http", "http", help="also serve the OpenAI-compatible API on HOST:PORT (e.g. 127.0.0.1:8000)")
+@click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
+@click.option("-md", "--draft", "draft", help="DFlash drafter (directory or repo id)")
+@click.option("--model-name", default=None, help="name reported by /v1/models [default: the target's file name]")
+@click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
+@click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="target positions the drafter keeps as context")
+def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, threads, feature_ring):
+    """Keep the models loaded and serve requests (protocol: docs/PROTOCOL.md)."""
+    from .server import Daemon, check_socket_free
+    if socket_path is None and http is None:
+        _fail("give --socket PATH and/or --http HOST:PORT")
+    if socket_path is not None:
+        try:
+            check_socket_free(socket_path)  # refuse before spending seconds loading models
+        except DFlashError as e:
+            _fail(str(e))
+    hp = _parse_http(http) if http else None
+    if hp is not None:
+        try:
+            from . import http_api  # noqa: F401
+        except DFlashError as e:
+            _fail(str(e))
+    if target is None and bundled_pair() is None:
+        _fail("no target model given: pass -m/--target")
+    try:
+        with _loading("loading models"):
+            dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
+                          feature_ring=feature_ring)
+        from pathlib import Path
+        name = model_name or Path(dec.target).stem
+        d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True))
+        click.echo(f"loaded {dec.target}" + (f" + {dec.draft}" if dec.draft else "") +
+                   f" ({dec.device}, ctx {ctx}, kv {kv_type}, default mode {dec.default_mode})", err=True)
+        d.run()
+        dec.close()
+    except DFlashError as e:
+        _fail(str(e))
+
+
+@main.command("models")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def models_cmd(as_json):
+    """List the targets and drafters in the Hugging Face cache and $DFLASH27B_MODELS, and which match."""
+    from .model_paths import hf_hub_cache, models_dir, scan
+    targets, drafts = scan()
+    if as_json:
+        click.echo(json.dumps({
+            "hf_hub_cache": str(hf_hub_cache()), "models_dir": str(models_dir()) if models_dir() else None,
+            "targets": [{**t.__dict__, "path": str(t.path)} for t in targets],
+            "drafters": [{**d.__dict__, "path": str(d.path)} for d in drafts]}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    con = Console()
+    con.print(f"looked in: {hf_hub_cache()} (Hugging Face cache)"
+              + (f", {models_dir()} (DFLASH27B_MODELS)" if models_dir() else " (DFLASH27B_MODELS not set)"))
+    tt = Table(title="targets")
+    for c in ("name", "arch", "quant", "layers", "hidden", "size", "matching drafters"):
+        tt.add_column(c)
+    for t in targets:
+        tt.add_row(t.name, t.arch, t.quant, str(t.n_layer), str(t.n_embd), f"{t.size / 1e9:.2f} GB",
+                   ", ".join(t.drafters) or "-")
+    dt = Table(title="drafters")
+    for c in ("name", "hidden", "target layers", "vocab", "block", "size"):
+        dt.add_column(c)
+    for d in drafts:
+        dt.add_row(d.name, str(d.hidden), str(d.target_layers), str(d.vocab), str(d.block_size),
+                   f"{d.size / 1e9:.2f} GB")
+    con.print(tt)
+    con.print(dt)
 
 
 if __name__ == "__main__":

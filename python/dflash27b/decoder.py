@@ -127,9 +127,10 @@ class Decoder:
                 raise DFlashError("no target model given and this install has no bundled tiny pair "
                                   "(pass target=PATH.gguf)")
             target, draft = pair[0], pair[1] if draft is None else draft
-        self.target = str(target)
-        if not os.path.isfile(self.target):
-            raise DFlashError(f"{self.target}: no such file")
+        from .model_paths import resolve_draft, resolve_target
+        self.target = str(resolve_target(target))
+        if draft is not None:
+            draft = resolve_draft(draft)
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
@@ -151,6 +152,13 @@ class Decoder:
             why = "".join(ch if ch.isprintable() else "?" for ch in str(e))[:300]
             raise DFlashError(f"{self.target}: invalid tokenizer metadata: {why}") from None
         self.n_ctx = ctx
+
+    @staticmethod
+    def connect(socket_path: str | os.PathLike, timeout: float | None = None):
+        """A client of a running daemon (`dflash27b serve --socket PATH`) with the same generate/stream
+        interface; the models stay loaded in the daemon between calls."""
+        from .client import RemoteDecoder
+        return RemoteDecoder(os.fspath(socket_path), timeout=timeout)
 
     # -- model facts -----------------------------------------------------------------------------------
     @property
@@ -209,8 +217,9 @@ class Decoder:
                    chat: bool = False, mode: str | None = None, block_size: int | None = None,
                    budget: int = 22, topk: int = 0, chain_seed: bool = True, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                   seed: int | None = None) -> Iterator[list[int]]:
-        """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards."""
+                   seed: int | None = None, on_prefill=None) -> Iterator[list[int]]:
+        """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
+        `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels."""
         mode, bs = self._resolve_mode(mode, block_size)
         if budget < 0 or topk < 0:
             raise DFlashError(f"budget and topk must be >= 0 (got {budget}, {topk})")
@@ -220,9 +229,15 @@ class Decoder:
         ids = self._prompt_ids(prompt, chat)
         self._last_prompt = ids
         self._last_mode = (mode, bs, budget if mode == "ddtree" else 0, float(temperature), int(seed))
-        self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
-                                 bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
-                                 min_p, int(seed))
+        if on_prefill is not None:
+            self._ctx.set_prefill_progress(on_prefill)
+        try:
+            self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
+                                     bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
+                                     min_p, int(seed))
+        finally:
+            if on_prefill is not None:
+                self._ctx.set_prefill_progress(None)
         self._last_tokens: list[int] = []
         while True:
             toks = self._ctx.generate_next()
@@ -246,7 +261,8 @@ class Decoder:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
                  chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
                  topk: int = 0, chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None) -> GenerateResult:
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                 on_prefill=None) -> GenerateResult:
         """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step) or "ddtree" (a
         tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
         greedy chain, verified in one target forward); default "ddtree" when a drafter is loaded.
@@ -258,7 +274,8 @@ class Decoder:
         tokens: list[int] = []
         for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
                                     block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed,
-                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed):
+                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                    on_prefill=on_prefill):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt))

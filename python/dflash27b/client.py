@@ -1,0 +1,129 @@
+"""Client of the resident daemon (`dflash27b serve --socket PATH`): `Decoder.connect(PATH)` returns one.
+
+Speaks docs/PROTOCOL.md; `generate`/`stream` mirror `Decoder`'s so a script can switch between an
+in-process decoder and a daemon by changing one line.
+"""
+from __future__ import annotations
+
+import json
+import socket
+from typing import Iterator, Sequence
+
+from ._lib import DFlashError
+from .decoder import GenerateResult, GenerateStats
+
+_TERMINAL = {"done", "error", "health", "shutdown"}
+
+
+class RemoteDecoder:
+    """A connection target: every call opens its own connection (the daemon serves one decode at a time
+    and queues the rest), so one RemoteDecoder may be shared by threads."""
+
+    def __init__(self, path: str, timeout: float | None = None):
+        self.path = str(path)
+        self.timeout = timeout
+        self.last_events: list[dict] = []
+        self.health()  # fail now, with the reason, if nobody is serving there
+
+    def _connect(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.path)
+        except FileNotFoundError:
+            s.close()
+            raise DFlashError(f"no daemon socket at {self.path} (start one with: dflash27b serve --socket "
+                              f"{self.path} -m MODEL)") from None
+        except ConnectionRefusedError:
+            s.close()
+            raise DFlashError(f"{self.path}: nobody is listening (stale socket of a daemon that exited)") from None
+        except OSError as e:
+            s.close()
+            raise DFlashError(f"{self.path}: cannot connect: {e.strerror or e}") from None
+        return s
+
+    def request(self, obj: dict) -> Iterator[dict]:
+        """Send one request; yield its events up to and including the terminal one."""
+        s = self._connect()
+        try:
+            s.sendall((json.dumps(obj) + "\n").encode())
+            f = s.makefile("rb")
+            for line in f:
+                ev = json.loads(line)
+                yield ev
+                if ev.get("event") in _TERMINAL:
+                    return
+            raise DFlashError(f"{self.path}: the daemon closed the connection before answering")
+        finally:
+            s.close()
+
+    def health(self) -> dict:
+        ev = list(self.request({"op": "health"}))[-1]
+        if ev.get("event") != "health":
+            raise DFlashError(ev.get("message", f"unexpected reply {ev}"))
+        return ev
+
+    def shutdown(self) -> None:
+        for _ in self.request({"op": "shutdown"}):
+            pass
+
+    @property
+    def info(self) -> dict:
+        return self.health()
+
+    # -- decoding, shaped like Decoder's --------------------------------------------------------------------
+    def _request_obj(self, prompt, max_new_tokens, chat, stream, kw) -> dict:
+        if isinstance(prompt, str):
+            req = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        else:
+            req = {"prompt_ids": [int(t) for t in prompt]}
+        req.update(max_new_tokens=int(max_new_tokens), stream=stream)
+        req.update({k: v for k, v in kw.items() if v is not None})
+        return req
+
+    def events(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, chat: bool = False,
+               stream: bool = True, **kw) -> Iterator[dict]:
+        """The raw event stream of one generate request (errors raised as DFlashError)."""
+        self.last_events = []
+        for ev in self.request(self._request_obj(prompt, max_new_tokens, chat, stream, kw)):
+            self.last_events.append(ev)
+            if ev.get("event") == "error":
+                raise DFlashError(ev.get("message", "daemon error"))
+            yield ev
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, chat: bool = False,
+               **kw) -> Iterator[str]:
+        for ev in self.events(prompt, max_new_tokens, chat=chat, stream=True, **kw):
+            if ev["event"] == "token" and ev["text"]:
+                yield ev["text"]
+            elif ev["event"] == "done":
+                self._last_done = ev
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, chat: bool = False,
+                 **kw) -> GenerateResult:
+        done = None
+        for ev in self.events(prompt, max_new_tokens, chat=chat, stream=False, **kw):
+            if ev["event"] == "done":
+                done = ev
+        if done is None:
+            raise DFlashError("the daemon ended the request without a result")
+        self._last_done = done
+        return _result(done)
+
+    def last_stats(self) -> GenerateStats:
+        return _result(self._last_done).stats
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "RemoteDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _result(done: dict) -> GenerateResult:
+    known = GenerateStats.__dataclass_fields__
+    stats = GenerateStats(**{k: v for k, v in done["stats"].items() if k in known})
+    return GenerateResult(tokens=list(done["tokens"]), text=done["text"], stats=stats)

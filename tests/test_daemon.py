@@ -1,0 +1,274 @@
+"""The resident daemon (`dflash27b serve`): socket protocol, queueing, cancellation, errors, the OpenAI
+front, and `Decoder.connect`, against a real daemon process serving the tiny pair."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash27b import Decoder
+from dflash27b._lib import DFlashError
+
+DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled"
+CTX = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_socket(path: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited: {proc.stderr.read().decode()}")
+        if os.path.exists(path):
+            try:
+                Decoder.connect(path).health()
+                return
+            except DFlashError:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError("daemon did not come up")
+
+
+def _serve(args: list[str], sock: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "dflash27b.cli", "serve", "--socket", sock, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_socket(sock, proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_f32_gguf, tmp_path_factory):
+    d = tmp_path_factory.mktemp("daemon")
+    sock = str(d / "d.sock")
+    port = _free_port()
+    proc = _serve(["-m", str(tiny_f32_gguf), "-md", str(DISTILLED), "-c", str(CTX), "-t", "1",
+                   "--http", f"127.0.0.1:{port}", "--model-name", "tiny"], sock)
+    yield {"sock": sock, "port": port, "proc": proc}
+    if proc.poll() is None:
+        try:
+            Decoder.connect(sock).shutdown()
+        except DFlashError:
+            pass
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_f32_gguf):
+    with Decoder(tiny_f32_gguf, DISTILLED, ctx=CTX, threads=1) as d:
+        yield d
+
+
+def _raw(sock: str, payload: bytes, n_terminal: int = 1, timeout: float = 30) -> list[dict]:
+    """Send raw bytes; read events until `n_terminal` terminal events arrived."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(sock)
+    s.sendall(payload)
+    f = s.makefile("rb")
+    out, done = [], 0
+    for line in f:
+        ev = json.loads(line)
+        out.append(ev)
+        if ev["event"] in ("done", "error", "health", "shutdown"):
+            done += 1
+            if done == n_terminal:
+                break
+    s.close()
+    return out
+
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
+
+
+def test_socket_mode_0600(daemon):
+    st = os.stat(daemon["sock"])
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+
+
+def test_connect_equals_in_process(daemon, local):
+    remote = Decoder.connect(daemon["sock"])
+    for p in PROMPTS:
+        a = local.generate(p, 24, ignore_eos=True)
+        b = remote.generate(p, 24, ignore_eos=True)
+        assert b.tokens == a.tokens and b.text == a.text
+        assert b.stats.mode == "ddtree" and b.stats.generated_tokens == 24
+        s = "".join(remote.stream(p, 24, ignore_eos=True, mode="chain"))
+        assert s == local.generate(p, 24, ignore_eos=True, mode="chain").text
+
+
+def test_two_clients_at_once(daemon, local):
+    want = {p: local.generate(p, 48, ignore_eos=True).tokens for p in PROMPTS[:2]}
+    got, events = {}, {}
+
+    def run(p):
+        r = Decoder.connect(daemon["sock"])
+        got[p] = r.generate(p, 48, ignore_eos=True).tokens
+        events[p] = [e["event"] for e in r.last_events]
+
+    ts = [threading.Thread(target=run, args=(p,)) for p in PROMPTS[:2]]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert got == want
+    # both were served by one decoder: at least one of them waited in the queue, and said so
+    assert any("queued" in e for e in events.values()), events
+
+
+def test_killed_client_frees_slot(daemon, local):
+    code = (f"import socket,sys\ns=socket.socket(socket.AF_UNIX); s.connect({daemon['sock']!r})\n"
+            "s.sendall(b'{\"prompt\": \"x\", \"max_new_tokens\": 100000, \"ignore_eos\": true, \"mode\": \"ar\"}\\n')\n"
+            "f=s.makefile('rb')\nwhile b'token' not in f.readline(): pass\nprint('streaming', flush=True)\n"
+            "import time; time.sleep(60)\n")
+    client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert client.stdout.readline().strip() == b"streaming"
+    remote = Decoder.connect(daemon["sock"])
+    assert remote.health()["queue"] == 1
+    client.kill()
+    client.wait()
+    t0 = time.time()
+    while remote.health()["queue"] and time.time() - t0 < 10:
+        time.sleep(0.02)
+    assert remote.health()["queue"] == 0, "the killed client's decode still holds the slot"
+    assert remote.generate("def f(x):", 8).tokens == local.generate("def f(x):", 8).tokens
+
+
+@pytest.mark.parametrize("payload,needle", [
+    (b"{not json\n", "malformed JSON"),
+    (b"[1, 2]\n", "must be a JSON object"),
+    (b'{"op": "frobnicate"}\n', "unknown op 'frobnicate'"),
+    (b'{"prompt": "x", "max_new_tokens": -5}\n', "'max_new_tokens' must be an integer >= 0"),
+    (b'{"prompt_ids": [1, 2, 3], "max_new_tokens": 4, "mode": "beam"}\n', "'mode' must be one of"),
+    (b'{"prompt": "x", "temperature": -1}\n', "'temperature' must be a number >= 0"),
+    (b'{"prompt": "x", "prompt_ids": [1]}\n', "exactly one of"),
+    (b'{"prompt": "x", "max_tokens": 3}\n', "unknown request field 'max_tokens'"),
+    (b'{"prompt": "\xff\xfe x"}\n', "not valid UTF-8"),
+    (json.dumps({"prompt_ids": [5] * (CTX + 10), "max_new_tokens": 4}).encode() + b"\n",
+     f"does not fit the context length {CTX}"),
+    (json.dumps({"prompt_ids": [1, 999999]}).encode() + b"\n", "outside the vocabulary"),
+    (b'{"prompt": "' + b"a" * (1 << 20) + b'"}\n', "longer than 1048576 bytes"),
+])
+def test_bad_requests_get_error_and_daemon_keeps_serving(daemon, local, payload, needle):
+    evs = _raw(daemon["sock"], payload + b'{"op": "health"}\n', n_terminal=2)
+    errs = [e for e in evs if e["event"] == "error"]
+    assert len(errs) == 1 and needle in errs[0]["message"], evs
+    assert evs[-1]["event"] == "health" and evs[-1]["status"] == "ok"
+    assert Decoder.connect(daemon["sock"]).generate([1, 2, 3], 4).tokens == local.generate([1, 2, 3], 4).tokens
+
+
+def test_stop_strings_and_ids(daemon, local):
+    full = local.generate("def fibonacci(n):", 40, ignore_eos=True, mode="ar")
+    cut = full.text[5:9]
+    evs = _raw(daemon["sock"], json.dumps({"prompt": "def fibonacci(n):", "max_new_tokens": 40,
+                                           "ignore_eos": True, "stop": [cut], "id": "r1", "mode": "ar"}).encode()
+               + b"\n")
+    done = evs[-1]
+    assert done["event"] == "done" and done["id"] == "r1"
+    assert done["text"] == full.text[:full.text.index(cut)] and done["stats"]["stop_reason"] == "stop"
+    assert "".join(e["text"] for e in evs if e["event"] == "token") == done["text"]
+
+
+def test_second_daemon_refused_and_stale_socket_replaced(daemon, tiny_f32_gguf, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dflash27b.cli", "serve", "--socket", daemon["sock"],
+                        "-m", str(tiny_f32_gguf)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "already serving" in r.stderr
+    assert Decoder.connect(daemon["sock"]).health()["status"] == "ok"
+    # a socket file nobody listens on (a daemon that was killed) is replaced
+    stale = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(stale)
+    s.close()
+    proc = _serve(["-m", str(tiny_f32_gguf), "-t", "1", "-c", "64"], stale)
+    try:
+        assert Decoder.connect(stale).generate([1, 2], 2).stats.generated_tokens == 2
+    finally:
+        Decoder.connect(stale).shutdown()
+        proc.wait(20)
+    assert not os.path.exists(stale)
+    # any other file at the path is never touched
+    plain = tmp_path / "not-a-socket"
+    plain.write_text("keep me")
+    r = subprocess.run([sys.executable, "-m", "dflash27b.cli", "serve", "--socket", str(plain),
+                        "-m", str(tiny_f32_gguf)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "not a socket" in r.stderr and plain.read_text() == "keep me"
+
+
+def test_connect_without_daemon_is_clear(tmp_path):
+    with pytest.raises(DFlashError, match="no daemon socket"):
+        Decoder.connect(tmp_path / "none.sock")
+
+
+def test_cli_generate_socket_matches_in_process(daemon, tiny_f32_gguf):
+    args = ["--prompt-ids", "1,2,3", "-n", "16", "--json", "--ignore-eos"]
+    base = [sys.executable, "-m", "dflash27b.cli", "generate"]
+    a = json.loads(subprocess.run(base + ["-m", str(tiny_f32_gguf), "-md", str(DISTILLED), "-t", "1", "-c",
+                                          str(CTX)] + args, capture_output=True, text=True, check=True).stdout)
+    b = json.loads(subprocess.run(base + ["--socket", daemon["sock"]] + args, capture_output=True, text=True,
+                                  check=True).stdout)
+    assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
+
+
+def test_openai_client_http(daemon, local):
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon['port']}/v1", api_key="unused")
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    want = local.generate("def fibonacci(n):", 20, ignore_eos=True)
+    r = c.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=20, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == 20
+    pieces = [ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="def fibonacci(n):", max_tokens=20, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})]
+    assert "".join(pieces) == want.text
+    msgs = [{"role": "user", "content": "Write a stack class."}]
+    want_chat = local.generate(local.chat_prompt(msgs), 16, ignore_eos=True)
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want_chat.text and r.choices[0].finish_reason == "length"
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want_chat.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+        c.completions.create(model="tiny", prompt="x", max_tokens=-1)
+
+
+def test_resident_memory_flat_over_500_requests(daemon):
+    remote = Decoder.connect(daemon["sock"])
+    modes = ["ar", "chain", "ddtree"]
+    rss = {}
+    for i in range(500):
+        remote.generate([1 + i % 50, 2, 3], 4, ignore_eos=True, mode=modes[i % 3])
+        if i in (49, 499):
+            rss[i] = remote.health()["rss_bytes"]
+    growth = rss[499] / rss[49] - 1
+    print(f"resident memory after 50 requests {rss[49] / 1e6:.1f} MB, after 500 {rss[499] / 1e6:.1f} MB "
+          f"({growth * 100:+.2f}%)")
+    assert growth < 0.05
+
+
+def test_prefill_progress_and_cancel(tiny_f32_gguf):
+    with Decoder(tiny_f32_gguf, DISTILLED, ctx=CTX, threads=1, batch=32) as d:
+        ids = [(3 * i) % 500 + 1 for i in range(100)]
+        seen = []
+        want = d.generate(ids, 8, on_prefill=lambda done, total: seen.append((done, total))).tokens
+        assert seen == [(32, 100), (64, 100), (96, 100), (100, 100)]
+        with pytest.raises(DFlashError, match="prefill cancelled after 64 of 100 prompt tokens"):
+            d.generate(ids, 8, on_prefill=lambda done, total: done >= 64)
+        assert d.generate(ids, 8).tokens == want  # nothing left behind by the cancelled prefill
