@@ -60,11 +60,68 @@ def make_data(dec: Decoder, prompts: list[list[int]], gen: int, ids: list[int]):
     return toks, feats
 
 
+def stdlib_prompts(dec: Decoder, n: int, length: int, rng: np.random.Generator) -> list[list[int]]:
+    """`n` prompts of `length` tokens, each starting at a random line of a random training file of the
+    target (train_target.split_files: held-out files are never used)."""
+    from train_target import split_files, stdlib_files
+    files, _ = split_files(stdlib_files())
+    out = []
+    while len(out) < n:
+        f = files[int(rng.integers(0, len(files)))]
+        try:
+            lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(lines) < 8:
+            continue
+        start = int(rng.integers(0, len(lines) - 4))
+        ids = dec.tokenize("".join(lines[start:start + 60]), parse_special=False)
+        if len(ids) >= length:
+            out.append(ids[:length])
+    return out
+
+
+def evaluate(target: str, draft: Path, prompts_file: str, n_new: int = 128) -> dict:
+    """Mean accept length (z-lab's: tokens per step incl. the bonus) on held-out prompts, greedy."""
+    rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip()]
+    res = {}
+    with Decoder(target, draft, kv_type="f32", ctx=2048) as d:
+        for name, kw in (("chain-16", dict(mode="chain", block_size=16)), ("ddtree-22", dict(mode="ddtree", budget=22))):
+            acc = []
+            for r in rows:
+                acc += d.generate(r["prompt"], n_new, ignore_eos=True, **kw).stats.accept_lengths
+            res[name] = sum(acc) / len(acc)
+    return res
+
+
+def plot_loss(losses: list[float], out: Path, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no loss.png", flush=True)
+        return
+    k = max(1, len(losses) // 100)
+    smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+    plt.figure(figsize=(6, 3.5))
+    plt.plot(range(k - 1, len(losses)), smooth)
+    plt.xlabel("step")
+    plt.ylabel("weighted block cross-entropy (nats)")
+    plt.title(title)
+    plt.tight_layout()
+    plt.savefig(out, dpi=110)
+    plt.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("target")
     ap.add_argument("out")
-    ap.add_argument("--prompts", default="random", help="'random' token prompts or a text file (one per line)")
+    ap.add_argument("--prompts", default="random",
+                    help="'random' token prompts, 'stdlib' (windows of the target's training files, from line "
+                         "starts), or a text file (one per line)")
+    ap.add_argument("--eval", default=None, help="JSONL of held-out prompts: report chain/ddtree acceptance at the end")
     ap.add_argument("--n-seqs", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--gen", type=int, default=96)
@@ -95,6 +152,8 @@ def main(argv=None) -> int:
         V, H = info["n_vocab"], info["n_embd"]
         if a.prompts == "random":
             prompts = [rng.integers(0, V - 1, a.prompt_len).tolist() for _ in range(a.n_seqs)]
+        elif a.prompts == "stdlib":
+            prompts = stdlib_prompts(dec, a.n_seqs, a.prompt_len, rng)
         else:
             lines = [ln for ln in Path(a.prompts).read_text().splitlines() if ln.strip()]
             prompts = [dec.tokenize(lines[i % len(lines)])[: a.prompt_len] for i in range(a.n_seqs)]
@@ -145,7 +204,12 @@ def main(argv=None) -> int:
     sd = {k: v.detach().to(dt).contiguous() for k, v in net.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "train_log.json").write_text(json.dumps({"args": vars(a), "loss": losses[::10]}) + "\n")
+    log = {"args": vars(a), "loss_every_10_steps": [round(v, 4) for v in losses[::10]]}
+    plot_loss(losses, out / "loss.png", f"DFlash drafter distillation ({a.layers} layer(s), block {a.block})")
+    if a.eval:
+        log["eval"] = evaluate(a.target, out, a.eval)
+        print(f"held-out mean accept: {log['eval']}", flush=True)
+    (out / "train_log.json").write_text(json.dumps(log) + "\n")
     print(f"wrote {out}")
     return 0
 
