@@ -39,7 +39,7 @@ void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, 
           if (q) {
             dot_row_q(W.type, W.row(r), rows.data() + t0, nt, cols, tmp);
           } else {
-            for (int k = 0; k < nt; ++k) tmp[k] = dot_f(W.type, W.row(r), x + (int64_t)(t0 + k) * cols, cols);
+            dot_f_multi(W.type, W.row(r), x + (int64_t)t0 * cols, cols, nt, cols, tmp);
           }
           for (int k = 0; k < nt; ++k) y[(int64_t)(t0 + k) * W.rows + r] = tmp[k];
         }

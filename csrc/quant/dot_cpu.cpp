@@ -334,34 +334,71 @@ void dot_row_q(DType t, const void* w, const ActRow* x, int nt, int64_t n, float
 }
 
 // ---- float weights ----------------------------------------------------------
-float dot_f(DType t, const void* wv, const float* x, int64_t n) {
-  int64_t i = 0;
+// The scalar tail of a float dot, shared so every caller forms it identically.
+static inline float dot_f_tail(DType t, const void* wv, const float* x, int64_t i, int64_t n) {
   float tail = 0.f;
-#ifdef DFL_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  auto load = [&](int64_t k) -> __m256 {
-    if (t == DType::F32) return _mm256_loadu_ps((const float*)wv + k);
-    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)wv + k));
-    if (t == DType::F16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  };
-  for (; i + 32 <= n; i += 32) {
-    a0 = _mm256_fmadd_ps(load(i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(load(i + 8), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(load(i + 16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(load(i + 24), _mm256_loadu_ps(x + i + 24), a3);
-  }
-  float head = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#else
-  float head = 0.f;
-#endif
   for (; i < n; ++i) {
     float w = t == DType::F32   ? ((const float*)wv)[i]
               : t == DType::F16 ? fp16(((const uint16_t*)wv)[i])
                                 : bf16_to_f32(((const uint16_t*)wv)[i]);
     tail += w * x[i];
   }
-  return head + tail;
+  return tail;
+}
+
+#ifdef DFL_AVX2
+static inline __m256 load_f8(DType t, const void* wv, int64_t k) {
+  if (t == DType::F32) return _mm256_loadu_ps((const float*)wv + k);
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)wv + k));
+  if (t == DType::F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+float dot_f(DType t, const void* wv, const float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef DFL_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_fmadd_ps(load_f8(t, wv, i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(load_f8(t, wv, i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(load_f8(t, wv, i + 16), _mm256_loadu_ps(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(load_f8(t, wv, i + 24), _mm256_loadu_ps(x + i + 24), a3);
+  }
+  float head = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+  float head = 0.f;
+#endif
+  return head + dot_f_tail(t, wv, x, i, n);
+}
+
+void dot_f_multi(DType t, const void* wv, const float* x, int64_t x_stride, int nt, int64_t n, float* out) {
+  int k = 0;
+#ifdef DFL_AVX2
+  // Two tokens per pass: each weight vector is loaded (and widened) once for both, and each token's
+  // accumulators see exactly dot_f's operations in dot_f's order.
+  for (; k + 2 <= nt; k += 2) {
+    const float* x0 = x + (int64_t)k * x_stride;
+    const float* x1 = x0 + x_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m256 w0 = load_f8(t, wv, i), w1 = load_f8(t, wv, i + 8);
+      const __m256 w2 = load_f8(t, wv, i + 16), w3 = load_f8(t, wv, i + 24);
+      a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + i), a0);
+      a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + i + 8), a1);
+      a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x0 + i + 16), a2);
+      a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x0 + i + 24), a3);
+      b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + i), b0);
+      b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + i + 8), b1);
+      b2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x1 + i + 16), b2);
+      b3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x1 + i + 24), b3);
+    }
+    out[k] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + dot_f_tail(t, wv, x0, i, n);
+    out[k + 1] = hsum(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3))) + dot_f_tail(t, wv, x1, i, n);
+  }
+#endif
+  for (; k < nt; ++k) out[k] = dot_f(t, wv, x + (int64_t)k * x_stride, n);
 }
 
 void axpy_row(DType t, const void* row, float p, float* out, int64_t n, float* tmp) {

@@ -32,6 +32,9 @@ void dot_row_q(DType t, const void* w_row, const ActRow* x, int nt, int64_t n, f
 constexpr int kDotMaxTokens = 4;
 // Float weights (F32/F16/BF16) against f32 activations.
 float dot_f(DType t, const void* w_row, const float* x, int64_t n);
+// out[k] = w_row . x[k * x_stride ..] for k < nt, each exactly equal to dot_f's result (the weight
+// row is read once per pair of tokens).
+void dot_f_multi(DType t, const void* w_row, const float* x, int64_t x_stride, int nt, int64_t n, float* out);
 // out[i] += p * row[i] (a multiply then an add per element, never fused), row of
 // any type; `tmp` (n floats) is scratch for quantised rows.
 void axpy_row(DType t, const void* row, float p, float* out, int64_t n, float* tmp);
