@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--gen", type=int, default=96)
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--mask-token-id", type=int, default=-1,
+                    help="the block's mask token (default: the last id; pick a token the target never sees, "
+                         "e.g. <|im_start|> for a code-only target)")
     ap.add_argument("--target-layer-ids", default="1,3,5,6")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--ffn", type=int, default=768)
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
         toks, feats = make_data(dec, prompts, a.gen, ids)
         print(f"data: {len(toks)} sequences x {a.gen} generated tokens in {time.time() - t0:.0f} s", flush=True)
 
-    mask_id = V - 1
+    mask_id = a.mask_token_id if a.mask_token_id >= 0 else V - 1
     cfg = draft_config(target_hidden=H, target_layers=info["n_layer"], vocab=V, n_layers=a.layers,
                        block_size=a.block, mask_token_id=mask_id, n_head=a.heads, n_head_kv=a.kv_heads,
                        head_dim=a.head_dim, ffn=a.ffn, target_layer_ids=ids,
