@@ -51,14 +51,14 @@ def test_writes_python(dec):
     assert len(pythonic) >= 8, outs
 
 
-@pytest.mark.parametrize("mode,kw,floor", [("chain", dict(block_size=16), 3.0), ("ddtree", dict(budget=22), 3.0)])
+@pytest.mark.parametrize("mode,kw,floor", [("chain", dict(block_size=16), 3.0), ("ddtree", dict(budget=22), 3.5)])
 def test_acceptance_on_heldout_prompts(dec, mode, kw, floor):
-    """Mean accept length (z-lab's: tokens per step incl. the bonus) on 10 held-out stdlib prompts, and
-    the speculative output is the target's own greedy output token for token."""
+    """Mean accept length (z-lab's: tokens per step incl. the bonus) over 128 new tokens on each of 10
+    held-out stdlib prompts, and the speculative output is the target's own greedy output token for token."""
     acc = []
     for p in _heldout():
-        ar = dec.generate(p, 64, ignore_eos=True, mode="ar").tokens
-        r = dec.generate(p, 64, ignore_eos=True, mode=mode, **kw)
+        ar = dec.generate(p, 128, ignore_eos=True, mode="ar").tokens
+        r = dec.generate(p, 128, ignore_eos=True, mode=mode, **kw)
         assert r.tokens == ar
         acc += r.stats.accept_lengths
     mean = sum(acc) / len(acc)
