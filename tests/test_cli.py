@@ -58,7 +58,7 @@ def test_info(model):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["generate", "hi"], "no target model given"),
+    (["generate", "-m", "nobody/None-GGUF:Q4_K_M", "hi"], "cannot find target 'nobody/None-GGUF:Q4_K_M'"),
     (["generate", "-m", "MODEL"], "give exactly one of PROMPT or --prompt-ids"),
     (["generate", "-m", "MODEL", "--prompt-ids", "1,2", "-c", "2"], "does not fit the context length 2"),
     (["generate", "-m", "MODEL", "--prompt-ids", "1,2", "--device", "cuda"], "device 'cuda'"),
