@@ -98,6 +98,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def prompt_ids(dec, prompts: list[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt: raw text as is, chat messages through the model's template."""
+    return [dec.tokenize(dec.chat_prompt(p.messages)) if p.messages else dec.tokenize(p.text) for p in prompts]
+
+
 def run_plan(modes: list[str], budgets: list[int], has_draft: bool) -> list[tuple[str, str, int]]:
     """(name, mode, budget) of every run; AR always first (the reference)."""
     for m in modes:
@@ -121,7 +126,7 @@ def run_bench(dec, prompts: list[Prompt], plan: list[tuple[str, str, int]], n_ne
               tamper: Callable[[str, int, list[int]], list[int]] | None = None) -> list[RunResult]:
     """Decode every prompt with every run.  `tamper(run, prompt_index, tokens)` lets a test corrupt a
     run's output to prove the equality check catches it."""
-    ids = [dec.tokenize(dec.chat_prompt(p.messages)) if p.messages else dec.tokenize(p.text) for p in prompts]
+    ids = prompt_ids(dec, prompts)
     too_long = [p.name for p, t in zip(prompts, ids) if len(t) + n_new > dec.n_ctx]
     if too_long:
         raise DFlashError(f"{len(too_long)} prompt(s) do not fit prompt + {n_new} new tokens in the context "

@@ -31,12 +31,6 @@ def _fail(msg: str) -> None:
     sys.exit(1)
 
 
-def _last_tokens(dec) -> list[int]:
-    if hasattr(dec, "_last_tokens"):
-        return dec._last_tokens
-    return next(e for e in reversed(dec.last_events) if e.get("event") == "done")["tokens"]
-
-
 @contextlib.contextmanager
 def _loading(what: str):
     """A spinner with elapsed time on a terminal (the core loads without progress callbacks); nothing
@@ -175,7 +169,7 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
             if ar is not None and s.mode != "ar":
                 a = ar.stats
                 click.echo(f"[ar {a.device}] {a.decode_tok_s:.2f} tok/s | speedup {s.decode_tok_s / a.decode_tok_s:.2f}x"
-                           f" | same tokens: {ar.tokens == _last_tokens(dec)}", err=True)
+                           f" | same tokens: {ar.tokens == dec._last_tokens}", err=True)
     except DFlashError as e:
         _fail(str(e))
 
@@ -380,8 +374,7 @@ def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets,
                 results = B.run_bench(dec, prompts, plan, max_new_tokens, temperature=temperature, seed=seed,
                                       block_size=block_size,
                                       progress=lambda name, i: prog.update(task, advance=1, description=name))
-            ids = [dec.tokenize(dec.chat_prompt(p.messages)) if p.messages else dec.tokenize(p.text) for p in prompts]
-            peer_row = B.peer_llama_cpp(dec.target, ids, max_new_tokens, dec.threads) if peer else None
+            peer_row = B.peer_llama_cpp(dec.target, B.prompt_ids(dec, prompts), max_new_tokens, dec.threads) if peer else None
             cfg = {"target": dec.target, "draft": dec.draft, "dataset": dataset, "n_prompts": len(prompts),
                    "prompt_names": [p.name for p in prompts], "n_new": max_new_tokens, "temperature": temperature,
                    "seed": seed, "device": dec.device, "threads": dec.threads, "kv_type": kv_type, "ctx": ctx,

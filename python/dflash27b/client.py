@@ -98,6 +98,7 @@ class RemoteDecoder:
                 yield ev["text"]
             elif ev["event"] == "done":
                 self._last_done = ev
+                self._last_tokens = list(ev["tokens"])  # as Decoder keeps them
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, chat: bool = False,
                  **kw) -> GenerateResult:
@@ -108,6 +109,7 @@ class RemoteDecoder:
         if done is None:
             raise DFlashError("the daemon ended the request without a result")
         self._last_done = done
+        self._last_tokens = list(done["tokens"])
         return _result(done)
 
     def last_stats(self) -> GenerateStats:

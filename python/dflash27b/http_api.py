@@ -62,7 +62,7 @@ def _to_engine(body: dict, chat: bool) -> dict:
     if body.get("n", 1) != 1:
         raise DFlashError("only n=1 is supported")
     # OpenAI's default temperature is 1.0 (sampling); pass temperature=0 for greedy, exact decoding
-    req["temperature"] = body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0
+    req["temperature"] = 1.0 if body.get("temperature") is None else body["temperature"]
     for k in ("top_p", "seed", "stop"):
         if body.get(k) is not None:
             req[k] = body[k]

@@ -198,21 +198,20 @@ class DecodeService:
                     self.served += 1
                 job.emit(None)
 
-    def _prompt(self, p: dict) -> tuple[Any, bool]:
+    def _prompt(self, p: dict) -> str | list[int]:
+        """Text (chat messages rendered with the GGUF's template) or token ids, decoded as a raw prompt."""
         if "messages" in p:
-            return self.decoder.chat_prompt(p["messages"]), False
-        if "prompt_ids" in p:
-            return p["prompt_ids"], False
-        return p["prompt"], False
+            return self.decoder.chat_prompt(p["messages"])
+        return p["prompt_ids"] if "prompt_ids" in p else p["prompt"]
 
     def _decode(self, job: Job) -> None:
         p, dec = job.params, self.decoder
-        prompt, chat = self._prompt(p)
+        prompt = self._prompt(p)
         stream, stop = p["stream"], StopMatcher(p["stop"])
         sd = dec.tokenizer.stream_decoder()
         tokens: list[int] = []
         stopped = cancelled = False
-        steps = dec.stream_ids(prompt, p["max_new_tokens"], chat=chat, **_decode_kwargs(p),
+        steps = dec.stream_ids(prompt, p["max_new_tokens"], **_decode_kwargs(p),
                                on_prefill=lambda done, total: job.cancelled.is_set())
         try:
             for toks in steps:
