@@ -4,6 +4,8 @@
 // point of include/dflash27b.h's CUDA section has exactly one definition.
 #include "api/last_error.h"
 #include "dflash27b.h"
+#include "model/backend.h"
+#include "util/error.h"
 
 #pragma GCC visibility push(default)
 extern "C" {
@@ -22,3 +24,10 @@ double dfl_cuda_bench_matmul(uint32_t, int64_t, int64_t, int32_t, int32_t) {
 
 }  // extern "C"
 #pragma GCC visibility pop
+
+namespace dfl {
+std::unique_ptr<Backend> make_cuda_backend(const Model&, DType, const MemoryPlan&) {
+  fail("device 'cuda' requested but this build of dflash27b has no CUDA backend (nvcc was not found at build "
+       "time; dflash27b --version shows what was built)");
+}
+}  // namespace dfl

@@ -8,8 +8,10 @@
 // of tokens with absolute positions and parent indices.
 #pragma once
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "model/backend.h"
 #include "model/qwen35.h"
 #include "util/threadpool.h"
 
@@ -20,6 +22,7 @@ struct ContextParams {
   int n_batch = 512;      // tokens per internal chunk; also the largest verify batch
   DType kv_type = DType::F16;
   int n_threads = 0;      // 0: hardware concurrency
+  Device device = Device::CPU;
 };
 
 struct Batch {
@@ -47,6 +50,8 @@ class Context {
   const ContextParams& params() const { return params_; }
   int n_past() const { return n_past_; }
   void reset();
+  Device device() const;
+  std::string backend_name() const;
 
   // commit == true: the batch must be a chain continuing the committed state;
   //   KV and recurrent state advance by n tokens.

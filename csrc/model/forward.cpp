@@ -14,23 +14,51 @@
 #include <cmath>
 #include <cstring>
 
+#include "model/backend.h"
 #include "model/context.h"
-#include "ops/cpu_ops.h"
 #include "quant/quant.h"
 
 namespace dfl {
 
+// Backend memory owned by the context, released through the backend.
+struct BackendBuf {
+  Backend* be = nullptr;
+  void* p = nullptr;
+  size_t bytes = 0;
+  BackendBuf() = default;
+  BackendBuf(Backend& b, size_t n) : be(&b), p(b.alloc(n)), bytes(n) {}
+  BackendBuf(BackendBuf&& o) noexcept : be(o.be), p(o.p), bytes(o.bytes) { o.p = nullptr; o.bytes = 0; }
+  BackendBuf& operator=(BackendBuf&& o) noexcept {
+    if (this != &o) {
+      reset();
+      be = o.be; p = o.p; bytes = o.bytes;
+      o.p = nullptr; o.bytes = 0;
+    }
+    return *this;
+  }
+  ~BackendBuf() { reset(); }
+  void reset() {
+    if (p) be->release(p);
+    p = nullptr;
+    bytes = 0;
+  }
+  float* f() const { return static_cast<float*>(p); }
+  uint8_t* u8() const { return static_cast<uint8_t*>(p); }
+};
+
 struct Context::Impl {
   ThreadPool pool;
-  size_t kv_row = 0;                          // bytes of one K (or V) row of kv_dim values
-  std::vector<std::vector<uint8_t>> k, v;     // per layer (empty for delta-net layers)
-  std::vector<std::vector<float>> conv, rec;  // per layer committed state (empty for attention)
-  std::vector<std::vector<float>> node_conv, node_rec;  // per layer, per verified node
+  std::unique_ptr<Backend> be;
+  size_t kv_row = 0;                  // bytes of one K (or V) row of kv_dim values
+  size_t conv_floats = 0, rec_floats = 0;
+  std::vector<BackendBuf> k, v;       // per layer (empty for delta-net layers)
+  std::vector<BackendBuf> conv, rec;  // per layer committed state (empty for attention)
+  std::vector<BackendBuf> node_conv, node_rec;  // per layer, per verified node
   int node_cap = 0;
-  std::vector<int32_t> node_parent;           // parents of the last verified batch
+  std::vector<int32_t> node_parent;   // parents of the last verified batch
+  ChunkPlan plan;
   // scratch, sized for n_batch tokens
-  std::vector<float> x, hn, out, a0, a1, a2, a3, a4;
-  ActScratch act;
+  BackendBuf x, hn, out, a0, a1, a2, a3, a4;
 
   explicit Impl(int threads) : pool(threads) {}
 };
@@ -38,6 +66,34 @@ struct Context::Impl {
 static int default_threads() {
   unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : (int)n;
+}
+
+static size_t widest_row(const Qwen35Config& c) {
+  return std::max({(size_t)2 * c.q_dim(), (size_t)c.conv_channels(), (size_t)c.n_ff, (size_t)c.n_embd,
+                   (size_t)c.ssm_inner()});
+}
+
+MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
+  const Qwen35Config& c = m.cfg;
+  MemoryPlan mp;
+  mp.weights = m.weight_bytes;
+  for (auto* v : {&m.output_norm}) mp.weights += v->size() * 4;
+  const size_t kv_row = row_bytes(p.kv_type, c.kv_dim());
+  const size_t conv = (size_t)(c.conv_kernel - 1) * c.conv_channels(), rec = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv;
+  for (int l = 0; l < c.n_layer; ++l) {
+    const LayerWeights& w = m.layers[l];
+    for (auto* v : {&w.attn_norm, &w.post_norm, &w.q_norm, &w.k_norm, &w.conv1d, &w.dt_bias, &w.ssm_a, &w.ssm_norm})
+      mp.weights += v->size() * 4;
+    if (c.is_recurrent[l]) {
+      mp.recurrent += (conv + rec) * 4;
+      mp.tree_state += (uint64_t)max_nodes * (conv + rec) * 4;
+    } else {
+      mp.kv += 2 * (uint64_t)p.n_ctx * kv_row;
+    }
+  }
+  const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
+  mp.workspace = (3 * nb * c.n_embd + 3 * nb * widest + 2 * nb * std::max(c.ssm_nv, 1)) * 4 + (size_t)c.n_vocab * 4;
+  return mp;
 }
 
 Context::Context(const Model& model, const ContextParams& p) : model_(model), params_(p) {
@@ -49,7 +105,15 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
     fail("unsupported KV cache type %s", type_traits((uint32_t)p.kv_type) ? type_traits((uint32_t)p.kv_type)->name : "?");
   impl_ = std::make_unique<Impl>(p.n_threads > 0 ? p.n_threads : default_threads());
   Impl& I = *impl_;
+  if (p.device == Device::CUDA) {
+    I.be = make_cuda_backend(model, p.kv_type, memory_plan(model, p, p.n_batch));
+  } else {
+    I.be = make_cpu_backend(model, p.kv_type, I.pool);
+  }
+  Backend& be = *I.be;
   I.kv_row = row_bytes(p.kv_type, c.kv_dim());
+  I.conv_floats = (size_t)(c.conv_kernel - 1) * c.conv_channels();
+  I.rec_floats = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv;
   I.k.resize(c.n_layer);
   I.v.resize(c.n_layer);
   I.conv.resize(c.n_layer);
@@ -58,42 +122,40 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   I.node_rec.resize(c.n_layer);
   for (int l = 0; l < c.n_layer; ++l) {
     if (c.is_recurrent[l]) {
-      I.conv[l].assign((size_t)(c.conv_kernel - 1) * c.conv_channels(), 0.f);
-      I.rec[l].assign((size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv, 0.f);
+      I.conv[l] = BackendBuf(be, I.conv_floats * 4);
+      I.rec[l] = BackendBuf(be, I.rec_floats * 4);
     } else {
-      I.k[l].assign((size_t)p.n_ctx * I.kv_row, 0);
-      I.v[l].assign((size_t)p.n_ctx * I.kv_row, 0);
+      I.k[l] = BackendBuf(be, (size_t)p.n_ctx * I.kv_row);
+      I.v[l] = BackendBuf(be, (size_t)p.n_ctx * I.kv_row);
     }
   }
-  const size_t nb = (size_t)p.n_batch;
-  size_t widest = std::max({(size_t)2 * c.q_dim(), (size_t)c.conv_channels(), (size_t)c.n_ff,
-                            (size_t)c.n_embd, (size_t)c.ssm_inner()});
-  I.x.resize(nb * c.n_embd);
-  I.hn.resize(nb * c.n_embd);
-  I.out.resize(nb * c.n_embd);
-  I.a0.resize(nb * widest);
-  I.a1.resize(nb * widest);
-  I.a2.resize(nb * widest);
-  I.a3.resize(nb * std::max(c.ssm_nv, 1));
-  I.a4.resize(nb * std::max(c.ssm_nv, 1));
-  I.act.reserve((int64_t)nb * widest);
+  const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
+  I.x = BackendBuf(be, nb * c.n_embd * 4);
+  I.hn = BackendBuf(be, nb * c.n_embd * 4);
+  I.out = BackendBuf(be, std::max(nb * c.n_embd, (size_t)c.n_vocab) * 4);
+  I.a0 = BackendBuf(be, nb * widest * 4);
+  I.a1 = BackendBuf(be, nb * widest * 4);
+  I.a2 = BackendBuf(be, nb * widest * 4);
+  I.a3 = BackendBuf(be, nb * std::max(c.ssm_nv, 1) * 4);
+  I.a4 = BackendBuf(be, nb * std::max(c.ssm_nv, 1) * 4);
 }
 
 Context::~Context() = default;
 
+Device Context::device() const { return impl_->be->device(); }
+std::string Context::backend_name() const { return impl_->be->name(); }
+
 void Context::reset() {
   n_past_ = 0;
   n_verify_ = 0;
-  for (auto& s : impl_->conv) std::fill(s.begin(), s.end(), 0.f);
-  for (auto& s : impl_->rec) std::fill(s.begin(), s.end(), 0.f);
+  for (auto& s : impl_->conv) if (s.p) impl_->be->fill_zero(s.p, s.bytes);
+  for (auto& s : impl_->rec) if (s.p) impl_->be->fill_zero(s.p, s.bytes);
 }
 
 size_t Context::state_bytes() const {
   size_t b = 0;
-  for (auto& s : impl_->k) b += s.size();
-  for (auto& s : impl_->v) b += s.size();
-  for (auto& s : impl_->conv) b += s.size() * 4;
-  for (auto& s : impl_->rec) b += s.size() * 4;
+  for (auto* v : {&impl_->k, &impl_->v, &impl_->conv, &impl_->rec})
+    for (auto& s : *v) b += s.bytes;
   return b;
 }
 
@@ -103,7 +165,7 @@ size_t Context::committed_state_size() const {
   const Impl& I = *impl_;
   size_t b = 0;
   for (int l = 0; l < model_.cfg.n_layer; ++l)
-    b += model_.cfg.is_recurrent[l] ? (I.conv[l].size() + I.rec[l].size()) * 4 : 2 * (size_t)n_past_ * I.kv_row;
+    b += model_.cfg.is_recurrent[l] ? (I.conv_floats + I.rec_floats) * 4 : 2 * (size_t)n_past_ * I.kv_row;
   return b;
 }
 
@@ -111,14 +173,16 @@ void Context::copy_committed_state(uint8_t* dst) const {
   const Impl& I = *impl_;
   for (int l = 0; l < model_.cfg.n_layer; ++l) {
     if (model_.cfg.is_recurrent[l]) {
-      std::memcpy(dst, I.conv[l].data(), I.conv[l].size() * 4);
-      dst += I.conv[l].size() * 4;
-      std::memcpy(dst, I.rec[l].data(), I.rec[l].size() * 4);
-      dst += I.rec[l].size() * 4;
+      I.be->download(dst, I.conv[l].p, I.conv_floats * 4);
+      dst += I.conv_floats * 4;
+      I.be->download(dst, I.rec[l].p, I.rec_floats * 4);
+      dst += I.rec_floats * 4;
     } else {
       const size_t n = (size_t)n_past_ * I.kv_row;
-      std::memcpy(dst, I.k[l].data(), n);
-      std::memcpy(dst + n, I.v[l].data(), n);
+      if (n) {
+        I.be->download(dst, I.k[l].p, n);
+        I.be->download(dst + n, I.v[l].p, n);
+      }
       dst += 2 * n;
     }
   }
@@ -156,8 +220,8 @@ void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
     if (I.node_cap < b.n) {
       for (int l = 0; l < c.n_layer; ++l)
         if (c.is_recurrent[l]) {
-          I.node_conv[l].resize((size_t)b.n * I.conv[l].size());
-          I.node_rec[l].resize((size_t)b.n * I.rec[l].size());
+          I.node_conv[l] = BackendBuf(*I.be, (size_t)b.n * I.conv_floats * 4);
+          I.node_rec[l] = BackendBuf(*I.be, (size_t)b.n * I.rec_floats * 4);
         }
       I.node_cap = b.n;
     }
@@ -178,234 +242,131 @@ void Context::commit_path(const int32_t* nodes, int n) {
     int want = k == 0 ? -1 : nodes[k - 1];
     if (I.node_parent[nodes[k]] != want) fail("commit path is not a root-to-node path of the verified tree");
   }
+  // A path visits nodes in increasing order with nodes[k] >= k, so moving row
+  // nodes[k] down to slot k never overwrites a row still to be moved.
   for (int k = 0; k < n; ++k) {
     if (nodes[k] == k) continue;
     for (int l = 0; l < c.n_layer; ++l) {
       if (c.is_recurrent[l]) continue;
-      std::memcpy(I.k[l].data() + (size_t)(n_past_ + k) * I.kv_row,
-                  I.k[l].data() + (size_t)(n_past_ + nodes[k]) * I.kv_row, I.kv_row);
-      std::memcpy(I.v[l].data() + (size_t)(n_past_ + k) * I.kv_row,
-                  I.v[l].data() + (size_t)(n_past_ + nodes[k]) * I.kv_row, I.kv_row);
+      I.be->copy(I.k[l].u8() + (size_t)(n_past_ + k) * I.kv_row, I.k[l].u8() + (size_t)(n_past_ + nodes[k]) * I.kv_row,
+                 I.kv_row);
+      I.be->copy(I.v[l].u8() + (size_t)(n_past_ + k) * I.kv_row, I.v[l].u8() + (size_t)(n_past_ + nodes[k]) * I.kv_row,
+                 I.kv_row);
     }
   }
   const int last = nodes[n - 1];
   for (int l = 0; l < c.n_layer; ++l) {
     if (!c.is_recurrent[l]) continue;
-    size_t cs = I.conv[l].size(), rs = I.rec[l].size();
-    std::memcpy(I.conv[l].data(), I.node_conv[l].data() + (size_t)last * cs, cs * 4);
-    std::memcpy(I.rec[l].data(), I.node_rec[l].data() + (size_t)last * rs, rs * 4);
+    I.be->copy(I.conv[l].p, I.node_conv[l].f() + (size_t)last * I.conv_floats, I.conv_floats * 4);
+    I.be->copy(I.rec[l].p, I.node_rec[l].f() + (size_t)last * I.rec_floats, I.rec_floats * 4);
   }
   n_past_ += n;
   n_verify_ = 0;
 }
 
-// ---- layers -------------------------------------------------------------
+// ---- one chunk through every layer ------------------------------------
 
-namespace {
-
-struct ChunkView {
-  const Batch& b;
-  int off, n;       // batch rows [off, off + n)
-  int slot0;        // KV slot of batch row `off`
-  bool commit;
-  int parent(int t) const { int i = off + t; return b.parent ? b.parent[i] : i - 1; }
-};
-
-void l2norm(float* x, int n, float eps) {
-  double ss = 0.0;
-  for (int i = 0; i < n; ++i) ss += (double)x[i] * x[i];
-  float inv = 1.f / std::max((float)std::sqrt(ss), eps);
-  for (int i = 0; i < n; ++i) x[i] *= inv;
+// What the backend needs to know about rows [off, off + n) of the batch: ids,
+// positions, each token's visible KV slots and each token's starting state.
+static void plan_chunk(const Batch& b, int off, int n, bool commit, int n_past, const std::vector<int32_t>& node_parent,
+                       ChunkPlan& P) {
+  P.n = n;
+  P.commit = commit;
+  P.tokens.assign(b.tokens + off, b.tokens + off + n);
+  P.pos.assign(b.pos + off, b.pos + off + n);
+  P.n_prefix.resize(n);
+  P.extra_begin.resize(n);
+  P.extra_count.resize(n);
+  P.parent.resize(n);
+  P.extra_slots.clear();
+  P.max_visible = 0;
+  for (int t = 0; t < n; ++t) {
+    P.extra_begin[t] = (int32_t)P.extra_slots.size();
+    if (commit) {
+      P.n_prefix[t] = n_past + t + 1;  // the chunk's slots start at n_past (chunks commit as they go)
+      P.extra_count[t] = 0;
+      P.parent[t] = t - 1;
+    } else {
+      P.n_prefix[t] = n_past;
+      const size_t first = P.extra_slots.size();
+      for (int a = off + t; a >= 0; a = node_parent[a]) P.extra_slots.push_back(n_past + a);
+      std::reverse(P.extra_slots.begin() + first, P.extra_slots.end());  // ascending slots
+      P.extra_count[t] = (int32_t)(P.extra_slots.size() - first);
+      P.parent[t] = node_parent[off + t];
+    }
+    P.max_visible = std::max(P.max_visible, P.n_prefix[t] + P.extra_count[t]);
+  }
 }
-
-}  // namespace
 
 void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& out, bool commit) {
   Impl& I = *impl_;
+  Backend& be = *I.be;
   const Model& M = model_;
   const Qwen35Config& c = M.cfg;
-  const int H = c.n_embd, hd = c.head_dim;
-  ChunkView cv{b, off, n, n_past_ + off * (commit ? 0 : 1), commit};
-  float* x = I.x.data();
-  for (int t = 0; t < n; ++t) embed_row(M.tok_embd, b.tokens[off + t], x + (size_t)t * H);
-
-  const DType kvt = params_.kv_type;
-  const TypeTraits* kvtt = type_traits((uint32_t)kvt);
-  const size_t head_bytes = (size_t)(hd / kvtt->block_elems) * kvtt->block_bytes;
+  const int H = c.n_embd;
+  plan_chunk(b, off, n, commit, n_past_, I.node_parent, I.plan);
+  be.begin_chunk(I.plan);
+  float* x = I.x.f();
+  be.embed(M.tok_embd, x);
 
   for (int l = 0; l < c.n_layer; ++l) {
     const LayerWeights& w = M.layers[l];
-    rmsnorm_rows(x, w.attn_norm.data(), n, H, c.rms_eps, I.hn.data());
+    be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
     if (!c.is_recurrent[l]) {
       // ---- gated full attention ----
-      const int qd2 = 2 * c.q_dim(), kvd = c.kv_dim();
-      float* qg = I.a0.data();
-      float* kk = I.a1.data();
-      float* vv = I.a2.data();
-      matmul(I.pool, w.wq, I.hn.data(), n, qg, I.act);
-      matmul(I.pool, w.wk, I.hn.data(), n, kk, I.act);
-      matmul(I.pool, w.wv, I.hn.data(), n, vv, I.act);
-      for (int t = 0; t < n; ++t) {
-        const int32_t pos = b.pos[off + t];
-        for (int j = 0; j < c.n_head; ++j) {
-          float* q = qg + (size_t)t * qd2 + (size_t)j * 2 * hd;
-          rmsnorm_rows(q, w.q_norm.data(), 1, hd, c.rms_eps, q);
-          rope_neox(q, c.n_rot, pos, c.rope_base);
-        }
-        for (int m = 0; m < c.n_head_kv; ++m) {
-          float* k = kk + (size_t)t * kvd + (size_t)m * hd;
-          rmsnorm_rows(k, w.k_norm.data(), 1, hd, c.rms_eps, k);
-          rope_neox(k, c.n_rot, pos, c.rope_base);
-        }
-        const size_t slot = (size_t)cv.slot0 + t;
-        quantize_row(kvt, kk + (size_t)t * kvd, I.k[l].data() + slot * I.kv_row, kvd);
-        quantize_row(kvt, vv + (size_t)t * kvd, I.v[l].data() + slot * I.kv_row, kvd);
-      }
-      float* o = I.a1.data();  // k/v no longer needed: reuse for attention output
-      const int group = c.n_head / c.n_head_kv;
-      const float scale = 1.f / std::sqrt((float)hd);
-      const int committed = commit ? cv.slot0 : n_past_;
-      I.pool.parallel_for((int64_t)n * c.n_head, 1, [&](int64_t w0, int64_t w1) {
-        thread_local std::vector<float> sc, tmp;
-        thread_local std::vector<int32_t> extra;
-        tmp.resize(hd);
-        for (int64_t wi = w0; wi < w1; ++wi) {
-          const int t = (int)(wi / c.n_head), j = (int)(wi % c.n_head), m = j / group;
-          // Visible KV slots, ascending: a contiguous prefix [0, n_prefix), then
-          // (tree verify only) the node's ancestors and itself.
-          extra.clear();
-          int n_prefix;
-          if (commit) {
-            n_prefix = cv.slot0 + t + 1;
-          } else {
-            n_prefix = committed;
-            for (int a = off + t; a >= 0; a = I.node_parent[a]) extra.push_back(committed + a);
-            std::reverse(extra.begin(), extra.end());
-          }
-          const size_t n_vis = (size_t)n_prefix + extra.size();
-          auto slot = [&](size_t s) -> size_t { return s < (size_t)n_prefix ? s : (size_t)extra[s - n_prefix]; };
-          const float* q = qg + (size_t)t * qd2 + (size_t)j * 2 * hd;
-          sc.resize(n_vis);
-          float mx = -INFINITY;
-          for (size_t s = 0; s < n_vis; ++s) {
-            const uint8_t* kr = I.k[l].data() + slot(s) * I.kv_row + m * head_bytes;
-            float d;
-            if (dtype_is_quantized(kvt)) {
-              dequantize_row(kvt, kr, tmp.data(), hd);
-              d = dot_f(DType::F32, tmp.data(), q, hd);
-            } else {
-              d = dot_f(kvt, kr, q, hd);
-            }
-            sc[s] = d * scale;
-            mx = std::max(mx, sc[s]);
-          }
-          float sum = 0.f;
-          for (size_t s = 0; s < n_vis; ++s) {
-            sc[s] = std::exp(sc[s] - mx);
-            sum += sc[s];
-          }
-          float* ot = o + (size_t)t * c.q_dim() + (size_t)j * hd;
-          for (int d = 0; d < hd; ++d) ot[d] = 0.f;
-          for (size_t s = 0; s < n_vis; ++s)
-            axpy_row(kvt, I.v[l].data() + slot(s) * I.kv_row + m * head_bytes, sc[s], ot, hd, tmp.data());
-          const float* gate = q + hd;
-          const float inv = 1.f / sum;
-          for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv * sigmoid(gate[d]);
-        }
-      });
-      matmul(I.pool, w.wo, o, n, I.out.data(), I.act);
+      float* qg = I.a0.f();
+      float* kk = I.a1.f();
+      float* vv = I.a2.f();
+      be.matmul(w.wq, I.hn.f(), n, qg);
+      be.matmul(w.wk, I.hn.f(), n, kk);
+      be.matmul(w.wv, I.hn.f(), n, vv);
+      const AttnLayer L{I.k[l].u8(), I.v[l].u8(), n_past_ + (commit ? 0 : off), be.vec(w.q_norm), be.vec(w.k_norm)};
+      be.attn_store(qg, kk, vv, L);
+      float* o = I.a1.f();  // k/v are in the cache now: reuse for the attention output
+      be.attention(qg, L, o);
+      be.matmul(w.wo, o, n, I.out.f());
     } else {
       // ---- gated delta-net ----
-      const int Cconv = c.conv_channels(), Cv = c.ssm_inner(), K = c.conv_kernel;
-      const int nk = c.ssm_nk, nv = c.ssm_nv, dk = c.ssm_dk, dv = c.ssm_dv, Ck = nk * dk;
-      float* mm = I.a0.data();
-      float* z = I.a1.data();
-      float* y = I.a2.data();
-      float* bb = I.a3.data();
-      float* aa = I.a4.data();
-      matmul(I.pool, w.wqkv, I.hn.data(), n, mm, I.act);
-      matmul(I.pool, w.wgate, I.hn.data(), n, z, I.act);
-      matmul(I.pool, w.wbeta, I.hn.data(), n, bb, I.act);
-      matmul(I.pool, w.walpha, I.hn.data(), n, aa, I.act);
-      const size_t cs = I.conv[l].size(), rs = I.rec[l].size();
-      const float qscale = 1.f / std::sqrt((float)dk);
-      for (int t = 0; t < n; ++t) {
-        float* win;   // (K-1) x Cconv, oldest first
-        float* S;     // nv x dk x dv
-        if (commit) {
-          win = I.conv[l].data();
-          S = I.rec[l].data();
-        } else {
-          const int i = off + t, par = cv.parent(t);
-          win = I.node_conv[l].data() + (size_t)i * cs;
-          S = I.node_rec[l].data() + (size_t)i * rs;
-          const float* pw = par < 0 ? I.conv[l].data() : I.node_conv[l].data() + (size_t)par * cs;
-          const float* ps = par < 0 ? I.rec[l].data() : I.node_rec[l].data() + (size_t)par * rs;
-          std::memcpy(win, pw, cs * 4);
-          std::memcpy(S, ps, rs * 4);
-        }
-        float* mt = mm + (size_t)t * Cconv;  // becomes the conv output in place
-        for (int ch = 0; ch < Cconv; ++ch) {
-          const float* wc = w.conv1d.data() + (size_t)ch * K;
-          float acc = 0.f;
-          for (int tau = 0; tau < K - 1; ++tau) acc += wc[tau] * win[(size_t)tau * Cconv + ch];
-          acc += wc[K - 1] * mt[ch];
-          for (int tau = 0; tau < K - 2; ++tau) win[(size_t)tau * Cconv + ch] = win[(size_t)(tau + 1) * Cconv + ch];
-          win[(size_t)(K - 2) * Cconv + ch] = mt[ch];
-          mt[ch] = silu(acc);
-        }
-        float* q = mt;
-        float* k = mt + Ck;
-        float* v = mt + 2 * Ck;
-        for (int h = 0; h < nk; ++h) {
-          l2norm(q + h * dk, dk, c.rms_eps);
-          l2norm(k + h * dk, dk, c.rms_eps);
-          for (int i = 0; i < dk; ++i) q[h * dk + i] *= qscale;
-        }
-        const float* zt = z + (size_t)t * Cv;
-        float* yt = y + (size_t)t * Cv;
-        const float* bt = bb + (size_t)t * nv;
-        const float* at = aa + (size_t)t * nv;
-        I.pool.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
-          for (int64_t h = h0; h < h1; ++h) {
-            const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
-            const float beta = sigmoid(bt[h]);
-            const float g = w.ssm_a[h] * softplus(at[h] + w.dt_bias[h]);
-            float* oh = yt + h * dv;
-            delta_rule_step(S + (size_t)h * dk * dv, k + kh * dk, v + h * dv, q + kh * dk, std::exp(g), beta,
-                            dk, dv, oh);
-            rmsnorm_rows(oh, w.ssm_norm.data(), 1, dv, c.rms_eps, oh);
-            for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[h * dv + j]);
-          }
-        });
-      }
-      matmul(I.pool, w.ssm_out, y, n, I.out.data(), I.act);
+      float* mm = I.a0.f();
+      float* z = I.a1.f();
+      float* y = I.a2.f();
+      float* bb = I.a3.f();
+      float* aa = I.a4.f();
+      be.matmul(w.wqkv, I.hn.f(), n, mm);
+      be.matmul(w.wgate, I.hn.f(), n, z);
+      be.matmul(w.wbeta, I.hn.f(), n, bb);
+      be.matmul(w.walpha, I.hn.f(), n, aa);
+      const GdnLayer L{be.vec(w.conv1d), be.vec(w.dt_bias), be.vec(w.ssm_a), be.vec(w.ssm_norm), I.conv[l].f(),
+                       I.rec[l].f(), commit ? nullptr : I.node_conv[l].f(), commit ? nullptr : I.node_rec[l].f()};
+      be.gdn(mm, z, bb, aa, L, y);
+      be.matmul(w.ssm_out, y, n, I.out.f());
     }
-    for (size_t i = 0; i < (size_t)n * H; ++i) x[i] += I.out[i];
+    be.add(x, I.out.f(), (size_t)n * H);
 
     // ---- SwiGLU MLP ----
-    rmsnorm_rows(x, w.post_norm.data(), n, H, c.rms_eps, I.hn.data());
-    float* g = I.a0.data();
-    float* u = I.a1.data();
-    matmul(I.pool, w.ffn_gate, I.hn.data(), n, g, I.act);
-    matmul(I.pool, w.ffn_up, I.hn.data(), n, u, I.act);
-    for (size_t i = 0; i < (size_t)n * c.n_ff; ++i) g[i] = silu(g[i]) * u[i];
-    matmul(I.pool, w.ffn_down, g, n, I.out.data(), I.act);
-    for (size_t i = 0; i < (size_t)n * H; ++i) x[i] += I.out[i];
+    be.rmsnorm(x, be.vec(w.post_norm), n, H, c.rms_eps, I.hn.f());
+    float* g = I.a0.f();
+    float* u = I.a1.f();
+    be.matmul(w.ffn_gate, I.hn.f(), n, g);
+    be.matmul(w.ffn_up, I.hn.f(), n, u);
+    be.swiglu(g, u, (size_t)n * c.n_ff);
+    be.matmul(w.ffn_down, g, n, I.out.f());
+    be.add(x, I.out.f(), (size_t)n * H);
 
     for (int ci = 0; ci < out.n_capture; ++ci)
       if (out.capture_layers[ci] == l)
         for (int t = 0; t < n; ++t)
-          std::memcpy(out.hidden + ((size_t)(off + t) * out.n_capture + ci) * H, x + (size_t)t * H, (size_t)H * 4);
+          be.download(out.hidden + ((size_t)(off + t) * out.n_capture + ci) * H, x + (size_t)t * H, (size_t)H * 4);
   }
 
   // ---- logits for the requested rows in this chunk ----
   for (int r = 0; r < out.n_logits; ++r) {
     int row = out.logit_rows[r];
     if (row < off || row >= off + n) continue;
-    float* hrow = I.hn.data();
-    rmsnorm_rows(x + (size_t)(row - off) * H, M.output_norm.data(), 1, H, c.rms_eps, hrow);
-    matmul(I.pool, M.output, hrow, 1, out.logits + (size_t)r * c.n_vocab, I.act);
+    float* hrow = I.hn.f();
+    be.rmsnorm(x + (size_t)(row - off) * H, be.vec(M.output_norm), 1, H, c.rms_eps, hrow);
+    be.matmul(M.output, hrow, 1, I.out.f());
+    be.download(out.logits + (size_t)r * c.n_vocab, I.out.f(), (size_t)c.n_vocab * 4);
   }
 }
 

@@ -1,0 +1,205 @@
+// cpu_backend.cpp — the Backend ops on the CPU (the reference for CUDA).
+//
+// Memory is plain host memory and the model's weights are used in place (the
+// mmapped GGUF).  Arithmetic is the cpu_ops row functions with a fixed
+// reduction order; threads split tokens, heads or rows, never a sum.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "model/backend.h"
+#include "ops/cpu_ops.h"
+#include "quant/quant.h"
+
+namespace dfl {
+namespace {
+
+void l2norm(float* x, int n, float eps) {
+  double ss = 0.0;
+  for (int i = 0; i < n; ++i) ss += (double)x[i] * x[i];
+  float inv = 1.f / std::max((float)std::sqrt(ss), eps);
+  for (int i = 0; i < n; ++i) x[i] *= inv;
+}
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(const Model& m, DType kv_type, ThreadPool& pool) : m_(m), c_(m.cfg), kvt_(kv_type), pool_(pool) {
+    const TypeTraits* tt = type_traits((uint32_t)kvt_);
+    head_bytes_ = (size_t)(c_.head_dim / tt->block_elems) * tt->block_bytes;
+    kv_row_ = row_bytes(kvt_, c_.kv_dim());
+  }
+
+  Device device() const override { return Device::CPU; }
+  std::string name() const override { return std::string("cpu (") + simd_name() + ")"; }
+
+  void* alloc(size_t bytes) override {
+    const size_t n = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, n ? n : 64);
+    if (!p) fail("out of host memory allocating %zu bytes", bytes);
+    std::memset(p, 0, n);
+    return p;
+  }
+  void release(void* p) override { std::free(p); }
+  void upload(void* dst, const void* host, size_t bytes) override { std::memcpy(dst, host, bytes); }
+  void download(void* host, const void* src, size_t bytes) override { std::memcpy(host, src, bytes); }
+  void copy(void* dst, const void* src, size_t bytes) override { std::memmove(dst, src, bytes); }
+  void fill_zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
+  void sync() override {}
+  const void* weight(const Weight& w) override { return w.data; }
+  const float* vec(const std::vector<float>& v) override { return v.data(); }
+
+  void begin_chunk(const ChunkPlan& plan) override { p_ = &plan; }
+
+  void embed(const Weight& table, float* x) override {
+    for (int t = 0; t < p_->n; ++t) embed_row(table, p_->tokens[t], x + (size_t)t * table.cols);
+  }
+  void rmsnorm(const float* x, const float* w, int n, int dim, float eps, float* y) override {
+    rmsnorm_rows(x, w, n, dim, eps, y);
+  }
+  void matmul(const Weight& W, const float* x, int n, float* y) override { dfl::matmul(pool_, W, x, n, y, act_); }
+  void add(float* x, const float* y, size_t count) override {
+    for (size_t i = 0; i < count; ++i) x[i] += y[i];
+  }
+  void swiglu(float* g, const float* u, size_t count) override {
+    for (size_t i = 0; i < count; ++i) g[i] = silu(g[i]) * u[i];
+  }
+
+  void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
+    const int hd = c_.head_dim, qd2 = 2 * c_.q_dim(), kvd = c_.kv_dim();
+    for (int t = 0; t < p_->n; ++t) {
+      const int32_t pos = p_->pos[t];
+      for (int j = 0; j < c_.n_head; ++j) {
+        float* q = qg + (size_t)t * qd2 + (size_t)j * 2 * hd;
+        rmsnorm_rows(q, L.q_norm, 1, hd, c_.rms_eps, q);
+        rope_neox(q, c_.n_rot, pos, c_.rope_base);
+      }
+      for (int m = 0; m < c_.n_head_kv; ++m) {
+        float* k = kk + (size_t)t * kvd + (size_t)m * hd;
+        rmsnorm_rows(k, L.k_norm, 1, hd, c_.rms_eps, k);
+        rope_neox(k, c_.n_rot, pos, c_.rope_base);
+      }
+      const size_t slot = (size_t)L.slot0 + t;
+      quantize_row(kvt_, kk + (size_t)t * kvd, L.k_cache + slot * kv_row_, kvd);
+      quantize_row(kvt_, vv + (size_t)t * kvd, L.v_cache + slot * kv_row_, kvd);
+    }
+  }
+
+  void attention(const float* qg, const AttnLayer& L, float* o) override {
+    const int hd = c_.head_dim, qd2 = 2 * c_.q_dim();
+    const int group = c_.n_head / c_.n_head_kv;
+    const float scale = 1.f / std::sqrt((float)hd);
+    const ChunkPlan& P = *p_;
+    pool_.parallel_for((int64_t)P.n * c_.n_head, 1, [&](int64_t w0, int64_t w1) {
+      thread_local std::vector<float> sc, tmp;
+      tmp.resize(hd);
+      for (int64_t wi = w0; wi < w1; ++wi) {
+        const int t = (int)(wi / c_.n_head), j = (int)(wi % c_.n_head), m = j / group;
+        const size_t n_prefix = (size_t)P.n_prefix[t];
+        const size_t n_vis = n_prefix + (size_t)P.extra_count[t];
+        const int32_t* extra = P.extra_slots.data() + P.extra_begin[t];
+        auto slot = [&](size_t s) -> size_t { return s < n_prefix ? s : (size_t)extra[s - n_prefix]; };
+        const float* q = qg + (size_t)t * qd2 + (size_t)j * 2 * hd;
+        sc.resize(n_vis);
+        float mx = -INFINITY;
+        for (size_t s = 0; s < n_vis; ++s) {
+          const uint8_t* kr = L.k_cache + slot(s) * kv_row_ + m * head_bytes_;
+          float d;
+          if (dtype_is_quantized(kvt_)) {
+            dequantize_row(kvt_, kr, tmp.data(), hd);
+            d = dot_f(DType::F32, tmp.data(), q, hd);
+          } else {
+            d = dot_f(kvt_, kr, q, hd);
+          }
+          sc[s] = d * scale;
+          mx = std::max(mx, sc[s]);
+        }
+        float sum = 0.f;
+        for (size_t s = 0; s < n_vis; ++s) {
+          sc[s] = std::exp(sc[s] - mx);
+          sum += sc[s];
+        }
+        float* ot = o + (size_t)t * c_.q_dim() + (size_t)j * hd;
+        for (int d = 0; d < hd; ++d) ot[d] = 0.f;
+        for (size_t s = 0; s < n_vis; ++s)
+          axpy_row(kvt_, L.v_cache + slot(s) * kv_row_ + m * head_bytes_, sc[s], ot, hd, tmp.data());
+        const float* gate = q + hd;
+        const float inv = 1.f / sum;
+        for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv * sigmoid(gate[d]);
+      }
+    });
+  }
+
+  void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
+    const int Cconv = c_.conv_channels(), Cv = c_.ssm_inner(), K = c_.conv_kernel;
+    const int nk = c_.ssm_nk, nv = c_.ssm_nv, dk = c_.ssm_dk, dv = c_.ssm_dv, Ck = nk * dk;
+    const size_t cs = (size_t)(K - 1) * Cconv, rs = (size_t)nv * dk * dv;
+    const float qscale = 1.f / std::sqrt((float)dk);
+    const ChunkPlan& P = *p_;
+    for (int t = 0; t < P.n; ++t) {
+      float* win;  // (K-1) x Cconv, oldest first
+      float* S;    // nv x dk x dv
+      if (P.commit) {
+        win = L.conv;
+        S = L.rec;
+      } else {
+        const int par = P.parent[t];
+        win = L.node_conv + (size_t)t * cs;
+        S = L.node_rec + (size_t)t * rs;
+        std::memcpy(win, par < 0 ? L.conv : L.node_conv + (size_t)par * cs, cs * 4);
+        std::memcpy(S, par < 0 ? L.rec : L.node_rec + (size_t)par * rs, rs * 4);
+      }
+      float* mt = mm + (size_t)t * Cconv;  // becomes the conv output in place
+      for (int ch = 0; ch < Cconv; ++ch) {
+        const float* wc = L.conv1d + (size_t)ch * K;
+        float acc = 0.f;
+        for (int tau = 0; tau < K - 1; ++tau) acc += wc[tau] * win[(size_t)tau * Cconv + ch];
+        acc += wc[K - 1] * mt[ch];
+        for (int tau = 0; tau < K - 2; ++tau) win[(size_t)tau * Cconv + ch] = win[(size_t)(tau + 1) * Cconv + ch];
+        win[(size_t)(K - 2) * Cconv + ch] = mt[ch];
+        mt[ch] = silu(acc);
+      }
+      float* q = mt;
+      float* k = mt + Ck;
+      float* v = mt + 2 * Ck;
+      for (int h = 0; h < nk; ++h) {
+        l2norm(q + h * dk, dk, c_.rms_eps);
+        l2norm(k + h * dk, dk, c_.rms_eps);
+        for (int i = 0; i < dk; ++i) q[h * dk + i] *= qscale;
+      }
+      const float* zt = z + (size_t)t * Cv;
+      float* yt = y + (size_t)t * Cv;
+      const float* bt = bb + (size_t)t * nv;
+      const float* at = aa + (size_t)t * nv;
+      pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
+        for (int64_t h = h0; h < h1; ++h) {
+          const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
+          const float beta = sigmoid(bt[h]);
+          const float g = L.ssm_a[h] * softplus(at[h] + L.dt_bias[h]);
+          float* oh = yt + h * dv;
+          delta_rule_step(S + (size_t)h * dk * dv, k + kh * dk, v + h * dv, q + kh * dk, std::exp(g), beta, dk, dv,
+                          oh);
+          rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
+          for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[h * dv + j]);
+        }
+      });
+    }
+  }
+
+ private:
+  const Model& m_;
+  const Qwen35Config& c_;
+  DType kvt_;
+  ThreadPool& pool_;
+  size_t head_bytes_ = 0, kv_row_ = 0;
+  const ChunkPlan* p_ = nullptr;
+  ActScratch act_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const Model& m, DType kv_type, ThreadPool& pool) {
+  return std::make_unique<CpuBackend>(m, kv_type, pool);
+}
+
+}  // namespace dfl
