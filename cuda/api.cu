@@ -12,6 +12,7 @@
 
 #include "api/last_error.h"
 #include "common.cuh"
+#include "launch.cuh"
 #include "dflash27b.h"
 #include "matmul.cuh"
 #include "quant/quant.h"
@@ -93,8 +94,10 @@ void fill_weights(DType t, uint8_t* w, int64_t rows, int64_t cols, uint32_t seed
   const TypeTraits& tt = *type_traits((uint32_t)t);
   const int64_t nblocks = rows * (cols / tt.block_elems);
   const int64_t nbytes = nblocks * tt.block_bytes;
-  fill_random<<<1024, 256>>>(w, nbytes, seed);
-  auto fix = [&](int off, int kind) { fix_fields<<<1024, 256>>>(w, nblocks, tt.block_bytes, off, kind); };
+  launch(fill_random, dim3(1024), dim3(256), 0, nullptr, w, nbytes, seed);
+  auto fix = [&](int off, int kind) {
+    launch(fix_fields, dim3(1024), dim3(256), 0, nullptr, w, nblocks, tt.block_bytes, off, kind);
+  };
   switch (t) {
     case DType::F32: fix(0, 2); break;
     case DType::F16: fix(0, 1); break;

@@ -1,9 +1,304 @@
-// backend.cu — the CUDA Backend (placeholder until the ops land).
+// backend.cu — the CUDA Backend: device memory, the model's weights on the
+// device, and the forward's ops as kernels on one stream.
+//
+// Weights are uploaded once per Model (shared by every CUDA context of it)
+// into one allocation, each tensor 256-byte aligned with 16 bytes of slack
+// (the matmul kernels read rows with 16-byte loads).  A chunk's plan (ids,
+// positions, visibility, parents) is one upload; ops then queue kernels with
+// no host round trip; only `download` (logits, captured features, state)
+// waits for the stream.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+#include "forward_kernels.cuh"
+#include "launch.cuh"
+#include "matmul.cuh"
 #include "model/backend.h"
-#include "util/error.h"
+#include "quant/quant.h"
 
 namespace dfl {
-std::unique_ptr<Backend> make_cuda_backend(const Model&, DType, const MemoryPlan&) {
-  fail("device 'cuda' requested but the CUDA forward is not implemented yet in this version; use device='cpu'");
+namespace cuda {
+namespace {
+
+std::string mib(uint64_t b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.1f MiB", (double)b / (1 << 20));
+  return s;
 }
+
+int pick_device() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    fail("device 'cuda' requested but no usable CUDA device: %s", cudaGetErrorString(e));
+  }
+  if (n <= 0) fail("device 'cuda' requested but no CUDA device was found");
+  CUDA_CHECK(cudaSetDevice(0));
+  return 0;
+}
+
+// The model's tensors on the device, keyed by their host address.
+struct DeviceWeights {
+  void* arena = nullptr;
+  uint64_t bytes = 0;
+  std::map<const void*, void*> dev;
+  ~DeviceWeights() {
+    if (arena) cudaFree(arena);
+  }
+  void* find(const void* host) const {
+    auto it = dev.find(host);
+    if (it == dev.end()) fail("internal: a weight was not uploaded to the device");
+    return it->second;
+  }
+};
+
+// Every tensor the forward reads: matrices, then f32 vectors.
+void upload_model(const Model& m, DeviceWeights& W) {
+  std::vector<std::pair<const void*, size_t>> parts;
+  auto mat = [&](const Weight& w) {
+    if (w.data) parts.push_back({w.data, (size_t)w.rows * w.row_bytes});
+  };
+  auto vec = [&](const std::vector<float>& v) {
+    if (!v.empty()) parts.push_back({v.data(), v.size() * 4});
+  };
+  mat(m.tok_embd);
+  mat(m.output);
+  vec(m.output_norm);
+  for (const LayerWeights& l : m.layers) {
+    for (const Weight* w : {&l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.wq, &l.wk, &l.wv, &l.wo, &l.wqkv, &l.wgate,
+                            &l.wbeta, &l.walpha, &l.ssm_out})
+      mat(*w);
+    for (const std::vector<float>* v : {&l.attn_norm, &l.post_norm, &l.q_norm, &l.k_norm, &l.conv1d, &l.dt_bias,
+                                        &l.ssm_a, &l.ssm_norm})
+      vec(*v);
+  }
+  std::map<const void*, size_t> offset;
+  uint64_t total = 0;
+  for (auto& p : parts) {
+    if (offset.count(p.first)) continue;  // tied embeddings: one copy
+    offset[p.first] = total;
+    total += (p.second + 16 + 255) / 256 * 256;
+  }
+  CUDA_CHECK(cudaMalloc(&W.arena, total));
+  W.bytes = total;
+  for (auto& p : parts) {
+    uint8_t* d = static_cast<uint8_t*>(W.arena) + offset[p.first];
+    if (W.dev.count(p.first)) continue;
+    CUDA_CHECK(cudaMemcpy(d, p.first, p.second, cudaMemcpyHostToDevice));
+    W.dev[p.first] = d;
+  }
+}
+
+// One DeviceWeights per Model while any context uses it.
+std::shared_ptr<DeviceWeights> weights_for(const Model& m, const MemoryPlan& plan) {
+  static std::mutex mu;
+  static std::map<const Model*, std::weak_ptr<DeviceWeights>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto w = cache[&m].lock()) {
+    MemoryPlan rest = plan;
+    rest.weights = 0;
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (rest.total() > free_b)
+      fail("the context does not fit on the GPU: it needs %s (weights already loaded) but %s are free",
+           mib(rest.total()).c_str(), mib(free_b).c_str());
+    return w;
+  }
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (plan.total() > free_b)
+    fail("the model does not fit on the GPU: it needs %s (weights %s, KV cache %s, recurrent state %s, tree "
+         "state %s, workspace %s) but %s of %s are free; use a smaller context (-c), a smaller KV type "
+         "(--kv-type q4_0) or a smaller quant",
+         mib(plan.total()).c_str(), mib(plan.weights).c_str(), mib(plan.kv).c_str(), mib(plan.recurrent).c_str(),
+         mib(plan.tree_state).c_str(), mib(plan.workspace).c_str(), mib(free_b).c_str(), mib(total_b).c_str());
+  auto w = std::make_shared<DeviceWeights>();
+  upload_model(m, *w);
+  cache[&m] = w;
+  return w;
+}
+
+template <class F>
+void launch_embed(const uint8_t* table, int64_t row_bytes, int64_t cols, const int32_t* tokens, int n, float* x,
+                  cudaStream_t s) {
+  launch(fwd::embed_kernel<F>, dim3((unsigned)n), dim3(128), 0, s, table, row_bytes, cols, tokens, x);
+}
+
+unsigned elementwise_grid(size_t n) { return (unsigned)std::min<size_t>((n + 255) / 256, 4096); }
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const Model& m, DType kv_type, const MemoryPlan& plan) : m_(m), c_(m.cfg), kvt_(kv_type) {
+    pick_device();
+    if (c_.head_dim > fwd::kMaxHeadDim) fail("head_dim %d exceeds the CUDA attention limit %d", c_.head_dim, fwd::kMaxHeadDim);
+    if (c_.conv_kernel > fwd::kMaxConvK) fail("conv kernel %d exceeds the CUDA limit %d", c_.conv_kernel, fwd::kMaxConvK);
+    if (c_.ssm_dv % 32 || c_.ssm_dv > fwd::kMaxBlock) fail("delta-net value head dim %d is not a multiple of 32 <= 1024", c_.ssm_dv);
+    if (c_.ssm_dk != 32 && c_.ssm_dk != 64 && c_.ssm_dk != 128 && c_.ssm_dk != 256)
+      fail("delta-net key head dim %d: the CUDA kernel is built for 32, 64, 128 and 256", c_.ssm_dk);
+    weights_ = weights_for(m, plan);
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    const TypeTraits* tt = type_traits((uint32_t)kvt_);
+    head_bytes_ = (int64_t)(c_.head_dim / tt->block_elems) * tt->block_bytes;
+    kv_row_ = (int64_t)row_bytes(kvt_, c_.kv_dim());
+    CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));
+  }
+  ~CudaBackend() override {
+    if (plan_buf_) cudaFree(plan_buf_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Device device() const override { return Device::CUDA; }
+  std::string name() const override { return std::string("cuda (") + prop_.name + ")"; }
+
+  void* alloc(size_t bytes) override {
+    void* p = nullptr;
+    const size_t n = (bytes + 16 + 255) / 256 * 256;
+    CUDA_CHECK(cudaMalloc(&p, n));
+    CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_));
+    return p;
+  }
+  void release(void* p) override {
+    cudaStreamSynchronize(stream_);
+    cudaFree(p);
+  }
+  void upload(void* dst, const void* host, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused as soon as we return
+  }
+  void download(void* host, const void* src, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  void fill_zero(void* dst, size_t bytes) override { CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_)); }
+  void sync() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  const void* weight(const Weight& w) override { return weights_->find(w.data); }
+  const float* vec(const std::vector<float>& v) override {
+    return v.empty() ? nullptr : static_cast<const float*>(weights_->find(v.data()));
+  }
+
+  void begin_chunk(const ChunkPlan& p) override {
+    n_ = p.n;
+    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | extra_slots.
+    const size_t words = 6 * (size_t)p.n + p.extra_slots.size();
+    host_plan_.resize(words);
+    int32_t* h = host_plan_.data();
+    for (const std::vector<int32_t>* v : {&p.tokens, &p.pos, &p.n_prefix, &p.extra_begin, &p.extra_count, &p.parent}) {
+      std::copy(v->begin(), v->end(), h);
+      h += p.n;
+    }
+    std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
+    if (words > plan_cap_) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (plan_buf_) cudaFree(plan_buf_);
+      plan_buf_ = nullptr;
+      plan_cap_ = std::max(words, (size_t)4096);
+      CUDA_CHECK(cudaMalloc(&plan_buf_, plan_cap_ * 4));
+    }
+    upload(plan_buf_, host_plan_.data(), words * 4);
+    int32_t* d = plan_buf_;
+    tokens_ = d; d += p.n;
+    pos_ = d; d += p.n;
+    n_prefix_ = d; d += p.n;
+    extra_begin_ = d; d += p.n;
+    extra_count_ = d; d += p.n;
+    parent_ = d; d += p.n;
+    extra_slots_ = d;
+  }
+
+  void embed(const Weight& table, float* x) override {
+    const uint8_t* w = static_cast<const uint8_t*>(weight(table));
+    const int64_t rb = (int64_t)table.row_bytes, cols = table.cols;
+    if (cols % 8) fail("embedding width %lld is not a multiple of 8", (long long)cols);
+    switch (table.type) {
+      case DType::F32: return launch_embed<FmtF32>(w, rb, cols, tokens_, n_, x, stream_);
+      case DType::F16: return launch_embed<FmtF16>(w, rb, cols, tokens_, n_, x, stream_);
+      case DType::BF16: return launch_embed<FmtBF16>(w, rb, cols, tokens_, n_, x, stream_);
+      case DType::Q4_0: return launch_embed<FmtQ4_0>(w, rb, cols, tokens_, n_, x, stream_);
+      case DType::Q8_0: return launch_embed<FmtQ8_0>(w, rb, cols, tokens_, n_, x, stream_);
+      case DType::Q4_K: return launch_embed<FmtQ4_K>(w, rb, cols, tokens_, n_, x, stream_);
+      case DType::Q5_K: return launch_embed<FmtQ5_K>(w, rb, cols, tokens_, n_, x, stream_);
+      case DType::Q6_K: return launch_embed<FmtQ6_K>(w, rb, cols, tokens_, n_, x, stream_);
+    }
+    fail("embedding of type %u is not supported on CUDA", (unsigned)table.type);
+  }
+
+  void rmsnorm(const float* x, const float* w, int n, int dim, float eps, float* y) override {
+    launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
+  }
+
+  void matmul(const Weight& W, const float* x, int n, float* y) override {
+    cuda::matmul(W.type, weight(W), W.rows, W.cols, x, n, y, stream_);
+  }
+
+  void add(float* x, const float* y, size_t count) override {
+    launch(fwd::add_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, x, y, (int64_t)count);
+  }
+  void swiglu(float* g, const float* u, size_t count) override {
+    launch(fwd::swiglu_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, g, u, (int64_t)count);
+  }
+
+  void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
+    fwd::StoreArgs a{qg, kk, vv, L.k_cache, L.v_cache, L.q_norm, L.k_norm, pos_, L.slot0, c_.n_head, c_.n_head_kv,
+                     c_.head_dim, c_.n_rot, kv_row_, head_bytes_, c_.rms_eps, c_.rope_base, kvt_};
+    const unsigned threads = (unsigned)((c_.head_dim + 31) / 32 * 32);
+    launch(fwd::attn_store_kernel, dim3((unsigned)n_, (unsigned)(c_.n_head + 2 * c_.n_head_kv)), dim3(threads), 0,
+           stream_, a);
+  }
+
+  void attention(const float* qg, const AttnLayer& L, float* o) override {
+    fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, c_.n_head,
+                    c_.n_head_kv, c_.head_dim, kv_row_, head_bytes_, 1.f / std::sqrt((float)c_.head_dim), kvt_};
+    launch(fwd::attention_kernel, dim3((unsigned)n_, (unsigned)c_.n_head), dim3(fwd::kAttnThreads), 0, stream_, a);
+  }
+
+  void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
+    const int C = c_.conv_channels();
+    fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, parent_, n_, C, c_.conv_kernel};
+    launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
+    fwd::DeltaArgs da{mm, z, bb, aa, L.dt_bias, L.ssm_a, L.ssm_norm, L.rec, L.node_rec, parent_, y, n_, c_.ssm_nk,
+                      c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps};
+    const dim3 grid((unsigned)c_.ssm_nv), block((unsigned)c_.ssm_dv);
+    switch (c_.ssm_dk) {
+      case 32: return launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da);
+      case 64: return launch(fwd::delta_kernel<64>, grid, block, 0, stream_, da);
+      case 128: return launch(fwd::delta_kernel<128>, grid, block, 0, stream_, da);
+      default: return launch(fwd::delta_kernel<256>, grid, block, 0, stream_, da);
+    }
+  }
+
+ private:
+  const Model& m_;
+  const Qwen35Config& c_;
+  DType kvt_;
+  std::shared_ptr<DeviceWeights> weights_;
+  cudaStream_t stream_ = nullptr;
+  cudaDeviceProp prop_{};
+  int64_t head_bytes_ = 0, kv_row_ = 0;
+  // the current chunk's plan on the device
+  int n_ = 0;
+  std::vector<int32_t> host_plan_;
+  int32_t* plan_buf_ = nullptr;
+  size_t plan_cap_ = 0;
+  const int32_t *tokens_ = nullptr, *pos_ = nullptr, *n_prefix_ = nullptr, *extra_begin_ = nullptr,
+                *extra_count_ = nullptr, *parent_ = nullptr, *extra_slots_ = nullptr;
+};
+
+}  // namespace
+}  // namespace cuda
+
+std::unique_ptr<Backend> make_cuda_backend(const Model& m, DType kv_type, const MemoryPlan& plan) {
+  return std::make_unique<cuda::CudaBackend>(m, kv_type, plan);
+}
+
 }  // namespace dfl

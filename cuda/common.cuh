@@ -26,6 +26,14 @@
                   cudaGetErrorString(dfl_err_), #expr, __FILE__, __LINE__);                       \
   } while (0)
 
+// Dynamic shared memory: the kernel's `extern __shared__` array on the GPU;
+// the emulator hands out its own buffer.
+#ifdef DFL_EMU
+#define DFL_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(::emu::dynamic_smem())
+#else
+#define DFL_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#endif
+
 namespace dfl {
 namespace cuda {
 
@@ -53,6 +61,8 @@ __device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
   return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
 }
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) { return __uint_as_float((h & 0xffffu) << 16); }
+// Round to nearest even, as blocks.h's f32_to_f16.
+__device__ __forceinline__ uint32_t f32_to_f16_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
 // Unaligned little-endian reads from a 2-byte aligned block (scalar; for
 // headers and the slow paths).

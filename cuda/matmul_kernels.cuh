@@ -128,7 +128,7 @@ template <class F, int NT, int RW>
 __global__ void __launch_bounds__(kWarps * 32)
     matvec_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                   const float* __restrict__ x, int n, float* __restrict__ y, int chunk_cols) {
-  extern __shared__ float4 smem_f4[];
+  DFL_DYNAMIC_SMEM(float4, smem_f4);
   float* xs = reinterpret_cast<float*>(smem_f4);
   constexpr int S = Layout<F>::S;
   constexpr int G = F::P / 4;

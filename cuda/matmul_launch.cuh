@@ -4,6 +4,7 @@
 // matmul_kquant.cu (so nvcc compiles them in parallel); matmul.cu only
 // dispatches on the type.
 #pragma once
+#include "launch.cuh"
 #include "matmul.cuh"
 #include "matmul_kernels.cuh"
 
@@ -18,13 +19,15 @@ void launch_matvec(const uint8_t* w, int64_t rows, int64_t cols, int64_t rb, con
   if constexpr (C::gx) {
     const int64_t grid = matvec_gx_ctas(rows, C::RW);
     if (grid > 0x7fffffff) fail("matmul: %lld rows is too many", (long long)rows);
-    matvec_gx_kernel<F, NT, C::RW, C::U, C::MINB><<<(unsigned)grid, kWarps * 32, 0, s>>>(w, rows, cols, rb, x, n, y);
+    launch(matvec_gx_kernel<F, NT, C::RW, C::U, C::MINB>, dim3((unsigned)grid), dim3(kWarps * 32), 0, s, w, rows, cols, rb, x,
+           n, y);
   } else {
     const int chunk = Layout<F>::chunk_cols(NT, cols);
     const size_t smem = Layout<F>::smem_bytes(NT, chunk);  // <= 37 KiB: no opt-in above 48 KiB needed
     const int64_t grid = matvec_ctas(rows);
     if (grid > 0x7fffffff) fail("matmul: %lld rows is too many", (long long)rows);
-    matvec_kernel<F, NT, kRowsPerWarp><<<(unsigned)grid, kWarps * 32, smem, s>>>(w, rows, cols, rb, x, n, y, chunk);
+    launch(matvec_kernel<F, NT, kRowsPerWarp>, dim3((unsigned)grid), dim3(kWarps * 32), smem, s, w, rows, cols, rb, x, n,
+           y, chunk);
   }
 }
 
@@ -43,7 +46,7 @@ void launch(const void* wv, int64_t rows, int64_t cols, const float* x, int n, f
   }
   const int64_t gx = (rows + kTileM - 1) / kTileM, gy = (n + kTileN - 1) / kTileN;
   if (gx > 0x7fffffff || gy > 65535) fail("matmul: %lld rows x %d tokens is too large", (long long)rows, n);
-  tiled_kernel<F><<<dim3((unsigned)gx, (unsigned)gy), 256, 0, s>>>(w, rows, cols, rb, x, n, y);
+  launch(tiled_kernel<F>, dim3((unsigned)gx, (unsigned)gy), dim3(256), 0, s, w, rows, cols, rb, x, n, y);
 }
 
 #define DFL_MATMUL_LAUNCH(F)                                                                              \

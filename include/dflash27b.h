@@ -56,11 +56,25 @@ typedef struct {
   int32_t n_batch;   /* tokens per internal chunk and largest verify batch */
   int32_t n_threads; /* 0 = all cores */
   uint32_t kv_type;  /* DFL_TYPE_F32 / F16 / Q8_0 / Q4_0 */
+  int32_t device;    /* DFL_DEVICE_CPU or DFL_DEVICE_CUDA (the first GPU; an error if none) */
 } dfl_context_params;
+
+#define DFL_DEVICE_CPU 0
+#define DFL_DEVICE_CUDA 1
+
+/* Bytes a context with these parameters needs on its device, by part; the
+ * CUDA backend checks the total against the GPU's free memory before it
+ * uploads anything.  max_nodes: the largest verify batch (tree state). */
+typedef struct {
+  uint64_t weights, kv, recurrent, tree_state, workspace, total;
+} dfl_memory_plan;
+int dfl_context_memory_plan(const dfl_model* m, const dfl_context_params* p, int32_t max_nodes, dfl_memory_plan* out);
 
 dfl_context_params dfl_context_default_params(void);
 dfl_context* dfl_context_new(dfl_model* m, const dfl_context_params* p);
 void dfl_context_free(dfl_context* c);
+/* e.g. "cpu (avx2)" or "cuda (NVIDIA H100 80GB HBM3)"; valid while the context lives */
+const char* dfl_context_backend(const dfl_context* c);
 int dfl_context_reset(dfl_context* c);
 int32_t dfl_context_n_past(const dfl_context* c);
 

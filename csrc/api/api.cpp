@@ -121,19 +121,43 @@ dfl_context_params dfl_context_default_params(void) {
   p.n_batch = 512;
   p.n_threads = 0;
   p.kv_type = DFL_TYPE_F16;
+  p.device = DFL_DEVICE_CPU;
   return p;
+}
+
+static dfl::ContextParams to_context_params(const dfl_context_params& d) {
+  if (d.device != DFL_DEVICE_CPU && d.device != DFL_DEVICE_CUDA)
+    dfl::fail("unknown device %d (DFL_DEVICE_CPU = 0, DFL_DEVICE_CUDA = 1)", d.device);
+  dfl::ContextParams cp;
+  cp.n_ctx = d.n_ctx;
+  cp.n_batch = d.n_batch;
+  cp.n_threads = d.n_threads;
+  cp.kv_type = (dfl::DType)d.kv_type;
+  cp.device = d.device == DFL_DEVICE_CUDA ? dfl::Device::CUDA : dfl::Device::CPU;
+  return cp;
+}
+
+int dfl_context_memory_plan(const dfl_model* m, const dfl_context_params* p, int32_t max_nodes, dfl_memory_plan* out) {
+  return guard([&] {
+    need(m, "model");
+    need(out, "out");
+    if (max_nodes < 0) dfl::fail("max_nodes must be >= 0 (got %d)", max_nodes);
+    const dfl::ContextParams cp = to_context_params(p ? *p : dfl_context_default_params());
+    const dfl::MemoryPlan mp = dfl::memory_plan(*m->m, cp, max_nodes);
+    out->weights = mp.weights;
+    out->kv = mp.kv;
+    out->recurrent = mp.recurrent;
+    out->tree_state = mp.tree_state;
+    out->workspace = mp.workspace;
+    out->total = mp.total();
+  });
 }
 
 dfl_context* dfl_context_new(dfl_model* m, const dfl_context_params* p) {
   dfl_context* out = nullptr;
   guard([&] {
     need(m, "model");
-    dfl_context_params d = p ? *p : dfl_context_default_params();
-    dfl::ContextParams cp;
-    cp.n_ctx = d.n_ctx;
-    cp.n_batch = d.n_batch;
-    cp.n_threads = d.n_threads;
-    cp.kv_type = (dfl::DType)d.kv_type;
+    const dfl::ContextParams cp = to_context_params(p ? *p : dfl_context_default_params());
     auto c = std::make_unique<dfl_context>();
     c->ctx = std::make_unique<dfl::Context>(*m->m, cp);
     c->gen = std::make_unique<dfl::Generator>(*c->ctx);
@@ -143,6 +167,12 @@ dfl_context* dfl_context_new(dfl_model* m, const dfl_context_params* p) {
 }
 
 void dfl_context_free(dfl_context* c) { delete c; }
+
+const char* dfl_context_backend(const dfl_context* c) {
+  if (!c) return nullptr;
+  if (c->backend_name.empty()) c->backend_name = c->ctx->backend_name();
+  return c->backend_name.c_str();
+}
 
 int dfl_context_reset(dfl_context* c) {
   return guard([&] {

@@ -2,6 +2,7 @@
 // units of the C ABI (api.cpp, draft_api.cpp).
 #pragma once
 #include <memory>
+#include <string>
 
 #include "model/context.h"
 #include "model/dflash_draft.h"
@@ -21,6 +22,7 @@ struct dfl_context {
   std::unique_ptr<dfl::Context> ctx;
   std::unique_ptr<dfl::Generator> gen;
   std::unique_ptr<dfl::Drafter> drafter;  // attached drafter runtime (on ctx's threads)
+  mutable std::string backend_name;        // dfl_context_backend's string
 };
 
 struct dfl_drafter {

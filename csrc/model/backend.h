@@ -111,6 +111,9 @@ struct MemoryPlan {
   uint64_t total() const { return weights + kv + recurrent + tree_state + workspace; }
 };
 struct ContextParams;
+// Verify nodes the plan reserves tree state for (DDTree's default budget 22 +
+// root, with room): larger trees allocate more when they first run.
+constexpr int kPlanVerifyNodes = 32;
 MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes);
 
 // Uploads the model's weights once per Model (shared by its CUDA contexts)

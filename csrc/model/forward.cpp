@@ -106,7 +106,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   impl_ = std::make_unique<Impl>(p.n_threads > 0 ? p.n_threads : default_threads());
   Impl& I = *impl_;
   if (p.device == Device::CUDA) {
-    I.be = make_cuda_backend(model, p.kv_type, memory_plan(model, p, p.n_batch));
+    I.be = make_cuda_backend(model, p.kv_type, memory_plan(model, p, kPlanVerifyNodes));
   } else {
     I.be = make_cpu_backend(model, p.kv_type, I.pool);
   }

@@ -2,22 +2,19 @@
 // without a GPU (CI) still checks the kernel source: every format's task
 // decoders (bit-exact against csrc/quant's reference dequantizers, rows at
 // every 2-byte misalignment), then the matvec and tiled kernels themselves
-// (one std::thread per CUDA thread; see shim/cuda_runtime.h) against an f64
+// (CUDA threads as fibers; see shim/cuda_runtime.h) against an f64
 // reference, with batch invariance for n <= 8.
 //
-// tests/test_cuda_ops.py builds and runs it: g++ -std=c++20 -pthread with
-// -I <dir holding matmul_kernels.cuh minus its `extern __shared__` line>
+// tests/test_cuda_ops.py builds and runs it: g++ -std=c++20 -DDFL_EMU
 // -I cuda/emu/shim -I cuda -I csrc -I include, plus csrc/quant/quant.cpp.
 // Prints one line per case and "ALL OK" (exit 0) or "FAIL" (exit 1).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "cuda_runtime.h"
-namespace dfl { namespace cuda { namespace kern { alignas(16) float4 smem_f4[1 << 14]; } } }
 #include "matmul_kernels.cuh"
 #include "quant/quant.h"
 
@@ -30,26 +27,8 @@ namespace {
 std::mt19937 rng(7);
 
 template <class K>
-void emu_launch(dim3 grid, int threads, K kernel) {
-  for (unsigned by = 0; by < grid.y; ++by)
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-      std::barrier<> bar(threads);
-      EmuCta cta;
-      cta.bar = &bar;
-      std::vector<std::unique_ptr<std::barrier<>>> wb;
-      for (int w = 0; w < threads / 32; ++w) {
-        wb.push_back(std::make_unique<std::barrier<>>(32));
-        cta.warp_bar[w] = wb.back().get();
-      }
-      std::vector<std::thread> th;
-      for (int t = 0; t < threads; ++t)
-        th.emplace_back([&, t] {
-          threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; blockDim.x = threads; gridDim = grid;
-          emu_cta = &cta;
-          kernel();
-        });
-      for (auto& x : th) x.join();
-    }
+void emu_launch(dim3 grid, int threads, size_t smem, K kernel) {
+  emu::launch(grid, dim3((unsigned)threads), smem, kernel);
 }
 
 template <class F, int NT>
@@ -58,14 +37,13 @@ void matvec(const uint8_t* w, int64_t rows, int64_t cols, int64_t rb, const floa
   if constexpr (C::gx) {
     dim3 g;
     g.x = (unsigned)matvec_gx_ctas(rows, C::RW);
-    emu_launch(g, kWarps * 32, [&] { matvec_gx_kernel<F, NT, C::RW, C::U, C::MINB>(w, rows, cols, rb, x, n, y); });
+    emu_launch(g, kWarps * 32, 0, [&] { matvec_gx_kernel<F, NT, C::RW, C::U, C::MINB>(w, rows, cols, rb, x, n, y); });
     return;
   }
   const int chunk = Layout<F>::chunk_cols(NT, cols);
-  if (Layout<F>::smem_bytes(NT, chunk) > sizeof(smem_f4)) std::abort();
   dim3 g;
   g.x = (unsigned)matvec_ctas(rows);
-  emu_launch(g, kWarps * 32, [&] { matvec_kernel<F, NT, kRowsPerWarp>(w, rows, cols, rb, x, n, y, chunk); });
+  emu_launch(g, kWarps * 32, Layout<F>::smem_bytes(NT, chunk), [&] { matvec_kernel<F, NT, kRowsPerWarp>(w, rows, cols, rb, x, n, y, chunk); });
 }
 
 // The same choice of kernel as matmul.cu's launch().
@@ -83,7 +61,7 @@ void emu_matmul(const uint8_t* w, int64_t rows, int64_t cols, const float* x, in
   dim3 g;
   g.x = (unsigned)((rows + kTileM - 1) / kTileM);
   g.y = (unsigned)((n + kTileN - 1) / kTileN);
-  emu_launch(g, 256, [&] { tiled_kernel<F>(w, rows, cols, rb, x, n, y); });
+  emu_launch(g, 256, 0, [&] { tiled_kernel<F>(w, rows, cols, rb, x, n, y); });
 }
 
 // Random blocks with finite scales (|d| <= 0.05) or finite float values,

@@ -14,7 +14,7 @@ import click
 
 from . import __version__
 from ._lib import DFlashError, load
-from .decoder import DEVICES, KV_TYPES, MODES, Decoder, bundled_pair
+from .decoder import DEVICES, KV_TYPES, MODES, Decoder, bundled_pair, format_memory_plan, resolve_device
 
 
 def _version_line() -> str:
@@ -41,6 +41,14 @@ def _loading(what: str):
     from rich.console import Console
     with Console(stderr=True).status(f"{what}…", spinner="dots"):
         yield
+
+
+def _plan_printer(device: str):
+    """Prints the device memory plan before a CUDA context uploads anything (stderr)."""
+    def show(plan: dict) -> None:
+        if resolve_device(device) == "cuda":
+            click.echo(format_memory_plan(plan, "cuda"), err=True)
+    return show
 
 
 class _prefill_bar:
@@ -134,7 +142,7 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
         else:
             with _loading("loading models"):
                 dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
-                              feature_ring=feature_ring)
+                              feature_ring=feature_ring, on_memory_plan=_plan_printer(device))
         with dec:
             kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
                       chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -276,7 +284,7 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
     try:
         with _loading("loading models"):
             dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
-                          feature_ring=feature_ring)
+                          feature_ring=feature_ring, on_memory_plan=_plan_printer(device))
         from pathlib import Path
         name = model_name or Path(dec.target).stem
         d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True))
@@ -362,7 +370,8 @@ def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets,
         if target is None and bundled_pair() is None:
             _fail("no target model given: pass -m/--target")
         with _loading("loading models"):
-            dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads)
+            dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
+                          on_memory_plan=_plan_printer(device))
         with dec:
             plan = B.run_plan([m.strip() for m in modes.split(",") if m.strip()], _int_list(budgets, "--budgets"),
                               dec.draft is not None)

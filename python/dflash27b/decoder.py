@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -86,23 +86,47 @@ def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -
         raise DFlashError(f"min_p must be in [0, 1] (got {min_p!r})")
 
 
+def cuda_build() -> str:
+    """What the core was built with for CUDA: "not built", "emulator" (tests only) or "sm_86,..."."""
+    ffi, lib = load()
+    return ffi.string(lib.dfl_build_info()).decode().split("cuda: ", 1)[-1]
+
+
 def cuda_available() -> bool:
     """True when the core was built with CUDA (devices are checked by the backend itself)."""
-    ffi, lib = load()
-    return "cuda: not built" not in ffi.string(lib.dfl_build_info()).decode()
+    return cuda_build() != "not built"
+
+
+def cuda_device_count() -> int:
+    _, lib = load()
+    return int(lib.dfl_cuda_device_count())
 
 
 def resolve_device(device: str) -> str:
+    """"auto" is the GPU when this build has the CUDA backend and a device is present, else the CPU;
+    "cuda" never falls back: a user who asks for the GPU must know when they are not on it."""
     if device not in DEVICES:
         raise DFlashError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+    build = cuda_build()
     if device == "cuda":
-        # Never fall back silently: a user who asks for the GPU must know they are not on it.
-        if not cuda_available():
+        if build == "not built":
             raise DFlashError("device 'cuda' requested but this build of dflash27b has no CUDA backend "
                               "(dflash27b --version shows what was built); use device='cpu'")
-        raise DFlashError("device 'cuda' requested but the CUDA forward is not implemented yet in this version "
-                          "(only CUDA kernels are built); use device='cpu'")
+        if cuda_device_count() <= 0:
+            raise DFlashError("device 'cuda' requested but no CUDA device is usable (no GPU or no driver); "
+                              "use device='cpu'")
+        return "cuda"
+    if device == "auto" and build not in ("not built", "emulator") and cuda_device_count() > 0:
+        return "cuda"
     return "cpu"
+
+
+def format_memory_plan(plan: dict, device: str) -> str:
+    """One line per part, as printed before a CUDA context uploads anything."""
+    mib = lambda b: f"{b / 2**20:9.1f} MiB"  # noqa: E731
+    rows = [("weights", "weights"), ("KV cache", "kv"), ("recurrent state", "recurrent"),
+            ("tree state", "tree_state"), ("workspace", "workspace"), ("total", "total")]
+    return "\n".join([f"memory plan ({device}):"] + [f"  {name:<16}{mib(plan[k])}" for name, k in rows])
 
 
 class Decoder:
@@ -115,7 +139,7 @@ class Decoder:
     def __init__(self, target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
                  device: str = "auto",
                  kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
-                 feature_ring: int = 4096):
+                 feature_ring: int = 4096, on_memory_plan: Callable[[dict], None] | None = None):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
         if ctx <= 0:
@@ -134,7 +158,18 @@ class Decoder:
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
-        self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type])
+        dev_id = 1 if self.device == "cuda" else 0
+        # What the context will hold on its device (tree state for 32 verify nodes, as the core plans),
+        # computed from the mapped file before anything is uploaded.
+        self.memory_plan = _handles.memory_plan(self._model, ctx, batch, TYPE_IDS[kv_type], dev_id, 32)
+        if on_memory_plan is not None:
+            on_memory_plan(dict(self.memory_plan))
+        try:
+            self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id)
+        except DFlashError:
+            self._model.close()
+            raise
+        self.backend = self._ctx.backend
         self._draft = None
         self.draft = None if draft is None else str(draft)
         try:

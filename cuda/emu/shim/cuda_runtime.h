@@ -1,12 +1,23 @@
-// CPU emulation shim: lets g++ compile cuda/formats.cuh and cuda/matmul_kernels.cuh
-// as host code (see ../emu_matmul.cpp).  Each CUDA thread of a CTA becomes a
-// std::thread; CTAs run one after another, so `__shared__` variables become
-// function statics.  Only what those two headers use is here.
+// CPU emulation shim: lets g++ compile the CUDA backend's source (kernels and
+// host code) as plain C++ (-DDFL_EMU), so a machine without a GPU runs it.
+//
+// A launch runs its CTAs one after another on the calling thread.  Each CUDA
+// thread of a CTA is a fiber with its own stack; `__syncthreads`
+// and the warp shuffles are barriers that switch to the next fiber until all
+// live threads of the CTA (or warp) have arrived, so the kernels' barrier
+// and shuffle logic runs exactly as written.  `__shared__` variables become
+// function statics (one CTA runs at a time).  "Device memory" is host memory;
+// streams and events are no-ops because every launch completes before it
+// returns.  Only what the backend uses is here.
 #pragma once
-#include <barrier>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <vector>
 
 #define __device__
 #define __host__
@@ -15,12 +26,18 @@
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
+#define __restrict__ __restrict
 
 struct uint4 { uint32_t x, y, z, w; };
 struct float4 { float x, y, z, w; };
-struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+using std::max;
+using std::min;
 
 // Vector loads trap on misalignment, as the GPU would fault.
 inline uint4 __ldg(const uint4* p) {
@@ -62,26 +79,202 @@ inline uint32_t __float_as_uint(float f) {
   return u;
 }
 
+// ---- threads as fibers ----
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace emu {
+
+struct Barrier {
+  int arrived = 0;
+  unsigned gen = 0;
+};
+// A fiber's saved stack pointer.  On x86-64 the switch is a dozen
+// instructions (callee-saved registers, MXCSR and the x87 control word);
+// ucontext's swapcontext would make a signal-mask syscall per switch.
+struct Fiber {
+  void* sp = nullptr;
+  bool done = false;
+};
+
+#if defined(__x86_64__)
+__attribute__((naked, noinline)) inline void switch_stack(void** /*save_sp*/, void* /*to_sp*/) {
+  asm volatile(
+      "pushq %rbp\n\t"
+      "pushq %rbx\n\t"
+      "pushq %r12\n\t"
+      "pushq %r13\n\t"
+      "pushq %r14\n\t"
+      "pushq %r15\n\t"
+      "subq $8, %rsp\n\t"
+      "stmxcsr (%rsp)\n\t"
+      "fnstcw 4(%rsp)\n\t"
+      "movq %rsp, (%rdi)\n\t"
+      "movq %rsi, %rsp\n\t"
+      "ldmxcsr (%rsp)\n\t"
+      "fldcw 4(%rsp)\n\t"
+      "addq $8, %rsp\n\t"
+      "popq %r15\n\t"
+      "popq %r14\n\t"
+      "popq %r13\n\t"
+      "popq %r12\n\t"
+      "popq %rbx\n\t"
+      "popq %rbp\n\t"
+      "ret\n\t");
+}
+// A fresh stack whose first switch_stack "returns" into entry().
+inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
+  uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
+  uint64_t* p = reinterpret_cast<uint64_t*>(top);
+  *--p = 0;                                 // entry's (never used) return address: rsp % 16 == 8 at entry
+  *--p = reinterpret_cast<uint64_t>(entry);
+  for (int i = 0; i < 6; ++i) *--p = 0;     // rbp rbx r12 r13 r14 r15
+  uint32_t csr[2];
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(csr[0]), "=m"(csr[1]));
+  *--p = (uint64_t)csr[0] | (uint64_t)(csr[1] & 0xffff) << 32;
+  return p;
+}
+#else
+#error "the CUDA emulator's fibers are written for x86-64"
+#endif
+
+struct Cta {
+  std::vector<Fiber> fibers;
+  int cur = 0, live = 0;
+  std::vector<int> warp_live;
+  Barrier bar;
+  std::vector<Barrier> warp_bar;
+  float slot[32][32];
+  void* sched_sp = nullptr;
+  const std::function<void()>* body = nullptr;
+};
+inline Cta* cta = nullptr;
+constexpr size_t kStack = 256 << 10;
+
+inline void* dynamic_smem() {
+  alignas(16) static unsigned char buf[160 << 10];
+  return buf;
+}
+
+inline void yield() { switch_stack(&cta->fibers[cta->cur].sp, cta->sched_sp); }
+
+// Arrive and wait until `expected` live threads have arrived.
+inline void barrier_wait(Barrier& b, const int* live) {
+  const unsigned g = b.gen;
+  if (++b.arrived >= *live) {
+    b.arrived = 0;
+    ++b.gen;
+    return;
+  }
+  while (b.gen == g) yield();
+}
+
+inline void fiber_entry() {
+  (*cta->body)();
+  Cta& c = *cta;
+  c.fibers[c.cur].done = true;
+  --c.live;
+  const int w = c.cur >> 5;
+  --c.warp_live[w];
+  // Threads that exit count as arrived, as on the GPU.
+  if (c.bar.arrived > 0 && c.bar.arrived >= c.live) { c.bar.arrived = 0; ++c.bar.gen; }
+  if (c.warp_bar[w].arrived > 0 && c.warp_bar[w].arrived >= c.warp_live[w]) { c.warp_bar[w].arrived = 0; ++c.warp_bar[w].gen; }
+  void* dead = nullptr;
+  switch_stack(&dead, c.sched_sp);  // never resumed
+  std::abort();
+}
+
+inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
+  if (smem > (160u << 10)) { std::fprintf(stderr, "emu: %zu bytes of dynamic shared memory\n", smem); std::abort(); }
+  const int nt = (int)(block.x * block.y * block.z);
+  static std::vector<char*> stacks;
+  while ((int)stacks.size() < nt) stacks.push_back(static_cast<char*>(std::malloc(kStack)));
+  Cta c;
+  cta = &c;
+  c.body = &body;
+  gridDim = grid;
+  blockDim = block;
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        blockIdx = dim3(bx, by, bz);
+        c.fibers.assign(nt, Fiber{});
+        c.live = nt;
+        c.warp_live.assign((nt + 31) / 32, 0);
+        for (int i = 0; i < nt; ++i) ++c.warp_live[i >> 5];
+        c.bar = Barrier{};
+        c.warp_bar.assign(c.warp_live.size(), Barrier{});
+        for (int i = 0; i < nt; ++i) c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
+        while (c.live > 0)
+          for (int i = 0; i < nt; ++i) {
+            if (c.fibers[i].done) continue;
+            c.cur = i;
+            threadIdx = dim3((unsigned)i % block.x, ((unsigned)i / block.x) % block.y, (unsigned)i / (block.x * block.y));
+            switch_stack(&c.sched_sp, c.fibers[i].sp);
+          }
+      }
+  cta = nullptr;
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::barrier_wait(emu::cta->bar, &emu::cta->live); }
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int o) {
+  emu::Cta& c = *emu::cta;
+  const int lane = c.cur & 31, w = c.cur >> 5;
+  float f;
+  std::memcpy(&f, &v, sizeof(float));
+  c.slot[w % 32][lane] = f;
+  emu::barrier_wait(c.warp_bar[w], &c.warp_live[w]);
+  const float r = c.slot[w % 32][lane ^ o];
+  emu::barrier_wait(c.warp_bar[w], &c.warp_live[w]);
+  T out;
+  std::memcpy(&out, &r, sizeof(float));
+  return out;
+}
+
+// ---- runtime API ----
 typedef int cudaError_t;
 typedef void* cudaStream_t;
+typedef void* cudaEvent_t;
+enum cudaMemcpyKind { cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
 #define cudaSuccess 0
+#define cudaStreamNonBlocking 1
+struct cudaDeviceProp { char name[256]; };
 inline const char* cudaGetErrorName(int) { return "emulated"; }
 inline const char* cudaGetErrorString(int) { return "emulated"; }
-
-// ---- threads, barriers, shuffles ----
-inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
-struct EmuCta {
-  std::barrier<>* bar;
-  std::barrier<>* warp_bar[32];
-  float slot[32][32];
-};
-inline thread_local EmuCta* emu_cta = nullptr;
-inline void __syncthreads() { emu_cta->bar->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  emu_cta->slot[w][lane] = v;
-  emu_cta->warp_bar[w]->arrive_and_wait();
-  const float r = emu_cta->slot[w][lane ^ o];
-  emu_cta->warp_bar[w]->arrive_and_wait();
-  return r;
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
+inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
+  std::snprintf(p->name, sizeof p->name, "CPU emulator");
+  return cudaSuccess;
 }
+inline cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
+  *free_b = (size_t)8 << 30;
+  *total_b = (size_t)8 << 30;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMalloc(void** p, size_t n) {
+  *p = std::aligned_alloc(256, (n + 255) / 256 * 256);
+  if (*p) std::memset(*p, 0xff, n);  // fresh device memory is not zero: poison it
+  return *p ? cudaSuccess : 2;
+}
+template <class T>
+inline cudaError_t cudaMalloc(T** p, size_t n) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
+inline cudaError_t cudaFree(void* p) { std::free(p); return cudaSuccess; }
+inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) { std::memmove(d, s, n); return cudaSuccess; }
+inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t = nullptr) {
+  std::memmove(d, s, n);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t = nullptr) { std::memset(d, v, n); return cudaSuccess; }
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { *s = nullptr; return cudaSuccess; }
+inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) { *e = nullptr; return cudaSuccess; }
+inline cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = nullptr) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) { *ms = 0.f; return cudaSuccess; }

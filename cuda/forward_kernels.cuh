@@ -1,0 +1,458 @@
+// forward_kernels.cuh — the CUDA twins of csrc/ops/cpu_backend.cpp's ops
+// (every op but matmul, which is matmul_kernels.cuh).
+//
+// Each kernel computes a token's values from that token's inputs alone, in a
+// fixed order (a CTA reduces one row, one head or one channel), so results do
+// not depend on the batch.  They agree with the CPU within f32 rounding: the
+// CPU sums some norms in double and quantises activations for K-quant matmuls;
+// tests state the tolerances.  Written against the small set of intrinsics the
+// CPU emulator (cuda/emu) provides, so CI runs this source too.
+#pragma once
+#include "common.cuh"
+#include "formats.cuh"
+
+namespace dfl {
+namespace cuda {
+namespace fwd {
+
+constexpr int kMaxBlock = 1024;
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// Sum of v over the CTA (blockDim.x a multiple of 32, <= 1024); every thread
+// gets the total.  `red` is 32 floats of shared memory; the summation order
+// is fixed by the CTA shape alone.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();  // `red` may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < nw; ++w) t += red[w];
+  return t;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = red[0];
+  for (int w = 1; w < nw; ++w) t = fmaxf(t, red[w]);
+  return t;
+}
+
+// ---------------------------------------------------------------- embed
+// x[t] = row tokens[t] of the table; one CTA per token, 8 values per thread step.
+template <class F>
+__global__ void embed_kernel(const uint8_t* __restrict__ table, int64_t row_bytes, int64_t cols,
+                             const int32_t* __restrict__ tokens, float* __restrict__ x) {
+  const int t = blockIdx.x;
+  const uint8_t* row = table + (int64_t)tokens[t] * row_bytes;
+  float* xt = x + (int64_t)t * cols;
+  for (int64_t k = (int64_t)threadIdx.x * 8; k < cols; k += (int64_t)blockDim.x * 8) {
+    float v[8];
+    deq8<F>(row, k, v);
+    for (int i = 0; i < 8; ++i) xt[k + i] = v[i];
+  }
+}
+
+// ---------------------------------------------------------------- rmsnorm
+// One CTA per row (in place allowed: each thread rewrites only what it read).
+__global__ void rmsnorm_kernel(const float* x, const float* __restrict__ w, int dim, float eps, float* y) {
+  __shared__ float red[32];
+  const float* xr = x + (int64_t)blockIdx.x * dim;
+  float* yr = y + (int64_t)blockIdx.x * dim;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  const float scale = 1.f / sqrtf(ss / (float)dim + eps);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
+}
+
+// ---------------------------------------------------------------- elementwise
+__global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    x[i] += y[i];
+}
+__global__ void swiglu_kernel(float* g, const float* __restrict__ u, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    g[i] = silu_f(g[i]) * u[i];
+}
+
+// ---------------------------------------------------------------- KV rows
+// Conversions as csrc/quant/quant.cpp::quantize_row (round to nearest even
+// for f16/bf16, ggml's reference rounding for Q8_0/Q4_0).
+__device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ void store_u16(uint8_t* p, uint32_t h) {
+  p[0] = (uint8_t)h;
+  p[1] = (uint8_t)(h >> 8);
+}
+
+// Writes values v[0..len) (len a multiple of 32 for the block formats) as a
+// row of `kvt` at dst; the CTA's threads split the work, reading v from shared memory.
+__device__ void store_kv(DType kvt, const float* v, int len, uint8_t* dst) {
+  switch (kvt) {
+    case DType::F32:
+      for (int i = threadIdx.x; i < len; i += blockDim.x) reinterpret_cast<float*>(dst)[i] = v[i];
+      return;
+    case DType::F16:
+      for (int i = threadIdx.x; i < len; i += blockDim.x) store_u16(dst + 2 * i, f32_to_f16_bits(v[i]));
+      return;
+    case DType::BF16:
+      for (int i = threadIdx.x; i < len; i += blockDim.x) store_u16(dst + 2 * i, f32_to_bf16_bits(v[i]));
+      return;
+    case DType::Q8_0:
+      for (int b = threadIdx.x; b < len / 32; b += blockDim.x) {
+        const float* x = v + 32 * b;
+        uint8_t* o = dst + (int64_t)b * sizeof(block_q8_0);
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        store_u16(o + kQ8_0_d, f32_to_f16_bits(d));
+        for (int j = 0; j < 32; ++j) o[kQ8_0_qs + j] = (uint8_t)(int8_t)rintf(x[j] * id);
+      }
+      return;
+    case DType::Q4_0:
+      for (int b = threadIdx.x; b < len / 32; b += blockDim.x) {
+        const float* x = v + 32 * b;
+        uint8_t* o = dst + (int64_t)b * sizeof(block_q4_0);
+        float amax = 0.f, vmax = 0.f;
+        for (int j = 0; j < 32; ++j)
+          if (fabsf(x[j]) > amax) { amax = fabsf(x[j]); vmax = x[j]; }
+        const float d = vmax / -8.f, id = d != 0.f ? 1.f / d : 0.f;
+        store_u16(o + kQ4_0_d, f32_to_f16_bits(d));
+        for (int j = 0; j < 16; ++j) {
+          int q0 = (int)(x[j] * id + 8.5f), q1 = (int)(x[j + 16] * id + 8.5f);
+          q0 = q0 < 0 ? 0 : (q0 > 15 ? 15 : q0);
+          q1 = q1 < 0 ? 0 : (q1 > 15 ? 15 : q1);
+          o[kQ4_0_qs + j] = (uint8_t)(q0 | (q1 << 4));
+        }
+      }
+      return;
+    default: return;  // rejected on the host
+  }
+}
+
+// Element i of a KV head row of type kvt (i < head_dim).
+__device__ __forceinline__ float kv_elem(DType kvt, const uint8_t* row, int i) {
+  switch (kvt) {
+    case DType::F32: return reinterpret_cast<const float*>(row)[i];
+    case DType::F16: return f16_bits_to_f32((uint32_t)row[2 * i] | (uint32_t)row[2 * i + 1] << 8);
+    case DType::BF16: return bf16_bits_to_f32((uint32_t)row[2 * i] | (uint32_t)row[2 * i + 1] << 8);
+    case DType::Q8_0: {
+      const uint8_t* b = row + (i / 32) * sizeof(block_q8_0);
+      return f16_bits_to_f32((uint32_t)b[0] | (uint32_t)b[1] << 8) * (float)(int8_t)b[kQ8_0_qs + (i & 31)];
+    }
+    case DType::Q4_0: {
+      const uint8_t* b = row + (i / 32) * sizeof(block_q4_0);
+      const int j = i & 31;
+      const uint32_t q = b[kQ4_0_qs + (j & 15)];
+      return f16_bits_to_f32((uint32_t)b[0] | (uint32_t)b[1] << 8) * (float)((int)(j < 16 ? (q & 15u) : (q >> 4)) - 8);
+    }
+    default: return 0.f;
+  }
+}
+
+// ---------------------------------------------------------------- attention: store
+// grid (n, n_head + 2 * n_head_kv), blockDim = head_dim rounded up to 32.
+// y = 0..n_head-1: q heads (RMSNorm, RoPE, in place in qg); then k heads
+// (RMSNorm, RoPE, in place, and written to the cache); then v heads (cache).
+struct StoreArgs {
+  float* qg;
+  float* kk;
+  const float* vv;
+  uint8_t* k_cache;
+  uint8_t* v_cache;
+  const float* q_norm;
+  const float* k_norm;
+  const int32_t* pos;
+  int slot0, n_head, n_head_kv, head_dim, n_rot;
+  int64_t kv_row, head_bytes;
+  float eps, rope_base;
+  DType kvt;
+};
+
+__global__ void attn_store_kernel(StoreArgs a) {
+  __shared__ float red[32];
+  __shared__ float h[1024];
+  const int t = blockIdx.x, y = blockIdx.y, hd = a.head_dim;
+  const int kind = y < a.n_head ? 0 : (y < a.n_head + a.n_head_kv ? 1 : 2);
+  float* src;
+  const float* norm;
+  int kvh = 0;
+  if (kind == 0) {
+    src = a.qg + ((int64_t)t * a.n_head + y) * 2 * hd;
+    norm = a.q_norm;
+  } else if (kind == 1) {
+    kvh = y - a.n_head;
+    src = a.kk + ((int64_t)t * a.n_head_kv + kvh) * hd;
+    norm = a.k_norm;
+  } else {
+    kvh = y - a.n_head - a.n_head_kv;
+    src = const_cast<float*>(a.vv) + ((int64_t)t * a.n_head_kv + kvh) * hd;
+    norm = nullptr;
+  }
+  const int i = threadIdx.x;
+  if (i < hd) h[i] = src[i];
+  __syncthreads();
+  if (kind < 2) {
+    float ss = block_sum(i < hd ? h[i] * h[i] : 0.f, red);
+    const float scale = 1.f / sqrtf(ss / (float)hd + a.eps);
+    float v = i < hd ? h[i] * scale * norm[i] : 0.f;
+    __syncthreads();
+    if (i < hd) h[i] = v;
+    __syncthreads();
+    // NeoX RoPE on the first n_rot dims: pairs (p, p + n_rot/2); angles in double as the CPU does.
+    const int half = a.n_rot / 2;
+    float r = i < hd ? h[i] : 0.f;
+    if (i < a.n_rot) {
+      const int p = i < half ? i : i - half;
+      const double theta = (double)a.pos[t] * pow((double)a.rope_base, -2.0 * p / a.n_rot);
+      const float c = (float)cos(theta), s = (float)sin(theta);
+      const float x0 = h[p], x1 = h[p + half];
+      r = i < half ? x0 * c - x1 * s : x0 * s + x1 * c;
+    }
+    __syncthreads();
+    if (i < hd) {
+      h[i] = r;
+      src[i] = r;
+    }
+    __syncthreads();
+  }
+  if (kind == 0) return;
+  uint8_t* cache = kind == 1 ? a.k_cache : a.v_cache;
+  store_kv(a.kvt, h, hd, cache + (int64_t)(a.slot0 + t) * a.kv_row + (int64_t)kvh * a.head_bytes);
+}
+
+// ---------------------------------------------------------------- attention
+// grid (n, n_head), 128 threads.  The token's visible slots (a prefix, then
+// listed extra slots) are walked in tiles of kTile: scores of a tile go to
+// shared memory (a warp per slot, lanes over head dims), then the running
+// max / sum / output accumulate as in flash attention.  Each thread owns
+// output dims d = tid, tid + 128, ...
+struct AttnArgs {
+  const float* qg;
+  const uint8_t* k_cache;
+  const uint8_t* v_cache;
+  float* o;
+  const int32_t* n_prefix;
+  const int32_t* extra_begin;
+  const int32_t* extra_count;
+  const int32_t* extra_slots;
+  int n_head, n_head_kv, head_dim;
+  int64_t kv_row, head_bytes;
+  float scale;
+  DType kvt;
+};
+constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512;
+
+__global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnArgs a) {
+  __shared__ float red[32];
+  __shared__ float q[kMaxHeadDim];
+  __shared__ float sc[kTile];
+  __shared__ int32_t slot_of[kTile];
+  const int t = blockIdx.x, j = blockIdx.y, hd = a.head_dim;
+  const int m = j / (a.n_head / a.n_head_kv);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* qh = a.qg + ((int64_t)t * a.n_head + j) * 2 * hd;
+  for (int d = tid; d < hd; d += kAttnThreads) q[d] = qh[d];
+  const int n_prefix = a.n_prefix[t];
+  const int n_vis = n_prefix + a.extra_count[t];
+  const int32_t* extra = a.extra_slots + a.extra_begin[t];
+  constexpr int kDims = kMaxHeadDim / kAttnThreads;
+  float acc[kDims];
+#pragma unroll
+  for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
+  float run_max = -INFINITY, run_sum = 0.f;
+  __syncthreads();
+  for (int s0 = 0; s0 < n_vis; s0 += kTile) {
+    const int nt = min(kTile, n_vis - s0);
+    for (int s = tid; s < nt; s += kAttnThreads) slot_of[s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
+    __syncthreads();
+    for (int s = warp; s < nt; s += kAttnThreads / 32) {
+      const uint8_t* kr = a.k_cache + (int64_t)slot_of[s] * a.kv_row + (int64_t)m * a.head_bytes;
+      float d = 0.f;
+      for (int i = lane; i < hd; i += 32) d += kv_elem(a.kvt, kr, i) * q[i];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      if (lane == 0) sc[s] = d * a.scale;
+    }
+    __syncthreads();
+    float tmax = -INFINITY;
+    for (int s = tid; s < nt; s += kAttnThreads) tmax = fmaxf(tmax, sc[s]);
+    tmax = block_max(tmax, red);
+    const float new_max = fmaxf(run_max, tmax);
+    const float corr = expf(run_max - new_max);  // 0 on the first tile (run_max = -inf)
+    float psum = 0.f;
+    for (int s = tid; s < nt; s += kAttnThreads) {
+      const float p = expf(sc[s] - new_max);
+      sc[s] = p;
+      psum += p;
+    }
+    psum = block_sum(psum, red);  // its barriers also publish the sc[] writes
+    run_sum = run_sum * corr + psum;
+    run_max = new_max;
+#pragma unroll
+    for (int e = 0; e < kDims; ++e) {
+      const int d = tid + e * kAttnThreads;
+      if (d >= hd) break;
+      float v = acc[e] * corr;
+      for (int s = 0; s < nt; ++s)
+        v += sc[s] * kv_elem(a.kvt, a.v_cache + (int64_t)slot_of[s] * a.kv_row + (int64_t)m * a.head_bytes, d);
+      acc[e] = v;
+    }
+    __syncthreads();  // sc / slot_of are rewritten by the next tile
+  }
+  float* ot = a.o + ((int64_t)t * a.n_head + j) * hd;
+  const float inv = 1.f / run_sum;
+#pragma unroll
+  for (int e = 0; e < kDims; ++e) {
+    const int d = tid + e * kAttnThreads;
+    if (d >= hd) break;
+    ot[d] = acc[e] * inv * sigmoid_f(qh[hd + d]);
+  }
+}
+
+// ---------------------------------------------------------------- delta-net: conv
+// One thread per channel walks the chunk's tokens in order.  Token t starts
+// from its parent's window: the running one when the parent is t-1, the
+// committed window for -1, else node_conv[parent] (written earlier by this
+// same thread).  Verify keeps every token's window in node_conv; a commit
+// writes the last window back to conv.
+struct ConvArgs {
+  float* mm;             // [n][C]: inputs, overwritten with silu(conv)
+  const float* w;        // [C][K]
+  float* conv;           // [(K-1)][C] committed
+  float* node_conv;      // [n][(K-1)][C] or null (commit)
+  const int32_t* parent;
+  int n, C, K;
+};
+constexpr int kMaxConvK = 8;
+
+__global__ void conv_kernel(ConvArgs a) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= a.C) return;
+  const int K = a.K;
+  const int64_t cs = (int64_t)(K - 1) * a.C;
+  float win[kMaxConvK], wc[kMaxConvK];
+  for (int k = 0; k < K; ++k) wc[k] = a.w[(int64_t)ch * K + k];
+  for (int k = 0; k < K - 1; ++k) win[k] = a.conv[(int64_t)k * a.C + ch];
+  for (int t = 0; t < a.n; ++t) {
+    const int par = a.parent[t];
+    if (par != t - 1) {  // (commit chunks are chains: never taken)
+      const float* src = par < 0 ? a.conv : a.node_conv + par * cs;
+      for (int k = 0; k < K - 1; ++k) win[k] = src[(int64_t)k * a.C + ch];
+    }
+    float* mt = a.mm + (int64_t)t * a.C;
+    const float xin = mt[ch];
+    float acc = 0.f;
+    for (int k = 0; k < K - 1; ++k) acc += wc[k] * win[k];
+    acc += wc[K - 1] * xin;
+    for (int k = 0; k < K - 2; ++k) win[k] = win[k + 1];
+    win[K - 2] = xin;
+    mt[ch] = silu_f(acc);
+    if (a.node_conv)
+      for (int k = 0; k < K - 1; ++k) a.node_conv[t * cs + (int64_t)k * a.C + ch] = win[k];
+  }
+  if (!a.node_conv)
+    for (int k = 0; k < K - 1; ++k) a.conv[(int64_t)k * a.C + ch] = win[k];
+}
+
+// ---------------------------------------------------------------- delta-net: rule
+// grid nv (value heads), blockDim = dv.  Thread j keeps column j of the head's
+// state S (dk x dv) in registers and walks the chunk's tokens in order,
+// starting each from its parent's state as conv_kernel does.  Per token: the
+// key head's q and k are L2-normalised (q also scaled by 1/sqrt(dk)), then
+//   S *= exp(g);  u = S^T k;  S += k (beta (v - u))^T;  out = S^T q
+// and out gets the gated RMSNorm (ssm_norm, silu(z)).
+struct DeltaArgs {
+  const float* mm;       // [n][Cconv] conv outputs: q (nk*dk) | k (nk*dk) | v (nv*dv)
+  const float* z;        // [n][nv*dv]
+  const float* beta;     // [n][nv]
+  const float* alpha;    // [n][nv]
+  const float* dt_bias, *ssm_a, *ssm_norm;
+  float* rec;            // [nv][dk][dv] committed
+  float* node_rec;       // [n][nv][dk][dv] or null (commit)
+  const int32_t* parent;
+  float* y;              // [n][nv*dv]
+  int n, nk, nv, dv, Cconv;
+  float eps;
+};
+
+template <int DK>
+__global__ void delta_kernel(DeltaArgs a) {
+  __shared__ float red[32];
+  __shared__ float qs[DK], ks[DK];
+  const int h = blockIdx.x, j = threadIdx.x, dv = a.dv, kh = h % a.nk;
+  const int64_t rs = (int64_t)a.nv * DK * dv, hoff = (int64_t)h * DK * dv;
+  const float qscale = 1.f / sqrtf((float)DK);
+  float s[DK];
+#pragma unroll
+  for (int i = 0; i < DK; ++i) s[i] = a.rec[hoff + (int64_t)i * dv + j];
+  for (int t = 0; t < a.n; ++t) {
+    const int par = a.parent[t];
+    if (par != t - 1) {
+      const float* src = (par < 0 ? a.rec : a.node_rec + par * rs) + hoff;
+#pragma unroll
+      for (int i = 0; i < DK; ++i) s[i] = src[(int64_t)i * dv + j];
+    }
+    const float* mt = a.mm + (int64_t)t * a.Cconv;
+    const float* qsrc = mt + kh * DK;
+    const float* ksrc = mt + a.nk * DK + kh * DK;
+    float sq = 0.f, sk = 0.f;
+    for (int i = j; i < DK; i += blockDim.x) {
+      const float qv = qsrc[i], kv = ksrc[i];
+      qs[i] = qv;
+      ks[i] = kv;
+      sq += qv * qv;
+      sk += kv * kv;
+    }
+    sq = block_sum(sq, red);
+    sk = block_sum(sk, red);
+    const float iq = 1.f / fmaxf(sqrtf(sq), a.eps), ik = 1.f / fmaxf(sqrtf(sk), a.eps);
+    const float beta = sigmoid_f(a.beta[(int64_t)t * a.nv + h]);
+    const float g = a.ssm_a[h] * softplus_f(a.alpha[(int64_t)t * a.nv + h] + a.dt_bias[h]);
+    const float decay = expf(g);
+    const float v = mt[2 * a.nk * DK + h * dv + j];
+    float u = 0.f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+      s[i] *= decay;
+      u += s[i] * (ks[i] * ik);
+    }
+    const float delta = beta * (v - u);
+    float out = 0.f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+      s[i] += (ks[i] * ik) * delta;
+      out += s[i] * (qs[i] * iq * qscale);
+    }
+    const float ss = block_sum(out * out, red);
+    const float scale = 1.f / sqrtf(ss / (float)dv + a.eps);
+    const int64_t yi = (int64_t)t * a.nv * dv + h * dv + j;
+    a.y[yi] = out * scale * a.ssm_norm[j] * silu_f(a.z[yi]);
+    if (a.node_rec) {
+      float* dst = a.node_rec + t * rs + hoff;
+#pragma unroll
+      for (int i = 0; i < DK; ++i) dst[(int64_t)i * dv + j] = s[i];
+    }
+  }
+  if (!a.node_rec) {
+#pragma unroll
+    for (int i = 0; i < DK; ++i) a.rec[hoff + (int64_t)i * dv + j] = s[i];
+  }
+}
+
+}  // namespace fwd
+}  // namespace cuda
+}  // namespace dfl
