@@ -189,6 +189,7 @@ class CudaBackend final : public Backend {
 
   void begin_chunk(const ChunkPlan& p) override {
     n_ = p.n;
+    commit_ = p.commit;
     // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | extra_slots.
     const size_t words = 6 * (size_t)p.n + p.extra_slots.size();
     host_plan_.resize(words);
@@ -237,8 +238,17 @@ class CudaBackend final : public Backend {
     launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
   }
 
+  // A verify batch runs the matvec kernel in groups of up to 8 tokens, whose
+  // per-token result is bit-identical to an AR step's (n = 1), so every node's
+  // logits are exactly what AR would compute there: lossless even at logit
+  // near-ties.  The tiled kernel (another summation order) serves prefill
+  // chunks, which every mode shares.
   void matmul(const Weight& W, const float* x, int n, float* y) override {
-    cuda::matmul(W.type, weight(W), W.rows, W.cols, x, n, y, stream_);
+    const void* w = weight(W);
+    if (commit_ || n <= kMatvecMaxTokens) return cuda::matmul(W.type, w, W.rows, W.cols, x, n, y, stream_);
+    for (int g = 0; g < n; g += kMatvecMaxTokens)
+      cuda::matmul(W.type, w, W.rows, W.cols, x + (int64_t)g * W.cols, std::min(kMatvecMaxTokens, n - g),
+                   y + (int64_t)g * W.rows, stream_);
   }
 
   void add(float* x, const float* y, size_t count) override {
@@ -287,6 +297,7 @@ class CudaBackend final : public Backend {
   int64_t head_bytes_ = 0, kv_row_ = 0;
   // the current chunk's plan on the device
   int n_ = 0;
+  bool commit_ = true;
   std::vector<int32_t> host_plan_;
   int32_t* plan_buf_ = nullptr;
   size_t plan_cap_ = 0;

@@ -96,7 +96,7 @@ class Backend {
   // Gated delta-net core per chunk token, in order: conv1d over the window of
   // the token's starting state (then SiLU), L2-norm of q/k heads, the delta
   // rule per value head, gated RMSNorm with silu(z).  mm: [n][Cconv] conv
-  // inputs (overwritten), z: [n][Cv], beta/alpha: [n][nv] raw, y: [n][Cv] out.
+  // inputs (scratch afterwards), z: [n][Cv], beta/alpha: [n][nv] raw, y: [n][Cv] out.
   virtual void gdn(float* mm, const float* z, const float* beta, const float* alpha, const GdnLayer& L,
                    float* y) = 0;
 };

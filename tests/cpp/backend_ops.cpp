@@ -1,0 +1,416 @@
+// backend_ops.cpp — every Backend op on the CUDA backend against the CPU backend.
+//
+// Fresh random (non-zero) inputs per case; every output buffer on the CUDA
+// side is poisoned with NaN bytes before the op, so an element the op fails
+// to write shows up as NaN.  Batch sizes 1, 2, 7, 16, 23, 64, 512; every
+// weight format for matmul and embed, every KV type for the attention ops,
+// chain (commit) and tree (verify) forms of attention and delta-net; two
+// model shapes (the tiny test model's heads, and Qwen3.5-27B's head sizes).
+//
+// Built by CMake with -DDFLASH27B_BUILD_TESTS=ON, against the GPU (nvcc) or
+// the CPU emulator (-DDFLASH27B_CUDA_EMU=ON); tests/test_cuda_backend_ops.py
+// builds and runs it.  Prints one line per case, then "ALL OK" (exit 0) or
+// "FAIL" (exit 1).  Usage: dfl_backend_ops [max_batch]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "model/backend.h"
+#include "model/context.h"
+#include "quant/quant.h"
+
+namespace dfl {
+void set_last_error(const char*) {}  // api.cpp's, for the CUDA objects' C entry points
+}
+
+using namespace dfl;
+
+namespace {
+
+std::mt19937 rng(1234);
+int failures = 0;
+
+std::vector<float> randn(size_t n, float scale = 1.f) {
+  std::normal_distribution<float> N(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    x = N(rng) * scale;
+    if (x == 0.f) x = 1e-3f;
+  }
+  return v;
+}
+
+// Random weight bytes of format t with finite scale fields (|d| <= 0.05), as emu_matmul does.
+std::vector<uint8_t> random_weight_bytes(DType t, int64_t rows, int64_t cols) {
+  const TypeTraits* tt = type_traits((uint32_t)t);
+  const int64_t nb = rows * (cols / tt->block_elems);
+  std::vector<uint8_t> b((size_t)(nb * tt->block_bytes) + 64);
+  for (auto& v : b) v = (uint8_t)(rng() & 0xff);
+  std::uniform_real_distribution<float> U(-1, 1);
+  auto put16 = [&](size_t o, uint16_t h) { b[o] = (uint8_t)h; b[o + 1] = (uint8_t)(h >> 8); };
+  for (int64_t i = 0; i < nb; ++i) {
+    const size_t o = (size_t)(i * tt->block_bytes);
+    switch (t) {
+      case DType::F32: { float v = U(rng); std::memcpy(&b[o], &v, 4); break; }
+      case DType::F16: put16(o, f32_to_f16(U(rng))); break;
+      case DType::BF16: { float v = U(rng); uint32_t u; std::memcpy(&u, &v, 4); put16(o, (uint16_t)(u >> 16)); break; }
+      case DType::Q4_0: case DType::Q8_0: put16(o, f32_to_f16(U(rng) * 0.05f)); break;
+      case DType::Q4_K: case DType::Q5_K:
+        put16(o, f32_to_f16(U(rng) * 0.05f)); put16(o + 2, f32_to_f16(U(rng) * 0.05f)); break;
+      case DType::Q6_K: put16(o + 208, f32_to_f16(U(rng) * 0.05f)); break;
+    }
+  }
+  return b;
+}
+
+const DType kFormats[] = {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q5_K,
+                          DType::Q6_K};
+const DType kKvTypes[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0};
+const char* tname(DType t) { return type_traits((uint32_t)t)->name; }
+
+// A Model whose weights are random: layer i's ffn_gate (rows x n_embd) and
+// ffn_up (an 'embedding table' of 50 rows) are in format kFormats[i]; layer
+// 0 also carries the norm / conv / delta-net vectors.
+struct Fixture {
+  Model m;
+  std::vector<std::vector<uint8_t>> store;
+  Weight weight(DType t, int64_t rows, int64_t cols) {
+    store.push_back(random_weight_bytes(t, rows, cols));
+    Weight w;
+    w.type = t;
+    w.data = store.back().data();
+    w.rows = rows;
+    w.cols = cols;
+    w.row_bytes = row_bytes(t, cols);
+    return w;
+  }
+};
+
+void make_model(Fixture& f, const Qwen35Config& c) {
+  f.m.cfg = c;
+  f.m.layers.resize(8);
+  for (int i = 0; i < 8; ++i) {
+    f.m.layers[i].ffn_gate = f.weight(kFormats[i], 67, c.n_embd);
+    f.m.layers[i].ffn_up = f.weight(kFormats[i], 50, c.n_embd);
+  }
+  LayerWeights& l = f.m.layers[0];
+  l.attn_norm = randn(c.n_embd, 0.5f);
+  for (auto& x : l.attn_norm) x += 1.f;
+  l.q_norm = randn(c.head_dim, 0.3f);
+  l.k_norm = randn(c.head_dim, 0.3f);
+  for (auto& x : l.q_norm) x += 1.f;
+  for (auto& x : l.k_norm) x += 1.f;
+  l.conv1d = randn((size_t)c.conv_channels() * c.conv_kernel, 0.5f);
+  l.dt_bias = randn(c.ssm_nv, 0.5f);
+  l.ssm_a = randn(c.ssm_nv, 0.5f);
+  for (auto& x : l.ssm_a) x = -std::fabs(x) - 0.1f;  // decays below 1, as the real -exp(A_log)
+  l.ssm_norm = randn(c.ssm_dv, 0.3f);
+  for (auto& x : l.ssm_norm) x += 1.f;
+}
+
+// Memory on one backend, filled from / read back to the host.
+struct Buf {
+  Backend* be;
+  void* p;
+  size_t bytes;
+  Buf(Backend& b, size_t n) : be(&b), p(b.alloc(n)), bytes(n) {}
+  ~Buf() { be->release(p); }
+  Buf(const Buf&) = delete;
+  float* f() const { return static_cast<float*>(p); }
+  uint8_t* u8() const { return static_cast<uint8_t*>(p); }
+  void put(const void* h, size_t n) { be->upload(p, h, n); }
+  void put(const std::vector<float>& v) { put(v.data(), v.size() * 4); }
+  void poison() {
+    std::vector<uint8_t> nan(bytes, 0xff);
+    put(nan.data(), bytes);
+  }
+  std::vector<float> get(size_t n) const {
+    std::vector<float> v(n);
+    be->download(v.data(), p, n * 4);
+    return v;
+  }
+  std::vector<uint8_t> bytes_back(size_t n) const {
+    std::vector<uint8_t> v(n);
+    be->download(v.data(), p, n);
+    return v;
+  }
+};
+
+// max |got - ref| / max |ref|; NaN in got (an unwritten element) fails.
+bool check(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref, double tol) {
+  double mref = 0, merr = 0;
+  bool nan = false;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(got[i]) && !std::isnan(ref[i])) nan = true;
+    mref = std::max(mref, (double)std::fabs(ref[i]));
+    merr = std::max(merr, (double)std::fabs((double)got[i] - ref[i]));
+  }
+  const double rel = mref > 0 ? merr / mref : merr;
+  const bool ok = !nan && rel <= tol;
+  std::printf("%-58s rel err %.1e (tol %.0e)%s: %s\n", what.c_str(), rel, tol, nan ? ", unwritten (NaN)" : "",
+              ok ? "ok" : "FAIL");
+  failures += !ok;
+  return ok;
+}
+
+std::vector<float> dequant_rows(DType t, const std::vector<uint8_t>& b, size_t rows, int64_t cols) {
+  std::vector<float> out(rows * cols);
+  const size_t rb = row_bytes(t, cols);
+  for (size_t r = 0; r < rows; ++r) dequantize_row(t, b.data() + r * rb, out.data() + r * cols, cols);
+  return out;
+}
+
+// A chunk plan: commit = a chain after n_past committed slots; else a random tree after them.
+ChunkPlan make_plan(int n, bool commit, int n_past, int vocab) {
+  ChunkPlan P;
+  P.n = n;
+  P.commit = commit;
+  std::vector<int32_t> parent(n);
+  for (int i = 0; i < n; ++i)
+    parent[i] = commit || i == 0 ? i - 1 : (int32_t)(rng() % (unsigned)(i + 1)) - 1;  // -1 .. i-1
+  for (int t = 0; t < n; ++t) {
+    P.tokens.push_back((int32_t)(rng() % (unsigned)vocab));
+    int depth = 0;
+    for (int a = parent[t]; a >= 0; a = parent[a]) ++depth;
+    P.pos.push_back(n_past + (commit ? t : depth));
+    P.extra_begin.push_back((int32_t)P.extra_slots.size());
+    P.parent.push_back(parent[t]);
+    if (commit) {
+      P.n_prefix.push_back(n_past + t + 1);
+      P.extra_count.push_back(0);
+    } else {
+      P.n_prefix.push_back(n_past);
+      const size_t first = P.extra_slots.size();
+      for (int a = t; a >= 0; a = parent[a]) P.extra_slots.push_back(n_past + a);
+      std::reverse(P.extra_slots.begin() + first, P.extra_slots.end());
+      P.extra_count.push_back((int32_t)(P.extra_slots.size() - first));
+    }
+    P.max_visible = std::max(P.max_visible, P.n_prefix.back() + P.extra_count.back());
+  }
+  return P;
+}
+
+void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>& sizes) {
+  Fixture fx;
+  make_model(fx, c);
+  const Model& M = fx.m;
+  ThreadPool pool(2);
+  auto cpu = make_cpu_backend(M, DType::F16, pool);
+  auto cud = make_cuda_backend(M, DType::F16, MemoryPlan{});
+  const int H = c.n_embd;
+  auto label = [&](const char* op, const std::string& what, int n) {
+    return std::string(shape) + " " + op + " " + what + " n=" + std::to_string(n);
+  };
+
+  for (int n : sizes) {
+    ChunkPlan P = make_plan(n, true, 3, 50);
+    cpu->begin_chunk(P);
+    cud->begin_chunk(P);
+
+    // embed, every format
+    for (int i = 0; i < 8; ++i) {
+      Buf a(*cpu, (size_t)n * H * 4), b(*cud, (size_t)n * H * 4);
+      b.poison();
+      cpu->embed(M.layers[i].ffn_up, a.f());
+      cud->embed(M.layers[i].ffn_up, b.f());
+      check(label("embed", tname(kFormats[i]), n), b.get((size_t)n * H), a.get((size_t)n * H), 0.0);
+    }
+    // rmsnorm with and without weights, and in place
+    {
+      auto x = randn((size_t)n * H, 2.f);
+      for (int with_w = 0; with_w < 2; ++with_w) {
+        Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4), ya(*cpu, x.size() * 4), yb(*cud, x.size() * 4);
+        xa.put(x), xb.put(x), yb.poison();
+        const float* wa = with_w ? cpu->vec(M.layers[0].attn_norm) : nullptr;
+        const float* wb = with_w ? cud->vec(M.layers[0].attn_norm) : nullptr;
+        cpu->rmsnorm(xa.f(), wa, n, H, c.rms_eps, ya.f());
+        cud->rmsnorm(xb.f(), wb, n, H, c.rms_eps, yb.f());
+        check(label("rmsnorm", with_w ? "weighted" : "plain", n), yb.get(x.size()), ya.get(x.size()), 2e-6);
+      }
+      Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4);
+      xa.put(x), xb.put(x);
+      cpu->rmsnorm(xa.f(), cpu->vec(M.layers[0].attn_norm), n, H, c.rms_eps, xa.f());
+      cud->rmsnorm(xb.f(), cud->vec(M.layers[0].attn_norm), n, H, c.rms_eps, xb.f());
+      check(label("rmsnorm", "in place", n), xb.get(x.size()), xa.get(x.size()), 2e-6);
+    }
+    // matmul, every format (the CPU quantises activations to int8 for quantised weights)
+    for (int i = 0; i < 8; ++i) {
+      const Weight& W = M.layers[i].ffn_gate;
+      auto x = randn((size_t)n * H);
+      Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4), ya(*cpu, (size_t)n * W.rows * 4),
+          yb(*cud, (size_t)n * W.rows * 4);
+      xa.put(x), xb.put(x), yb.poison();
+      cpu->matmul(W, xa.f(), n, ya.f());
+      cud->matmul(W, xb.f(), n, yb.f());
+      const double tol = dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
+      check(label("matmul", tname(W.type), n), yb.get((size_t)n * W.rows), ya.get((size_t)n * W.rows), tol);
+    }
+    // a verify batch's matmul gives each token exactly its n = 1 (AR step) result
+    for (int i = 0; i < 8; ++i) {
+      const Weight& W = M.layers[i].ffn_gate;
+      auto x = randn((size_t)n * H);
+      Buf xb(*cud, x.size() * 4), yb(*cud, (size_t)n * W.rows * 4), y1(*cud, (size_t)W.rows * 4);
+      xb.put(x), yb.poison();
+      ChunkPlan T = make_plan(n, false, 3, 50), one = make_plan(1, true, 3, 50);
+      cud->begin_chunk(T);
+      cud->matmul(W, xb.f(), n, yb.f());
+      auto batch = yb.get((size_t)n * W.rows);
+      cud->begin_chunk(one);
+      std::vector<float> alone((size_t)n * W.rows);
+      for (int t = 0; t < n; ++t) {
+        cud->matmul(W, xb.f() + (size_t)t * H, 1, y1.f());
+        auto r = y1.get((size_t)W.rows);
+        std::copy(r.begin(), r.end(), alone.begin() + (size_t)t * W.rows);
+      }
+      check(label("matmul", std::string(tname(W.type)) + " verify == AR steps", n), batch, alone, 0.0);
+      cud->begin_chunk(P);
+    }
+    // add, swiglu
+    {
+      const size_t cnt = (size_t)n * c.n_ff;
+      auto x = randn(cnt), y = randn(cnt);
+      Buf xa(*cpu, cnt * 4), xb(*cud, cnt * 4), ya(*cpu, cnt * 4), yb(*cud, cnt * 4);
+      xa.put(x), xb.put(x), ya.put(y), yb.put(y);
+      cpu->add(xa.f(), ya.f(), cnt);
+      cud->add(xb.f(), yb.f(), cnt);
+      check(label("add", "", n), xb.get(cnt), xa.get(cnt), 0.0);
+      cpu->swiglu(xa.f(), ya.f(), cnt);
+      cud->swiglu(xb.f(), yb.f(), cnt);
+      check(label("swiglu", "", n), xb.get(cnt), xa.get(cnt), 1e-6);
+    }
+  }
+
+  // attention ops per KV type, chain and tree
+  for (DType kvt : kKvTypes) {
+    auto cpu_k = make_cpu_backend(M, kvt, pool);
+    auto cud_k = make_cuda_backend(M, kvt, MemoryPlan{});
+    const int hd = c.head_dim, kvd = c.kv_dim(), qd2 = 2 * c.q_dim();
+    const size_t kv_row = row_bytes(kvt, kvd);
+    for (int n : sizes) {
+      for (int commit = 1; commit >= 0; --commit) {
+        const int n_past = 37, n_ctx = n_past + n + 3;
+        ChunkPlan P = make_plan(n, commit, n_past, 50);
+        cpu_k->begin_chunk(P);
+        cud_k->begin_chunk(P);
+        // a cache already holding n_past random rows (identical bytes on both sides)
+        std::vector<uint8_t> kc((size_t)n_ctx * kv_row), vc((size_t)n_ctx * kv_row);
+        for (int s = 0; s < n_past; ++s) {
+          auto kr = randn(kvd), vr = randn(kvd);
+          quantize_row(kvt, kr.data(), kc.data() + (size_t)s * kv_row, kvd);
+          quantize_row(kvt, vr.data(), vc.data() + (size_t)s * kv_row, kvd);
+        }
+        auto qg = randn((size_t)n * qd2), kk = randn((size_t)n * kvd), vv = randn((size_t)n * kvd);
+        Buf qa(*cpu_k, qg.size() * 4), qb(*cud_k, qg.size() * 4), ka(*cpu_k, kk.size() * 4), kb(*cud_k, kk.size() * 4),
+            va(*cpu_k, vv.size() * 4), vb(*cud_k, vv.size() * 4), kca(*cpu_k, kc.size()), kcb(*cud_k, kc.size()),
+            vca(*cpu_k, vc.size()), vcb(*cud_k, vc.size());
+        qa.put(qg), qb.put(qg), ka.put(kk), kb.put(kk), va.put(vv), vb.put(vv);
+        kca.put(kc.data(), kc.size()), vca.put(vc.data(), vc.size());
+        std::vector<uint8_t> poisoned = kc;  // the chunk's own rows start as NaN bytes on the CUDA side
+        std::fill(poisoned.begin() + (size_t)n_past * kv_row, poisoned.end(), 0xff);
+        kcb.put(poisoned.data(), poisoned.size());
+        poisoned = vc;
+        std::fill(poisoned.begin() + (size_t)n_past * kv_row, poisoned.end(), 0xff);
+        vcb.put(poisoned.data(), poisoned.size());
+        const AttnLayer La{kca.u8(), vca.u8(), n_past, cpu_k->vec(M.layers[0].q_norm), cpu_k->vec(M.layers[0].k_norm)};
+        const AttnLayer Lb{kcb.u8(), vcb.u8(), n_past, cud_k->vec(M.layers[0].q_norm), cud_k->vec(M.layers[0].k_norm)};
+        cpu_k->attn_store(qa.f(), ka.f(), va.f(), La);
+        cud_k->attn_store(qb.f(), kb.f(), vb.f(), Lb);
+        const std::string form = std::string(tname(kvt)) + (commit ? " chain" : " tree");
+        if (commit) {
+          check(label("attn_store", std::string(tname(kvt)) + " q", n), qb.get(qg.size()), qa.get(qg.size()), 2e-6);
+          check(label("attn_store", std::string(tname(kvt)) + " k", n), kb.get(kk.size()), ka.get(kk.size()), 2e-6);
+          const size_t rows = (size_t)n_past + n;
+          // K rows are converted from values that differ in the last bits (norm, RoPE), so a
+          // value on a rounding edge may land one step of the type apart: an f16/bf16 ulp, a
+          // Q8_0 step (1/127 of the block max) or a Q4_0 step (1/8 of it).
+          const double ktol = kvt == DType::Q4_0 ? 0.15 : kvt == DType::Q8_0 ? 1e-2 : kvt == DType::BF16 ? 1e-2 : 1e-3;
+          check(label("attn_store", std::string(tname(kvt)) + " K cache", n),
+                dequant_rows(kvt, kcb.bytes_back(rows * kv_row), rows, kvd),
+                dequant_rows(kvt, kca.bytes_back(rows * kv_row), rows, kvd), ktol);
+          check(label("attn_store", std::string(tname(kvt)) + " V cache", n),
+                dequant_rows(kvt, vcb.bytes_back(rows * kv_row), rows, kvd),
+                dequant_rows(kvt, vca.bytes_back(rows * kv_row), rows, kvd), 0.0);
+        }
+        // attention reads the same cache on both sides (the CPU's bytes), so only the op differs
+        auto kcache = kca.bytes_back(kc.size()), vcache = vca.bytes_back(vc.size());
+        kcb.put(kcache.data(), kcache.size());
+        vcb.put(vcache.data(), vcache.size());
+        auto qn = qa.get(qg.size());
+        qb.put(qn);
+        Buf oa(*cpu_k, (size_t)n * c.q_dim() * 4), ob(*cud_k, (size_t)n * c.q_dim() * 4);
+        ob.poison();
+        cpu_k->attention(qa.f(), La, oa.f());
+        cud_k->attention(qb.f(), Lb, ob.f());
+        check(label("attention", form, n), ob.get((size_t)n * c.q_dim()), oa.get((size_t)n * c.q_dim()), 1e-5);
+      }
+    }
+  }
+
+  // gated delta-net, chain (commit) and tree (verify, per-node states)
+  for (int n : sizes) {
+    for (int commit = 1; commit >= 0; --commit) {
+      ChunkPlan P = make_plan(n, commit, 11, 50);
+      cpu->begin_chunk(P);
+      cud->begin_chunk(P);
+      const int Cc = c.conv_channels(), Cv = c.ssm_inner(), nv = c.ssm_nv;
+      const size_t cs = (size_t)(c.conv_kernel - 1) * Cc, rs = (size_t)nv * c.ssm_dk * c.ssm_dv;
+      auto mm = randn((size_t)n * Cc), z = randn((size_t)n * Cv), bt = randn((size_t)n * nv), al = randn((size_t)n * nv);
+      auto conv = randn(cs), rec = randn(rs, 0.2f);
+      Buf ma(*cpu, mm.size() * 4), mb(*cud, mm.size() * 4), za(*cpu, z.size() * 4), zb(*cud, z.size() * 4),
+          ba(*cpu, bt.size() * 4), bb(*cud, bt.size() * 4), aa(*cpu, al.size() * 4), ab(*cud, al.size() * 4),
+          ca(*cpu, cs * 4), cb(*cud, cs * 4), ra(*cpu, rs * 4), rb(*cud, rs * 4), nca(*cpu, n * cs * 4),
+          ncb(*cud, n * cs * 4), nra(*cpu, n * rs * 4), nrb(*cud, n * rs * 4), ya(*cpu, z.size() * 4),
+          yb(*cud, z.size() * 4);
+      ma.put(mm), mb.put(mm), za.put(z), zb.put(z), ba.put(bt), bb.put(bt), aa.put(al), ab.put(al);
+      ca.put(conv), cb.put(conv), ra.put(rec), rb.put(rec);
+      yb.poison(), ncb.poison(), nrb.poison();
+      const LayerWeights& w = M.layers[0];
+      const GdnLayer La{cpu->vec(w.conv1d), cpu->vec(w.dt_bias), cpu->vec(w.ssm_a), cpu->vec(w.ssm_norm), ca.f(), ra.f(),
+                        commit ? nullptr : nca.f(), commit ? nullptr : nra.f()};
+      const GdnLayer Lb{cud->vec(w.conv1d), cud->vec(w.dt_bias), cud->vec(w.ssm_a), cud->vec(w.ssm_norm), cb.f(), rb.f(),
+                        commit ? nullptr : ncb.f(), commit ? nullptr : nrb.f()};
+      cpu->gdn(ma.f(), za.f(), ba.f(), aa.f(), La, ya.f());
+      cud->gdn(mb.f(), zb.f(), bb.f(), ab.f(), Lb, yb.f());
+      const std::string form = commit ? "chain" : "tree";
+      check(label("gdn", form + " y", n), yb.get(z.size()), ya.get(z.size()), 1e-5);
+      if (commit) {
+        check(label("gdn", form + " conv state", n), cb.get(cs), ca.get(cs), 0.0);
+        check(label("gdn", form + " recurrent state", n), rb.get(rs), ra.get(rs), 1e-5);
+      } else {
+        check(label("gdn", form + " node conv states", n), ncb.get(n * cs), nca.get(n * cs), 0.0);
+        check(label("gdn", form + " node recurrent states", n), nrb.get(n * rs), nra.get(n * rs), 1e-5);
+        check(label("gdn", form + " committed state untouched", n), rb.get(rs), rec, 0.0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int max_batch = argc > 1 ? std::atoi(argv[1]) : 512;
+  std::vector<int> sizes;
+  for (int n : {1, 2, 7, 16, 23, 64, 512})
+    if (n <= max_batch) sizes.push_back(n);
+  try {
+    Qwen35Config tiny;
+    tiny.n_embd = 256; tiny.n_ff = 512; tiny.n_head = 4; tiny.n_head_kv = 2; tiny.head_dim = 64; tiny.n_rot = 16;
+    tiny.rope_base = 1e7f; tiny.rms_eps = 1e-6f; tiny.conv_kernel = 4; tiny.ssm_dk = 64; tiny.ssm_nk = 2;
+    tiny.ssm_nv = 4; tiny.ssm_dv = 64; tiny.n_vocab = 50;
+    run_shape("tiny", tiny, sizes);
+    Qwen35Config q27 = tiny;  // Qwen3.5-27B's head sizes, fewer heads
+    q27.n_embd = 512; q27.n_head = 4; q27.n_head_kv = 1; q27.head_dim = 256; q27.n_rot = 64; q27.ssm_dk = 128;
+    q27.ssm_nk = 2; q27.ssm_nv = 4; q27.ssm_dv = 128;
+    run_shape("27b-heads", q27, sizes);
+  } catch (const std::exception& e) {
+    std::printf("error: %s\nFAIL\n", e.what());
+    return 1;
+  }
+  std::printf(failures ? "FAIL (%d cases)\n" : "ALL OK\n", failures);
+  return failures ? 1 : 0;
+}
