@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # gpu_check.sh — the CUDA backend's check on a GPU machine, in one go:
 #   1. installs the carried wheels (.whl/: cffi, pycparser, gguf) into /tmp/site
-#   2. builds libdflash27b for sm_90 only (build/gpu), with the CUDA backend required
-#   3. runs the CUDA tests: python3 -m pytest -q -m cuda tests/test_cuda_ops.py
-#   4. runs a few of them under compute-sanitizer memcheck (GPU_CHECK_SANITIZE=0 skips)
-#   5. prints a table: format, n, max rel err vs numpy, time and GB/s of weights
-#      read for the 17408x5120 (ffn up/gate) and 5120x17408 (ffn down) shapes
+#   2. builds libdflash27b for sm_90 only (build/gpu), with the CUDA backend required,
+#      and the backend op test (tests/cpp/backend_ops.cpp)
+#   3. runs every backend op on the GPU against the CPU backend (build/gpu/dfl_backend_ops)
+#   4. runs the CUDA tests: python3 -m pytest -q -m cuda tests/test_cuda_ops.py tests/test_cuda_forward.py
+#   5. runs a few matmul tests and a tiny end-to-end DDTree decode under compute-sanitizer
+#      memcheck and racecheck (GPU_CHECK_SANITIZE=0 skips)
+#   6. prints tables: the bundled pair decoded on the GPU (AR, chain, DDTree: tok/s, accept,
+#      speedup), then format, n, max rel err vs numpy, time and GB/s of weights read for the
+#      17408x5120 (ffn up/gate) and 5120x17408 (ffn down) shapes
 # Exit status: non-zero if the build, a test or the sanitizer failed.
 #
-# The machine needs python3 with numpy, pytest, cmake and nvcc; cffi, pycparser
-# and gguf travel as wheels.  Prepare them where pip has network access:
+# The machine needs python3 with numpy, pytest, cmake and nvcc; cffi, pycparser,
+# gguf and rich (with markdown-it-py, mdurl, pygments) travel as wheels.  Prepare them where pip has network access:
 #   mkdir -p .git/info; grep -q '^/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl cffi==2.0.0 pycparser==3.0 gguf==0.19.0
+#     -d .whl cffi==2.0.0 pycparser==3.0 gguf==0.19.0 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
 # (gguf also needs numpy, pyyaml, requests and tqdm, already on the GPU image.)
 # Then, from the repository root on the GPU machine (carrying .whl):
 #   bash bench/gpu_check.sh
@@ -51,7 +55,7 @@ gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 t0=$(date +%s)
 mkdir -p build
-cmake -S . -B build/gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DDFLASH27B_CUDA=ON \
+cmake -S . -B build/gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DDFLASH27B_CUDA=ON -DDFLASH27B_BUILD_TESTS=ON \
   -DDFLASH27B_CUDA_ARCHITECTURES=90 >build/gpu.configure.log 2>&1 || { cat build/gpu.configure.log; return 1; }
 cmake --build build/gpu -j "$(nproc)" 2>&1 | tail -20
 [ -f build/gpu/libdflash27b.so ] || { echo "build failed"; return 1; }
@@ -67,8 +71,13 @@ assert "sm_90" in info and n > 0, "CUDA backend not built or no device visible"
 EOF
 [ $? = 0 ] || return 1
 
-step "pytest -m cuda tests/test_cuda_ops.py"
-python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_ops.py || status=1
+step "backend ops on the GPU vs the CPU backend (batch 1..512, every format / KV type, chain + tree)"
+build/gpu/dfl_backend_ops > build/backend_ops.log 2>&1; rc=$?
+grep -v ": ok$" build/backend_ops.log | tail -30; echo "$(grep -c ': ok$' build/backend_ops.log) cases ok"
+[ $rc = 0 ] || status=1
+
+step "pytest -m cuda tests/test_cuda_ops.py tests/test_cuda_forward.py"
+python3 -m pytest -q -p no:cacheprovider -m cuda -rxs tests/test_cuda_ops.py tests/test_cuda_forward.py || status=1
 
 if [ "${GPU_CHECK_SANITIZE:-1}" != 0 ]; then
   step "compute-sanitizer memcheck (misaligned formats, both kernels, odd shapes)"
@@ -82,10 +91,25 @@ if [ "${GPU_CHECK_SANITIZE:-1}" != 0 ]; then
       "$t::test_cuda_matmul_vs_numpy_and_cpu[Q5_K-7]" "$t::test_cuda_matmul_vs_numpy_and_cpu[F16-16]" \
       2>&1 | tail -15
     [ "${PIPESTATUS[0]}" = 0 ] || { echo "memcheck: FAILED"; status=1; }
+    for tool in memcheck racecheck; do
+      step "compute-sanitizer $tool: tiny end-to-end DDTree decode on the GPU"
+      "$SAN" --tool $tool --error-exitcode 99 python3 -c "
+from dflash27b import Decoder
+with Decoder(device='cuda', ctx=512, threads=4) as d:
+    ar = d.generate('def fibonacci(n):', 24, ignore_eos=True, mode='ar').tokens
+    dd = d.generate('def fibonacci(n):', 24, ignore_eos=True, mode='ddtree').tokens
+    assert dd == ar, (dd, ar)
+print('decode ok')" 2>&1 | tail -8
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "$tool: FAILED"; status=1; }
+    done
   else
     echo "compute-sanitizer not found; skipped"
   fi
 fi
+
+step "bundled pair on the GPU (10 held-out prompts, 128 tokens)"
+python3 -m dflash27b.cli bench --dataset models/heldout_prompts.jsonl --n-prompts 10 -n 128 \
+  --device cuda --modes ar,chain,ddtree --budgets 8,22 --no-peer --out build/gpu-bench 2>&1 | tail -12 || status=1
 
 step "table"
 python3 - <<'EOF' || status=1

@@ -84,9 +84,10 @@ inline dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace emu {
 
+// A barrier's arrivals and the fibers blocked on it.
 struct Barrier {
   int arrived = 0;
-  unsigned gen = 0;
+  std::vector<int> waiters;
 };
 // A fiber's saved stack pointer.  On x86-64 the switch is a dozen
 // instructions (callee-saved registers, MXCSR and the x87 control word);
@@ -94,6 +95,7 @@ struct Barrier {
 struct Fiber {
   void* sp = nullptr;
   bool done = false;
+  unsigned shuffles = 0;  // warp shuffles done (selects the slot buffer)
 };
 
 #if defined(__x86_64__)
@@ -137,15 +139,21 @@ inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
 #error "the CUDA emulator's fibers are written for x86-64"
 #endif
 
+// One CTA in flight.  Only runnable fibers are ever switched to: a fiber that
+// blocks on a barrier hands control straight to the next ready fiber, and the
+// last arrival makes the waiters ready again.
 struct Cta {
   std::vector<Fiber> fibers;
+  std::vector<int> ready;  // FIFO (head index below)
+  size_t head = 0;
   int cur = 0, live = 0;
   std::vector<int> warp_live;
   Barrier bar;
   std::vector<Barrier> warp_bar;
-  float slot[32][32];
+  float slot[2][32][32];
   void* sched_sp = nullptr;
   const std::function<void()>* body = nullptr;
+  dim3 block;
 };
 inline Cta* cta = nullptr;
 constexpr size_t kStack = 256 << 10;
@@ -155,31 +163,56 @@ inline void* dynamic_smem() {
   return buf;
 }
 
-inline void yield() { switch_stack(&cta->fibers[cta->cur].sp, cta->sched_sp); }
+inline void set_thread(int i) {
+  const dim3& b = cta->block;
+  threadIdx = dim3((unsigned)i % b.x, ((unsigned)i / b.x) % b.y, (unsigned)i / (b.x * b.y));
+}
 
-// Arrive and wait until `expected` live threads have arrived.
+inline void release(Barrier& b) {
+  b.arrived = 0;
+  for (int w : b.waiters) cta->ready.push_back(w);
+  b.waiters.clear();
+}
+
+// Switches from the current fiber (whose stack pointer goes to *save) to the
+// next ready one, or back to the launch loop when none is left.
+inline void run_next(void** save) {
+  Cta& c = *cta;
+  if (c.head < c.ready.size()) {
+    const int nx = c.ready[c.head++];
+    c.cur = nx;
+    set_thread(nx);
+    switch_stack(save, c.fibers[nx].sp);
+  } else {
+    switch_stack(save, c.sched_sp);
+  }
+}
+
+// Arrive; block until all live threads of the group have arrived.
 inline void barrier_wait(Barrier& b, const int* live) {
-  const unsigned g = b.gen;
   if (++b.arrived >= *live) {
-    b.arrived = 0;
-    ++b.gen;
+    release(b);
     return;
   }
-  while (b.gen == g) yield();
+  Cta& c = *cta;
+  const int me = c.cur;
+  b.waiters.push_back(me);
+  run_next(&c.fibers[me].sp);
+  // resumed by run_next of another fiber, which set cur and threadIdx
 }
 
 inline void fiber_entry() {
   (*cta->body)();
   Cta& c = *cta;
-  c.fibers[c.cur].done = true;
+  const int me = c.cur, w = me >> 5;
+  c.fibers[me].done = true;
   --c.live;
-  const int w = c.cur >> 5;
   --c.warp_live[w];
   // Threads that exit count as arrived, as on the GPU.
-  if (c.bar.arrived > 0 && c.bar.arrived >= c.live) { c.bar.arrived = 0; ++c.bar.gen; }
-  if (c.warp_bar[w].arrived > 0 && c.warp_bar[w].arrived >= c.warp_live[w]) { c.warp_bar[w].arrived = 0; ++c.warp_bar[w].gen; }
+  if (c.bar.arrived > 0 && c.bar.arrived >= c.live) release(c.bar);
+  if (c.warp_bar[w].arrived > 0 && c.warp_bar[w].arrived >= c.warp_live[w]) release(c.warp_bar[w]);
   void* dead = nullptr;
-  switch_stack(&dead, c.sched_sp);  // never resumed
+  run_next(&dead);  // never resumed
   std::abort();
 }
 
@@ -191,6 +224,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   Cta c;
   cta = &c;
   c.body = &body;
+  c.block = block;
   gridDim = grid;
   blockDim = block;
   for (unsigned bz = 0; bz < grid.z; ++bz)
@@ -203,14 +237,18 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
         for (int i = 0; i < nt; ++i) ++c.warp_live[i >> 5];
         c.bar = Barrier{};
         c.warp_bar.assign(c.warp_live.size(), Barrier{});
-        for (int i = 0; i < nt; ++i) c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
-        while (c.live > 0)
-          for (int i = 0; i < nt; ++i) {
-            if (c.fibers[i].done) continue;
-            c.cur = i;
-            threadIdx = dim3((unsigned)i % block.x, ((unsigned)i / block.x) % block.y, (unsigned)i / (block.x * block.y));
-            switch_stack(&c.sched_sp, c.fibers[i].sp);
-          }
+        c.ready.clear();
+        c.head = 0;
+        for (int i = 0; i < nt; ++i) {
+          c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
+          c.ready.push_back(i);
+        }
+        run_next(&c.sched_sp);  // returns when no fiber is ready
+        if (c.live > 0) {
+          std::fprintf(stderr, "emu: deadlock: %d threads of CTA (%u,%u,%u) wait on a barrier forever\n", c.live,
+                       bx, by, bz);
+          std::abort();
+        }
       }
   cta = nullptr;
 }
@@ -218,18 +256,20 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
 }  // namespace emu
 
 inline void __syncthreads() { emu::barrier_wait(emu::cta->bar, &emu::cta->live); }
+// Values pass through a per-warp slot buffer; the buffer alternates between
+// consecutive shuffles, so one barrier per shuffle suffices (a lane can only
+// rewrite a buffer after every lane has arrived at the next shuffle, i.e.
+// finished reading this one).
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
+  static_assert(sizeof(T) == 4, "4-byte shuffles only");
   emu::Cta& c = *emu::cta;
-  const int lane = c.cur & 31, w = c.cur >> 5;
-  float f;
-  std::memcpy(&f, &v, sizeof(float));
-  c.slot[w % 32][lane] = f;
-  emu::barrier_wait(c.warp_bar[w], &c.warp_live[w]);
-  const float r = c.slot[w % 32][lane ^ o];
+  const int me = c.cur, lane = me & 31, w = me >> 5;
+  float (&slot)[32][32] = c.slot[c.fibers[me].shuffles++ & 1];
+  std::memcpy(&slot[w % 32][lane], &v, 4);
   emu::barrier_wait(c.warp_bar[w], &c.warp_live[w]);
   T out;
-  std::memcpy(&out, &r, sizeof(float));
+  std::memcpy(&out, &slot[w % 32][lane ^ o], 4);
   return out;
 }
 

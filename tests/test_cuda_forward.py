@@ -1,0 +1,151 @@
+"""The whole engine on the CUDA backend against the CPU backend (`pytest -m cuda`).
+
+On a machine with a GPU these run on it (bench/gpu_check.sh); without one they
+skip, and tests/test_cuda_emulated.py runs them against the CPU emulator build
+of the same CUDA source (fewer tokens there: the emulator runs every CUDA
+thread as a fiber).
+
+  * greedy AR on CUDA equals greedy AR on the CPU for 128 tokens on the bundled
+    pair's F16 target; a divergence is accepted only at a logit near-tie of the
+    CPU (margin shown), since the two backends sum in different orders;
+  * chain and DDTree on CUDA equal CUDA AR token for token (verify batches run
+    the matvec kernel, bit-identical per token to an AR step);
+  * every KV type decodes, quantised weights give the CPU's logits within the
+    CPU's own activation-quantisation error, the committed state after a decode
+    matches the CPU's, a bad device request is a clear error.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash27b import DFlashError, Decoder
+from dflash27b.decoder import bundled_pair, cuda_build
+
+pytestmark = pytest.mark.cuda
+
+EMULATED = cuda_build() == "emulator"
+N_NEW = 16 if EMULATED else 128
+PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk("]
+NEAR_TIE = 1e-3  # logit margin below which the two backends may legitimately pick different tokens
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = bundled_pair()
+    if p is None:
+        pytest.skip("no bundled pair in this install")
+    return p
+
+
+@pytest.fixture(scope="module")
+def cuda_dec(pair):
+    with Decoder(pair[0], pair[1], device="cuda", ctx=1024, threads=2) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def cpu_dec(pair):
+    with Decoder(pair[0], pair[1], device="cpu", ctx=1024, threads=2) as d:
+        yield d
+
+
+def test_backend_names(cuda_dec, cpu_dec):
+    assert cuda_dec.device == "cuda" and cuda_dec.backend.startswith("cuda (")
+    assert cpu_dec.backend.startswith("cpu")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_cuda_ar_equals_cpu_ar(cuda_dec, cpu_dec, prompt):
+    ids = cpu_dec.tokenize(prompt)
+    gpu = cuda_dec.generate(ids, N_NEW, ignore_eos=True, mode="ar").tokens
+    cpu = cpu_dec.generate(ids, N_NEW, ignore_eos=True, mode="ar").tokens
+    if gpu != cpu:
+        k = next(i for i, (a, b) in enumerate(zip(gpu, cpu)) if a != b)
+        row = cpu_dec.logits(ids + cpu[:k])[-1]
+        margin = abs(float(row[cpu[k]]) - float(row[gpu[k]]))
+        assert margin < NEAR_TIE, f"CUDA and CPU AR differ at token {k} with a CPU logit margin of {margin:.2e}"
+        pytest.xfail(f"diverged at token {k} of {N_NEW} at a near-tie (CPU logit margin {margin:.1e})")
+
+
+@pytest.mark.parametrize("mode,kw", [("chain", {}), ("ddtree", {"budget": 22}), ("ddtree", {"budget": 8}),
+                                     ("ddtree", {"budget": 40})])
+def test_cuda_spec_equals_cuda_ar(cuda_dec, mode, kw):
+    if EMULATED and kw.get("budget") in (8, 40):
+        pytest.skip("other budgets on a real GPU only (the emulator is slow)")
+    ids = cuda_dec.tokenize(PROMPTS[1])
+    ar = cuda_dec.generate(ids, N_NEW, ignore_eos=True, mode="ar").tokens
+    r = cuda_dec.generate(ids, N_NEW, ignore_eos=True, mode=mode, **kw)
+    assert r.tokens == ar
+    assert r.stats.mean_accept > 1.5, r.stats.mean_accept  # the drafter is really accepted on the GPU too
+
+
+def test_cuda_sampled_spec_equals_cuda_ar(cuda_dec):
+    """Sampling: the number for position p depends only on (seed, p), so DDTree reproduces AR's draws."""
+    ids = cuda_dec.tokenize(PROMPTS[1])
+    n = 8 if EMULATED else N_NEW
+    ar = cuda_dec.generate(ids, n, ignore_eos=True, mode="ar", temperature=0.8, seed=7).tokens
+    dd = cuda_dec.generate(ids, n, ignore_eos=True, mode="ddtree", temperature=0.8, seed=7).tokens
+    assert dd == ar
+
+
+def test_cuda_state_matches_cpu(pair):
+    """After the same prefill + decode, the committed state (KV rows, conv windows, recurrent states)
+    agrees with the CPU's within f32 rounding."""
+    from dflash27b import _handles
+    from dflash27b._lib import TYPE_IDS
+
+    def state(device: int) -> np.ndarray:
+        m = _handles.Model(str(pair[0]))
+        try:
+            c = _handles.Context(m, 256, 64, 2, TYPE_IDS["f32"], device)
+            ids = list(range(5, 45))
+            c.forward(ids, logit_rows=[len(ids) - 1])
+            c.forward([77], logit_rows=[0])
+            s = c.state()
+            c.close()
+            return np.frombuffer(s, np.float32)
+        finally:
+            m.close()
+
+    cpu, gpu = state(0), state(1)
+    assert cpu.shape == gpu.shape
+    assert np.abs(gpu - cpu).max() <= 1e-4 * np.abs(cpu).max()
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0", "bf16", "f32"])
+def test_cuda_kv_types(pair, kv):
+    """Every KV type decodes on CUDA; with the same KV type the first tokens match the CPU's."""
+    n = 8 if EMULATED else 32
+    out = {}
+    for dev in ("cpu", "cuda"):
+        with Decoder(pair[0], device=dev, kv_type=kv, ctx=512, threads=2) as d:
+            out[dev] = d.generate(PROMPTS[0], n, ignore_eos=True, mode="ar").tokens
+    assert len(out["cuda"]) == n
+    assert out["cuda"][:4] == out["cpu"][:4]
+
+
+def test_cuda_quantized_logits_close_to_cpu(synth_gguf):
+    """A Q4_K_M type mix: the GPU keeps activations in f32, the CPU quantises them to int8 per block,
+    so logits agree within the CPU's stated matmul tolerance."""
+    path = synth_gguf("q4_k_m")
+    ids = [3, 17, 99, 250, 7, 1]
+    rows = {}
+    for dev in ("cpu", "cuda"):
+        with Decoder(path, device=dev, ctx=256, threads=2) as d:
+            rows[dev] = d.logits(ids)
+    ref = rows["cpu"]
+    assert np.abs(rows["cuda"] - ref).max() <= 5e-2 * np.abs(ref).max()
+
+
+def test_auto_device_prefers_the_gpu(pair):
+    with Decoder(pair[0], device="auto", ctx=256, threads=2) as d:
+        assert d.device == ("cpu" if EMULATED else "cuda")
+
+
+def test_memory_plan_refusal(pair):
+    """A context that cannot fit is refused before anything is uploaded, naming the parts."""
+    if EMULATED:
+        pytest.skip("the emulator reports 8 GiB free; a 2M-token F32 KV of the tiny model still fits")
+    with pytest.raises(DFlashError, match="does not fit on the GPU"):
+        Decoder(pair[0], device="cuda", ctx=1 << 27, kv_type="f32", threads=2)
