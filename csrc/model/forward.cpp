@@ -59,9 +59,12 @@ struct Context::Impl {
   ChunkPlan plan;
   // scratch, sized for n_batch tokens
   BackendBuf x, hn, out, a0, a1, a2, a3, a4;
+  BackendBuf logits;  // [kLogitGroup][n_vocab], allocated on first use
 
   explicit Impl(int threads) : pool(threads) {}
 };
+
+constexpr int kLogitGroup = 32;
 
 static int default_threads() {
   unsigned n = std::thread::hardware_concurrency();
@@ -92,7 +95,8 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
     }
   }
   const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
-  mp.workspace = (3 * nb * c.n_embd + 3 * nb * widest + 2 * nb * std::max(c.ssm_nv, 1)) * 4 + (size_t)c.n_vocab * 4;
+  mp.workspace = (3 * nb * c.n_embd + 3 * nb * widest + 2 * nb * std::max(c.ssm_nv, 1)) * 4 +
+                 (size_t)std::min(kLogitGroup, p.n_batch) * c.n_vocab * 4;
   return mp;
 }
 
@@ -132,7 +136,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
   I.x = BackendBuf(be, nb * c.n_embd * 4);
   I.hn = BackendBuf(be, nb * c.n_embd * 4);
-  I.out = BackendBuf(be, std::max(nb * c.n_embd, (size_t)c.n_vocab) * 4);
+  I.out = BackendBuf(be, nb * c.n_embd * 4);
   I.a0 = BackendBuf(be, nb * widest * 4);
   I.a1 = BackendBuf(be, nb * widest * 4);
   I.a2 = BackendBuf(be, nb * widest * 4);
@@ -360,13 +364,28 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
   }
 
   // ---- logits for the requested rows in this chunk ----
-  for (int r = 0; r < out.n_logits; ++r) {
-    int row = out.logit_rows[r];
-    if (row < off || row >= off + n) continue;
-    float* hrow = I.hn.f();
-    be.rmsnorm(x + (size_t)(row - off) * H, be.vec(M.output_norm), 1, H, c.rms_eps, hrow);
-    be.matmul(M.output, hrow, 1, I.out.f());
-    be.download(out.logits + (size_t)r * c.n_vocab, I.out.f(), (size_t)c.n_vocab * 4);
+  // Up to kLogitGroup rows at a time go through one lm_head matmul (the head is
+  // the largest weight: reading it once per row would dominate a verify step).
+  std::vector<int> rs;
+  for (int r = 0; r < out.n_logits; ++r)
+    if (out.logit_rows[r] >= off && out.logit_rows[r] < off + n) rs.push_back(r);
+  const int group = std::min(kLogitGroup, params_.n_batch);
+  if (!rs.empty() && !I.logits.p)
+    I.logits = BackendBuf(be, (size_t)group * c.n_vocab * 4);
+  for (size_t g0 = 0; g0 < rs.size(); g0 += group) {
+    const int k = (int)std::min(rs.size() - g0, (size_t)group);
+    float* h = I.hn.f();
+    for (int j = 0; j < k; ++j)
+      be.copy(h + (size_t)j * H, x + (size_t)(out.logit_rows[rs[g0 + j]] - off) * H, (size_t)H * 4);
+    be.rmsnorm(h, be.vec(M.output_norm), k, H, c.rms_eps, h);
+    be.matmul(M.output, h, k, I.logits.f());
+    for (int j = 0; j < k;) {  // one download per run of consecutive output rows
+      int e = j + 1;
+      while (e < k && rs[g0 + e] == rs[g0 + e - 1] + 1) ++e;
+      be.download(out.logits + (size_t)rs[g0 + j] * c.n_vocab, I.logits.f() + (size_t)j * c.n_vocab,
+                  (size_t)(e - j) * c.n_vocab * 4);
+      j = e;
+    }
   }
 }
 
