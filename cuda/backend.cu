@@ -52,12 +52,35 @@ struct DeviceWeights {
   ~DeviceWeights() {
     if (arena) cudaFree(arena);
   }
-  void* find(const void* host) const {
+  void* lookup(const void* host) const {
     auto it = dev.find(host);
-    if (it == dev.end()) fail("internal: a weight was not uploaded to the device");
-    return it->second;
+    return it == dev.end() ? nullptr : it->second;
+  }
+  void* find(const void* host) const {
+    void* p = lookup(host);
+    if (!p) fail("internal: a weight was not uploaded to the device");
+    return p;
   }
 };
+
+// Host tensors (address, bytes) into one device allocation.
+void upload_tensors(const std::vector<std::pair<const void*, size_t>>& parts, DeviceWeights& W) {
+  std::map<const void*, size_t> offset;
+  uint64_t total = 0;
+  for (auto& p : parts) {
+    if (offset.count(p.first)) continue;  // tied embeddings: one copy
+    offset[p.first] = total;
+    total += (p.second + 16 + 255) / 256 * 256;
+  }
+  CUDA_CHECK(cudaMalloc(&W.arena, total ? total : 256));
+  W.bytes = total;
+  for (auto& p : parts) {
+    uint8_t* d = static_cast<uint8_t*>(W.arena) + offset[p.first];
+    if (W.dev.count(p.first)) continue;
+    CUDA_CHECK(cudaMemcpy(d, p.first, p.second, cudaMemcpyHostToDevice));
+    W.dev[p.first] = d;
+  }
+}
 
 // Every tensor the forward reads: matrices, then f32 vectors.
 void upload_model(const Model& m, DeviceWeights& W) {
@@ -79,21 +102,26 @@ void upload_model(const Model& m, DeviceWeights& W) {
                                         &l.ssm_a, &l.ssm_norm})
       vec(*v);
   }
-  std::map<const void*, size_t> offset;
-  uint64_t total = 0;
-  for (auto& p : parts) {
-    if (offset.count(p.first)) continue;  // tied embeddings: one copy
-    offset[p.first] = total;
-    total += (p.second + 16 + 255) / 256 * 256;
-  }
-  CUDA_CHECK(cudaMalloc(&W.arena, total));
-  W.bytes = total;
-  for (auto& p : parts) {
-    uint8_t* d = static_cast<uint8_t*>(W.arena) + offset[p.first];
-    if (W.dev.count(p.first)) continue;
-    CUDA_CHECK(cudaMemcpy(d, p.first, p.second, cudaMemcpyHostToDevice));
-    W.dev[p.first] = d;
-  }
+  upload_tensors(parts, W);
+}
+
+// One DeviceWeights per owner (a drafter) while any backend uses it.
+std::shared_ptr<DeviceWeights> tensors_for(const void* owner, const std::vector<std::pair<const void*, size_t>>& t) {
+  static std::mutex mu;
+  static std::map<const void*, std::weak_ptr<DeviceWeights>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto w = cache[owner].lock()) return w;
+  uint64_t need = 0;
+  for (auto& p : t) need += (p.second + 16 + 255) / 256 * 256;
+  size_t free_b = 0, total_b = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (need > free_b)
+    fail("the drafter does not fit on the GPU: its weights need %s but %s are free", mib(need).c_str(),
+         mib(free_b).c_str());
+  auto w = std::make_shared<DeviceWeights>();
+  upload_tensors(t, *w);
+  cache[owner] = w;
+  return w;
 }
 
 // One DeviceWeights per Model while any context uses it.
@@ -135,18 +163,14 @@ unsigned elementwise_grid(size_t n) { return (unsigned)std::min<size_t>((n + 255
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const Model& m, DType kv_type, const MemoryPlan& plan) : m_(m), c_(m.cfg), kvt_(kv_type) {
+  CudaBackend(const Model& m, const MemoryPlan& plan) : m_(m), c_(m.cfg) {
     pick_device();
-    if (c_.head_dim > fwd::kMaxHeadDim) fail("head_dim %d exceeds the CUDA attention limit %d", c_.head_dim, fwd::kMaxHeadDim);
     if (c_.conv_kernel > fwd::kMaxConvK) fail("conv kernel %d exceeds the CUDA limit %d", c_.conv_kernel, fwd::kMaxConvK);
     if (c_.ssm_dv % 32 || c_.ssm_dv > fwd::kMaxBlock) fail("delta-net value head dim %d is not a multiple of 32 <= 1024", c_.ssm_dv);
     if (c_.ssm_dk != 32 && c_.ssm_dk != 64 && c_.ssm_dk != 128 && c_.ssm_dk != 256)
       fail("delta-net key head dim %d: the CUDA kernel is built for 32, 64, 128 and 256", c_.ssm_dk);
     weights_ = weights_for(m, plan);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    const TypeTraits* tt = type_traits((uint32_t)kvt_);
-    head_bytes_ = (int64_t)(c_.head_dim / tt->block_elems) * tt->block_bytes;
-    kv_row_ = (int64_t)row_bytes(kvt_, c_.kv_dim());
     CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));
   }
   ~CudaBackend() override {
@@ -182,9 +206,14 @@ class CudaBackend final : public Backend {
   void fill_zero(void* dst, size_t bytes) override { CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_)); }
   void sync() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
-  const void* weight(const Weight& w) override { return weights_->find(w.data); }
+  const void* weight(const Weight& w) override { return find(w.data); }
   const float* vec(const std::vector<float>& v) override {
-    return v.empty() ? nullptr : static_cast<const float*>(weights_->find(v.data()));
+    return v.empty() ? nullptr : static_cast<const float*>(find(v.data()));
+  }
+  void add_weights(const void* owner, const std::vector<std::pair<const void*, size_t>>& tensors) override {
+    for (auto& e : extra_)
+      if (e.first == owner) return;
+    extra_.push_back({owner, tensors_for(owner, tensors)});
   }
 
   void begin_chunk(const ChunkPlan& p) override {
@@ -254,22 +283,28 @@ class CudaBackend final : public Backend {
   void add(float* x, const float* y, size_t count) override {
     launch(fwd::add_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, x, y, (int64_t)count);
   }
+  void scale(float* x, float s, size_t count) override {
+    launch(fwd::scale_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, x, s, (int64_t)count);
+  }
   void swiglu(float* g, const float* u, size_t count) override {
     launch(fwd::swiglu_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, g, u, (int64_t)count);
   }
 
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
-    fwd::StoreArgs a{qg, kk, vv, L.k_cache, L.v_cache, L.q_norm, L.k_norm, pos_, L.slot0, c_.n_head, c_.n_head_kv,
-                     c_.head_dim, c_.n_rot, kv_row_, head_bytes_, c_.rms_eps, c_.rope_base, kvt_};
-    const unsigned threads = (unsigned)((c_.head_dim + 31) / 32 * 32);
-    launch(fwd::attn_store_kernel, dim3((unsigned)n_, (unsigned)(c_.n_head + 2 * c_.n_head_kv)), dim3(threads), 0,
+    const AttnShape& s = check_shape(L.s);
+    fwd::StoreArgs a{qg, kk, vv, L.k_cache, L.v_cache, L.q_norm, L.k_norm, pos_, L.slot0, s.n_head, s.n_head_kv,
+                     s.head_dim, s.n_rot, s.q_stride(), kv_row(s), head_bytes(s), s.eps, s.rope_base, s.kv_type};
+    const unsigned threads = (unsigned)((s.head_dim + 31) / 32 * 32);
+    launch(fwd::attn_store_kernel, dim3((unsigned)n_, (unsigned)(s.n_head + 2 * s.n_head_kv)), dim3(threads), 0,
            stream_, a);
   }
 
   void attention(const float* qg, const AttnLayer& L, float* o) override {
-    fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, c_.n_head,
-                    c_.n_head_kv, c_.head_dim, kv_row_, head_bytes_, 1.f / std::sqrt((float)c_.head_dim), kvt_};
-    launch(fwd::attention_kernel, dim3((unsigned)n_, (unsigned)c_.n_head), dim3(fwd::kAttnThreads), 0, stream_, a);
+    const AttnShape& s = check_shape(L.s);
+    fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, s.n_head,
+                    s.n_head_kv, s.head_dim, s.q_stride(), kv_row(s), head_bytes(s),
+                    1.f / std::sqrt((float)s.head_dim), s.kv_type, s.gated};
+    launch(fwd::attention_kernel, dim3((unsigned)n_, (unsigned)s.n_head), dim3(fwd::kAttnThreads), 0, stream_, a);
   }
 
   void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
@@ -288,13 +323,28 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  static const AttnShape& check_shape(const AttnShape& s) {
+    if (s.head_dim > fwd::kMaxHeadDim || s.head_dim % 32)
+      fail("attention head_dim %d: the CUDA kernels take multiples of 32 up to %d", s.head_dim, fwd::kMaxHeadDim);
+    return s;
+  }
+  static int64_t kv_row(const AttnShape& s) { return (int64_t)row_bytes(s.kv_type, (int64_t)s.n_head_kv * s.head_dim); }
+  static int64_t head_bytes(const AttnShape& s) {
+    const TypeTraits* tt = type_traits((uint32_t)s.kv_type);
+    return (int64_t)(s.head_dim / tt->block_elems) * tt->block_bytes;
+  }
+  void* find(const void* host) const {
+    for (auto& e : extra_)
+      if (void* p = e.second->lookup(host)) return p;
+    return weights_->find(host);
+  }
+
   const Model& m_;
   const Qwen35Config& c_;
-  DType kvt_;
   std::shared_ptr<DeviceWeights> weights_;
+  std::vector<std::pair<const void*, std::shared_ptr<DeviceWeights>>> extra_;  // the drafter's
   cudaStream_t stream_ = nullptr;
   cudaDeviceProp prop_{};
-  int64_t head_bytes_ = 0, kv_row_ = 0;
   // the current chunk's plan on the device
   int n_ = 0;
   bool commit_ = true;
@@ -308,8 +358,8 @@ class CudaBackend final : public Backend {
 }  // namespace
 }  // namespace cuda
 
-std::unique_ptr<Backend> make_cuda_backend(const Model& m, DType kv_type, const MemoryPlan& plan) {
-  return std::make_unique<cuda::CudaBackend>(m, kv_type, plan);
+std::unique_ptr<Backend> make_cuda_backend(const Model& m, const MemoryPlan& plan) {
+  return std::make_unique<cuda::CudaBackend>(m, plan);
 }
 
 }  // namespace dfl

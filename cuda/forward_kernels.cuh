@@ -81,6 +81,10 @@ __global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     x[i] += y[i];
 }
+__global__ void scale_kernel(float* x, float s, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    x[i] *= s;
+}
 __global__ void swiglu_kernel(float* g, const float* __restrict__ u, int64_t n) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     g[i] = silu_f(g[i]) * u[i];
@@ -165,8 +169,9 @@ __device__ __forceinline__ float kv_elem(DType kvt, const uint8_t* row, int i) {
 
 // ---------------------------------------------------------------- attention: store
 // grid (n, n_head + 2 * n_head_kv), blockDim = head_dim rounded up to 32.
-// y = 0..n_head-1: q heads (RMSNorm, RoPE, in place in qg); then k heads
-// (RMSNorm, RoPE, in place, and written to the cache); then v heads (cache).
+// y = 0..n_head-1: q heads (RMSNorm, RoPE, in place in qg, q_stride floats
+// apart); then k heads (RMSNorm, RoPE, in place, and written to the cache);
+// then v heads (cache).
 struct StoreArgs {
   float* qg;
   float* kk;
@@ -176,7 +181,7 @@ struct StoreArgs {
   const float* q_norm;
   const float* k_norm;
   const int32_t* pos;
-  int slot0, n_head, n_head_kv, head_dim, n_rot;
+  int slot0, n_head, n_head_kv, head_dim, n_rot, q_stride;
   int64_t kv_row, head_bytes;
   float eps, rope_base;
   DType kvt;
@@ -191,7 +196,7 @@ __global__ void attn_store_kernel(StoreArgs a) {
   const float* norm;
   int kvh = 0;
   if (kind == 0) {
-    src = a.qg + ((int64_t)t * a.n_head + y) * 2 * hd;
+    src = a.qg + ((int64_t)t * a.n_head + y) * a.q_stride;
     norm = a.q_norm;
   } else if (kind == 1) {
     kvh = y - a.n_head;
@@ -249,10 +254,11 @@ struct AttnArgs {
   const int32_t* extra_begin;
   const int32_t* extra_count;
   const int32_t* extra_slots;
-  int n_head, n_head_kv, head_dim;
+  int n_head, n_head_kv, head_dim, q_stride;
   int64_t kv_row, head_bytes;
   float scale;
   DType kvt;
+  bool gated;  // output times sigmoid(gate), the gate stored after q in each head's q_stride
 };
 constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512;
 
@@ -264,7 +270,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnArgs a) {
   const int t = blockIdx.x, j = blockIdx.y, hd = a.head_dim;
   const int m = j / (a.n_head / a.n_head_kv);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* qh = a.qg + ((int64_t)t * a.n_head + j) * 2 * hd;
+  const float* qh = a.qg + ((int64_t)t * a.n_head + j) * a.q_stride;
   for (int d = tid; d < hd; d += kAttnThreads) q[d] = qh[d];
   const int n_prefix = a.n_prefix[t];
   const int n_vis = n_prefix + a.extra_count[t];
@@ -319,7 +325,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnArgs a) {
   for (int e = 0; e < kDims; ++e) {
     const int d = tid + e * kAttnThreads;
     if (d >= hd) break;
-    ot[d] = acc[e] * inv * sigmoid_f(qh[hd + d]);
+    ot[d] = a.gated ? acc[e] * inv * sigmoid_f(qh[hd + d]) : acc[e] * inv;
   }
 }
 

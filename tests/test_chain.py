@@ -6,6 +6,7 @@ tiny target (tests/fixtures, high acceptance).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +109,9 @@ def test_small_ring_still_equals_ar_and_draft_memory_is_constant(tiny_f32_gguf, 
             d.generate(prompt_of(300 if ctx > 400 else 17), 8, ignore_eos=True)
             sizes.add(d.context.draft_state_bytes)
     assert sizes == {small}  # independent of context length and prompt length
-    # ring of 64 positions x (2 layer features x 256) f32 + 2 layers x K,V x 64 x 128 f32
-    assert small == 64 * 512 * 4 + 2 * 2 * 64 * 128 * 4
+    # ring of 64 positions x (2 layer features x 256) f32 + 2 layers x K,V x (64 + the block's 8 slots) x 128 f32
+    block = max(8, json.loads((Path(random_draft) / "config.json").read_text())["block_size"])
+    assert small == 64 * 512 * 4 + 2 * 2 * (64 + block) * 128 * 4
 
 
 def test_mode_errors(tiny_f32_gguf, random_draft):

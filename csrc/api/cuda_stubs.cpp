@@ -26,7 +26,7 @@ double dfl_cuda_bench_matmul(uint32_t, int64_t, int64_t, int32_t, int32_t) {
 #pragma GCC visibility pop
 
 namespace dfl {
-std::unique_ptr<Backend> make_cuda_backend(const Model&, DType, const MemoryPlan&) {
+std::unique_ptr<Backend> make_cuda_backend(const Model&, const MemoryPlan&) {
   fail("device 'cuda' requested but this build of dflash27b has no CUDA backend (nvcc was not found at build "
        "time; dflash27b --version shows what was built)");
 }

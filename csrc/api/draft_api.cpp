@@ -71,7 +71,7 @@ int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_draft
     c->gen->set_drafter(nullptr);
     c->drafter.reset();
     if (!d) return;
-    c->drafter = std::make_unique<dfl::Drafter>(*d->d, c->ctx->model(), drafter_params(p), &c->ctx->pool());
+    c->drafter = std::make_unique<dfl::Drafter>(*d->d, c->ctx->model(), drafter_params(p), &c->ctx->backend());
     c->gen->set_drafter(c->drafter.get());
   });
 }

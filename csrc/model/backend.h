@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/qwen35.h"
@@ -35,9 +36,21 @@ struct ChunkPlan {
   int max_visible = 0;  // max over t of n_prefix + extra_count
 };
 
+// Shape of an attention layer: the target's gated attention (q rows per head
+// [q | gate], output times sigmoid(gate)) or the drafter's plain one (q rows
+// per head [q]); RoPE (NeoX) on the first n_rot dims of q and k heads.
+struct AttnShape {
+  int n_head = 0, n_head_kv = 0, head_dim = 0, n_rot = 0;
+  float rope_base = 0.f, eps = 0.f;
+  bool gated = false;
+  DType kv_type = DType::F32;  // K/V cache rows: n_head_kv * head_dim values of this type
+  int q_stride() const { return (gated ? 2 : 1) * head_dim; }
+};
+
 // Arguments of the attention-layer ops (one layer, one chunk).
 struct AttnLayer {
-  uint8_t* k_cache;  // n_ctx rows of kv_row bytes (kv_type, n_head_kv * head_dim values)
+  AttnShape s;
+  uint8_t* k_cache;  // rows of row_bytes(kv_type, n_head_kv * head_dim) bytes
   uint8_t* v_cache;
   int slot0;         // KV slot of the chunk's first token
   const float* q_norm;  // backend vectors (head_dim)
@@ -72,6 +85,9 @@ class Backend {
   // The backend's copy of a model weight / f32 vector (host handle -> backend pointer).
   virtual const void* weight(const Weight& w) = 0;
   virtual const float* vec(const std::vector<float>& v) = 0;
+  // Makes more host tensors (address, bytes) reachable through weight()/vec():
+  // the drafter's.  Uploaded once per `owner` while a backend of it lives.
+  virtual void add_weights(const void* owner, const std::vector<std::pair<const void*, size_t>>& tensors) = 0;
 
   // ---- ops ----
   // Uploads what the chunk's ops read (ids, positions, visibility, parents).
@@ -84,14 +100,16 @@ class Backend {
   virtual void matmul(const Weight& W, const float* x, int n, float* y) = 0;
   // x += y over count values.
   virtual void add(float* x, const float* y, size_t count) = 0;
+  // x *= s over count values.
+  virtual void scale(float* x, float s, size_t count) = 0;
   // g = silu(g) * u over count values.
   virtual void swiglu(float* g, const float* u, size_t count) = 0;
-  // Per chunk token: each q head of qg ([q | gate] per head) and each k head
-  // of kk gets its RMSNorm and NeoX RoPE at the token's position; K and V
-  // rows are written (converted to kv_type) to slot0 + t.
+  // Per chunk token: each q head of qg and each k head of kk gets its RMSNorm
+  // and NeoX RoPE at the token's position; K and V rows are written
+  // (converted to kv_type) to slot0 + t.  n_head may be 0 (K/V only).
   virtual void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) = 0;
-  // o[t] = softmax over the token's visible slots of q.k / sqrt(hd), times V,
-  // times sigmoid(gate): n_head heads of head_dim, GQA over n_head_kv.
+  // o[t] = softmax over the token's visible slots of q.k / sqrt(hd), times V
+  // (times sigmoid(gate) when gated): n_head heads of head_dim, GQA over n_head_kv.
   virtual void attention(const float* qg, const AttnLayer& L, float* o) = 0;
   // Gated delta-net core per chunk token, in order: conv1d over the window of
   // the token's starting state (then SiLU), L2-norm of q/k heads, the delta
@@ -103,7 +121,7 @@ class Backend {
 
 // The worker threads are the context's (the CPU backend computes on them; a
 // CUDA context keeps them for the CPU-side drafter).
-std::unique_ptr<Backend> make_cpu_backend(const Model& m, DType kv_type, ThreadPool& pool);
+std::unique_ptr<Backend> make_cpu_backend(const Model& m, ThreadPool& pool);
 // Bytes a context needs on its device, by part (printed before loading, and
 // checked against the device's free memory).
 struct MemoryPlan {
@@ -119,6 +137,32 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes);
 // Uploads the model's weights once per Model (shared by its CUDA contexts)
 // after checking `plan` against the device's free memory.  Fails with a clear
 // message when CUDA is not built, no device is usable, or the plan does not fit.
-std::unique_ptr<Backend> make_cuda_backend(const Model& m, DType kv_type, const MemoryPlan& plan);
+std::unique_ptr<Backend> make_cuda_backend(const Model& m, const MemoryPlan& plan);
+
+// Backend memory released through its backend.
+struct BackendBuf {
+  Backend* be = nullptr;
+  void* p = nullptr;
+  size_t bytes = 0;
+  BackendBuf() = default;
+  BackendBuf(Backend& b, size_t n) : be(&b), p(b.alloc(n)), bytes(n) {}
+  BackendBuf(BackendBuf&& o) noexcept : be(o.be), p(o.p), bytes(o.bytes) { o.p = nullptr; o.bytes = 0; }
+  BackendBuf& operator=(BackendBuf&& o) noexcept {
+    if (this != &o) {
+      reset();
+      be = o.be; p = o.p; bytes = o.bytes;
+      o.p = nullptr; o.bytes = 0;
+    }
+    return *this;
+  }
+  ~BackendBuf() { reset(); }
+  void reset() {
+    if (p) be->release(p);
+    p = nullptr;
+    bytes = 0;
+  }
+  float* f() const { return static_cast<float*>(p); }
+  uint8_t* u8() const { return static_cast<uint8_t*>(p); }
+};
 
 }  // namespace dfl

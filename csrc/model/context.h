@@ -72,6 +72,8 @@ class Context {
   int64_t n_forwards() const { return n_forwards_; }
   // The context's worker threads, shared with a drafter serving it.
   ThreadPool& pool();
+  // The backend the context computes on, shared with a drafter serving it.
+  Backend& backend();
 
  private:
   struct Impl;

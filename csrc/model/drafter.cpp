@@ -19,7 +19,7 @@ int hw_threads() {
 }
 }  // namespace
 
-Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterParams& p, ThreadPool* pool)
+Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterParams& p, Backend* backend)
     : d_(draft), t_(target), cap_(p.ring_capacity) {
   const DraftConfig& c = d_.cfg;
   validate_pair(c, target.cfg);
@@ -27,15 +27,50 @@ Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterPara
   if (!c.rope_scaling_type.empty())
     fail("drafter rope_scaling type '%s' is not supported by this version (only unscaled RoPE)",
          c.rope_scaling_type.c_str());
-  if (pool) {
-    pool_ = pool;
+  if (backend) {
+    be_ = backend;
   } else {
     own_pool_ = std::make_unique<ThreadPool>(p.n_threads > 0 ? p.n_threads : hw_threads());
-    pool_ = own_pool_.get();
+    own_be_ = make_cpu_backend(target, *own_pool_);
+    be_ = own_be_.get();
   }
-  ring_.assign((size_t)cap_ * c.fc_in(), 0.f);
-  k_.assign(c.n_layer, std::vector<float>((size_t)cap_ * c.kv_dim(), 0.f));
-  v_.assign(c.n_layer, std::vector<float>((size_t)cap_ * c.kv_dim(), 0.f));
+  // The drafter's tensors join the backend's weights (the target's embedding and
+  // lm_head are the target model's, already there).
+  std::vector<std::pair<const void*, size_t>> t;
+  auto mat = [&](const Weight& w) { t.push_back({w.data, (size_t)w.rows * w.row_bytes}); };
+  auto vec = [&](const std::vector<float>& v) {
+    if (!v.empty()) t.push_back({v.data(), v.size() * 4});
+  };
+  mat(d_.fc);
+  vec(d_.hidden_norm);
+  vec(d_.norm);
+  for (const DraftLayerWeights& L : d_.layers) {
+    for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down}) mat(*w);
+    for (const std::vector<float>* v : {&L.input_norm, &L.post_norm, &L.q_norm, &L.k_norm}) vec(*v);
+  }
+  be_->add_weights(&d_, t);
+  // z-lab: q/k RMSNorm per head, RoPE over the whole head (rotary dim = head_dim).
+  attn_ = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.head_dim, (float)c.rope_theta, c.rms_eps, false, DType::F32};
+  ring_ = BackendBuf(*be_, (size_t)cap_ * c.fc_in() * 4);
+  block_rows_ = std::max(c.block_size, 2);
+  for (int l = 0; l < c.n_layer; ++l) {
+    k_.emplace_back(*be_, (size_t)(cap_ + block_rows_) * c.kv_dim() * 4);
+    v_.emplace_back(*be_, (size_t)(cap_ + block_rows_) * c.kv_dim() * 4);
+  }
+}
+
+// Room for a block of B rows after the context ring (the config's block size
+// unless a caller asks for more); the ring's rows move to the new buffers.
+void Drafter::ensure_block_rows(int B) {
+  if (B <= block_rows_) return;
+  const size_t row = (size_t)d_.cfg.kv_dim() * 4;
+  for (auto* kv : {&k_, &v_})
+    for (BackendBuf& b : *kv) {
+      BackendBuf nb(*be_, (size_t)(cap_ + B) * row);
+      be_->copy(nb.p, b.p, (size_t)cap_ * row);
+      b = std::move(nb);
+    }
+  block_rows_ = B;
 }
 
 Drafter::~Drafter() = default;
@@ -46,20 +81,42 @@ void Drafter::reset() {
 }
 
 size_t Drafter::state_bytes() const {
-  size_t b = ring_.size() * 4;
-  for (auto& k : k_) b += k.size() * 4;
-  for (auto& v : v_) b += v.size() * 4;
+  size_t b = ring_.bytes;
+  for (auto& k : k_) b += k.bytes;
+  for (auto& v : v_) b += v.bytes;
   return b;
+}
+
+void Drafter::ensure_scratch(int rows) {
+  if (rows <= scratch_rows_) return;
+  const DraftConfig& c = d_.cfg;
+  Backend& be = *be_;
+  const size_t r = (size_t)rows;
+  x_ = BackendBuf(be, r * c.hidden * 4);
+  hn_ = BackendBuf(be, r * c.hidden * 4);
+  q_ = BackendBuf(be, r * c.q_dim() * 4);
+  kb_ = BackendBuf(be, r * c.kv_dim() * 4);
+  vb_ = BackendBuf(be, r * c.kv_dim() * 4);
+  att_ = BackendBuf(be, r * c.q_dim() * 4);
+  out_ = BackendBuf(be, r * c.hidden * 4);
+  g_ = BackendBuf(be, r * c.n_ff * 4);
+  u_ = BackendBuf(be, r * c.n_ff * 4);
+  ctx_ = BackendBuf(be, r * c.hidden * 4);
+  scratch_rows_ = rows;
 }
 
 void Drafter::push_features(int32_t pos0, int n, const float* feats) {
   if (pos0 != n_pos_) fail("features for position %d pushed, but the drafter expects position %d next", pos0, n_pos_);
   if (n < 0) fail("negative feature count");
   const size_t w = (size_t)feature_width();
-  // Only the newest `cap_` positions can ever be read again.
   const int skip = std::max(0, n - cap_);
-  for (int i = skip; i < n; ++i)
-    std::memcpy(ring_.data() + (size_t)((pos0 + i) % cap_) * w, feats + (size_t)i * w, w * 4);
+  // Contiguous runs of ring rows: at most two per push (the ring wraps once).
+  for (int i = skip; i < n;) {
+    const int slot = (pos0 + i) % cap_;
+    const int run = std::min(n - i, cap_ - slot);
+    be_->upload(ring_.f() + (size_t)slot * w, feats + (size_t)i * w, (size_t)run * w * 4);
+    i += run;
+  }
   n_pos_ += n;
   // Positions that fell out of the ring before being consumed are never projected.
   consumed_ = std::max(consumed_, n_pos_ - cap_);
@@ -73,7 +130,8 @@ void Drafter::skip_features(int32_t pos0, int n) {
 
 void Drafter::consume_features() {
   while (consumed_ < n_pos_) {
-    int n = std::min(kProjectChunk, n_pos_ - consumed_);
+    // chunks never cross the ring's wrap, so each is one run of ring slots
+    int n = std::min({kProjectChunk, n_pos_ - consumed_, cap_ - consumed_ % cap_});
     project_context(consumed_, n);
     consumed_ += n;
   }
@@ -81,32 +139,61 @@ void Drafter::consume_features() {
 
 void Drafter::project_context(int32_t pos0, int n) {
   const DraftConfig& c = d_.cfg;
-  const int H = c.hidden, hd = c.head_dim, kvd = c.kv_dim();
+  Backend& be = *be_;
+  const int H = c.hidden;
   const size_t w = (size_t)feature_width();
-  std::vector<float>& f = g_;  // scratch: gathered ring rows
-  f.resize((size_t)n * w);
-  for (int i = 0; i < n; ++i)
-    std::memcpy(f.data() + (size_t)i * w, ring_.data() + (size_t)((pos0 + i) % cap_) * w, w * 4);
-  ctx_.resize((size_t)n * H);
-  matmul(*pool_, d_.fc, f.data(), n, ctx_.data(), act_);
-  rmsnorm_rows(ctx_.data(), d_.hidden_norm.data(), n, H, c.rms_eps, ctx_.data());
-  kb_.resize((size_t)n * kvd);
-  vb_.resize((size_t)n * kvd);
+  ensure_scratch(std::max(n, kProjectChunk));
+  const int slot0 = pos0 % cap_;
+  ChunkPlan& P = plan_a_;
+  P = ChunkPlan{};
+  P.n = n;
+  for (int i = 0; i < n; ++i) {
+    P.tokens.push_back(0);
+    P.pos.push_back(pos0 + i);
+    P.n_prefix.push_back(0);
+    P.extra_begin.push_back(0);
+    P.extra_count.push_back(0);
+    P.parent.push_back(i - 1);
+  }
+  be.begin_chunk(P);
+  be.matmul(d_.fc, ring_.f() + (size_t)slot0 * w, n, ctx_.f());
+  be.rmsnorm(ctx_.f(), be.vec(d_.hidden_norm), n, H, c.rms_eps, ctx_.f());
+  AttnShape kv_only = attn_;
+  kv_only.n_head = 0;
   for (int l = 0; l < c.n_layer; ++l) {
     const DraftLayerWeights& L = d_.layers[l];
-    matmul(*pool_, L.wk, ctx_.data(), n, kb_.data(), act_);
-    matmul(*pool_, L.wv, ctx_.data(), n, vb_.data(), act_);
-    for (int i = 0; i < n; ++i) {
-      const int32_t pos = pos0 + i;
-      float* k = kb_.data() + (size_t)i * kvd;
-      for (int m = 0; m < c.n_head_kv; ++m) {
-        rmsnorm_rows(k + m * hd, L.k_norm.data(), 1, hd, c.rms_eps, k + m * hd);
-        rope_neox(k + m * hd, hd, pos, (float)c.rope_theta);
-      }
-      const size_t slot = (size_t)(pos % cap_) * kvd;
-      std::memcpy(k_[l].data() + slot, k, (size_t)kvd * 4);
-      std::memcpy(v_[l].data() + slot, vb_.data() + (size_t)i * kvd, (size_t)kvd * 4);
-    }
+    be.matmul(L.wk, ctx_.f(), n, kb_.f());
+    be.matmul(L.wv, ctx_.f(), n, vb_.f());
+    // k_norm + RoPE at the positions, rows stored at their ring slots
+    be.attn_store(nullptr, kb_.f(), vb_.f(),
+                  AttnLayer{kv_only, k_[l].u8(), v_[l].u8(), slot0, nullptr, be.vec(L.k_norm)});
+  }
+}
+
+void Drafter::plan_block(const int32_t* tokens, int B, bool causal, int64_t W, ChunkPlan& P) const {
+  const int32_t s = n_pos_, lo = std::max(0, s - cap_);
+  auto visible = [&](int64_t qp, int64_t kp) {
+    if (causal && kp > qp) return false;
+    if (W > 0 && (qp - kp >= W || (!causal && kp - qp >= W))) return false;
+    return true;
+  };
+  P = ChunkPlan{};
+  P.n = B;
+  for (int i = 0; i < B; ++i) {
+    const int64_t qp = s + i;
+    P.tokens.push_back(tokens[i]);
+    P.pos.push_back((int32_t)qp);
+    P.n_prefix.push_back(0);
+    P.parent.push_back(i - 1);
+    P.extra_begin.push_back((int32_t)P.extra_slots.size());
+    // keys in order: cached context (ascending positions), then the block (slots cap..)
+    const int64_t c0 = W > 0 ? std::max<int64_t>(lo, qp - W + 1) : lo;
+    for (int64_t p = c0; p < s; ++p)
+      if (visible(qp, p)) P.extra_slots.push_back((int32_t)(p % cap_));
+    for (int b = 0; b < B; ++b)
+      if (visible(qp, s + b)) P.extra_slots.push_back(cap_ + b);
+    P.extra_count.push_back((int32_t)P.extra_slots.size() - P.extra_begin.back());
+    P.max_visible = std::max(P.max_visible, P.extra_count.back());
   }
 }
 
@@ -119,119 +206,55 @@ void Drafter::propose(const int32_t* block_tokens, int n_block, float* logits) {
       fail("draft block token %d at index %d is outside the vocabulary", block_tokens[i], i);
   consume_features();
 
-  const int B = n_block, H = c.hidden, hd = c.head_dim, qd = c.q_dim(), kvd = c.kv_dim();
-  const int32_t s = n_pos_;                      // position of the root
-  const int32_t lo = std::max(0, s - cap_);      // oldest context position still in the ring
-  x_.resize((size_t)B * H);
-  hn_.resize((size_t)B * H);
-  q_.resize((size_t)B * qd);
-  kb_.resize((size_t)B * kvd);
-  vb_.resize((size_t)B * kvd);
-  att_.resize((size_t)B * qd);
-  out_.resize((size_t)B * H);
-  g_.resize((size_t)B * c.n_ff);
-  u_.resize((size_t)B * c.n_ff);
-  for (int i = 0; i < B; ++i) {
-    float* xi = x_.data() + (size_t)i * H;
-    embed_row(t_.tok_embd, block_tokens[i], xi);
-    if (c.input_embedding_scale != 1.f)
-      for (int j = 0; j < H; ++j) xi[j] *= c.input_embedding_scale;
-  }
-  const float scale = 1.f / std::sqrt((float)hd);
-  const int group = c.n_head / c.n_head_kv;
+  Backend& be = *be_;
+  const int B = n_block, H = c.hidden;
+  ensure_scratch(B);
+  ensure_block_rows(B);
+  // Layer kinds share a plan: (causal, window) per layer; re-upload only when it changes.
+  auto kind = [&](int l) {
+    const bool causal = c.is_causal >= 0 ? c.is_causal == 1 : c.is_sliding[l] != 0;  // z-lab's rule
+    return std::make_pair(causal, (int64_t)(c.is_sliding[l] ? c.sliding_window : 0));
+  };
+  std::pair<bool, int64_t> current{false, -1};
+  auto use_plan = [&](int l) {
+    const auto k = kind(l);
+    if (k == current) return;
+    plan_block(block_tokens, B, k.first, k.second, plan_b_);
+    be.begin_chunk(plan_b_);
+    current = k;
+  };
+  use_plan(0);
+  be.embed(t_.tok_embd, x_.f());
+  if (c.input_embedding_scale != 1.f) be.scale(x_.f(), c.input_embedding_scale, (size_t)B * H);
 
   for (int l = 0; l < c.n_layer; ++l) {
     const DraftLayerWeights& L = d_.layers[l];
-    // z-lab: sliding layers are causal unless the config's is_causal says otherwise (for every layer).
-    const bool causal = c.is_causal >= 0 ? c.is_causal == 1 : c.is_sliding[l] != 0;
-    const int64_t W = c.is_sliding[l] ? c.sliding_window : 0;
-    rmsnorm_rows(x_.data(), L.input_norm.data(), B, H, c.rms_eps, hn_.data());
-    matmul(*pool_, L.wq, hn_.data(), B, q_.data(), act_);
-    matmul(*pool_, L.wk, hn_.data(), B, kb_.data(), act_);
-    matmul(*pool_, L.wv, hn_.data(), B, vb_.data(), act_);
-    for (int i = 0; i < B; ++i) {
-      for (int j = 0; j < c.n_head; ++j) {
-        float* q = q_.data() + (size_t)i * qd + (size_t)j * hd;
-        rmsnorm_rows(q, L.q_norm.data(), 1, hd, c.rms_eps, q);
-        rope_neox(q, hd, s + i, (float)c.rope_theta);
-      }
-      for (int m = 0; m < c.n_head_kv; ++m) {
-        float* k = kb_.data() + (size_t)i * kvd + (size_t)m * hd;
-        rmsnorm_rows(k, L.k_norm.data(), 1, hd, c.rms_eps, k);
-        rope_neox(k, hd, s + i, (float)c.rope_theta);
-      }
-    }
-    auto visible = [&](int64_t qp, int64_t kp) {
-      if (causal && kp > qp) return false;
-      if (W > 0 && (qp - kp >= W || (!causal && kp - qp >= W))) return false;
-      return true;
-    };
-    const std::vector<float>& Kc = k_[l];
-    const std::vector<float>& Vc = v_[l];
-    pool_->parallel_for((int64_t)B * c.n_head, 1, [&](int64_t w0, int64_t w1) {
-      thread_local std::vector<float> sc;
-      for (int64_t wi = w0; wi < w1; ++wi) {
-        const int i = (int)(wi / c.n_head), j = (int)(wi % c.n_head), m = j / group;
-        const int64_t qp = s + i;
-        const float* q = q_.data() + (size_t)i * qd + (size_t)j * hd;
-        // keys in order: cached context (ascending positions), then the block
-        const int64_t c0 = W > 0 ? std::max<int64_t>(lo, qp - W + 1) : lo;
-        sc.assign((size_t)(std::max<int64_t>(0, s - c0) + B), -INFINITY);
-        float mx = -INFINITY;
-        size_t n_sc = 0;
-        for (int64_t p = c0; p < s; ++p, ++n_sc) {
-          if (!visible(qp, p)) continue;
-          const float* k = Kc.data() + (size_t)(p % cap_) * kvd + (size_t)m * hd;
-          float d = 0.f;
-          for (int e = 0; e < hd; ++e) d += q[e] * k[e];
-          sc[n_sc] = d * scale;
-          mx = std::max(mx, sc[n_sc]);
-        }
-        for (int b = 0; b < B; ++b, ++n_sc) {
-          if (!visible(qp, s + b)) continue;
-          const float* k = kb_.data() + (size_t)b * kvd + (size_t)m * hd;
-          float d = 0.f;
-          for (int e = 0; e < hd; ++e) d += q[e] * k[e];
-          sc[n_sc] = d * scale;
-          mx = std::max(mx, sc[n_sc]);
-        }
-        float sum = 0.f;
-        for (size_t t = 0; t < n_sc; ++t) {
-          sc[t] = sc[t] == -INFINITY ? 0.f : std::exp(sc[t] - mx);
-          sum += sc[t];
-        }
-        float* o = att_.data() + (size_t)i * qd + (size_t)j * hd;
-        std::fill(o, o + hd, 0.f);
-        size_t t = 0;
-        for (int64_t p = c0; p < s; ++p, ++t) {
-          if (sc[t] == 0.f) continue;
-          const float* v = Vc.data() + (size_t)(p % cap_) * kvd + (size_t)m * hd;
-          for (int e = 0; e < hd; ++e) o[e] += sc[t] * v[e];
-        }
-        for (int b = 0; b < B; ++b, ++t) {
-          if (sc[t] == 0.f) continue;
-          const float* v = vb_.data() + (size_t)b * kvd + (size_t)m * hd;
-          for (int e = 0; e < hd; ++e) o[e] += sc[t] * v[e];
-        }
-        const float inv = 1.f / sum;
-        for (int e = 0; e < hd; ++e) o[e] *= inv;
-      }
-    });
-    matmul(*pool_, L.wo, att_.data(), B, out_.data(), act_);
-    for (size_t i = 0; i < (size_t)B * H; ++i) x_[i] += out_[i];
+    use_plan(l);
+    be.rmsnorm(x_.f(), be.vec(L.input_norm), B, H, c.rms_eps, hn_.f());
+    be.matmul(L.wq, hn_.f(), B, q_.f());
+    be.matmul(L.wk, hn_.f(), B, kb_.f());
+    be.matmul(L.wv, hn_.f(), B, vb_.f());
+    // the block's K/V go to slots cap..cap+B-1, after the context ring
+    const AttnLayer A{attn_, k_[l].u8(), v_[l].u8(), cap_, be.vec(L.q_norm), be.vec(L.k_norm)};
+    be.attn_store(q_.f(), kb_.f(), vb_.f(), A);
+    be.attention(q_.f(), A, att_.f());
+    be.matmul(L.wo, att_.f(), B, out_.f());
+    be.add(x_.f(), out_.f(), (size_t)B * H);
 
-    rmsnorm_rows(x_.data(), L.post_norm.data(), B, H, c.rms_eps, hn_.data());
-    matmul(*pool_, L.gate, hn_.data(), B, g_.data(), act_);
-    matmul(*pool_, L.up, hn_.data(), B, u_.data(), act_);
-    for (size_t i = 0; i < (size_t)B * c.n_ff; ++i) g_[i] = silu(g_[i]) * u_[i];
-    matmul(*pool_, L.down, g_.data(), B, out_.data(), act_);
-    for (size_t i = 0; i < (size_t)B * H; ++i) x_[i] += out_[i];
+    be.rmsnorm(x_.f(), be.vec(L.post_norm), B, H, c.rms_eps, hn_.f());
+    be.matmul(L.gate, hn_.f(), B, g_.f());
+    be.matmul(L.up, hn_.f(), B, u_.f());
+    be.swiglu(g_.f(), u_.f(), (size_t)B * c.n_ff);
+    be.matmul(L.down, g_.f(), B, out_.f());
+    be.add(x_.f(), out_.f(), (size_t)B * H);
   }
 
   // The draft's own final norm, then the target's lm_head for positions 1..B-1.
-  rmsnorm_rows(x_.data() + H, d_.norm.data(), B - 1, H, c.rms_eps, hn_.data());
-  matmul(*pool_, t_.output, hn_.data(), B - 1, logits, act_);
+  be.rmsnorm(x_.f() + H, be.vec(d_.norm), B - 1, H, c.rms_eps, hn_.f());
   const size_t nl = (size_t)(B - 1) * tc.n_vocab;
+  if (logits_.bytes < nl * 4) logits_ = BackendBuf(be, nl * 4);
+  be.matmul(t_.output, hn_.f(), B - 1, logits_.f());
+  be.download(logits, logits_.f(), nl * 4);
   if (c.output_multiplier != 1.f)
     for (size_t i = 0; i < nl; ++i) logits[i] *= c.output_multiplier;
   if (c.final_logit_softcapping > 0.f) {

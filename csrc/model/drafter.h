@@ -10,13 +10,16 @@
 // then attends over the cached context of the most recent `capacity`
 // positions plus the block itself, so memory is constant in context length.
 // The arithmetic follows z-lab's dflash 0.1.0 (DFlashDraftModel.forward).
+// It runs on a Backend — the target context's (CPU or CUDA) when it serves
+// one, so ring, draft KV and weights live where the target's do — through the
+// same ops as the target forward (plain, ungated attention with f32 K/V).
 #pragma once
 #include <memory>
 #include <vector>
 
+#include "model/backend.h"
 #include "model/dflash_draft.h"
 #include "model/qwen35.h"
-#include "ops/cpu_ops.h"
 #include "util/threadpool.h"
 
 namespace dfl {
@@ -28,9 +31,10 @@ struct DrafterParams {
 
 class Drafter {
  public:
-  // `draft` and `target` must outlive the Drafter; `pool` (optional) is shared
-  // with the target's context so both run on the same threads.
-  Drafter(const DraftModel& draft, const Model& target, const DrafterParams& p, ThreadPool* pool = nullptr);
+  // `draft` and `target` must outlive the Drafter.  `backend` (optional) is the
+  // target context's, which the drafter then shares; without one it computes
+  // on a CPU backend of its own threads.
+  Drafter(const DraftModel& draft, const Model& target, const DrafterParams& p, Backend* backend = nullptr);
   ~Drafter();
 
   const DraftConfig& config() const { return d_.cfg; }
@@ -58,20 +62,29 @@ class Drafter {
 
  private:
   void consume_features();
-  void project_context(int32_t pos0, int n);  // ring rows -> draft KV rows
+  void project_context(int32_t pos0, int n);  // ring rows -> draft KV rows (no ring wrap inside)
+  void ensure_scratch(int rows);
+  void ensure_block_rows(int B);
+  // The plan of a block attending with this layer kind (causal, window W).
+  void plan_block(const int32_t* tokens, int B, bool causal, int64_t W, ChunkPlan& P) const;
 
   const DraftModel& d_;
   const Model& t_;
   int cap_;
   std::unique_ptr<ThreadPool> own_pool_;
-  ThreadPool* pool_;
+  std::unique_ptr<Backend> own_be_;
+  Backend* be_;
+  AttnShape attn_;
   int32_t n_pos_ = 0;     // positions pushed
   int32_t consumed_ = 0;  // positions whose K/V are in the draft cache
-  std::vector<float> ring_;                 // [cap][feature_width]
-  std::vector<std::vector<float>> k_, v_;   // per layer [cap][kv_dim]
-  // scratch
-  std::vector<float> x_, hn_, q_, kb_, vb_, att_, out_, g_, u_, ctx_;
-  ActScratch act_;
+  BackendBuf ring_;                 // [cap][feature_width]
+  std::vector<BackendBuf> k_, v_;   // per layer [cap + block_rows_][kv_dim] f32: context ring, then the block
+  int block_rows_ = 0;
+  // scratch (backend memory) for `scratch_rows_` rows
+  int scratch_rows_ = 0;
+  BackendBuf x_, hn_, q_, kb_, vb_, att_, out_, g_, u_, ctx_;
+  BackendBuf logits_;  // [(block - 1)][n_vocab], grown on demand
+  ChunkPlan plan_a_, plan_b_;
 };
 
 }  // namespace dfl

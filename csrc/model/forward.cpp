@@ -20,32 +20,6 @@
 
 namespace dfl {
 
-// Backend memory owned by the context, released through the backend.
-struct BackendBuf {
-  Backend* be = nullptr;
-  void* p = nullptr;
-  size_t bytes = 0;
-  BackendBuf() = default;
-  BackendBuf(Backend& b, size_t n) : be(&b), p(b.alloc(n)), bytes(n) {}
-  BackendBuf(BackendBuf&& o) noexcept : be(o.be), p(o.p), bytes(o.bytes) { o.p = nullptr; o.bytes = 0; }
-  BackendBuf& operator=(BackendBuf&& o) noexcept {
-    if (this != &o) {
-      reset();
-      be = o.be; p = o.p; bytes = o.bytes;
-      o.p = nullptr; o.bytes = 0;
-    }
-    return *this;
-  }
-  ~BackendBuf() { reset(); }
-  void reset() {
-    if (p) be->release(p);
-    p = nullptr;
-    bytes = 0;
-  }
-  float* f() const { return static_cast<float*>(p); }
-  uint8_t* u8() const { return static_cast<uint8_t*>(p); }
-};
-
 struct Context::Impl {
   ThreadPool pool;
   std::unique_ptr<Backend> be;
@@ -57,6 +31,7 @@ struct Context::Impl {
   int node_cap = 0;
   std::vector<int32_t> node_parent;   // parents of the last verified batch
   ChunkPlan plan;
+  AttnShape attn;                     // the target's gated attention
   // scratch, sized for n_batch tokens
   BackendBuf x, hn, out, a0, a1, a2, a3, a4;
   BackendBuf logits;  // [kLogitGroup][n_vocab], allocated on first use
@@ -110,11 +85,12 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   impl_ = std::make_unique<Impl>(p.n_threads > 0 ? p.n_threads : default_threads());
   Impl& I = *impl_;
   if (p.device == Device::CUDA) {
-    I.be = make_cuda_backend(model, p.kv_type, memory_plan(model, p, kPlanVerifyNodes));
+    I.be = make_cuda_backend(model, memory_plan(model, p, kPlanVerifyNodes));
   } else {
-    I.be = make_cpu_backend(model, p.kv_type, I.pool);
+    I.be = make_cpu_backend(model, I.pool);
   }
   Backend& be = *I.be;
+  I.attn = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_base, c.rms_eps, true, p.kv_type};
   I.kv_row = row_bytes(p.kv_type, c.kv_dim());
   I.conv_floats = (size_t)(c.conv_kernel - 1) * c.conv_channels();
   I.rec_floats = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv;
@@ -164,6 +140,7 @@ size_t Context::state_bytes() const {
 }
 
 ThreadPool& Context::pool() { return impl_->pool; }
+Backend& Context::backend() { return *impl_->be; }
 
 size_t Context::committed_state_size() const {
   const Impl& I = *impl_;
@@ -324,7 +301,8 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.matmul(w.wq, I.hn.f(), n, qg);
       be.matmul(w.wk, I.hn.f(), n, kk);
       be.matmul(w.wv, I.hn.f(), n, vv);
-      const AttnLayer L{I.k[l].u8(), I.v[l].u8(), n_past_ + (commit ? 0 : off), be.vec(w.q_norm), be.vec(w.k_norm)};
+      const AttnLayer L{I.attn, I.k[l].u8(), I.v[l].u8(), n_past_ + (commit ? 0 : off), be.vec(w.q_norm),
+                        be.vec(w.k_norm)};
       be.attn_store(qg, kk, vv, L);
       float* o = I.a1.f();  // k/v are in the cache now: reuse for the attention output
       be.attention(qg, L, o);

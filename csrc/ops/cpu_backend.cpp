@@ -24,11 +24,7 @@ void l2norm(float* x, int n, float eps) {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(const Model& m, DType kv_type, ThreadPool& pool) : m_(m), c_(m.cfg), kvt_(kv_type), pool_(pool) {
-    const TypeTraits* tt = type_traits((uint32_t)kvt_);
-    head_bytes_ = (size_t)(c_.head_dim / tt->block_elems) * tt->block_bytes;
-    kv_row_ = row_bytes(kvt_, c_.kv_dim());
-  }
+  CpuBackend(const Model& m, ThreadPool& pool) : m_(m), c_(m.cfg), pool_(pool) {}
 
   Device device() const override { return Device::CPU; }
   std::string name() const override { return std::string("cpu (") + simd_name() + ")"; }
@@ -48,6 +44,7 @@ class CpuBackend final : public Backend {
   void sync() override {}
   const void* weight(const Weight& w) override { return w.data; }
   const float* vec(const std::vector<float>& v) override { return v.data(); }
+  void add_weights(const void*, const std::vector<std::pair<const void*, size_t>>&) override {}
 
   void begin_chunk(const ChunkPlan& plan) override { p_ = &plan; }
 
@@ -61,55 +58,65 @@ class CpuBackend final : public Backend {
   void add(float* x, const float* y, size_t count) override {
     for (size_t i = 0; i < count; ++i) x[i] += y[i];
   }
+  void scale(float* x, float s, size_t count) override {
+    for (size_t i = 0; i < count; ++i) x[i] *= s;
+  }
   void swiglu(float* g, const float* u, size_t count) override {
     for (size_t i = 0; i < count; ++i) g[i] = silu(g[i]) * u[i];
   }
 
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
-    const int hd = c_.head_dim, qd2 = 2 * c_.q_dim(), kvd = c_.kv_dim();
+    const AttnShape& a = L.s;
+    const int hd = a.head_dim, qs = a.q_stride(), kvd = a.n_head_kv * hd;
+    const size_t kv_row = row_bytes(a.kv_type, kvd);
     for (int t = 0; t < p_->n; ++t) {
       const int32_t pos = p_->pos[t];
-      for (int j = 0; j < c_.n_head; ++j) {
-        float* q = qg + (size_t)t * qd2 + (size_t)j * 2 * hd;
-        rmsnorm_rows(q, L.q_norm, 1, hd, c_.rms_eps, q);
-        rope_neox(q, c_.n_rot, pos, c_.rope_base);
+      for (int j = 0; j < a.n_head; ++j) {
+        float* q = qg + (size_t)t * a.n_head * qs + (size_t)j * qs;
+        rmsnorm_rows(q, L.q_norm, 1, hd, a.eps, q);
+        rope_neox(q, a.n_rot, pos, a.rope_base);
       }
-      for (int m = 0; m < c_.n_head_kv; ++m) {
+      for (int m = 0; m < a.n_head_kv; ++m) {
         float* k = kk + (size_t)t * kvd + (size_t)m * hd;
-        rmsnorm_rows(k, L.k_norm, 1, hd, c_.rms_eps, k);
-        rope_neox(k, c_.n_rot, pos, c_.rope_base);
+        rmsnorm_rows(k, L.k_norm, 1, hd, a.eps, k);
+        rope_neox(k, a.n_rot, pos, a.rope_base);
       }
       const size_t slot = (size_t)L.slot0 + t;
-      quantize_row(kvt_, kk + (size_t)t * kvd, L.k_cache + slot * kv_row_, kvd);
-      quantize_row(kvt_, vv + (size_t)t * kvd, L.v_cache + slot * kv_row_, kvd);
+      quantize_row(a.kv_type, kk + (size_t)t * kvd, L.k_cache + slot * kv_row, kvd);
+      quantize_row(a.kv_type, vv + (size_t)t * kvd, L.v_cache + slot * kv_row, kvd);
     }
   }
 
   void attention(const float* qg, const AttnLayer& L, float* o) override {
-    const int hd = c_.head_dim, qd2 = 2 * c_.q_dim();
-    const int group = c_.n_head / c_.n_head_kv;
+    const AttnShape& a = L.s;
+    const DType kvt = a.kv_type;
+    const int hd = a.head_dim, qs = a.q_stride(), n_head = a.n_head;
+    const int group = n_head / a.n_head_kv;
+    const size_t kv_row = row_bytes(kvt, (int64_t)a.n_head_kv * hd);
+    const TypeTraits* tt = type_traits((uint32_t)kvt);
+    const size_t head_bytes = (size_t)(hd / tt->block_elems) * tt->block_bytes;
     const float scale = 1.f / std::sqrt((float)hd);
     const ChunkPlan& P = *p_;
-    pool_.parallel_for((int64_t)P.n * c_.n_head, 1, [&](int64_t w0, int64_t w1) {
+    pool_.parallel_for((int64_t)P.n * n_head, 1, [&](int64_t w0, int64_t w1) {
       thread_local std::vector<float> sc, tmp;
       tmp.resize(hd);
       for (int64_t wi = w0; wi < w1; ++wi) {
-        const int t = (int)(wi / c_.n_head), j = (int)(wi % c_.n_head), m = j / group;
+        const int t = (int)(wi / n_head), j = (int)(wi % n_head), m = j / group;
         const size_t n_prefix = (size_t)P.n_prefix[t];
         const size_t n_vis = n_prefix + (size_t)P.extra_count[t];
         const int32_t* extra = P.extra_slots.data() + P.extra_begin[t];
         auto slot = [&](size_t s) -> size_t { return s < n_prefix ? s : (size_t)extra[s - n_prefix]; };
-        const float* q = qg + (size_t)t * qd2 + (size_t)j * 2 * hd;
+        const float* q = qg + (size_t)t * n_head * qs + (size_t)j * qs;
         sc.resize(n_vis);
         float mx = -INFINITY;
         for (size_t s = 0; s < n_vis; ++s) {
-          const uint8_t* kr = L.k_cache + slot(s) * kv_row_ + m * head_bytes_;
+          const uint8_t* kr = L.k_cache + slot(s) * kv_row + m * head_bytes;
           float d;
-          if (dtype_is_quantized(kvt_)) {
-            dequantize_row(kvt_, kr, tmp.data(), hd);
+          if (dtype_is_quantized(kvt)) {
+            dequantize_row(kvt, kr, tmp.data(), hd);
             d = dot_f(DType::F32, tmp.data(), q, hd);
           } else {
-            d = dot_f(kvt_, kr, q, hd);
+            d = dot_f(kvt, kr, q, hd);
           }
           sc[s] = d * scale;
           mx = std::max(mx, sc[s]);
@@ -119,13 +126,17 @@ class CpuBackend final : public Backend {
           sc[s] = std::exp(sc[s] - mx);
           sum += sc[s];
         }
-        float* ot = o + (size_t)t * c_.q_dim() + (size_t)j * hd;
+        float* ot = o + ((size_t)t * n_head + j) * hd;
         for (int d = 0; d < hd; ++d) ot[d] = 0.f;
         for (size_t s = 0; s < n_vis; ++s)
-          axpy_row(kvt_, L.v_cache + slot(s) * kv_row_ + m * head_bytes_, sc[s], ot, hd, tmp.data());
-        const float* gate = q + hd;
+          axpy_row(kvt, L.v_cache + slot(s) * kv_row + m * head_bytes, sc[s], ot, hd, tmp.data());
         const float inv = 1.f / sum;
-        for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv * sigmoid(gate[d]);
+        if (a.gated) {
+          const float* gate = q + hd;
+          for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv * sigmoid(gate[d]);
+        } else {
+          for (int d = 0; d < hd; ++d) ot[d] *= inv;
+        }
       }
     });
   }
@@ -189,17 +200,15 @@ class CpuBackend final : public Backend {
  private:
   const Model& m_;
   const Qwen35Config& c_;
-  DType kvt_;
   ThreadPool& pool_;
-  size_t head_bytes_ = 0, kv_row_ = 0;
   const ChunkPlan* p_ = nullptr;
   ActScratch act_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(const Model& m, DType kv_type, ThreadPool& pool) {
-  return std::make_unique<CpuBackend>(m, kv_type, pool);
+std::unique_ptr<Backend> make_cpu_backend(const Model& m, ThreadPool& pool) {
+  return std::make_unique<CpuBackend>(m, pool);
 }
 
 }  // namespace dfl

@@ -200,8 +200,8 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
   make_model(fx, c);
   const Model& M = fx.m;
   ThreadPool pool(2);
-  auto cpu = make_cpu_backend(M, DType::F16, pool);
-  auto cud = make_cuda_backend(M, DType::F16, MemoryPlan{});
+  auto cpu = make_cpu_backend(M, pool);
+  auto cud = make_cuda_backend(M, MemoryPlan{});
   const int H = c.n_embd;
   auto label = [&](const char* op, const std::string& what, int n) {
     return std::string(shape) + " " + op + " " + what + " n=" + std::to_string(n);
@@ -270,6 +270,15 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       check(label("matmul", std::string(tname(W.type)) + " verify == AR steps", n), batch, alone, 0.0);
       cud->begin_chunk(P);
     }
+    // scale
+    {
+      auto x = randn((size_t)n * H);
+      Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4);
+      xa.put(x), xb.put(x);
+      cpu->scale(xa.f(), 0.37f, x.size());
+      cud->scale(xb.f(), 0.37f, x.size());
+      check(label("scale", "", n), xb.get(x.size()), xa.get(x.size()), 0.0);
+    }
     // add, swiglu
     {
       const size_t cnt = (size_t)n * c.n_ff;
@@ -285,11 +294,18 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     }
   }
 
-  // attention ops per KV type, chain and tree
-  for (DType kvt : kKvTypes) {
-    auto cpu_k = make_cpu_backend(M, kvt, pool);
-    auto cud_k = make_cuda_backend(M, kvt, MemoryPlan{});
-    const int hd = c.head_dim, kvd = c.kv_dim(), qd2 = 2 * c.q_dim();
+  // attention ops per KV type, chain and tree, gated (target) and plain (drafter: f32 KV, full RoPE)
+  struct Case { DType kvt; bool gated; };
+  std::vector<Case> cases;
+  for (DType kvt : kKvTypes) cases.push_back({kvt, true});
+  cases.push_back({DType::F32, false});
+  for (const Case& cs : cases) {
+    const DType kvt = cs.kvt;
+    Backend* cpu_k = cpu.get();
+    Backend* cud_k = cud.get();
+    const AttnShape shape{c.n_head, c.n_head_kv, c.head_dim, cs.gated ? c.n_rot : c.head_dim, c.rope_base, c.rms_eps,
+                          cs.gated, kvt};
+    const int kvd = c.kv_dim(), qd2 = shape.q_stride() * c.n_head;
     const size_t kv_row = row_bytes(kvt, kvd);
     for (int n : sizes) {
       for (int commit = 1; commit >= 0; --commit) {
@@ -316,23 +332,26 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         poisoned = vc;
         std::fill(poisoned.begin() + (size_t)n_past * kv_row, poisoned.end(), 0xff);
         vcb.put(poisoned.data(), poisoned.size());
-        const AttnLayer La{kca.u8(), vca.u8(), n_past, cpu_k->vec(M.layers[0].q_norm), cpu_k->vec(M.layers[0].k_norm)};
-        const AttnLayer Lb{kcb.u8(), vcb.u8(), n_past, cud_k->vec(M.layers[0].q_norm), cud_k->vec(M.layers[0].k_norm)};
+        const AttnLayer La{shape, kca.u8(), vca.u8(), n_past, cpu_k->vec(M.layers[0].q_norm),
+                           cpu_k->vec(M.layers[0].k_norm)};
+        const AttnLayer Lb{shape, kcb.u8(), vcb.u8(), n_past, cud_k->vec(M.layers[0].q_norm),
+                           cud_k->vec(M.layers[0].k_norm)};
         cpu_k->attn_store(qa.f(), ka.f(), va.f(), La);
         cud_k->attn_store(qb.f(), kb.f(), vb.f(), Lb);
-        const std::string form = std::string(tname(kvt)) + (commit ? " chain" : " tree");
+        const std::string form = std::string(tname(kvt)) + (cs.gated ? "" : " plain") + (commit ? " chain" : " tree");
+        const std::string kvn = std::string(tname(kvt)) + (cs.gated ? "" : " plain");
         if (commit) {
-          check(label("attn_store", std::string(tname(kvt)) + " q", n), qb.get(qg.size()), qa.get(qg.size()), 2e-6);
-          check(label("attn_store", std::string(tname(kvt)) + " k", n), kb.get(kk.size()), ka.get(kk.size()), 2e-6);
+          check(label("attn_store", kvn + " q", n), qb.get(qg.size()), qa.get(qg.size()), 2e-6);
+          check(label("attn_store", kvn + " k", n), kb.get(kk.size()), ka.get(kk.size()), 2e-6);
           const size_t rows = (size_t)n_past + n;
           // K rows are converted from values that differ in the last bits (norm, RoPE), so a
           // value on a rounding edge may land one step of the type apart: an f16/bf16 ulp, a
           // Q8_0 step (1/127 of the block max) or a Q4_0 step (1/8 of it).
           const double ktol = kvt == DType::Q4_0 ? 0.15 : kvt == DType::Q8_0 ? 1e-2 : kvt == DType::BF16 ? 1e-2 : 1e-3;
-          check(label("attn_store", std::string(tname(kvt)) + " K cache", n),
+          check(label("attn_store", kvn + " K cache", n),
                 dequant_rows(kvt, kcb.bytes_back(rows * kv_row), rows, kvd),
                 dequant_rows(kvt, kca.bytes_back(rows * kv_row), rows, kvd), ktol);
-          check(label("attn_store", std::string(tname(kvt)) + " V cache", n),
+          check(label("attn_store", kvn + " V cache", n),
                 dequant_rows(kvt, vcb.bytes_back(rows * kv_row), rows, kvd),
                 dequant_rows(kvt, vca.bytes_back(rows * kv_row), rows, kvd), 0.0);
         }
