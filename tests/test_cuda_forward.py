@@ -149,3 +149,13 @@ def test_memory_plan_refusal(pair):
         pytest.skip("the emulator reports 8 GiB free; a 2M-token F32 KV of the tiny model still fits")
     with pytest.raises(DFlashError, match="does not fit on the GPU"):
         Decoder(pair[0], device="cuda", ctx=1 << 27, kv_type="f32", threads=2)
+
+
+def test_cuda_drafter_matches_cpu(cuda_dec, cpu_dec):
+    """The drafter runs on the context's backend: on the GPU it proposes what it proposes on the CPU,
+    so chain mode accepts the same lengths step by step (same target output as well)."""
+    ids = cpu_dec.tokenize(PROMPTS[1])
+    g = cuda_dec.generate(ids, N_NEW, ignore_eos=True, mode="chain")
+    c = cpu_dec.generate(ids, N_NEW, ignore_eos=True, mode="chain")
+    assert g.tokens == c.tokens
+    assert g.stats.accept_lengths == c.stats.accept_lengths

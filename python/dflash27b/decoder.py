@@ -121,11 +121,17 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
+def _drafter_bytes(info: dict, ring: int) -> int:
+    """The drafter's weights plus its feature ring and draft KV (ring + one block of f32 rows per layer)."""
+    kv = info["n_layer"] * 2 * (ring + info["block_size"]) * info["n_head_kv"] * info["head_dim"] * 4
+    return int(info["weight_bytes"]) + ring * info["n_target_layers"] * info["hidden"] * 4 + kv
+
+
 def format_memory_plan(plan: dict, device: str) -> str:
     """One line per part, as printed before a CUDA context uploads anything."""
     mib = lambda b: f"{b / 2**20:9.1f} MiB"  # noqa: E731
     rows = [("weights", "weights"), ("KV cache", "kv"), ("recurrent state", "recurrent"),
-            ("tree state", "tree_state"), ("workspace", "workspace"), ("total", "total")]
+            ("tree state", "tree_state"), ("workspace", "workspace"), ("drafter", "drafter"), ("total", "total")]
     return "\n".join([f"memory plan ({device}):"] + [f"  {name:<16}{mib(plan[k])}" for name, k in rows])
 
 
@@ -158,24 +164,25 @@ class Decoder:
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
-        dev_id = 1 if self.device == "cuda" else 0
-        # What the context will hold on its device (tree state for 32 verify nodes, as the core plans),
-        # computed from the mapped file before anything is uploaded.
-        self.memory_plan = _handles.memory_plan(self._model, ctx, batch, TYPE_IDS[kv_type], dev_id, 32)
-        if on_memory_plan is not None:
-            on_memory_plan(dict(self.memory_plan))
-        try:
-            self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id)
-        except DFlashError:
-            self._model.close()
-            raise
-        self.backend = self._ctx.backend
+        self._ctx = None
         self._draft = None
         self.draft = None if draft is None else str(draft)
         try:
             if draft is not None:
                 # The pair is validated by the core; a mismatch names the offending field.
                 self._draft = _handles.Draft(self.draft, self._model)
+            dev_id = 1 if self.device == "cuda" else 0
+            # What the context will hold on its device (tree state for 32 verify nodes, as the core
+            # plans), computed from the mapped files before anything is uploaded.
+            plan = _handles.memory_plan(self._model, ctx, batch, TYPE_IDS[kv_type], dev_id, 32)
+            plan["drafter"] = _drafter_bytes(self._draft.info, feature_ring) if self._draft is not None else 0
+            plan["total"] += plan["drafter"]
+            self.memory_plan = plan
+            if on_memory_plan is not None:
+                on_memory_plan(dict(plan))
+            self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id)
+            self.backend = self._ctx.backend
+            if self._draft is not None:
                 self._ctx.attach_draft(self._draft, feature_ring)
         except DFlashError:
             self.close()
