@@ -174,6 +174,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));
   }
   ~CudaBackend() override {
+    part_.reset();
     if (plan_buf_) cudaFree(plan_buf_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -219,6 +220,7 @@ class CudaBackend final : public Backend {
   void begin_chunk(const ChunkPlan& p) override {
     n_ = p.n;
     commit_ = p.commit;
+    max_visible_ = p.max_visible;
     // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | extra_slots.
     const size_t words = 6 * (size_t)p.n + p.extra_slots.size();
     host_plan_.resize(words);
@@ -299,12 +301,24 @@ class CudaBackend final : public Backend {
            stream_, a);
   }
 
+  // Split-K over the visible slots (see forward_kernels.cuh); tokens go in
+  // groups small enough that their partials fit the scratch budget.
   void attention(const float* qg, const AttnLayer& L, float* o) override {
     const AttnShape& s = check_shape(L.s);
-    fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, s.n_head,
-                    s.n_head_kv, s.head_dim, s.q_stride(), kv_row(s), head_bytes(s),
+    const int n_split = std::max(1, (max_visible_ + fwd::kSplit - 1) / fwd::kSplit);
+    const size_t per_token = (size_t)s.n_head * n_split * (s.head_dim + 2) * 4;
+    const int group = (int)std::max<size_t>(1, std::min<size_t>(n_, kAttnScratchBytes / per_token));
+    if (part_.bytes < per_token * group) part_ = BackendBuf(*this, per_token * group);
+    fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, part_.f(), 0,
+                    n_split, s.n_head, s.n_head_kv, s.head_dim, s.q_stride(), kv_row(s), head_bytes(s),
                     1.f / std::sqrt((float)s.head_dim), s.kv_type, s.gated};
-    launch(fwd::attention_kernel, dim3((unsigned)n_, (unsigned)s.n_head), dim3(fwd::kAttnThreads), 0, stream_, a);
+    for (int t0 = 0; t0 < n_; t0 += group) {
+      const unsigned g = (unsigned)std::min(group, n_ - t0);
+      a.t0 = t0;
+      launch(fwd::attention_split_kernel, dim3(g, (unsigned)s.n_head, (unsigned)n_split), dim3(fwd::kAttnThreads), 0,
+             stream_, a);
+      launch(fwd::attention_combine_kernel, dim3(g, (unsigned)s.n_head), dim3(fwd::kAttnThreads), 0, stream_, a);
+    }
   }
 
   void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
@@ -348,6 +362,9 @@ class CudaBackend final : public Backend {
   // the current chunk's plan on the device
   int n_ = 0;
   bool commit_ = true;
+  int max_visible_ = 0;
+  BackendBuf part_;  // attention partials
+  static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;
   std::vector<int32_t> host_plan_;
   int32_t* plan_buf_ = nullptr;
   size_t plan_cap_ = 0;

@@ -240,11 +240,16 @@ __global__ void attn_store_kernel(StoreArgs a) {
 }
 
 // ---------------------------------------------------------------- attention
-// grid (n, n_head), 128 threads.  The token's visible slots (a prefix, then
-// listed extra slots) are walked in tiles of kTile: scores of a tile go to
-// shared memory (a warp per slot, lanes over head dims), then the running
-// max / sum / output accumulate as in flash attention.  Each thread owns
-// output dims d = tid, tid + 128, ...
+// Split-K flash attention in two kernels.  A token's visible slots (a prefix,
+// then listed extra slots) are cut into splits of kSplit consecutive visible
+// indices — fixed boundaries, so a token's arithmetic depends only on its own
+// visible set, never on the batch.  attention_split_kernel: grid (tokens,
+// n_head, splits), 128 threads; a split is walked in tiles of kTile (scores in
+// shared memory, a warp per slot, lanes over head dims) with a running max /
+// sum / output (each thread owns dims tid, tid + 128, ...), and writes its
+// partial (max, sum, unnormalised output) to scratch.  attention_combine_kernel
+// merges a token's partials and applies the gate.  One code path for every
+// context length: short ones have one split.
 struct AttnArgs {
   const float* qg;
   const uint8_t* k_cache;
@@ -254,20 +259,23 @@ struct AttnArgs {
   const int32_t* extra_begin;
   const int32_t* extra_count;
   const int32_t* extra_slots;
+  float* part;  // [tokens][n_head][n_split][head_dim + 2]: out, max, sum
+  int t0;       // first token of this launch
+  int n_split;
   int n_head, n_head_kv, head_dim, q_stride;
   int64_t kv_row, head_bytes;
   float scale;
   DType kvt;
   bool gated;  // output times sigmoid(gate), the gate stored after q in each head's q_stride
 };
-constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512;
+constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512, kSplit = 512;
 
-__global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnArgs a) {
+__global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs a) {
   __shared__ float red[32];
   __shared__ float q[kMaxHeadDim];
   __shared__ float sc[kTile];
   __shared__ int32_t slot_of[kTile];
-  const int t = blockIdx.x, j = blockIdx.y, hd = a.head_dim;
+  const int tl = blockIdx.x, t = a.t0 + tl, j = blockIdx.y, z = blockIdx.z, hd = a.head_dim;
   const int m = j / (a.n_head / a.n_head_kv);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float* qh = a.qg + ((int64_t)t * a.n_head + j) * a.q_stride;
@@ -275,14 +283,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnArgs a) {
   const int n_prefix = a.n_prefix[t];
   const int n_vis = n_prefix + a.extra_count[t];
   const int32_t* extra = a.extra_slots + a.extra_begin[t];
+  const int s_begin = z * kSplit, s_end = min(n_vis, s_begin + kSplit);
   constexpr int kDims = kMaxHeadDim / kAttnThreads;
   float acc[kDims];
 #pragma unroll
   for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
   float run_max = -INFINITY, run_sum = 0.f;
   __syncthreads();
-  for (int s0 = 0; s0 < n_vis; s0 += kTile) {
-    const int nt = min(kTile, n_vis - s0);
+  for (int s0 = s_begin; s0 < s_end; s0 += kTile) {
+    const int nt = min(kTile, s_end - s0);
     for (int s = tid; s < nt; s += kAttnThreads) slot_of[s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
     __syncthreads();
     for (int s = warp; s < nt; s += kAttnThreads / 32) {
@@ -319,13 +328,41 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(AttnArgs a) {
     }
     __syncthreads();  // sc / slot_of are rewritten by the next tile
   }
-  float* ot = a.o + ((int64_t)t * a.n_head + j) * hd;
-  const float inv = 1.f / run_sum;
+  // an empty split (the token sees fewer slots) leaves max -inf, sum 0, out 0
+  float* pt = a.part + (((int64_t)tl * a.n_head + j) * a.n_split + z) * (hd + 2);
 #pragma unroll
   for (int e = 0; e < kDims; ++e) {
     const int d = tid + e * kAttnThreads;
     if (d >= hd) break;
-    ot[d] = a.gated ? acc[e] * inv * sigmoid_f(qh[hd + d]) : acc[e] * inv;
+    pt[d] = acc[e];
+  }
+  if (tid == 0) {
+    pt[hd] = run_max;
+    pt[hd + 1] = run_sum;
+  }
+}
+
+// grid (tokens, n_head), 128 threads: o = sum_z out_z e^(max_z - M) / sum_z sum_z e^(max_z - M).
+__global__ void __launch_bounds__(kAttnThreads) attention_combine_kernel(AttnArgs a) {
+  const int tl = blockIdx.x, t = a.t0 + tl, j = blockIdx.y, hd = a.head_dim;
+  const float* base = a.part + ((int64_t)tl * a.n_head + j) * a.n_split * (hd + 2);
+  float M = -INFINITY;
+  for (int z = 0; z < a.n_split; ++z) M = fmaxf(M, base[z * (hd + 2) + hd]);
+  float L = 0.f;
+  for (int z = 0; z < a.n_split; ++z) {
+    const float mz = base[z * (hd + 2) + hd];
+    if (mz != -INFINITY) L += base[z * (hd + 2) + hd + 1] * expf(mz - M);
+  }
+  const float inv = 1.f / L;
+  const float* qh = a.qg + ((int64_t)t * a.n_head + j) * a.q_stride;
+  float* ot = a.o + ((int64_t)t * a.n_head + j) * hd;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float v = 0.f;
+    for (int z = 0; z < a.n_split; ++z) {
+      const float mz = base[z * (hd + 2) + hd];
+      if (mz != -INFINITY) v += base[z * (hd + 2) + d] * expf(mz - M);
+    }
+    ot[d] = a.gated ? v * inv * sigmoid_f(qh[hd + d]) : v * inv;
   }
 }
 
