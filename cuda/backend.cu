@@ -336,6 +336,12 @@ class CudaBackend final : public Backend {
     }
   }
 
+  void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) override {
+    if (k < 1 || k > n_cols) fail("top-k of %d over %d columns", k, n_cols);
+    launch(fwd::row_topk_kernel, dim3((unsigned)n_rows), dim3(fwd::kTopkThreads), 0, stream_, rows, n_cols, k, ids,
+           logp);
+  }
+
  private:
   static const AttnShape& check_shape(const AttnShape& s) {
     if (s.head_dim > fwd::kMaxHeadDim || s.head_dim % 32)

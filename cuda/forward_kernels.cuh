@@ -366,6 +366,59 @@ __global__ void __launch_bounds__(kAttnThreads) attention_combine_kernel(AttnArg
   }
 }
 
+// ---------------------------------------------------------------- top-k
+// grid n_rows, kTopkThreads threads.  log-sum-exp of the row, then k passes:
+// pass r finds the largest element strictly after pick r-1 in the order
+// (value descending, id ascending) — no exclusion list, ties broken as the
+// CPU's topk_logprobs does.
+constexpr int kTopkThreads = 1024;
+
+__global__ void __launch_bounds__(kTopkThreads)
+    row_topk_kernel(const float* __restrict__ rows, int n_cols, int k, int32_t* ids, float* logp) {
+  __shared__ float red[32];
+  __shared__ float rv[32];
+  __shared__ int ri[32];
+  const float* row = rows + (int64_t)blockIdx.x * n_cols;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+  float mx = -INFINITY;
+  for (int i = tid; i < n_cols; i += blockDim.x) mx = fmaxf(mx, row[i]);
+  mx = block_max(mx, red);
+  float sum = 0.f;
+  for (int i = tid; i < n_cols; i += blockDim.x) sum += expf(row[i] - mx);
+  sum = block_sum(sum, red);
+  const float lse = mx + logf(sum);
+  float pv = INFINITY;
+  int pi = -1;
+  for (int r = 0; r < k; ++r) {
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = tid; i < n_cols; i += blockDim.x) {
+      const float v = row[i];
+      const bool after = v < pv || (v == pv && i > pi);
+      if (after && (v > bv || (v == bv && i < bi))) { bv = v; bi = i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    __syncthreads();  // rv / ri of the previous pass are read
+    if (lane == 0) { rv[warp] = bv; ri[warp] = bi; }
+    __syncthreads();
+    bv = rv[0];
+    bi = ri[0];
+    for (int w = 1; w < nw; ++w)
+      if (rv[w] > bv || (rv[w] == bv && ri[w] < bi)) { bv = rv[w]; bi = ri[w]; }
+    if (tid == 0) {
+      ids[(int64_t)blockIdx.x * k + r] = bi;
+      logp[(int64_t)blockIdx.x * k + r] = bv - lse;
+    }
+    pv = bv;
+    pi = bi;
+  }
+}
+
 // ---------------------------------------------------------------- delta-net: conv
 // One thread per channel walks the chunk's tokens in order.  Token t starts
 // from its parent's window: the running one when the parent is t-1, the

@@ -117,6 +117,10 @@ class Backend {
   // inputs (scratch afterwards), z: [n][Cv], beta/alpha: [n][nv] raw, y: [n][Cv] out.
   virtual void gdn(float* mm, const float* z, const float* beta, const float* alpha, const GdnLayer& L,
                    float* y) = 0;
+  // Per row of logits: the k largest (descending; ties: lower id first) as ids
+  // and log-softmax values — what greedy acceptance (k = 1) and the DDTree
+  // builder need, so only k values per row leave the device.
+  virtual void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) = 0;
 };
 
 // The worker threads are the context's (the CPU backend computes on them; a

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "quant/quant.h"
+#include "spec/ddtree.h"
 #include "util/error.h"
 
 namespace dfl {
@@ -198,6 +199,37 @@ void Drafter::plan_block(const int32_t* tokens, int B, bool causal, int64_t W, C
 }
 
 void Drafter::propose(const int32_t* block_tokens, int n_block, float* logits) {
+  forward_block(block_tokens, n_block);
+  const DraftConfig& c = d_.cfg;
+  const size_t nl = (size_t)(n_block - 1) * t_.cfg.n_vocab;
+  be_->download(logits, logits_.f(), nl * 4);
+  if (c.final_logit_softcapping > 0.f) {
+    const float cap = c.final_logit_softcapping;
+    for (size_t i = 0; i < nl; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
+  }
+}
+
+void Drafter::propose_topk(const int32_t* block_tokens, int n_block, int k, int32_t* ids, float* logp) {
+  const int V = t_.cfg.n_vocab, rows = n_block - 1;
+  if (k < 1 || k > V) fail("draft top-k of %d over a vocabulary of %d", k, V);
+  if (d_.cfg.final_logit_softcapping > 0.f) {  // soft-capping happens on the host: rank there too
+    std::vector<float> logits((size_t)std::max(rows, 0) * V);
+    propose(block_tokens, n_block, logits.data());
+    for (int r = 0; r < rows; ++r)
+      topk_logprobs(logits.data() + (size_t)r * V, V, k, ids + (size_t)r * k, logp + (size_t)r * k);
+    return;
+  }
+  forward_block(block_tokens, n_block);
+  const size_t n = (size_t)rows * k;
+  if (top_.bytes < n * 8) top_ = BackendBuf(*be_, n * 8);
+  int32_t* d_ids = reinterpret_cast<int32_t*>(top_.u8());
+  float* d_lp = reinterpret_cast<float*>(top_.u8() + n * 4);
+  be_->row_topk(logits_.f(), rows, V, k, d_ids, d_lp);
+  be_->download(ids, d_ids, n * 4);
+  be_->download(logp, d_lp, n * 4);
+}
+
+void Drafter::forward_block(const int32_t* block_tokens, int n_block) {
   const DraftConfig& c = d_.cfg;
   const Qwen35Config& tc = t_.cfg;
   if (n_block < 2) fail("a draft block needs at least 2 positions (got %d)", n_block);
@@ -254,13 +286,7 @@ void Drafter::propose(const int32_t* block_tokens, int n_block, float* logits) {
   const size_t nl = (size_t)(B - 1) * tc.n_vocab;
   if (logits_.bytes < nl * 4) logits_ = BackendBuf(be, nl * 4);
   be.matmul(t_.output, hn_.f(), B - 1, logits_.f());
-  be.download(logits, logits_.f(), nl * 4);
-  if (c.output_multiplier != 1.f)
-    for (size_t i = 0; i < nl; ++i) logits[i] *= c.output_multiplier;
-  if (c.final_logit_softcapping > 0.f) {
-    const float cap = c.final_logit_softcapping;
-    for (size_t i = 0; i < nl; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
-  }
+  if (c.output_multiplier != 1.f) be.scale(logits_.f(), c.output_multiplier, nl);
 }
 
 }  // namespace dfl

@@ -56,6 +56,9 @@ class Drafter {
   // the rest normally the mask token.  logits: [(n_block-1)][n_vocab], the
   // target's lm_head over the draft states of positions 1..n_block-1.
   void propose(const int32_t* block_tokens, int n_block, float* logits);
+  // The same forward, returning per position 1..n_block-1 only the top-k ids
+  // and log-probs [(n_block-1)][k] (computed where the logits are).
+  void propose_topk(const int32_t* block_tokens, int n_block, int k, int32_t* ids, float* logp);
 
   // Bytes held by the ring and the draft KV cache (constant in context length).
   size_t state_bytes() const;
@@ -66,6 +69,8 @@ class Drafter {
   void ensure_scratch(int rows);
   void ensure_block_rows(int B);
   // The plan of a block attending with this layer kind (causal, window W).
+  // The block forward up to the (multiplied) logits in logits_; rows = n_block - 1.
+  void forward_block(const int32_t* block_tokens, int n_block);
   void plan_block(const int32_t* tokens, int B, bool causal, int64_t W, ChunkPlan& P) const;
 
   const DraftModel& d_;
@@ -84,6 +89,7 @@ class Drafter {
   int scratch_rows_ = 0;
   BackendBuf x_, hn_, q_, kb_, vb_, att_, out_, g_, u_, ctx_;
   BackendBuf logits_;  // [(block - 1)][n_vocab], grown on demand
+  BackendBuf top_;     // top-k ids then log-probs
   ChunkPlan plan_a_, plan_b_;
 };
 

@@ -35,6 +35,7 @@ struct Context::Impl {
   // scratch, sized for n_batch tokens
   BackendBuf x, hn, out, a0, a1, a2, a3, a4;
   BackendBuf logits;  // [kLogitGroup][n_vocab], allocated on first use
+  BackendBuf top;     // top-k ids then log-probs of a logits group
 
   explicit Impl(int threads) : pool(threads) {}
 };
@@ -185,6 +186,7 @@ void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
     fail("context full: %d tokens held + %d new exceed the context length %d", n_past_, b.n, params_.n_ctx);
   for (int i = 0; i < out.n_logits; ++i)
     if (out.logit_rows[i] < 0 || out.logit_rows[i] >= b.n) fail("logit row %d outside the batch", out.logit_rows[i]);
+  if (out.topk < 0 || out.topk > c.n_vocab) fail("top-k of %d over a vocabulary of %d", out.topk, c.n_vocab);
   for (int i = 0; i < out.n_capture; ++i)
     if (out.capture_layers[i] < 0 || out.capture_layers[i] >= c.n_layer)
       fail("capture layer %d outside 0..%d", out.capture_layers[i], c.n_layer - 1);
@@ -358,6 +360,22 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.copy(h + (size_t)j * H, x + (size_t)(out.logit_rows[rs[g0 + j]] - off) * H, (size_t)H * 4);
     be.rmsnorm(h, be.vec(M.output_norm), k, H, c.rms_eps, h);
     be.matmul(M.output, h, k, I.logits.f());
+    if (out.topk > 0) {
+      const size_t kk = (size_t)out.topk;
+      if (I.top.bytes < (size_t)group * kk * 8) I.top = BackendBuf(be, (size_t)group * kk * 8);
+      int32_t* ids = reinterpret_cast<int32_t*>(I.top.u8());
+      float* lp = reinterpret_cast<float*>(I.top.u8() + (size_t)group * kk * 4);
+      be.row_topk(I.logits.f(), k, c.n_vocab, out.topk, ids, lp);
+      std::vector<int32_t> hid((size_t)k * kk);
+      std::vector<float> hlp((size_t)k * kk);
+      be.download(hid.data(), ids, hid.size() * 4);
+      be.download(hlp.data(), lp, hlp.size() * 4);
+      for (int j = 0; j < k; ++j) {
+        std::copy(hid.begin() + j * kk, hid.begin() + (j + 1) * kk, out.top_ids + (size_t)rs[g0 + j] * kk);
+        std::copy(hlp.begin() + j * kk, hlp.begin() + (j + 1) * kk, out.top_logp + (size_t)rs[g0 + j] * kk);
+      }
+    }
+    if (!out.logits) continue;
     for (int j = 0; j < k;) {  // one download per run of consecutive output rows
       int e = j + 1;
       while (e < k && rs[g0 + e] == rs[g0 + e - 1] + 1) ++e;

@@ -11,6 +11,7 @@
 #include "model/backend.h"
 #include "ops/cpu_ops.h"
 #include "quant/quant.h"
+#include "spec/ddtree.h"
 
 namespace dfl {
 namespace {
@@ -195,6 +196,11 @@ class CpuBackend final : public Backend {
         }
       });
     }
+  }
+
+  void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) override {
+    for (int r = 0; r < n_rows; ++r)
+      topk_logprobs(rows + (size_t)r * n_cols, n_cols, k, ids + (size_t)r * k, logp + (size_t)r * k);
   }
 
  private:

@@ -41,14 +41,23 @@ struct Worse {
 };
 }  // namespace
 
+int ddtree_k(const TreeParams& p, int n_vocab) { return std::min(p.topk > 0 ? p.topk : std::max(p.budget, 1), n_vocab); }
+
 DraftTree build_ddtree(const float* logits, int L, int n_vocab, const TreeParams& p) {
   if (L < 1) fail("a draft tree needs at least one drafted depth");
   if (p.budget < 0) fail("tree budget must be >= 0 (got %d)", p.budget);
-  const int K = std::min(p.topk > 0 ? p.topk : std::max(p.budget, 1), n_vocab);
+  const int K = ddtree_k(p, n_vocab);
   std::vector<int32_t> tok((size_t)L * K);
   std::vector<float> lp((size_t)L * K);
   for (int d = 0; d < L; ++d)
     topk_logprobs(logits + (size_t)d * n_vocab, n_vocab, K, tok.data() + (size_t)d * K, lp.data() + (size_t)d * K);
+  return build_ddtree_topk(tok.data(), lp.data(), L, K, p);
+}
+
+DraftTree build_ddtree_topk(const int32_t* tok, const float* lp, int L, int K, const TreeParams& p) {
+  if (L < 1) fail("a draft tree needs at least one drafted depth");
+  if (p.budget < 0) fail("tree budget must be >= 0 (got %d)", p.budget);
+  if (K < 1) fail("a draft tree needs at least one candidate per depth");
   auto T = [&](int d, int r) { return tok[(size_t)(d - 1) * K + r]; };
   auto LP = [&](int d, int r) { return lp[(size_t)(d - 1) * K + r]; };
 

@@ -33,6 +33,11 @@ struct DraftTree {
 // break by depth-major rank order (earlier pushed first), so the result is
 // deterministic.
 DraftTree build_ddtree(const float* logits, int L, int n_vocab, const TreeParams& p);
+// Candidates per depth the builder uses: topk, else the budget (at least 1), at most n_vocab.
+int ddtree_k(const TreeParams& p, int n_vocab);
+// The same tree from each depth's top-K already ranked (ids, log-probs [L][K]
+// as topk_logprobs gives them), e.g. computed on the GPU next to the logits.
+DraftTree build_ddtree_topk(const int32_t* ids, const float* logp, int L, int K, const TreeParams& p);
 
 // Top-k of log-softmax(row): tokens by descending log-prob, lower id first on ties.
 void topk_logprobs(const float* row, int n_vocab, int k, int32_t* tokens, float* logp);

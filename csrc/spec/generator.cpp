@@ -12,7 +12,6 @@ static double since(Clock::time_point t0) {
 }
 
 // Lowest index wins ties, so the choice never depends on scan order.
-static int32_t argmax(const float* v, int n) { return (int32_t)(std::max_element(v, v + n) - v); }
 
 void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
   const Qwen35Config& c = ctx_.model().cfg;
@@ -74,7 +73,12 @@ void Generator::prefill(const int32_t* prompt, int n) {
     if (off + m == n) {
       o.n_logits = 1;
       o.logit_rows = &last;
-      o.logits = logits_.data();
+      if (greedy()) {
+        top_ids_.resize(1), top_logp_.resize(1);
+        o.topk = 1, o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
+      } else {
+        o.logits = logits_.data();
+      }
     }
     const bool grab = cap && off + m > first_captured;
     if (grab) {
@@ -91,7 +95,7 @@ void Generator::prefill(const int32_t* prompt, int n) {
     }
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
-  pending_ = pick(logits_.data(), n);
+  pending_ = greedy() ? top_ids_[0] : pick(logits_.data(), n);
 }
 
 int32_t Generator::pick(const float* row, int64_t pos) {
@@ -127,7 +131,6 @@ int Generator::next(std::vector<int32_t>& out) {
 }
 
 void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
-  const int n_vocab = ctx_.model().cfg.n_vocab;
   for (int i = 1; i < V; ++i) {
     parent_[i] = i - 1;
     depth_[i] = i;
@@ -138,9 +141,10 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
     source_(s, pending_, V - 1, tokens_.data() + 1);
   } else {
     for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
-    draft_logits_.resize((size_t)(V - 1) * n_vocab);
-    drafter_->propose(tokens_.data(), V, draft_logits_.data());
-    for (int i = 1; i < V; ++i) tokens_[i] = argmax(draft_logits_.data() + (size_t)(i - 1) * n_vocab, n_vocab);
+    // the drafter's argmax per position, ranked where its logits are
+    top_ids_.resize(V - 1), top_logp_.resize(V - 1);
+    drafter_->propose_topk(tokens_.data(), V, 1, top_ids_.data(), top_logp_.data());
+    for (int i = 1; i < V; ++i) tokens_[i] = top_ids_[i - 1];
   }
   rec.draft_s = since(t0);
 }
@@ -170,14 +174,15 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec) {
     return;
   }
   for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
-  draft_logits_.resize((size_t)(V - 1) * n_vocab);
-  drafter_->propose(tokens_.data(), V, draft_logits_.data());
-  rec.draft_s = since(t0);
-  t0 = Clock::now();
   TreeParams tp = p_.tree;
   tp.budget = cap;
   if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
-  const DraftTree t = build_ddtree(draft_logits_.data(), V - 1, n_vocab, tp);
+  const int K = ddtree_k(tp, n_vocab);
+  top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
+  drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
+  rec.draft_s = since(t0);
+  t0 = Clock::now();
+  const DraftTree t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
   const int n = t.size();
   tokens_.resize(n + 1), parent_.resize(n + 1), depth_.resize(n + 1);
   for (int i = 1; i <= n; ++i) {
@@ -225,8 +230,13 @@ int Generator::step(std::vector<int32_t>& out) {
   ForwardOutputs o;
   o.n_logits = N;
   o.logit_rows = rows.data();
-  logits_.resize((size_t)N * c.n_vocab);
-  o.logits = logits_.data();
+  if (greedy()) {
+    top_ids_.resize(N), top_logp_.resize(N);
+    o.topk = 1, o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
+  } else {
+    logits_.resize((size_t)N * c.n_vocab);
+    o.logits = logits_.data();
+  }
   const bool cap = capturing();
   if (cap) {
     hidden_.resize((size_t)N * drafter_->feature_width());
@@ -239,7 +249,10 @@ int Generator::step(std::vector<int32_t>& out) {
   // ACCEPT: from the root, follow the child holding the target's choice (its
   // argmax, or its sample with the number of the position that token takes).
   std::vector<int32_t> path{0};
-  int32_t choice = pick(logits_.data(), s + 1);
+  auto choice_at = [&](int node) {
+    return greedy() ? top_ids_[node] : pick(logits_.data() + (size_t)node * c.n_vocab, s + depth_[node] + 1);
+  };
+  int32_t choice = choice_at(0);
   for (;;) {
     const int cur = path.back();
     int next = -1;
@@ -247,7 +260,7 @@ int Generator::step(std::vector<int32_t>& out) {
       if (parent_[i] == cur && tokens_[i] == choice) next = i;
     if (next < 0) break;
     path.push_back(next);
-    choice = pick(logits_.data() + (size_t)next * c.n_vocab, s + depth_[next] + 1);
+    choice = choice_at(next);
   }
   const int32_t bonus = choice;
   const int a = (int)path.size() - 1;

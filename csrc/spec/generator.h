@@ -96,6 +96,11 @@ class Generator {
   GenStats stats_;
   std::vector<StepRecord> steps_;
   std::vector<float> logits_, draft_logits_, hidden_;
+  // Greedy decoding needs only each row's argmax and the drafts' top-K: they
+  // are computed where the logits are (top_ids_ / top_logp_), no rows move.
+  bool greedy() const { return p_.sampler.temperature <= 0.f; }
+  std::vector<int32_t> top_ids_;
+  std::vector<float> top_logp_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
   // the step's verify batch: node 0 = root, then drafts (chain: parent i-1)
   std::vector<int32_t> tokens_, parent_, depth_, pos_, capture_;

@@ -270,6 +270,25 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       check(label("matmul", std::string(tname(W.type)) + " verify == AR steps", n), batch, alone, 0.0);
       cud->begin_chunk(P);
     }
+    // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse)
+    for (int k : {1, 22}) {
+      const int cols = 3001;
+      auto x = randn((size_t)n * cols, 3.f);
+      for (int t = 0; t < n; ++t) x[(size_t)t * cols + 17] = x[(size_t)t * cols + 1500] = 50.f;  // a tie at the top
+      Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4), ia(*cpu, (size_t)n * k * 4), ib(*cud, (size_t)n * k * 4),
+          la(*cpu, (size_t)n * k * 4), lb(*cud, (size_t)n * k * 4);
+      xa.put(x), xb.put(x), ib.poison(), lb.poison();
+      cpu->row_topk(xa.f(), n, cols, k, reinterpret_cast<int32_t*>(ia.p), la.f());
+      cud->row_topk(xb.f(), n, cols, k, reinterpret_cast<int32_t*>(ib.p), lb.f());
+      auto ids_a = ia.bytes_back((size_t)n * k * 4), ids_b = ib.bytes_back((size_t)n * k * 4);
+      const bool same = ids_a == ids_b;
+      int32_t first = 0;
+      std::memcpy(&first, ids_b.data(), 4);
+      std::printf("%-58s %s\n", label("row_topk", "k=" + std::to_string(k) + " ids", n).c_str(),
+                  same && first == 17 ? "ok" : "FAIL");
+      failures += !(same && first == 17);
+      check(label("row_topk", "k=" + std::to_string(k) + " logp", n), lb.get((size_t)n * k), la.get((size_t)n * k), 1e-6);
+    }
     // scale
     {
       auto x = randn((size_t)n * H);
