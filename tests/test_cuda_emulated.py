@@ -57,3 +57,41 @@ def test_cuda_tests_on_emulator(emu_build):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
+
+
+def test_backend_under_address_sanitizer(tmp_path):
+    """The stand-in for compute-sanitizer memcheck where there is no GPU: the emulator build under
+    AddressSanitizer ("device" memory is exact-size host memory), running the op test and a short
+    AR / chain / DDTree / sampled decode of the bundled pair on the emulated device."""
+    cmake, gcc = shutil.which("cmake"), shutil.which("gcc")
+    if not cmake or not gcc:
+        pytest.skip("no cmake / gcc")
+    libasan = subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(libasan) or not os.path.exists(libasan):
+        pytest.skip("no libasan")
+    out = ROOT / "build" / "emu-asan-tests"
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    cfg = subprocess.run([cmake, "-S", str(ROOT), "-B", str(out), *gen, "-DCMAKE_BUILD_TYPE=Debug",
+                          "-DCMAKE_CXX_FLAGS=-O1 -g -fsanitize=address -fno-omit-frame-pointer",
+                          "-DDFLASH27B_CUDA=OFF", "-DDFLASH27B_CUDA_EMU=ON", "-DDFLASH27B_BUILD_TESTS=ON"],
+                         capture_output=True, text=True)
+    assert cfg.returncode == 0, cfg.stdout[-3000:] + cfg.stderr[-3000:]
+    bld = subprocess.run([cmake, "--build", str(out), "-j", str(os.cpu_count() or 2)], capture_output=True, text=True)
+    assert bld.returncode == 0, bld.stdout[-4000:] + bld.stderr[-4000:]
+    asan = "detect_stack_use_after_return=0:detect_leaks=0:abort_on_error=0:exitcode=86"
+    ops = subprocess.run([str(out / "dfl_backend_ops"), "7"], capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ, ASAN_OPTIONS=asan))
+    assert ops.returncode == 0 and ops.stdout.rstrip().endswith("ALL OK"), ops.stderr[-4000:]
+    code = ("from dflash27b import Decoder\n"
+            "with Decoder(device='cuda', ctx=256, threads=2, kv_type='q4_0') as d:\n"
+            "    ids = d.tokenize('import os\\n\\n\\ndef walk(path):\\n    for root, dirs, files in os.walk(')\n"
+            "    ar = d.generate(ids, 6, ignore_eos=True, mode='ar').tokens\n"
+            "    dd = d.generate(ids, 6, ignore_eos=True, mode='ddtree').tokens\n"
+            "    ch = d.generate(ids, 6, ignore_eos=True, mode='chain').tokens\n"
+            "    d.generate(ids, 4, ignore_eos=True, mode='ddtree', temperature=0.7, seed=3)\n"
+            "    assert dd == ar == ch, (ar, dd, ch)\n"
+            "print('decode ok')\n")
+    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS=asan, DFLASH27B_LIB=str(out / "libdflash27b.so"),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env)
+    assert run.returncode == 0 and "decode ok" in run.stdout, run.stdout[-2000:] + run.stderr[-6000:]

@@ -10,6 +10,9 @@
 // streams and events are no-ops because every launch completes before it
 // returns.  Only what the backend uses is here.
 #pragma once
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -126,6 +129,11 @@ __attribute__((naked, noinline)) inline void switch_stack(void** /*save_sp*/, vo
 }
 // A fresh stack whose first switch_stack "returns" into entry().
 inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
+#if defined(__SANITIZE_ADDRESS__)
+  // A finished fiber never returns, so AddressSanitizer still marks its frames: clear them
+  // (the emulator runs under ASan as a stand-in for compute-sanitizer memcheck).
+  __asan_unpoison_memory_region(stack, size);
+#endif
   uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
   uint64_t* p = reinterpret_cast<uint64_t*>(top);
   *--p = 0;                                 // entry's (never used) return address: rsp % 16 == 8 at entry
@@ -296,10 +304,14 @@ inline cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
   *total_b = (size_t)8 << 30;
   return cudaSuccess;
 }
+// Exactly n bytes (256-aligned), so a sanitizer sees any read past the end.
 inline cudaError_t cudaMalloc(void** p, size_t n) {
-  *p = std::aligned_alloc(256, (n + 255) / 256 * 256);
-  if (*p) std::memset(*p, 0xff, n);  // fresh device memory is not zero: poison it
-  return *p ? cudaSuccess : 2;
+  if (posix_memalign(p, 256, n ? n : 1) != 0) {
+    *p = nullptr;
+    return 2;
+  }
+  std::memset(*p, 0xff, n);  // fresh device memory is not zero: poison it
+  return cudaSuccess;
 }
 template <class T>
 inline cudaError_t cudaMalloc(T** p, size_t n) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
