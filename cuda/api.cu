@@ -42,16 +42,6 @@ struct Event {
   }
 };
 
-void need_device() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    fail("no usable CUDA device: %s", cudaGetErrorString(e));
-  }
-  if (n <= 0) fail("no usable CUDA device: none found");
-}
-
 const TypeTraits& check_matmul_args(uint32_t type, int64_t rows, int64_t cols, int32_t n) {
   const TypeTraits* t = type_traits(type);
   if (!t) fail("unsupported tensor type %u", type);
@@ -133,7 +123,7 @@ int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, co
   return dfl::api_guard([&] {
     if (!w || !x || !y) dfl::fail("w, x and y must not be NULL");
     const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
-    need_device();
+    require_device();
     const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
     DevBuf dw(wbytes), dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
     CUDA_CHECK(cudaMemcpy(dw.p, w, wbytes, cudaMemcpyHostToDevice));
@@ -151,7 +141,7 @@ double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t 
   dfl::api_guard([&] {
     const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
     if (iters <= 0) dfl::fail("iters must be positive (got %d)", iters);
-    need_device();
+    require_device();
     const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
     // Enough copies of the weights to stream >= 256 MiB per round, so that
     // the timed calls read DRAM rather than a warm L2 (50 MB on an H100).

@@ -32,18 +32,6 @@ std::string mib(uint64_t b) {
   return s;
 }
 
-int pick_device() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    fail("device 'cuda' requested but no usable CUDA device: %s", cudaGetErrorString(e));
-  }
-  if (n <= 0) fail("device 'cuda' requested but no CUDA device was found");
-  CUDA_CHECK(cudaSetDevice(0));
-  return 0;
-}
-
 // The model's tensors on the device, keyed by their host address.
 struct DeviceWeights {
   void* arena = nullptr;
@@ -164,7 +152,8 @@ unsigned elementwise_grid(size_t n) { return (unsigned)std::min<size_t>((n + 255
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const Model& m, const MemoryPlan& plan) : m_(m), c_(m.cfg) {
-    pick_device();
+    require_device();
+    CUDA_CHECK(cudaSetDevice(0));
     if (c_.conv_kernel > fwd::kMaxConvK) fail("conv kernel %d exceeds the CUDA limit %d", c_.conv_kernel, fwd::kMaxConvK);
     if (c_.ssm_dv % 32 || c_.ssm_dv > fwd::kMaxBlock) fail("delta-net value head dim %d is not a multiple of 32 <= 1024", c_.ssm_dv);
     if (c_.ssm_dk != 32 && c_.ssm_dk != 64 && c_.ssm_dk != 128 && c_.ssm_dk != 256)

@@ -37,6 +37,18 @@
 namespace dfl {
 namespace cuda {
 
+// Fails (dfl::Error, not a crash) unless a CUDA device is usable: no driver
+// and no GPU are ordinary errors here.
+inline void require_device() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear it
+    fail("no usable CUDA device: %s", cudaGetErrorString(e));
+  }
+  if (n <= 0) fail("no usable CUDA device: none found");
+}
+
 // ---- block field offsets (bytes), checked against blocks.h ----
 constexpr int kQ4_0_d = 0, kQ4_0_qs = 2;
 constexpr int kQ8_0_d = 0, kQ8_0_qs = 2;
