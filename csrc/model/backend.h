@@ -78,6 +78,9 @@ class Backend {
   virtual void release(void* p) = 0;
   virtual void upload(void* dst, const void* host, size_t bytes) = 0;
   virtual void download(void* host, const void* src, size_t bytes) = 0;  // waits for the ops before it
+  // `rows` rows of `row_bytes`, src rows src_pitch bytes apart, host rows host_pitch apart (one transfer).
+  virtual void download_rows(void* host, size_t host_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                             size_t rows) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   virtual void sync() = 0;

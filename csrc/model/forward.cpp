@@ -339,9 +339,9 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
     be.add(x, I.out.f(), (size_t)n * H);
 
     for (int ci = 0; ci < out.n_capture; ++ci)
-      if (out.capture_layers[ci] == l)
-        for (int t = 0; t < n; ++t)
-          be.download(out.hidden + ((size_t)(off + t) * out.n_capture + ci) * H, x + (size_t)t * H, (size_t)H * 4);
+      if (out.capture_layers[ci] == l)  // one strided transfer: row t goes to hidden[off + t][ci]
+        be.download_rows(out.hidden + ((size_t)off * out.n_capture + ci) * H, (size_t)out.n_capture * H * 4, x,
+                         (size_t)H * 4, (size_t)H * 4, (size_t)n);
   }
 
   // ---- logits for the requested rows in this chunk ----

@@ -40,6 +40,12 @@ class CpuBackend final : public Backend {
   void release(void* p) override { std::free(p); }
   void upload(void* dst, const void* host, size_t bytes) override { std::memcpy(dst, host, bytes); }
   void download(void* host, const void* src, size_t bytes) override { std::memcpy(host, src, bytes); }
+  void download_rows(void* host, size_t host_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                     size_t rows) override {
+    for (size_t r = 0; r < rows; ++r)
+      std::memcpy(static_cast<uint8_t*>(host) + r * host_pitch, static_cast<const uint8_t*>(src) + r * src_pitch,
+                  row_bytes);
+  }
   void copy(void* dst, const void* src, size_t bytes) override { std::memmove(dst, src, bytes); }
   void fill_zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
   void sync() override {}
