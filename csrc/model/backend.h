@@ -82,6 +82,9 @@ class Backend {
   virtual void download_rows(void* host, size_t host_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                              size_t rows) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // `rows` rows of `row_bytes` within backend memory, with their own pitches.
+  virtual void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                         size_t rows) = 0;
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   virtual void sync() = 0;
 

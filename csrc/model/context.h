@@ -42,6 +42,9 @@ struct ForwardOutputs {
   int n_capture = 0;
   const int32_t* capture_layers = nullptr;  // residual stream after these layers
   float* hidden = nullptr;                  // [n][n_capture * n_embd], layer-major within a row
+  // Keep the captured rows on the backend instead (captured(), same layout):
+  // a drafter on the same backend takes them from there.  Needs n <= n_batch.
+  bool hidden_on_backend = false;
 };
 
 class Context {
@@ -77,6 +80,8 @@ class Context {
   ThreadPool& pool();
   // The backend the context computes on, shared with a drafter serving it.
   Backend& backend();
+  // Backend memory: the last forward's captured rows when it asked for hidden_on_backend.
+  const float* captured() const;
 
  private:
   struct Impl;

@@ -123,6 +123,25 @@ void Drafter::push_features(int32_t pos0, int n, const float* feats) {
   consumed_ = std::max(consumed_, n_pos_ - cap_);
 }
 
+void Drafter::push_features_from_backend(int32_t pos0, int n, const float* src, const int32_t* rows) {
+  if (pos0 != n_pos_) fail("features for position %d pushed, but the drafter expects position %d next", pos0, n_pos_);
+  if (n < 0) fail("negative feature count");
+  const size_t w = (size_t)feature_width();
+  for (int i = std::max(0, n - cap_); i < n;) {
+    const int slot = (pos0 + i) % cap_;
+    if (rows) {  // one row at a time: path nodes are not consecutive
+      be_->copy(ring_.f() + (size_t)slot * w, src + (size_t)rows[i] * w, w * 4);
+      ++i;
+    } else {     // contiguous runs, split where the ring wraps
+      const int run = std::min(n - i, cap_ - slot);
+      be_->copy(ring_.f() + (size_t)slot * w, src + (size_t)i * w, (size_t)run * w * 4);
+      i += run;
+    }
+  }
+  n_pos_ += n;
+  consumed_ = std::max(consumed_, n_pos_ - cap_);
+}
+
 void Drafter::skip_features(int32_t pos0, int n) {
   if (pos0 != n_pos_) fail("features for position %d skipped, but the drafter expects position %d next", pos0, n_pos_);
   n_pos_ += n;

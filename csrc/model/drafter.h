@@ -47,6 +47,11 @@ class Drafter {
   // Features of committed positions pos0 .. pos0+n-1, [n][feature_width()]
   // (target_layer_ids order within a row).  pos0 must equal n_pos().
   void push_features(int32_t pos0, int n, const float* feats);
+  // The same from backend memory (the target context's captured rows, when
+  // both share the backend): position pos0 + k takes row rows[k] of src
+  // (rows null: row k).
+  void push_features_from_backend(int32_t pos0, int n, const float* src, const int32_t* rows);
+  Backend& backend() { return *be_; }
   // Advances past positions whose features were not captured because they can
   // never be read (older than the newest `capacity` positions of the prompt).
   void skip_features(int32_t pos0, int n);

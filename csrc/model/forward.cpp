@@ -36,6 +36,7 @@ struct Context::Impl {
   BackendBuf x, hn, out, a0, a1, a2, a3, a4;
   BackendBuf logits;  // [kLogitGroup][n_vocab], allocated on first use
   BackendBuf top;     // top-k ids then log-probs of a logits group
+  BackendBuf captured;  // [n_batch][n_capture][n_embd] when features stay on the backend
 
   explicit Impl(int threads) : pool(threads) {}
 };
@@ -143,6 +144,7 @@ size_t Context::state_bytes() const {
 
 ThreadPool& Context::pool() { return impl_->pool; }
 Backend& Context::backend() { return *impl_->be; }
+const float* Context::captured() const { return impl_->captured.f(); }
 
 size_t Context::committed_state_size() const {
   const Impl& I = *impl_;
@@ -187,6 +189,11 @@ void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
   for (int i = 0; i < out.n_logits; ++i)
     if (out.logit_rows[i] < 0 || out.logit_rows[i] >= b.n) fail("logit row %d outside the batch", out.logit_rows[i]);
   if (out.topk < 0 || out.topk > c.n_vocab) fail("top-k of %d over a vocabulary of %d", out.topk, c.n_vocab);
+  if (out.hidden_on_backend && out.n_capture > 0) {
+    if (b.n > params_.n_batch) fail("features kept on the backend need a batch of at most %d tokens", params_.n_batch);
+    const size_t need = (size_t)params_.n_batch * out.n_capture * c.n_embd * 4;
+    if (impl_->captured.bytes < need) impl_->captured = BackendBuf(*impl_->be, need);
+  }
   for (int i = 0; i < out.n_capture; ++i)
     if (out.capture_layers[i] < 0 || out.capture_layers[i] >= c.n_layer)
       fail("capture layer %d outside 0..%d", out.capture_layers[i], c.n_layer - 1);
@@ -339,9 +346,15 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
     be.add(x, I.out.f(), (size_t)n * H);
 
     for (int ci = 0; ci < out.n_capture; ++ci)
-      if (out.capture_layers[ci] == l)  // one strided transfer: row t goes to hidden[off + t][ci]
-        be.download_rows(out.hidden + ((size_t)off * out.n_capture + ci) * H, (size_t)out.n_capture * H * 4, x,
-                         (size_t)H * 4, (size_t)H * 4, (size_t)n);
+      if (out.capture_layers[ci] == l) {  // one strided transfer: row t goes to hidden[off + t][ci]
+        const size_t pitch = (size_t)out.n_capture * H * 4;
+        if (out.hidden_on_backend)
+          be.copy_rows(I.captured.f() + ((size_t)off * out.n_capture + ci) * H, pitch, x, (size_t)H * 4,
+                       (size_t)H * 4, (size_t)n);
+        else
+          be.download_rows(out.hidden + ((size_t)off * out.n_capture + ci) * H, pitch, x, (size_t)H * 4,
+                           (size_t)H * 4, (size_t)n);
+      }
   }
 
   // ---- logits for the requested rows in this chunk ----

@@ -47,6 +47,10 @@ class CpuBackend final : public Backend {
                   row_bytes);
   }
   void copy(void* dst, const void* src, size_t bytes) override { std::memmove(dst, src, bytes); }
+  void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                 size_t rows) override {
+    download_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows);
+  }
   void fill_zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
   void sync() override {}
   const void* weight(const Weight& w) override { return w.data; }

@@ -82,15 +82,20 @@ void Generator::prefill(const int32_t* prompt, int n) {
     }
     const bool grab = cap && off + m > first_captured;
     if (grab) {
-      hidden_.resize((size_t)m * drafter_->feature_width());
       o.n_capture = (int)capture_.size();
       o.capture_layers = capture_.data();
-      o.hidden = hidden_.data();
+      if (features_on_backend()) {
+        o.hidden_on_backend = true;
+      } else {
+        hidden_.resize((size_t)m * drafter_->feature_width());
+        o.hidden = hidden_.data();
+      }
     }
     ctx_.forward(b, o, true);
     if (cap) {
       // The ring skips positions it could never serve; it only needs the count.
-      if (grab) drafter_->push_features(off, m, hidden_.data());
+      if (grab && features_on_backend()) drafter_->push_features_from_backend(off, m, ctx_.captured(), nullptr);
+      else if (grab) drafter_->push_features(off, m, hidden_.data());
       else drafter_->skip_features(off, m);
     }
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
@@ -239,10 +244,14 @@ int Generator::step(std::vector<int32_t>& out) {
   }
   const bool cap = capturing();
   if (cap) {
-    hidden_.resize((size_t)N * drafter_->feature_width());
     o.n_capture = (int)capture_.size();
     o.capture_layers = capture_.data();
-    o.hidden = hidden_.data();
+    if (features_on_backend()) {
+      o.hidden_on_backend = true;
+    } else {
+      hidden_.resize((size_t)N * drafter_->feature_width());
+      o.hidden = hidden_.data();
+    }
   }
   const bool ar = p_.mode == DecodeMode::AR;
   ctx_.forward(b, o, /*commit=*/ar);
@@ -271,7 +280,10 @@ int Generator::step(std::vector<int32_t>& out) {
   t0 = Clock::now();
   if (!ar) {
     ctx_.commit_path(path.data(), a + 1);
-    if (cap) {
+    if (cap && features_on_backend()) {
+      // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace)
+      drafter_->push_features_from_backend(s, a + 1, ctx_.captured(), path.data());
+    } else if (cap) {
       // the accepted nodes' features, in path order (nodes off the path leave no trace)
       const size_t w = (size_t)drafter_->feature_width();
       std::vector<float> feats((size_t)(a + 1) * w);

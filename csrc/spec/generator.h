@@ -85,6 +85,8 @@ class Generator {
   // The target's choice for the token at absolute position pos from one logits row.
   int32_t pick(const float* row, int64_t pos);
   bool capturing() const { return drafter_ && p_.mode != DecodeMode::AR; }
+  // A drafter on the context's own backend takes the captured features there (no host round trip).
+  bool features_on_backend() const { return drafter_ && &drafter_->backend() == &ctx_.backend(); }
 
   Context& ctx_;
   Drafter* drafter_ = nullptr;
