@@ -151,7 +151,7 @@ unsigned elementwise_grid(size_t n) { return (unsigned)std::min<size_t>((n + 255
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const Model& m, const MemoryPlan& plan) : m_(m), c_(m.cfg) {
+  CudaBackend(const Model& m, const MemoryPlan& plan) : c_(m.cfg) {
     require_device();
     CUDA_CHECK(cudaSetDevice(0));
     if (c_.conv_kernel > fwd::kMaxConvK) fail("conv kernel %d exceeds the CUDA limit %d", c_.conv_kernel, fwd::kMaxConvK);
@@ -359,7 +359,6 @@ class CudaBackend final : public Backend {
     return weights_->find(host);
   }
 
-  const Model& m_;
   const Qwen35Config& c_;
   std::shared_ptr<DeviceWeights> weights_;
   std::vector<std::pair<const void*, std::shared_ptr<DeviceWeights>>> extra_;  // the drafter's

@@ -244,8 +244,10 @@ void Drafter::propose_topk(const int32_t* block_tokens, int n_block, int k, int3
   int32_t* d_ids = reinterpret_cast<int32_t*>(top_.u8());
   float* d_lp = reinterpret_cast<float*>(top_.u8() + n * 4);
   be_->row_topk(logits_.f(), rows, V, k, d_ids, d_lp);
-  be_->download(ids, d_ids, n * 4);
-  be_->download(logp, d_lp, n * 4);
+  std::vector<uint8_t> both(n * 8);  // ids then log-probs: one transfer
+  be_->download(both.data(), top_.p, both.size());
+  std::memcpy(ids, both.data(), n * 4);
+  std::memcpy(logp, both.data() + n * 4, n * 4);
 }
 
 void Drafter::forward_block(const int32_t* block_tokens, int n_block) {

@@ -379,13 +379,12 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       int32_t* ids = reinterpret_cast<int32_t*>(I.top.u8());
       float* lp = reinterpret_cast<float*>(I.top.u8() + (size_t)group * kk * 4);
       be.row_topk(I.logits.f(), k, c.n_vocab, out.topk, ids, lp);
-      std::vector<int32_t> hid((size_t)k * kk);
-      std::vector<float> hlp((size_t)k * kk);
-      be.download(hid.data(), ids, hid.size() * 4);
-      be.download(hlp.data(), lp, hlp.size() * 4);
+      // ids then log-probs of the group lie together: one transfer
+      std::vector<uint8_t> both((size_t)group * kk * 8);
+      be.download(both.data(), I.top.p, both.size());
       for (int j = 0; j < k; ++j) {
-        std::copy(hid.begin() + j * kk, hid.begin() + (j + 1) * kk, out.top_ids + (size_t)rs[g0 + j] * kk);
-        std::copy(hlp.begin() + j * kk, hlp.begin() + (j + 1) * kk, out.top_logp + (size_t)rs[g0 + j] * kk);
+        std::memcpy(out.top_ids + (size_t)rs[g0 + j] * kk, both.data() + j * kk * 4, kk * 4);
+        std::memcpy(out.top_logp + (size_t)rs[g0 + j] * kk, both.data() + ((size_t)group + j) * kk * 4, kk * 4);
       }
     }
     if (!out.logits) continue;

@@ -25,7 +25,7 @@ void l2norm(float* x, int n, float eps) {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(const Model& m, ThreadPool& pool) : m_(m), c_(m.cfg), pool_(pool) {}
+  CpuBackend(const Model& m, ThreadPool& pool) : c_(m.cfg), pool_(pool) {}
 
   Device device() const override { return Device::CPU; }
   std::string name() const override { return std::string("cpu (") + simd_name() + ")"; }
@@ -214,7 +214,6 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  const Model& m_;
   const Qwen35Config& c_;
   ThreadPool& pool_;
   const ChunkPlan* p_ = nullptr;

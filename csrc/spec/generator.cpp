@@ -81,21 +81,15 @@ void Generator::prefill(const int32_t* prompt, int n) {
       }
     }
     const bool grab = cap && off + m > first_captured;
-    if (grab) {
+    if (grab) {  // the captured rows stay on the backend the drafter shares
       o.n_capture = (int)capture_.size();
       o.capture_layers = capture_.data();
-      if (features_on_backend()) {
-        o.hidden_on_backend = true;
-      } else {
-        hidden_.resize((size_t)m * drafter_->feature_width());
-        o.hidden = hidden_.data();
-      }
+      o.hidden_on_backend = true;
     }
     ctx_.forward(b, o, true);
     if (cap) {
       // The ring skips positions it could never serve; it only needs the count.
-      if (grab && features_on_backend()) drafter_->push_features_from_backend(off, m, ctx_.captured(), nullptr);
-      else if (grab) drafter_->push_features(off, m, hidden_.data());
+      if (grab) drafter_->push_features_from_backend(off, m, ctx_.captured(), nullptr);
       else drafter_->skip_features(off, m);
     }
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
@@ -246,12 +240,7 @@ int Generator::step(std::vector<int32_t>& out) {
   if (cap) {
     o.n_capture = (int)capture_.size();
     o.capture_layers = capture_.data();
-    if (features_on_backend()) {
-      o.hidden_on_backend = true;
-    } else {
-      hidden_.resize((size_t)N * drafter_->feature_width());
-      o.hidden = hidden_.data();
-    }
+    o.hidden_on_backend = true;
   }
   const bool ar = p_.mode == DecodeMode::AR;
   ctx_.forward(b, o, /*commit=*/ar);
@@ -280,18 +269,8 @@ int Generator::step(std::vector<int32_t>& out) {
   t0 = Clock::now();
   if (!ar) {
     ctx_.commit_path(path.data(), a + 1);
-    if (cap && features_on_backend()) {
-      // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace)
-      drafter_->push_features_from_backend(s, a + 1, ctx_.captured(), path.data());
-    } else if (cap) {
-      // the accepted nodes' features, in path order (nodes off the path leave no trace)
-      const size_t w = (size_t)drafter_->feature_width();
-      std::vector<float> feats((size_t)(a + 1) * w);
-      for (int k = 0; k <= a; ++k)
-        std::copy(hidden_.begin() + (size_t)path[k] * w, hidden_.begin() + (size_t)(path[k] + 1) * w,
-                  feats.begin() + (size_t)k * w);
-      drafter_->push_features(s, a + 1, feats.data());
-    }
+    // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace)
+    if (cap) drafter_->push_features_from_backend(s, a + 1, ctx_.captured(), path.data());
   }
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);

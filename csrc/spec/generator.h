@@ -19,6 +19,7 @@
 #include "model/drafter.h"
 #include "spec/ddtree.h"
 #include "spec/sampler.h"
+#include "util/error.h"
 
 namespace dfl {
 
@@ -64,7 +65,11 @@ using PrefillProgress = std::function<bool(int done, int total)>;
 class Generator {
  public:
   explicit Generator(Context& ctx) : ctx_(ctx) {}
-  void set_drafter(Drafter* d) { drafter_ = d; }
+  // The drafter computes on the context's backend (it takes the captured features there).
+  void set_drafter(Drafter* d) {
+    if (d && &d->backend() != &ctx_.backend()) fail("the drafter must run on its context's backend");
+    drafter_ = d;
+  }
   Drafter* drafter() const { return drafter_; }
   void set_draft_source(DraftSource src) { source_ = std::move(src); }
   void set_tree_source(TreeSource src) { tree_source_ = std::move(src); }
@@ -85,8 +90,6 @@ class Generator {
   // The target's choice for the token at absolute position pos from one logits row.
   int32_t pick(const float* row, int64_t pos);
   bool capturing() const { return drafter_ && p_.mode != DecodeMode::AR; }
-  // A drafter on the context's own backend takes the captured features there (no host round trip).
-  bool features_on_backend() const { return drafter_ && &drafter_->backend() == &ctx_.backend(); }
 
   Context& ctx_;
   Drafter* drafter_ = nullptr;
@@ -97,7 +100,7 @@ class Generator {
   int block_ = 1;
   GenStats stats_;
   std::vector<StepRecord> steps_;
-  std::vector<float> logits_, draft_logits_, hidden_;
+  std::vector<float> logits_;
   // Greedy decoding needs only each row's argmax and the drafts' top-K: they
   // are computed where the logits are (top_ids_ / top_logp_), no rows move.
   bool greedy() const { return p_.sampler.temperature <= 0.f; }

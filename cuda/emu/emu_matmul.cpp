@@ -17,6 +17,7 @@
 #include "cuda_runtime.h"
 #include "matmul_kernels.cuh"
 #include "quant/quant.h"
+#include "random_blocks.h"
 
 using namespace dfl;
 using namespace dfl::cuda;
@@ -64,31 +65,13 @@ void emu_matmul(const uint8_t* w, int64_t rows, int64_t cols, const float* x, in
   emu_launch(g, 256, 0, [&] { tiled_kernel<F>(w, rows, cols, rb, x, n, y); });
 }
 
-// Random blocks with finite scales (|d| <= 0.05) or finite float values,
-// copied `shift` bytes past a 16-byte aligned address.
+// Random blocks (random_blocks.h) copied `shift` bytes past a 16-byte aligned address.
 struct Weights {
   std::vector<uint4> store;
   const uint8_t* p;
 };
 Weights random_weights(DType t, int64_t rows, int64_t cols, int shift) {
-  const TypeTraits* tt = type_traits((uint32_t)t);
-  const int64_t nb = rows * (cols / tt->block_elems);
-  std::vector<uint8_t> b((size_t)(nb * tt->block_bytes));
-  for (auto& v : b) v = (uint8_t)(rng() & 0xff);
-  std::uniform_real_distribution<float> U(-1, 1);
-  auto put16 = [&](size_t o, uint16_t h) { b[o] = (uint8_t)h; b[o + 1] = (uint8_t)(h >> 8); };
-  for (int64_t i = 0; i < nb; ++i) {
-    const size_t o = (size_t)(i * tt->block_bytes);
-    switch (t) {
-      case DType::F32: { float v = U(rng) * 3; std::memcpy(&b[o], &v, 4); break; }
-      case DType::F16: put16(o, f32_to_f16(U(rng) * 3)); break;
-      case DType::BF16: { float v = U(rng) * 3; uint32_t u; std::memcpy(&u, &v, 4); put16(o, (uint16_t)(u >> 16)); break; }
-      case DType::Q4_0: case DType::Q8_0: put16(o, f32_to_f16(U(rng) * 0.05f)); break;
-      case DType::Q4_K: case DType::Q5_K:
-        put16(o, f32_to_f16(U(rng) * 0.05f)); put16(o + 2, f32_to_f16(U(rng) * 0.05f)); break;
-      case DType::Q6_K: put16(o + 208, f32_to_f16(U(rng) * 0.05f)); break;
-    }
-  }
+  const std::vector<uint8_t> b = random_block_bytes(t, rows, cols, rng, 3.f);
   Weights w;
   w.store.resize(b.size() / 16 + 3);
   uint8_t* dst = reinterpret_cast<uint8_t*>(w.store.data()) + shift;

@@ -23,6 +23,7 @@
 #include "model/backend.h"
 #include "model/context.h"
 #include "quant/quant.h"
+#include "random_blocks.h"
 
 namespace dfl {
 void set_last_error(const char*) {}  // api.cpp's, for the CUDA objects' C entry points
@@ -45,26 +46,10 @@ std::vector<float> randn(size_t n, float scale = 1.f) {
   return v;
 }
 
-// Random weight bytes of format t with finite scale fields (|d| <= 0.05), as emu_matmul does.
+// Random weight bytes of format t, with room for the kernels' 16-byte reads past a row's end.
 std::vector<uint8_t> random_weight_bytes(DType t, int64_t rows, int64_t cols) {
-  const TypeTraits* tt = type_traits((uint32_t)t);
-  const int64_t nb = rows * (cols / tt->block_elems);
-  std::vector<uint8_t> b((size_t)(nb * tt->block_bytes) + 64);
-  for (auto& v : b) v = (uint8_t)(rng() & 0xff);
-  std::uniform_real_distribution<float> U(-1, 1);
-  auto put16 = [&](size_t o, uint16_t h) { b[o] = (uint8_t)h; b[o + 1] = (uint8_t)(h >> 8); };
-  for (int64_t i = 0; i < nb; ++i) {
-    const size_t o = (size_t)(i * tt->block_bytes);
-    switch (t) {
-      case DType::F32: { float v = U(rng); std::memcpy(&b[o], &v, 4); break; }
-      case DType::F16: put16(o, f32_to_f16(U(rng))); break;
-      case DType::BF16: { float v = U(rng); uint32_t u; std::memcpy(&u, &v, 4); put16(o, (uint16_t)(u >> 16)); break; }
-      case DType::Q4_0: case DType::Q8_0: put16(o, f32_to_f16(U(rng) * 0.05f)); break;
-      case DType::Q4_K: case DType::Q5_K:
-        put16(o, f32_to_f16(U(rng) * 0.05f)); put16(o + 2, f32_to_f16(U(rng) * 0.05f)); break;
-      case DType::Q6_K: put16(o + 208, f32_to_f16(U(rng) * 0.05f)); break;
-    }
-  }
+  std::vector<uint8_t> b = random_block_bytes(t, rows, cols, rng, 1.f);
+  b.resize(b.size() + 64);
   return b;
 }
 
