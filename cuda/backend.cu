@@ -295,7 +295,7 @@ class CudaBackend final : public Backend {
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
     const AttnShape& s = check_shape(L.s);
     fwd::StoreArgs a{qg, kk, vv, L.k_cache, L.v_cache, L.q_norm, L.k_norm, pos_, L.slot0, s.n_head, s.n_head_kv,
-                     s.head_dim, s.n_rot, s.q_stride(), kv_row(s), head_bytes(s), s.eps, s.rope_base, s.kv_type};
+                     s.head_dim, s.q_stride(), kv_row(s), head_bytes(s), s.eps, s.rope, s.kv_type};
     const unsigned threads = (unsigned)((s.head_dim + 31) / 32 * 32);
     launch(fwd::attn_store_kernel, dim3((unsigned)n_, (unsigned)(s.n_head + 2 * s.n_head_kv)), dim3(threads), 0,
            stream_, a);

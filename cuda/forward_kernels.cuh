@@ -10,6 +10,7 @@
 #pragma once
 #include "common.cuh"
 #include "formats.cuh"
+#include "model/rope.h"
 
 namespace dfl {
 namespace cuda {
@@ -181,9 +182,10 @@ struct StoreArgs {
   const float* q_norm;
   const float* k_norm;
   const int32_t* pos;
-  int slot0, n_head, n_head_kv, head_dim, n_rot, q_stride;
+  int slot0, n_head, n_head_kv, head_dim, q_stride;
   int64_t kv_row, head_bytes;
-  float eps, rope_base;
+  float eps;
+  RopeSpec rope;
   DType kvt;
 };
 
@@ -218,12 +220,12 @@ __global__ void attn_store_kernel(StoreArgs a) {
     if (i < hd) h[i] = v;
     __syncthreads();
     // NeoX RoPE on the first n_rot dims: pairs (p, p + n_rot/2); angles in double as the CPU does.
-    const int half = a.n_rot / 2;
+    const int half = a.rope.n_rot / 2;
     float r = i < hd ? h[i] : 0.f;
-    if (i < a.n_rot) {
+    if (i < a.rope.n_rot) {
       const int p = i < half ? i : i - half;
-      const double theta = (double)a.pos[t] * pow((double)a.rope_base, -2.0 * p / a.n_rot);
-      const float c = (float)cos(theta), s = (float)sin(theta);
+      float c, s;
+      rope_cos_sin(a.rope, p, a.pos[t], &c, &s);
       const float x0 = h[p], x1 = h[p + half];
       r = i < half ? x0 * c - x1 * s : x0 * s + x1 * c;
     }

@@ -202,15 +202,23 @@ typedef struct {
   int32_t block_size, mask_token_id;
   int32_t n_target_layers;       /* entries used in target_layer_ids (at most 16) */
   int32_t target_layer_ids[16];  /* 0-based target layers whose outputs feed fc */
-  int32_t n_sliding_layers;      /* layers whose layer_types entry is sliding_attention */
+  int32_t n_sliding_layers;      /* sliding_attention layers (causal, windowed) */
   int32_t sliding_window;        /* 0: none */
+  int32_t num_target_layers;     /* the config's num_target_layers (0: absent) */
   float rms_eps, rope_theta;
-  uint64_t weight_bytes;         /* bytes of all tensors in model.safetensors */
+  char rope_type[16];            /* "default", "linear" or "yarn" */
+  float rope_factor;             /* 1 when unscaled */
+  float rope_attention_factor;   /* yarn's cos/sin scaling; 1 otherwise */
+  uint64_t weight_bytes;         /* bytes of all tensors in model.safetensors (0 from dfl_draft_config_info) */
 } dfl_draft_info;
 
 dfl_draft* dfl_draft_load(const char* path, const dfl_model* target);
 void dfl_draft_free(dfl_draft* d);
 int dfl_draft_get_info(const dfl_draft* d, dfl_draft_info* out);
+/* Reads and validates a drafter's config.json alone (path: the file or its
+ * directory) with the same reader dfl_draft_load uses; no weights are opened.
+ * For listings and memory plans. */
+int dfl_draft_config_info(const char* path, dfl_draft_info* out);
 
 /* The drafter at run time: a feature ring of ring_capacity positions and a
  * draft KV cache of the same capacity (memory constant in context length). */

@@ -102,6 +102,7 @@ def test_other_dtypes(tmp_path, target, dtype):
 
 def test_sliding_layers_and_derived_ids(tmp_path, target):
     d = make_tiny_draft(tmp_path / "swa", n_layers=3, target_layer_ids=DROP, sliding_window=32,
+                        use_sliding_window=True,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     info = draft_load(d, target)
     assert info["target_layer_ids"] == build_target_layer_ids(8, 3) == [1, 3, 5]
@@ -254,7 +255,8 @@ def test_bad_config_values(tmp_path):
     expect_error(make_tiny_draft(tmp_path / "a", hidden_size="256"), "'hidden_size' should be an integer")
     expect_error(make_tiny_draft(tmp_path / "b", layer_types=["full_attention"] * 3),
                  "'layer_types' has 3 entries but num_hidden_layers is 1")
-    expect_error(make_tiny_draft(tmp_path / "c", layer_types=["sliding_attention"]), "'sliding_window'")
+    expect_error(make_tiny_draft(tmp_path / "c", layer_types=["sliding_attention"], use_sliding_window=True,
+                                 sliding_window=0), "'sliding_window' = 0 is out of range")
     expect_error(make_tiny_draft(tmp_path / "e", layer_types=["linear_attention"]), "layer_types[0] is 'linear_attention'")
     expect_error(make_tiny_draft(tmp_path / "f", num_key_value_heads=3), "not a multiple of num_key_value_heads 3")
     expect_error(make_tiny_draft(tmp_path / "g", mask_token_id=2048), "mask_token_id 2048 is outside the drafter's vocab_size")

@@ -8,8 +8,8 @@ acceptance lengths, with the drafter distilled on this tiny target (tests/fixtur
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -17,37 +17,10 @@ pytestmark = pytest.mark.oracle
 
 torch = pytest.importorskip("torch")
 zl = pytest.importorskip("dflash.model")
+from tiny_draft import DROP, FORMS, with_overrides, write_draft  # noqa: E402
+from zlab_ref import ExactTarget, zlab_loop_on_cpu  # noqa: E402
 
 DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled"
-
-
-class ExactTarget(torch.nn.Module):
-    """The HF target, recomputing the committed prefix without a cache on every call."""
-
-    def __init__(self, hf):
-        super().__init__()
-        self.hf = hf
-        self.config = hf.config
-        self.lm_head = hf.lm_head
-        self.hist = None
-
-    @property
-    def device(self):
-        return self.hf.device
-
-    def get_input_embeddings(self):
-        return self.hf.get_input_embeddings()
-
-    def forward(self, input_ids, position_ids, past_key_values=None, use_cache=False, logits_to_keep=0,
-                output_hidden_states=False, **_):
-        p0 = int(position_ids[0, 0])  # tokens before p0 are committed; anything after was rejected
-        prev = self.hist[:, :p0] if self.hist is not None and p0 > 0 else input_ids[:, :0]
-        self.hist = torch.cat([prev, input_ids], 1)
-        out = self.hf(self.hist, use_cache=False, output_hidden_states=output_hidden_states)
-        n = input_ids.shape[1]
-        keep = logits_to_keep if logits_to_keep else n
-        hs = tuple(h[:, -n:] for h in out.hidden_states) if output_hidden_states else None
-        return SimpleNamespace(logits=out.logits[:, -keep:], hidden_states=hs)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +44,8 @@ PROMPTS = training_prompts(2) + [[100, 200, 300, 400, 500, 600, 700]]
 
 @pytest.mark.parametrize("block", [4, 8, 16])
 def test_same_ids_and_acceptance_as_zlab(zlab_pair, tiny_f32_gguf, block, monkeypatch):
-    import time
-
     from dflash27b import Decoder
-    monkeypatch.setattr(zl, "_cuda_time", time.perf_counter)  # its stats timer syncs CUDA; CPU here
-    crop = zl._crop_to
-    # ExactTarget never fills z-lab's target cache; cropping that empty hybrid cache would raise.
-    monkeypatch.setattr(zl, "_crop_to", lambda cache, n: crop(cache, n) if cache.get_seq_length() else None)
+    zlab_loop_on_cpu(monkeypatch)
     target, draft = zlab_pair
     n_new = 64
     with Decoder(tiny_f32_gguf, DISTILLED, kv_type="f32", threads=2) as dec:
@@ -90,3 +58,37 @@ def test_same_ids_and_acceptance_as_zlab(zlab_pair, tiny_f32_gguf, block, monkey
             assert got.stats.accept_lengths == ref.acceptance_lengths
             if prompt is not PROMPTS[-1]:
                 assert got.stats.mean_accept > 2.0  # multi-token acceptance really exercised
+
+
+@pytest.mark.slow
+def test_chain_acceptance_matches_zlab_per_rope_form(zlab_pair, tiny_f32_gguf, tmp_path, monkeypatch):
+    """z-lab's decode loop (on the exact target) and ours, with the distilled drafter's weights under each rope
+    form: the same tokens and the same per-step acceptance lengths; YaRN changes them."""
+    from dflash27b import Decoder
+    zlab_loop_on_cpu(monkeypatch)
+    target, _ = zlab_pair
+    base = json.loads((DISTILLED / "config.json").read_text())
+    prompts = training_prompts(2)
+    # This drafter memorised positions under unscaled RoPE: a mild YaRN (original context 512) keeps some
+    # multi-token acceptance while changing the drafts.
+    mild = {"factor": 8.0, "original_max_position_embeddings": 512}
+    forms = {"tf5-default": FORMS["tf5-default"],
+             "tf5-yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000000.0, **mild},
+                              rope_theta=DROP, rope_scaling=DROP),
+             "tf4-yarn-type": dict(rope_theta=10000000.0, rope_scaling={"type": "yarn", **mild})}
+    accepts = {}
+    for form, overrides in forms.items():
+        d = write_draft(tmp_path / form, with_overrides(base, overrides), weights_from=DISTILLED)
+        draft = zl.DFlashDraftModel.from_pretrained(str(d), dtype=torch.float32).eval()
+        with Decoder(tiny_f32_gguf, d, kv_type="f32", threads=2) as dec:
+            for i, prompt in enumerate(prompts):
+                ref = zl.dflash_generate(draft, target, torch.tensor([prompt]), 48, None, block_size=8,
+                                         return_stats=True)
+                got = dec.generate(prompt, 48, ignore_eos=True, mode="chain", block_size=8)
+                assert got.tokens == ref.output_ids[0, len(prompt):].tolist()
+                assert got.stats.accept_lengths == ref.acceptance_lengths, form
+                accepts[form, i] = got.stats.accept_lengths
+        print(form, [accepts[form, i] for i in range(len(prompts))])
+    for form in ("tf5-yarn", "tf4-yarn-type"):
+        assert any(accepts[form, i] != accepts["tf5-default", i] for i in range(len(prompts))), form
+        assert max(max(accepts[form, i]) for i in range(len(prompts))) > 2, form  # multi-token steps under YaRN

@@ -12,6 +12,7 @@ mlp.{gate,up,down}_proj}).  The safetensors file is written by hand
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor a drafter with this config.json has, in z-lab's order."""
     H, F, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     Q, KV = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
-    n_ids = len(cfg["dflash_config"]["target_layer_ids"])
+    n_ids = len((cfg.get("dflash_config") or {}).get("target_layer_ids") or cfg["target_layer_ids"])
     out = [("fc.weight", (H, H * n_ids)), ("hidden_norm.weight", (H,))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
@@ -101,13 +102,64 @@ def make_tiny_draft(out_dir: str | Path, target_hidden: int = 256, target_layers
     usable = {k: v for k, v in config_overrides.items() if v is not DROP and not isinstance(v, str)}
     full = draft_config(target_hidden, target_layers, vocab, n_layers, block_size,
                         None if mask_token_id is DROP else mask_token_id, **usable)
+    write_draft_weights(out, full, dtype, seed)
+    return out
+
+
+def write_draft_weights(out_dir: str | Path, cfg: dict[str, Any], dtype: str = "bf16", seed: int = 0) -> Path:
+    """out_dir/model.safetensors with random weights of the shapes config dict `cfg` implies."""
     rng = np.random.default_rng(seed)
     tensors = []
-    for name, shape in tensor_shapes(full):
+    for name, shape in tensor_shapes(cfg):
         if len(shape) == 1:
             x = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             x = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
         tensors.append((name, _ST_DTYPE[dtype], shape, encode(x, dtype)))
-    write_safetensors(out / "model.safetensors", tensors)
+    return write_safetensors(Path(out_dir) / "model.safetensors", tensors)
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# config.json files of published drafters, shrunk to the tiny target (see fixtures/draft_configs/README.md)
+PUBLISHED = sorted(p.name for p in (FIXTURES / "draft_configs").iterdir() if (p / "config.json").is_file())
+
+
+def published_config(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / "draft_configs" / name / "config.json").read_text())
+
+
+# RoPE forms: (config overrides).  The YaRN ones put the original context (32) far below the positions the
+# tests reach, so the ramp (pairs 0..4 of 32) and the attention factor change the drafts.
+FORMS = {
+    "tf5-default": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+                        rope_theta=DROP, rope_scaling=DROP),
+    "tf5-yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 1.0,
+                                      "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False},
+                     rope_theta=DROP, rope_scaling=DROP),
+    "tf4-yarn-type": dict(rope_theta=10000000.0,
+                          rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "tf5-linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000000.0, "factor": 3.0},
+                       rope_theta=DROP, rope_scaling=DROP),
+}
+
+
+def with_overrides(cfg: dict, overrides: dict) -> dict:
+    cfg = json.loads(json.dumps(cfg))
+    for k, v in overrides.items():
+        if v is DROP:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def write_draft(out: Path, cfg: dict, weights_from: Path | None = None, seed: int = 0, dtype: str = "f32") -> Path:
+    """A drafter directory with config `cfg`: weights copied from `weights_from`, else random."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if weights_from is not None:
+        shutil.copy(weights_from / "model.safetensors", out / "model.safetensors")
+    else:
+        write_draft_weights(out, cfg, dtype, seed)
     return out

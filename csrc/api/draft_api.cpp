@@ -1,6 +1,7 @@
 // draft_api.cpp — C entry points for the DFlash drafter: load/info/free, the
 // drafter runtime attached to a context (or standalone), and the draft hook.
 // Bodies run inside dfl::api_guard, like every entry point in api.cpp.
+#include <cstdio>
 #include <memory>
 
 #include "api/handles.h"
@@ -10,7 +11,26 @@
 
 namespace {
 constexpr int kMaxInfoLayerIds = 16;  // dfl_draft_info.target_layer_ids
+
+void fill_info(const char* path, const dfl::DraftConfig& c, dfl_draft_info* o) {
+  if ((int)c.target_layer_ids.size() > kMaxInfoLayerIds)
+    dfl::fail("%s: %zu target_layer_ids; this build supports at most %d", path, c.target_layer_ids.size(),
+              kMaxInfoLayerIds);
+  *o = dfl_draft_info{};
+  o->n_layer = c.n_layer; o->hidden = c.hidden; o->n_head = c.n_head; o->n_head_kv = c.n_head_kv;
+  o->head_dim = c.head_dim; o->n_ff = c.n_ff; o->n_vocab = c.n_vocab;
+  o->block_size = c.block_size; o->mask_token_id = c.mask_token_id;
+  o->n_target_layers = (int32_t)c.target_layer_ids.size();
+  for (int i = 0; i < o->n_target_layers; ++i) o->target_layer_ids[i] = c.target_layer_ids[(size_t)i];
+  for (uint8_t s : c.is_sliding) o->n_sliding_layers += s;
+  o->sliding_window = c.sliding_window;
+  o->num_target_layers = c.num_target_layers;
+  o->rms_eps = c.rms_eps; o->rope_theta = c.rope.base;
+  std::snprintf(o->rope_type, sizeof o->rope_type, "%s", c.rope_type.c_str());
+  o->rope_factor = c.rope.factor;
+  o->rope_attention_factor = c.rope.attn_factor;
 }
+}  // namespace
 
 #pragma GCC visibility push(default)
 extern "C" {
@@ -21,9 +41,8 @@ dfl_draft* dfl_draft_load(const char* path, const dfl_model* target) {
     if (!path) dfl::fail("path is NULL");
     auto d = std::make_unique<dfl_draft>();
     d->d = dfl::load_draft(path);
-    if ((int)d->d->cfg.target_layer_ids.size() > kMaxInfoLayerIds)
-      dfl::fail("%s: %zu target_layer_ids; this build supports at most %d", path,
-                d->d->cfg.target_layer_ids.size(), kMaxInfoLayerIds);
+    dfl_draft_info check;
+    fill_info(path, d->d->cfg, &check);
     if (target) dfl::validate_pair(d->d->cfg, target->m->cfg);
     out = d.release();
   });
@@ -36,17 +55,16 @@ int dfl_draft_get_info(const dfl_draft* d, dfl_draft_info* o) {
   return dfl::api_guard([&] {
     if (!d) dfl::fail("draft is NULL");
     if (!o) dfl::fail("info is NULL");
-    const dfl::DraftConfig& c = d->d->cfg;
-    *o = dfl_draft_info{};
-    o->n_layer = c.n_layer; o->hidden = c.hidden; o->n_head = c.n_head; o->n_head_kv = c.n_head_kv;
-    o->head_dim = c.head_dim; o->n_ff = c.n_ff; o->n_vocab = c.n_vocab;
-    o->block_size = c.block_size; o->mask_token_id = c.mask_token_id;
-    o->n_target_layers = (int32_t)c.target_layer_ids.size();
-    for (int i = 0; i < o->n_target_layers; ++i) o->target_layer_ids[i] = c.target_layer_ids[(size_t)i];
-    for (uint8_t s : c.is_sliding) o->n_sliding_layers += s;
-    o->sliding_window = c.sliding_window;
-    o->rms_eps = c.rms_eps; o->rope_theta = (float)c.rope_theta;
+    fill_info(d->d->config_path.c_str(), d->d->cfg, o);
     o->weight_bytes = d->d->weight_bytes;
+  });
+}
+
+int dfl_draft_config_info(const char* path, dfl_draft_info* o) {
+  return dfl::api_guard([&] {
+    if (!path) dfl::fail("path is NULL");
+    if (!o) dfl::fail("info is NULL");
+    fill_info(path, dfl::parse_draft_config(dfl::draft_files(path, false).config), o);
   });
 }
 

@@ -38,10 +38,11 @@ struct ChunkPlan {
 
 // Shape of an attention layer: the target's gated attention (q rows per head
 // [q | gate], output times sigmoid(gate)) or the drafter's plain one (q rows
-// per head [q]); RoPE (NeoX) on the first n_rot dims of q and k heads.
+// per head [q]); RoPE (NeoX, maybe scaled) on the first rope.n_rot dims of q and k heads.
 struct AttnShape {
-  int n_head = 0, n_head_kv = 0, head_dim = 0, n_rot = 0;
-  float rope_base = 0.f, eps = 0.f;
+  int n_head = 0, n_head_kv = 0, head_dim = 0;
+  RopeSpec rope;  // NeoX over the first rope.n_rot dims (model/rope.h)
+  float eps = 0.f;
   bool gated = false;
   DType kv_type = DType::F32;  // K/V cache rows: n_head_kv * head_dim values of this type
   int q_stride() const { return (gated ? 2 : 1) * head_dim; }

@@ -66,6 +66,133 @@ struct Cfg {
 
 constexpr int64_t kMaxDim = int64_t(1) << 20;
 
+// RoPE of a Qwen3-style drafter, read as transformers 5.23 standardises it and
+// computed as its rope functions do (modeling_rope_utils: default, linear,
+// yarn).  The parameters are `rope_scaling` when that is a non-empty object
+// (files written by transformers 4), else `rope_parameters` (transformers 5);
+// rope_theta comes from them, else from the top level, else 10000; the type is
+// their rope_type, else the legacy `type`, else "default".  Other types, and
+// anything transformers could not run on a Qwen3 model (per-layer-type
+// parameters, partial rotary), are refused with the key named.
+void parse_rope(const Cfg& c, DraftConfig& d) {
+  const std::string& path = c.path;
+  const JsonValue* block = nullptr;
+  std::string key;
+  for (const char* k : {"rope_parameters", "rope_scaling"}) {
+    const JsonValue* v = c.root.find(k);
+    if (v && !v->is_null() && !v->is_object())
+      fail("%s: config key '%s' should be an object or null, found %s", path.c_str(), k, json_kind_name(v->kind));
+  }
+  if (const JsonValue* rs = c.root.find("rope_scaling"); rs && rs->is_object() && !rs->obj.empty())
+    block = rs, key = "rope_scaling";
+  else if (const JsonValue* rp = c.root.find("rope_parameters"); rp && rp->is_object())
+    block = rp, key = "rope_parameters";
+  auto name = [&](const char* k) { return key + "." + k; };
+  auto get = [&](const char* k) -> const JsonValue* {
+    const JsonValue* v = block ? block->find(k) : nullptr;
+    return v && !v->is_null() ? v : nullptr;
+  };
+  auto number = [&](const char* k, const JsonValue* v) {
+    const std::string n = name(k);
+    const double x = c.as_num(v, n.c_str());
+    if (!std::isfinite(x)) fail("%s: config key '%s' is not finite", path.c_str(), n.c_str());
+    return x;
+  };
+  auto positive = [&](const char* k, const JsonValue* v) {
+    const double x = number(k, v);
+    if (!(x > 0)) fail("%s: config key '%s' must be positive, found %g", path.c_str(), name(k).c_str(), x);
+    return x;
+  };
+  if (block)
+    for (const char* lt : {"full_attention", "sliding_attention"})
+      if (block->find(lt))
+        fail("%s: config key '%s' holds per-layer-type parameters ('%s'); a Qwen3 drafter takes one RoPE for all "
+             "layers", path.c_str(), key.c_str(), lt);
+
+  // theta
+  double theta = 10000.0;
+  if (const JsonValue* t = get("rope_theta")) {
+    theta = positive("rope_theta", t);
+  } else if (const JsonValue* top = c.root.find("rope_theta"); top && !top->is_null()) {
+    theta = c.as_num(top, "rope_theta");
+    if (!(theta > 0) || !std::isfinite(theta))
+      fail("%s: config key 'rope_theta' must be positive, found %g", path.c_str(), theta);
+  }
+  // type
+  std::string type = "default";
+  if (const JsonValue* t = get("rope_type") ? get("rope_type") : get("type")) {
+    if (!t->is_string())
+      fail("%s: config key '%s' should be a string, found %s", path.c_str(),
+           name(get("rope_type") ? "rope_type" : "type").c_str(), json_kind_name(t->kind));
+    type = t->str;
+  }
+  if (type != "default" && type != "linear" && type != "yarn")
+    fail("%s: config key '%s' is '%s': this RoPE type is not supported (only default, linear and yarn)",
+         path.c_str(), name(get("rope_type") ? "rope_type" : "type").c_str(), type.c_str());
+  if (const JsonValue* prf = get("partial_rotary_factor"); prf && number("partial_rotary_factor", prf) != 1.0)
+    fail("%s: config key '%s' is %g; the drafter's RoPE covers the whole head (only 1.0 is supported)",
+         path.c_str(), name("partial_rotary_factor").c_str(), prf->num);
+
+  RopeSpec& r = d.rope;
+  r = RopeSpec{};
+  r.n_rot = d.head_dim;
+  r.base = (float)theta;
+  d.rope_type = type;
+  if (type == "default") return;
+
+  // linear and yarn need a factor (yarn: null derives it from the context lengths)
+  const JsonValue* fv = block->find("factor");
+  if (!fv || (fv->is_null() && type == "linear"))
+    fail("%s: config key '%s' is missing (required for %s RoPE)", path.c_str(), name("factor").c_str(), type.c_str());
+  if (type == "linear") {
+    r.factor = (float)positive("factor", fv);
+    r.ramp_lo = -1.f, r.ramp_hi = 0.f;  // every pair interpolated
+    return;
+  }
+
+  // yarn.  A top-level original_max_position_embeddings takes priority, as in
+  // transformers; a yarn block without one anywhere is refused (transformers
+  // would silently use max_position_embeddings, i.e. no scaling range at all).
+  double orig = 0;
+  const JsonValue* top_orig = c.root.find("original_max_position_embeddings");
+  if (top_orig && !top_orig->is_null()) {
+    orig = (double)c.as_int(top_orig, "original_max_position_embeddings", 1, int64_t(1) << 40);
+  } else if (const JsonValue* o = get("original_max_position_embeddings")) {
+    orig = (double)c.as_int(o, name("original_max_position_embeddings").c_str(), 1, int64_t(1) << 40);
+  } else {
+    fail("%s: config key '%s' is missing (required for yarn RoPE)", path.c_str(),
+         name("original_max_position_embeddings").c_str());
+  }
+  const double factor = fv->is_null() ? (double)d.max_pos / orig : positive("factor", fv);
+  auto opt = [&](const char* k) { const JsonValue* v = get(k); return v ? number(k, v) : 0.0; };
+  const double mscale = opt("mscale"), mscale_all_dim = opt("mscale_all_dim");
+  auto get_mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+  double attn = 0;
+  if (const JsonValue* af = get("attention_factor")) attn = positive("attention_factor", af);
+  else if (mscale != 0 && mscale_all_dim != 0) attn = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim);
+  else attn = get_mscale(factor, 1.0);
+  // beta_fast / beta_slow: transformers reads `value or default`, so 0 means the default too
+  const double beta_fast = opt("beta_fast") != 0 ? opt("beta_fast") : 32.0;
+  const double beta_slow = opt("beta_slow") != 0 ? opt("beta_slow") : 1.0;
+  bool truncate = true;
+  if (const JsonValue* t = get("truncate")) {
+    if (!t->is_bool()) fail("%s: config key '%s' should be true or false", path.c_str(), name("truncate").c_str());
+    truncate = t->b;
+  }
+  // Pair-index range of the ramp: the dimensions whose wavelength makes
+  // beta_fast / beta_slow turns over the original context.
+  const double dim = d.head_dim;
+  auto correction_dim = [&](double turns) {
+    return dim * std::log(orig / (turns * 2 * 3.14159265358979323846)) / (2 * std::log(theta));
+  };
+  double lo = correction_dim(beta_fast), hi = correction_dim(beta_slow);
+  if (truncate) lo = std::floor(lo), hi = std::ceil(hi);
+  r.factor = (float)factor;
+  r.ramp_lo = (float)std::max(lo, 0.0);
+  r.ramp_hi = (float)std::min(hi, dim - 1);
+  r.attn_factor = (float)attn;
+}
+
 bool is_dir(const std::string& p) {
   struct stat st;
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
@@ -145,7 +272,6 @@ DraftConfig parse_draft_config(const std::string& path) {
   d.head_dim = (int)c.req_int("head_dim", 2, 4096);
   d.n_ff = (int)c.req_int("intermediate_size", 1, kMaxDim);
   d.rms_eps = (float)c.req_pos_num("rms_norm_eps");
-  d.rope_theta = c.req_pos_num("rope_theta");
   d.n_vocab = (int)c.req_int("vocab_size", 1, int64_t(1) << 30);
   d.max_pos = c.req_int("max_position_embeddings", 1, int64_t(1) << 40);
   if (d.n_head % d.n_head_kv != 0)
@@ -158,21 +284,19 @@ DraftConfig parse_draft_config(const std::string& path) {
   if (c.opt_bool("attention_bias", false))
     fail("%s: config key 'attention_bias' is true; DFlash drafters have no attention biases", path.c_str());
 
-  if (const JsonValue* rs = root.find("rope_scaling"); rs && !rs->is_null()) {
-    if (!rs->is_object()) fail("%s: config key 'rope_scaling' should be an object or null", path.c_str());
-    const JsonValue* t = rs->find("rope_type");
-    if (!t) t = rs->find("type");
-    if (!t || !t->is_string()) fail("%s: config key 'rope_scaling' lacks a string 'rope_type'", path.c_str());
-    d.rope_scaling_type = t->str;
-    if (const JsonValue* f = rs->find("factor")) d.rope_scaling_factor = c.as_num(f, "rope_scaling.factor");
-    if (const JsonValue* o = rs->find("original_max_position_embeddings"); o && !o->is_null())
-      d.rope_scaling_orig_max_pos = c.as_int(o, "rope_scaling.original_max_position_embeddings", 1, int64_t(1) << 40);
-    if (d.rope_scaling_type == "default") d.rope_scaling_type.clear();
-  }
+  parse_rope(c, d);
 
-  // sliding window and layer types
-  const JsonValue* sw = root.find("sliding_window");
-  if (sw && !sw->is_null()) d.sliding_window = (int)c.as_int(sw, "sliding_window", 1, int64_t(1) << 30);
+  // Sliding layers as transformers' Qwen3Config derives them: the window is
+  // `sliding_window` (4096 when the key is absent) only when use_sliding_window
+  // is true, else none; layer kinds come from `layer_types`, else every layer
+  // from max_window_layers (28 when absent) on slides when there is a window.
+  // z-lab's drafter makes sliding layers causal and windowed; one without a
+  // window is refused (transformers' sliding cache cannot even be built for it).
+  const bool use_sw = c.opt_bool("use_sliding_window", false);
+  int64_t window = 4096;
+  if (const JsonValue* sw = root.find("sliding_window"))
+    window = sw->is_null() ? 0 : c.as_int(sw, "sliding_window", 1, int64_t(1) << 30);
+  d.sliding_window = use_sw ? (int)window : 0;
   d.is_sliding.assign((size_t)d.n_layer, 0);
   const JsonValue* lt = root.find("layer_types");
   if (lt && !lt->is_null()) {
@@ -188,16 +312,17 @@ DraftConfig parse_draft_config(const std::string& path) {
            e.is_string() ? "'" : "a JSON ", e.is_string() ? e.str.c_str() : json_kind_name(e.kind),
            e.is_string() ? "'" : "");
     }
-  } else if (c.opt_bool("use_sliding_window", false) && d.sliding_window > 0) {
-    // transformers' Qwen3Config default: layers from max_window_layers on slide
+  } else if (d.sliding_window > 0) {
     int64_t mwl = 28;
     if (const JsonValue* m = root.find("max_window_layers"); m && !m->is_null())
       mwl = c.as_int(m, "max_window_layers", 0, 1 << 20);
     for (int i = 0; i < d.n_layer; ++i) d.is_sliding[(size_t)i] = i >= mwl;
   }
   for (int i = 0; i < d.n_layer; ++i)
-    if (d.is_sliding[(size_t)i] && d.sliding_window <= 0)
-      fail("%s: layer %d is sliding_attention but 'sliding_window' is not a positive integer", path.c_str(), i);
+    if (d.is_sliding[(size_t)i] && d.sliding_window == 0)
+      fail("%s: layer_types[%d] is sliding_attention but there is no window (%s)", path.c_str(), i,
+           use_sw ? "'sliding_window' is null" : "'use_sliding_window' is false, which makes transformers drop "
+                                                 "'sliding_window'");
   if (const JsonValue* ic = root.find("is_causal"); ic && !ic->is_null()) {
     if (!ic->is_bool()) fail("%s: config key 'is_causal' should be true, false or null", path.c_str());
     d.is_causal = ic->b ? 1 : 0;
@@ -240,23 +365,32 @@ DraftConfig parse_draft_config(const std::string& path) {
   return d;
 }
 
-std::unique_ptr<DraftModel> load_draft(const std::string& path) {
-  std::string cfg_path, st_path;
+DraftFiles draft_files(const std::string& path, bool need_weights) {
+  DraftFiles f;
   if (is_dir(path)) {
     std::string dir = path;
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    cfg_path = dir + "/config.json";
-    st_path = dir + "/model.safetensors";
+    f.config = dir + "/config.json";
+    f.weights = dir + "/model.safetensors";
   } else if (exists(path)) {
-    st_path = path;
-    size_t slash = path.find_last_of('/');
-    cfg_path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + "config.json";
+    const size_t slash = path.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? std::string() : path.substr(0, slash + 1);
+    const std::string base = path.substr(dir.size());
+    f.config = base == "config.json" ? path : dir + "config.json";
+    f.weights = base == "config.json" ? dir + "model.safetensors" : path;
   } else {
     fail("%s: cannot open drafter: no such file or directory", path.c_str());
   }
-  if (!exists(cfg_path)) fail("%s: drafter config.json not found (expected %s)", path.c_str(), cfg_path.c_str());
-  if (!exists(st_path)) fail("%s: drafter model.safetensors not found (expected %s)", path.c_str(), st_path.c_str());
+  if (!exists(f.config)) fail("%s: drafter config.json not found (expected %s)", path.c_str(), f.config.c_str());
+  if (need_weights && !exists(f.weights))
+    fail("%s: drafter model.safetensors not found (expected %s)", path.c_str(), f.weights.c_str());
+  return f;
+}
 
+std::unique_ptr<DraftModel> load_draft(const std::string& path) {
+  const DraftFiles files = draft_files(path, true);
+  const std::string& cfg_path = files.config;
+  const std::string& st_path = files.weights;
   auto m = std::make_unique<DraftModel>();
   m->config_path = cfg_path;
   m->cfg = parse_draft_config(cfg_path);

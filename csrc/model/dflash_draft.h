@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "model/qwen35.h"
+#include "model/rope.h"
 #include "safetensors/safetensors.h"
 
 namespace dfl {
@@ -27,16 +28,15 @@ struct DraftConfig {
   int head_dim = 0;
   int n_ff = 0;           // intermediate_size
   float rms_eps = 0.f;    // rms_norm_eps
-  double rope_theta = 0;  // full rotary over head_dim (NeoX rotate-half)
-  // rope_scaling: empty type = none (null or absent); else its rope_type/type,
-  // factor and original_max_position_embeddings (0 when absent).
-  std::string rope_scaling_type;
-  double rope_scaling_factor = 1.0;
-  int64_t rope_scaling_orig_max_pos = 0;
+  // RoPE over the whole head (NeoX rotate-half), read as transformers 5.23
+  // standardises it (rope_parameters, or rope_theta + rope_scaling): type
+  // "default", "linear" or "yarn", frequencies and attention factor in `rope`.
+  std::string rope_type = "default";
+  RopeSpec rope;
   int n_vocab = 0;        // vocab_size (= the target's; no embedding of its own)
   int64_t max_pos = 0;    // max_position_embeddings
-  std::vector<uint8_t> is_sliding;  // per layer: layer_types[i] == "sliding_attention"
-  int sliding_window = 0;           // 0: none (null/absent); required when a layer slides
+  std::vector<uint8_t> is_sliding;  // per layer: sliding_attention (causal unless is_causal says otherwise)
+  int sliding_window = 0;           // window of the sliding layers (> 0 when one slides); 0: none slides
   int is_causal = -1;               // config `is_causal`: -1 absent, else 0/1 (applies to every layer)
   // DFlash keys (dflash_config first, then top level)
   int block_size = 16;
@@ -77,8 +77,14 @@ std::vector<int> build_target_layer_ids(int n_target_layers, int n_draft_layers)
 // Parses and validates config.json; errors name `path`.
 DraftConfig parse_draft_config(const std::string& path);
 
-// `path`: a directory with config.json + model.safetensors, or the
-// .safetensors file with config.json beside it.
+// A drafter's two files from `path`: a directory holding them, the
+// .safetensors file with config.json beside it, or config.json itself.
+// Fails naming what is missing (the weights only when need_weights).
+struct DraftFiles {
+  std::string config, weights;
+};
+DraftFiles draft_files(const std::string& path, bool need_weights);
+
 std::unique_ptr<DraftModel> load_draft(const std::string& path);
 
 // Refuses a drafter that cannot run against `target`: hidden sizes, every

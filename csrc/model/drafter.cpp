@@ -25,9 +25,6 @@ Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterPara
   const DraftConfig& c = d_.cfg;
   validate_pair(c, target.cfg);
   if (cap_ <= 0) fail("feature ring capacity must be positive (got %d)", cap_);
-  if (!c.rope_scaling_type.empty())
-    fail("drafter rope_scaling type '%s' is not supported by this version (only unscaled RoPE)",
-         c.rope_scaling_type.c_str());
   if (backend) {
     be_ = backend;
   } else {
@@ -50,8 +47,8 @@ Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterPara
     for (const std::vector<float>* v : {&L.input_norm, &L.post_norm, &L.q_norm, &L.k_norm}) vec(*v);
   }
   be_->add_weights(&d_, t);
-  // z-lab: q/k RMSNorm per head, RoPE over the whole head (rotary dim = head_dim).
-  attn_ = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.head_dim, (float)c.rope_theta, c.rms_eps, false, DType::F32};
+  // z-lab: q/k RMSNorm per head, RoPE (maybe scaled) over the whole head.
+  attn_ = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.rope, c.rms_eps, false, DType::F32};
   ring_ = BackendBuf(*be_, (size_t)cap_ * c.fc_in() * 4);
   block_rows_ = std::max(c.block_size, 2);
   for (int l = 0; l < c.n_layer; ++l) {

@@ -93,7 +93,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
     I.be = make_cpu_backend(model, I.pool);
   }
   Backend& be = *I.be;
-  I.attn = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_base, c.rms_eps, true, p.kv_type};
+  I.attn = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.rope(), c.rms_eps, true, p.kv_type};
   I.kv_row = row_bytes(p.kv_type, c.kv_dim());
   I.conv_floats = (size_t)(c.conv_kernel - 1) * c.conv_channels();
   I.rec_floats = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv;

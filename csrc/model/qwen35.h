@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gguf/gguf.h"
+#include "model/rope.h"
 #include "quant/blocks.h"
 
 namespace dfl {
@@ -23,8 +24,14 @@ struct Qwen35Config {
   int n_head_kv = 0;
   int head_dim = 0;
   int n_rot = 0;          // rotary dims per head (NeoX half-split)
-  float rope_base = 0.f;
+  float rope_base = 0.f;  // unscaled: a GGUF asking for rope scaling is refused at load
   float rms_eps = 0.f;
+  RopeSpec rope() const {
+    RopeSpec r;
+    r.n_rot = n_rot;
+    r.base = rope_base;
+    return r;
+  }
   int conv_kernel = 0;    // K
   int ssm_dk = 0;         // linear key head dim (state_size)
   int ssm_nk = 0;         // linear key heads (group_count)

@@ -94,6 +94,16 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
   if (vlen != c.head_dim) bad("attention.value_length differs from key_length");
   if (c.n_head % c.n_head_kv != 0) bad("head_count is not a multiple of head_count_kv");
   if (c.n_rot <= 0 || c.n_rot > c.head_dim || c.n_rot % 2) bad("rope.dimension_count must be even and <= key_length");
+  // llama.cpp's rope-scaling keys: published qwen35 GGUFs carry none (the model's
+  // native context needs no scaling).  A file that asks for scaling is refused
+  // rather than run unscaled: its logits would be wrong past the first positions.
+  const std::string scaling = f.find(a + "rope.scaling.type") ? f.get_str(a + "rope.scaling.type") : "none";
+  const float scale_factor = f.get_f32(a + "rope.scaling.factor", 0.f);
+  const float scale_linear = f.get_f32(a + "rope.scale_linear", 1.f);
+  if (scaling != "none" || (scale_factor != 0.f && scale_factor != 1.f) || scale_linear != 1.f)
+    fail("%s: rope scaling is not supported for qwen35 targets (qwen35.rope.scaling.type '%s', factor %g); "
+         "use a file converted without rope scaling",
+         path.c_str(), scaling.c_str(), (double)(scale_factor != 0.f ? scale_factor : scale_linear));
   if (c.ssm_nk <= 0 || c.ssm_nv <= 0 || c.ssm_dk <= 0 || inner <= 0 || inner % c.ssm_nv) bad("ssm sizes");
   if (c.ssm_nv % c.ssm_nk) bad("ssm.time_step_rank is not a multiple of ssm.group_count");
   if (c.conv_kernel < 2 || c.conv_kernel > 16) bad("ssm.conv_kernel out of range");

@@ -85,12 +85,12 @@ class CpuBackend final : public Backend {
       for (int j = 0; j < a.n_head; ++j) {
         float* q = qg + (size_t)t * a.n_head * qs + (size_t)j * qs;
         rmsnorm_rows(q, L.q_norm, 1, hd, a.eps, q);
-        rope_neox(q, a.n_rot, pos, a.rope_base);
+        rope_neox(q, a.rope, pos);
       }
       for (int m = 0; m < a.n_head_kv; ++m) {
         float* k = kk + (size_t)t * kvd + (size_t)m * hd;
         rmsnorm_rows(k, L.k_norm, 1, hd, a.eps, k);
-        rope_neox(k, a.n_rot, pos, a.rope_base);
+        rope_neox(k, a.rope, pos);
       }
       const size_t slot = (size_t)L.slot0 + t;
       quantize_row(a.kv_type, kk + (size_t)t * kvd, L.k_cache + slot * kv_row, kvd);

@@ -64,11 +64,11 @@ void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, flo
   }
 }
 
-void rope_neox(float* v, int n_rot, int64_t pos, float base) {
-  const int half = n_rot / 2;
+void rope_neox(float* v, const RopeSpec& r, int64_t pos) {
+  const int half = r.n_rot / 2;
   for (int p = 0; p < half; ++p) {
-    double theta = (double)pos * std::pow((double)base, -2.0 * p / n_rot);
-    float c = (float)std::cos(theta), s = (float)std::sin(theta);
+    float c, s;
+    rope_cos_sin(r, p, pos, &c, &s);
     float a = v[p], b = v[p + half];
     v[p] = a * c - b * s;
     v[p + half] = a * s + b * c;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/qwen35.h"
+#include "model/rope.h"
 #include "util/threadpool.h"
 
 namespace dfl {
@@ -35,8 +36,8 @@ void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, 
 // y = x / sqrt(mean(x^2) + eps) * w   (w may be null), over `n` rows of `dim`.
 void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, float* y);
 
-// NeoX rotation of the first n_rot dims of one head vector at position pos.
-void rope_neox(float* v, int n_rot, int64_t pos, float base);
+// NeoX rotation of the first r.n_rot dims of one head vector at position pos.
+void rope_neox(float* v, const RopeSpec& r, int64_t pos);
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }

@@ -257,11 +257,27 @@ class Context:
 
 
 def _info_dict(info) -> dict:
+    ffi, _ = load()
     out = {}
     for k in dir(info):
         v = getattr(info, k)
-        out[k] = list(v) if not isinstance(v, (int, float)) else v
+        if isinstance(v, (int, float)):
+            out[k] = v
+        elif ffi.typeof(v).item.cname == "char":
+            out[k] = ffi.string(v).decode("utf-8", "replace")
+        else:
+            out[k] = list(v)
     return out
+
+
+def draft_config_info(path) -> dict:
+    """A drafter's config.json (the file or its directory) as the core's reader sees it; no weights."""
+    ffi, lib = load()
+    info = ffi.new("dfl_draft_info*")
+    check(lib.dfl_draft_config_info(str(path).encode(), info))
+    d = _info_dict(info)
+    d["target_layer_ids"] = d["target_layer_ids"][:d["n_target_layers"]]
+    return d
 
 
 class Draft:

@@ -320,10 +320,14 @@ def models_cmd(as_json):
         tt.add_row(t.name, t.arch, t.quant, str(t.n_layer), str(t.n_embd), f"{t.size / 1e9:.2f} GB",
                    ", ".join(t.drafters) or "-")
     dt = Table(title="drafters")
-    for c in ("name", "hidden", "target layers", "vocab", "block", "size"):
+    for c in ("name", "hidden", "target layers", "vocab", "block", "rope", "sliding", "size"):
         dt.add_column(c)
     for d in drafts:
-        dt.add_row(d.name, str(d.hidden), str(d.target_layers), str(d.vocab), str(d.block_size),
+        if d.error:
+            dt.add_row(d.name, f"[red]refused: {d.error}[/red]", "", "", "", "", "", f"{d.size / 1e9:.2f} GB")
+            continue
+        layers = (f"{d.target_layers} " if d.target_layers else "") + str(d.target_layer_ids)
+        dt.add_row(d.name, str(d.hidden), layers, str(d.vocab), str(d.block_size), d.rope, d.sliding or "-",
                    f"{d.size / 1e9:.2f} GB")
     con.print(tt)
     con.print(dt)

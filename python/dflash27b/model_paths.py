@@ -172,9 +172,14 @@ class DraftEntry:
     name: str
     size: int
     hidden: int = 0
-    target_layers: int = 0
+    target_layers: int = 0          # the config's num_target_layers (0: absent)
+    target_layer_ids: list[int] = field(default_factory=list)
     vocab: int = 0
+    mask_token_id: int = -1
     block_size: int = 0
+    rope: str = ""                  # "default", "linear x8", "yarn x4" ...
+    sliding: str = ""               # "3/5 layers, window 2048", "" when none slides
+    error: str = ""                 # the config reader's refusal, when it refuses the file
 
 
 def _gguf_facts(path: Path) -> dict:
@@ -197,14 +202,26 @@ def _gguf_facts(path: Path) -> dict:
 
 
 def _draft_facts(d: Path) -> dict | None:
+    """What the core's config reader (the one loading uses) makes of a DFlash config.json; None when the
+    file is not a DFlash drafter's, {"error": why} when the reader refuses it."""
     try:
         cfg = json.loads((d / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if "DFlashDraftModel" not in (cfg.get("architectures") or []):
+    if not isinstance(cfg, dict) or "DFlashDraftModel" not in (cfg.get("architectures") or []):
         return None
-    return {"hidden": int(cfg.get("hidden_size", 0)), "target_layers": int(cfg.get("num_target_layers", 0)),
-            "vocab": int(cfg.get("vocab_size", 0)), "block_size": int(cfg.get("block_size", 0))}
+    from ._handles import draft_config_info
+    try:
+        i = draft_config_info(d)
+    except DFlashError as e:
+        return {"error": str(e)}
+    rope = i["rope_type"] + (f" x{i['rope_factor']:g}" if i["rope_type"] != "default" else "")
+    sliding = (f"{i['n_sliding_layers']}/{i['n_layer']} layers, "
+               + (f"window {i['sliding_window']}" if i["sliding_window"] else "causal, no window")
+               if i["n_sliding_layers"] else "")
+    return {"hidden": i["hidden"], "target_layers": i["num_target_layers"],
+            "target_layer_ids": i["target_layer_ids"], "vocab": i["n_vocab"], "mask_token_id": i["mask_token_id"],
+            "block_size": i["block_size"], "rope": rope, "sliding": sliding}
 
 
 def _roots() -> list[tuple[Path, str]]:
@@ -223,8 +240,12 @@ def _roots() -> list[tuple[Path, str]]:
 
 
 def drafter_matches(t: TargetEntry, d: DraftEntry) -> bool:
-    return (t.arch == "qwen35" and d.hidden == t.n_embd and d.vocab == t.n_vocab
-            and d.target_layers == t.n_layer)
+    """The loader's pair checks (hidden size, vocabulary, mask token, captured layers inside the target),
+    plus the target depth the drafter was made for when its config names one."""
+    return (t.arch == "qwen35" and not d.error and d.hidden == t.n_embd and d.vocab == t.n_vocab
+            and 0 <= d.mask_token_id < t.n_vocab and bool(d.target_layer_ids)
+            and all(0 <= i < t.n_layer for i in d.target_layer_ids)
+            and d.target_layers in (0, t.n_layer))
 
 
 def scan() -> tuple[list[TargetEntry], list[DraftEntry]]:

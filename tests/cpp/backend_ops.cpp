@@ -298,17 +298,21 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     }
   }
 
-  // attention ops per KV type, chain and tree, gated (target) and plain (drafter: f32 KV, full RoPE)
-  struct Case { DType kvt; bool gated; };
+  // attention ops per KV type, chain and tree, gated (target) and plain (drafter: f32 KV, full RoPE,
+  // unscaled or YaRN-scaled)
+  struct Case { DType kvt; bool gated; bool yarn; };
   std::vector<Case> cases;
-  for (DType kvt : kKvTypes) cases.push_back({kvt, true});
-  cases.push_back({DType::F32, false});
+  for (DType kvt : kKvTypes) cases.push_back({kvt, true, false});
+  cases.push_back({DType::F32, false, false});
+  cases.push_back({DType::F32, false, true});
   for (const Case& cs : cases) {
     const DType kvt = cs.kvt;
     Backend* cpu_k = cpu.get();
     Backend* cud_k = cud.get();
-    const AttnShape shape{c.n_head, c.n_head_kv, c.head_dim, cs.gated ? c.n_rot : c.head_dim, c.rope_base, c.rms_eps,
-                          cs.gated, kvt};
+    RopeSpec rope = c.rope();
+    if (!cs.gated) rope.n_rot = c.head_dim;
+    if (cs.yarn) rope.factor = 8.f, rope.ramp_lo = 3.f, rope.ramp_hi = 11.f, rope.attn_factor = 1.2079f;
+    const AttnShape shape{c.n_head, c.n_head_kv, c.head_dim, rope, c.rms_eps, cs.gated, kvt};
     const int kvd = c.kv_dim(), qd2 = shape.q_stride() * c.n_head;
     const size_t kv_row = row_bytes(kvt, kvd);
     // short contexts, then long ones that take several attention splits (kSplit = 512 visible slots)
@@ -347,8 +351,8 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
                            cud_k->vec(M.layers[0].k_norm)};
         cpu_k->attn_store(qa.f(), ka.f(), va.f(), La);
         cud_k->attn_store(qb.f(), kb.f(), vb.f(), Lb);
-        const std::string form = std::string(tname(kvt)) + (cs.gated ? "" : " plain") + (commit ? " chain" : " tree");
-        const std::string kvn = std::string(tname(kvt)) + (cs.gated ? "" : " plain");
+        const std::string kvn = std::string(tname(kvt)) + (cs.gated ? "" : " plain") + (cs.yarn ? " yarn" : "");
+        const std::string form = kvn + (commit ? " chain" : " tree");
         if (commit) {
           if (n_past > 512) goto attend;  // the store was covered with the short contexts
           check(label("attn_store", kvn + " q", n), qb.get(qg.size()), qa.get(qg.size()), 2e-6);
