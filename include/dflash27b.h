@@ -106,6 +106,7 @@ int64_t dfl_context_n_forwards(const dfl_context* c);
 #define DFL_MODE_AR 0
 #define DFL_MODE_CHAIN 1
 #define DFL_MODE_DDTREE 2
+#define DFL_MODE_AUTO 3  /* each step AR or a DDTree of the budget that maximises expected tokens/s (up to tree_budget) */
 
 typedef struct {
   int32_t max_new_tokens;
@@ -114,7 +115,7 @@ typedef struct {
   const int32_t* eos_ids;
   int32_t mode;        /* DFL_MODE_AR / CHAIN / DDTREE (the last two need an attached drafter or hook) */
   int32_t block_size;  /* chain/ddtree: draft block incl. the root; 0 = the drafter's block_size */
-  int32_t tree_budget; /* ddtree: draft nodes per step (default 22) */
+  int32_t tree_budget; /* ddtree: draft nodes per step (default 22); auto: the largest it may choose */
   int32_t tree_topk;   /* ddtree: candidates per depth; 0 = the budget */
   int32_t chain_seed;  /* ddtree: insert the drafter's greedy chain first (default 1) */
   /* sampling (llama.cpp order: top-k, top-p, min-p, temperature); temperature 0 = greedy */
@@ -148,10 +149,36 @@ typedef struct {
   int32_t tree_depth;      /* deepest draft node */
   int32_t target_forwards; /* target forwards the step ran (1) */
   double draft_s, tree_s, verify_s, commit_s;
+  int32_t auto_budget;     /* auto: draft nodes verified (0 = an AR step); -1 in the other modes */
+  int32_t probe;           /* auto: 1 when the step was a forced exploration */
+  double expected_tokens;  /* auto: the tokens the choice expected (bonus included) */
+  double est_tok_s;        /* auto: its expected tokens per second */
+  double est_ar_tok_s;     /* auto: the expected tokens per second of an AR step */
 } dfl_step_stats;
 
 int32_t dfl_generate_n_steps(const dfl_context* c);
 int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* out);
+
+/* The auto-mode chooser alone (tests): the budget in [min_budget, n] that
+ * maximises expected tokens/s for a drafted tree whose nodes, in the DDTree
+ * builder's order, have these depths and path log-probabilities, given costs
+ * in seconds (verify time by node count, root included) and a calibration
+ * per depth (index = depth; missing = 1).  with_draft prices the draft in. */
+typedef struct {
+  double ar_s, draft_s, tree_s, commit_s;
+  int32_t n_verify;
+  int32_t verify_nodes[64];
+  double verify_s[64];
+  int32_t n_calib;
+  double depth_calib[64];
+} dfl_auto_estimates;
+typedef struct {
+  int32_t budget;          /* 0 = AR */
+  double expected_tokens;
+  double tok_s, ar_tok_s;
+} dfl_auto_choice;
+int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
+                    int32_t min_budget, int32_t with_draft, dfl_auto_choice* out);
 
 /* ---- op entry points for tests and tools ---- */
 /* The sampler alone: the token for absolute position pos drawn from logits. */
@@ -246,6 +273,13 @@ int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user);
 typedef int32_t (*dfl_tree_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t cap, int32_t* tokens,
                                  int32_t* parents);
 int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user);
+/* Test hook for ddtree and auto steps, in place of the drafter's ranked
+ * output: fn writes the top-k token ids and log-probs of depths 1..L
+ * ([L][k], descending per depth) for the block whose root sits at root_pos,
+ * and returns 0 (nonzero aborts the step).  An oracle drafter is one. */
+typedef int32_t (*dfl_topk_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t L, int32_t k,
+                                 int32_t* ids, float* logp);
+int dfl_context_set_topk_hook(dfl_context* c, dfl_topk_hook fn, void* user);
 /* Prefill progress: fn(user, done, total) after each n_batch chunk of the
    prompt; a nonzero return abandons the prefill (the call fails with
    "prefill cancelled").  NULL removes it. */

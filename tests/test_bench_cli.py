@@ -36,7 +36,7 @@ def test_bench_two_prompts_writes_everything(tiny_f32_gguf, prompts_file, tmp_pa
     assert r.returncode == 0, r.stderr
     doc = json.loads((out / "results.json").read_text())
     assert doc["ok"] is True and doc["config"]["prompt_names"] == ["a", "b"]
-    assert [x["name"] for x in doc["runs"]] == ["ar", "chain", "ddtree-4", "ddtree-22"]
+    assert [x["name"] for x in doc["runs"]] == ["ar", "chain", "ddtree-4", "ddtree-22", "auto"]
     for run in doc["runs"]:
         assert len(run["tok_s_per_prompt"]) == 2 and all(v > 0 for v in run["tok_s_per_prompt"])
         assert run["generated_tokens"] == 48 and run["same_as_ar"] is True and run["mismatches"] == []
@@ -119,7 +119,7 @@ def test_empty_and_bad_files(tmp_path):
     bad.write_text('{"text": "x"}\n')
     with pytest.raises(DFlashError, match="needs a 'prompt' string or a 'messages' list"):
         B.load_prompts(str(bad), 10)
-    with pytest.raises(DFlashError, match="modes chain and ddtree need a drafter"):
+    with pytest.raises(DFlashError, match="modes chain, ddtree and auto need a drafter"):
         B.run_plan(["ar", "ddtree"], [8], has_draft=False)
 
 

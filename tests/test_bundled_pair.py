@@ -31,9 +31,9 @@ def dec():
         yield d
 
 
-def test_default_decoder_is_the_pair_with_ddtree(dec):
+def test_default_decoder_is_the_pair_with_auto(dec):
     t, d = bundled_pair()
-    assert dec.target == str(t) and dec.draft == str(d) and dec.default_mode == "ddtree"
+    assert dec.target == str(t) and dec.draft == str(d) and dec.default_mode == "auto"
     assert t.stat().st_size + sum(f.stat().st_size for f in d.iterdir()) < 30e6
 
 
@@ -121,9 +121,10 @@ def test_cli_runs_the_pair_from_any_directory(tmp_path):
                         "--compare", "-t", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
-    assert "[ddtree cpu]" in r.stderr and "accept" in r.stderr and "tok/s" in r.stderr
+    assert "[auto cpu]" in r.stderr and "auto: " in r.stderr and "AR + " in r.stderr and "tok/s" in r.stderr
     assert "speedup" in r.stderr and "same tokens: True" in r.stderr
     r = subprocess.run([sys.executable, "-m", "dflash27b.cli", "generate", "def fibonacci(n):", "-n", "32", "--json",
                         "-t", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     s = json.loads(r.stdout)["stats"]
-    assert s["mode"] == "ddtree" and s["mean_accept"] >= 1.0 and s["generated_tokens"] == 32
+    assert s["mode"] == "auto" and s["mean_accept"] >= 1.0 and s["generated_tokens"] == 32
+    assert len(s["auto_budget"]) == len(s["accept_lengths"]) and all(b >= 0 for b in s["auto_budget"])

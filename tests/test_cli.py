@@ -92,10 +92,11 @@ def test_generate_chain_json_stats(model, draft_dir):
     assert s["target_forwards"] == [1] * n
 
 
-def test_generate_ddtree_is_the_default_with_a_drafter(model, draft_dir):
+def test_generate_ddtree_flags(model, draft_dir):
     base = ("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "12", "--ignore-eos", "--json", "-t", "2")
     ar = json.loads(run(*base).stdout)
-    r = run(*base, "-md", draft_dir, "--budget", "6", "--topk", "3", "--no-chain-seed")
+    assert json.loads(run(*base, "-md", draft_dir).stdout)["stats"]["mode"] == "auto"  # the default with a drafter
+    r = run(*base, "-md", draft_dir, "--mode", "ddtree", "--budget", "6", "--topk", "3", "--no-chain-seed")
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout)
     s = obj["stats"]

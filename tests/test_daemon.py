@@ -107,7 +107,7 @@ def test_connect_equals_in_process(daemon, local):
         a = local.generate(p, 24, ignore_eos=True)
         b = remote.generate(p, 24, ignore_eos=True)
         assert b.tokens == a.tokens and b.text == a.text
-        assert b.stats.mode == "ddtree" and b.stats.generated_tokens == 24
+        assert b.stats.mode == "auto" and b.stats.generated_tokens == 24
         s = "".join(remote.stream(p, 24, ignore_eos=True, mode="chain"))
         assert s == local.generate(p, 24, ignore_eos=True, mode="chain").text
 

@@ -138,7 +138,7 @@ TRAIN_PROMPT = tuple(np.random.default_rng(0).integers(0, 2047, 16).tolist())
 def test_ddtree_equals_ar(tiny_f32_gguf, random_draft, ar_ref, drafter, budget, kv):
     path = DISTILLED if drafter == "distilled" else random_draft
     with Decoder(tiny_f32_gguf, path, kv_type=kv, ctx=1024, threads=2) as d:
-        r = d.generate(list(TRAIN_PROMPT), N_NEW, ignore_eos=True, budget=budget)
+        r = d.generate(list(TRAIN_PROMPT), N_NEW, ignore_eos=True, mode="ddtree", budget=budget)
     s = r.stats
     assert s.mode == "ddtree" and s.budget == budget
     assert r.tokens == ar_ref(TRAIN_PROMPT, kv)
@@ -201,7 +201,7 @@ def test_ddtree_errors(tiny_f32_gguf, random_draft):
             d.generate([1, 2], 4, mode="ddtree")
     with Decoder(tiny_f32_gguf, random_draft, threads=1, batch=16) as d:
         with pytest.raises(DFlashError, match="exceeds the context's batch size"):
-            d.generate([1, 2], 4, budget=22)
+            d.generate([1, 2], 4, mode="ddtree", budget=22)
         with pytest.raises(DFlashError, match="must be >= 0"):
-            d.generate([1, 2], 4, budget=-1)
-        assert d.generate([1, 2], 4, budget=0).stats.accept_lengths == [1, 1, 1]
+            d.generate([1, 2], 4, mode="ddtree", budget=-1)
+        assert d.generate([1, 2], 4, mode="ddtree", budget=0).stats.accept_lengths == [1, 1, 1]

@@ -105,7 +105,7 @@ def test_decoder_and_cli_take_repo_ids(fake_hub, tiny_f32_gguf, tmp_path, monkey
                                          "model.safetensors": DISTILLED / "model.safetensors"})
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     with Decoder("me/TinyReal-GGUF:F32", "z-lab/Tiny-DFlash", threads=1, ctx=128) as d:
-        assert d.target == str(snap / "TinyReal-F32.gguf") and d.default_mode == "ddtree"
+        assert d.target == str(snap / "TinyReal-F32.gguf") and d.default_mode == "auto"
         want = d.generate([1, 2, 3], 8).tokens
     r = subprocess.run([sys.executable, "-m", "dflash27b.cli", "generate", "-m", "me/TinyReal-GGUF:F32", "-md",
                         "z-lab/Tiny-DFlash", "--prompt-ids", "1,2,3", "-n", "8", "--json", "-t", "1"],

@@ -247,7 +247,7 @@ int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, 
     if (p) {
       gp.max_new_tokens = p->max_new_tokens;
       gp.ignore_eos = p->ignore_eos != 0;
-      if (p->mode != DFL_MODE_AR && p->mode != DFL_MODE_CHAIN && p->mode != DFL_MODE_DDTREE)
+      if (p->mode != DFL_MODE_AR && p->mode != DFL_MODE_CHAIN && p->mode != DFL_MODE_DDTREE && p->mode != DFL_MODE_AUTO)
         dfl::fail("unknown decode mode %d", p->mode);
       gp.mode = (dfl::DecodeMode)p->mode;
       if (p->block_size < 0) dfl::fail("block size must be >= 0 (got %d)", p->block_size);
@@ -310,6 +310,29 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->committed = r.committed; o->drafted = r.drafted; o->accepted = r.accepted;
     o->tree_depth = r.tree_depth; o->target_forwards = r.target_forwards;
     o->draft_s = r.draft_s; o->tree_s = r.tree_s; o->verify_s = r.verify_s; o->commit_s = r.commit_s;
+    o->auto_budget = r.auto_budget; o->probe = r.probe ? 1 : 0;
+    o->expected_tokens = r.expected; o->est_tok_s = r.est_tok_s; o->est_ar_tok_s = r.est_ar_tok_s;
+  });
+}
+
+int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
+                    int32_t min_budget, int32_t with_draft, dfl_auto_choice* out) {
+  return guard([&] {
+    need(e, "estimates");
+    need(out, "choice");
+    if (n < 0 || n > 4096) dfl::fail("node count %d out of range [0, 4096]", n);
+    if (n > 0) need(depth, "depth"), need(logp, "logp");
+    if (e->n_verify < 0 || e->n_verify > 64 || e->n_calib < 0 || e->n_calib > 64)
+      dfl::fail("estimate tables hold at most 64 entries");
+    dfl::AutoEstimates est;
+    est.ar_s = e->ar_s, est.draft_s = e->draft_s, est.tree_s = e->tree_s, est.commit_s = e->commit_s;
+    for (int i = 0; i < e->n_verify; ++i) est.verify_s[e->verify_nodes[i]] = e->verify_s[i];
+    est.depth_calib.assign(e->depth_calib, e->depth_calib + e->n_calib);
+    const dfl::AutoChoice c = dfl::choose_budget(est, depth, logp, n, min_budget, with_draft != 0);
+    out->budget = c.budget;
+    out->expected_tokens = c.expected;
+    out->tok_s = c.tok_s;
+    out->ar_tok_s = c.ar_tok_s;
   });
 }
 

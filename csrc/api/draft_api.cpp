@@ -127,6 +127,19 @@ int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user) {
   });
 }
 
+int dfl_context_set_topk_hook(dfl_context* c, dfl_topk_hook fn, void* user) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    if (!fn) {
+      c->gen->set_topk_source(nullptr);
+      return;
+    }
+    c->gen->set_topk_source([fn, user](int32_t root_pos, int32_t root, int L, int K, int32_t* ids, float* logp) {
+      if (fn(user, root_pos, root, L, K, ids, logp) != 0) dfl::fail("top-k hook failed at position %d", root_pos);
+    });
+  });
+}
+
 int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* user) {
   return dfl::api_guard([&] {
     if (!c) dfl::fail("context is NULL");

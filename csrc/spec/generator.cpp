@@ -22,8 +22,10 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
   if (p.max_new_tokens < 0) fail("max_new_tokens must be >= 0 (got %d)", p.max_new_tokens);
   validate_sampler(p.sampler);
   block_ = 1;
-  if (p.mode == DecodeMode::DDTree) {
-    if (!drafter_ && !tree_source_) fail("ddtree mode needs a drafter (none is attached)");
+  if (p.mode == DecodeMode::DDTree || p.mode == DecodeMode::Auto) {
+    const bool is_auto = p.mode == DecodeMode::Auto;
+    if (!drafter_ && !topk_source_ && (is_auto || !tree_source_))
+      fail("%s mode needs a drafter (none is attached)", is_auto ? "auto" : "ddtree");
     if (p.tree.budget < 0) fail("tree budget must be >= 0 (got %d)", p.tree.budget);
     if (p.tree.topk < 0) fail("top-K must be >= 0 (got %d)", p.tree.topk);
     block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : 1;
@@ -148,12 +150,12 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
   rec.draft_s = since(t0);
 }
 
-void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec) {
+void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe) {
   const int n_vocab = ctx_.model().cfg.n_vocab;
   // Nodes that fit: the budget, the KV room left and the verify batch.
   const int cap = std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1});
   auto t0 = Clock::now();
-  if (tree_source_) {
+  if (tree_source_ && p_.mode == DecodeMode::DDTree) {
     tokens_.resize(cap + 1);
     parent_.resize(cap + 1);
     const int n = tree_source_(s, pending_, cap, tokens_.data() + 1, parent_.data() + 1);
@@ -172,16 +174,28 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec) {
     tokens_.resize(1), parent_.resize(1), depth_.resize(1);
     return;
   }
-  for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
+  if (drafter_)
+    for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
   TreeParams tp = p_.tree;
   tp.budget = cap;
   if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
   const int K = ddtree_k(tp, n_vocab);
   top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
-  drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
+  if (topk_source_) topk_source_(s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
+  else drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
   rec.draft_s = since(t0);
   t0 = Clock::now();
-  const DraftTree t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
+  DraftTree t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
+  if (p_.mode == DecodeMode::Auto) {
+    // The builder adds nodes best-first: the tree of budget b is the first b
+    // nodes, so one draft prices every budget.
+    const AutoChoice c = auto_.choose(t.depth.data(), t.logp.data(), t.size(), probe);
+    rec.auto_budget = c.budget;
+    rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
+    auto_tree_ = t;
+    for (auto* v : {&t.tokens, &t.depth, &t.parent}) v->resize((size_t)c.budget);
+    t.logp.resize((size_t)c.budget);
+  }
   const int n = t.size();
   tokens_.resize(n + 1), parent_.resize(n + 1), depth_.resize(n + 1);
   for (int i = 1; i <= n; ++i) {
@@ -212,8 +226,17 @@ int Generator::step(std::vector<int32_t>& out) {
   parent_.assign(tokens_.size(), -1);
   depth_.assign(tokens_.size(), 0);
   tokens_[0] = pending_;
-  if (p_.mode == DecodeMode::DDTree) draft_tree(s, V, room, rec);
+  bool speculate = p_.mode == DecodeMode::DDTree;
+  if (p_.mode == DecodeMode::Auto) {
+    AutoChoice forecast;
+    speculate = auto_.want_draft(&rec.probe, &forecast) && V >= 2 && room >= 2 && p_.tree.budget > 0;
+    rec.probe = rec.probe && speculate;
+    rec.auto_budget = 0;
+    rec.expected = 1.0, rec.est_tok_s = forecast.ar_tok_s, rec.est_ar_tok_s = forecast.ar_tok_s;
+  }
+  if (speculate) draft_tree(s, V, room, rec, rec.probe);
   else if (p_.mode == DecodeMode::Chain) draft_chain(s, V, rec);
+  else tokens_.resize(1), parent_.resize(1), depth_.resize(1);  // an AR step: the root alone
   const int N = (int)tokens_.size();
   for (int i = 1; i < N; ++i)
     if (tokens_[i] < 0 || tokens_[i] >= c.n_vocab) fail("draft token %d outside the vocabulary", tokens_[i]);
@@ -242,7 +265,8 @@ int Generator::step(std::vector<int32_t>& out) {
     o.capture_layers = capture_.data();
     o.hidden_on_backend = true;
   }
-  const bool ar = p_.mode == DecodeMode::AR;
+  // AR, and auto's AR steps, append the root directly; everything else verifies then commits.
+  const bool ar = p_.mode == DecodeMode::AR || (p_.mode == DecodeMode::Auto && N == 1);
   ctx_.forward(b, o, /*commit=*/ar);
   // ACCEPT: from the root, follow the child holding the target's choice (its
   // argmax, or its sample with the number of the position that token takes).
@@ -271,6 +295,8 @@ int Generator::step(std::vector<int32_t>& out) {
     ctx_.commit_path(path.data(), a + 1);
     // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace)
     if (cap) drafter_->push_features_from_backend(s, a + 1, ctx_.captured(), path.data());
+  } else if (cap) {
+    drafter_->push_features_from_backend(s, 1, ctx_.captured(), nullptr);  // auto: the ring stays whole
   }
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);
@@ -292,6 +318,15 @@ int Generator::step(std::vector<int32_t>& out) {
   }
   stats_.generated_tokens += emitted;
   pending_ = bonus;
+  if (p_.mode == DecodeMode::Auto) {  // what the step teaches the controller
+    if (N == 1) auto_.observe_ar(rec.verify_s + rec.commit_s);
+    if (speculate) {
+      std::vector<uint8_t> on_path((size_t)rec.auto_budget, 0);
+      for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;
+      auto_.observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget, on_path,
+                         rec.expected);
+    }
+  }
   steps_.push_back(rec);
   stats_.steps = (int)steps_.size();
   if (!done_ && stats_.generated_tokens >= p_.max_new_tokens) {

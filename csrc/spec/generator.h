@@ -7,9 +7,11 @@
 //           ACCEPT (longest prefix equal to the target's argmax, + bonus) ->
 //           COMMIT (commit_path gathers the accepted nodes' KV and states;
 //                   their features go into the ring)            ... -> DONE
-// AR mode is the same STEP with a block of one token and no drafter.  It
-// prints nothing and records each step (tokens committed, times, target
-// forwards) for the stats.
+// AR mode is the same STEP with a block of one token and no drafter.  Auto
+// mode asks the AutoController (spec/adaptive.h) each step whether to draft
+// and how large a tree to verify; its AR steps still feed the drafter's ring.
+// It prints nothing and records each step (tokens committed, times, target
+// forwards, auto's choice) for the stats.
 #pragma once
 #include <chrono>
 #include <functional>
@@ -17,6 +19,7 @@
 
 #include "model/context.h"
 #include "model/drafter.h"
+#include "spec/adaptive.h"
 #include "spec/ddtree.h"
 #include "spec/sampler.h"
 #include "util/error.h"
@@ -24,7 +27,7 @@
 namespace dfl {
 
 enum class StopReason : int { Running = 0, Length = 1, Eos = 2, ContextFull = 3 };
-enum class DecodeMode : int { AR = 0, Chain = 1, DDTree = 2 };
+enum class DecodeMode : int { AR = 0, Chain = 1, DDTree = 2, Auto = 3 };
 
 struct GenParams {
   int max_new_tokens = 256;
@@ -32,7 +35,7 @@ struct GenParams {
   std::vector<int32_t> eos_ids;
   DecodeMode mode = DecodeMode::AR;
   int block_size = 0;  // chain/ddtree: draft block incl. the root; 0 = the drafter's block_size
-  TreeParams tree;     // ddtree: budget, top-K per depth, chain seed
+  TreeParams tree;     // ddtree: budget, top-K per depth, chain seed (auto: the largest budget it may choose)
   SamplerParams sampler;  // temperature 0 = greedy
 };
 
@@ -49,6 +52,11 @@ struct StepRecord {
   int tree_depth = 0;       // deepest drafted node
   int target_forwards = 0;  // always 1; counted, not assumed
   double draft_s = 0, tree_s = 0, verify_s = 0, commit_s = 0;
+  // auto mode: the budget verified (0 = an AR step; -1 in other modes), whether
+  // the step was a forced probe, and the estimates behind the choice
+  int auto_budget = -1;
+  bool probe = false;
+  double expected = 0, est_tok_s = 0, est_ar_tok_s = 0;
 };
 
 // Test hooks replacing the drafter.  Chain: writes n draft tokens for the
@@ -58,6 +66,10 @@ struct StepRecord {
 using DraftSource = std::function<void(int32_t root_pos, int32_t root, int n, int32_t* tokens)>;
 using TreeSource =
     std::function<int(int32_t root_pos, int32_t root, int cap, int32_t* tokens, int32_t* parents)>;
+// Test hook replacing the drafter's ranked output (ddtree and auto): writes
+// the top-K ids and log-probs of depths 1..L ([L][K]) for the block whose
+// root sits at root_pos — e.g. an oracle that knows the continuation.
+using TopkSource = std::function<void(int32_t root_pos, int32_t root, int L, int K, int32_t* ids, float* logp)>;
 // Called after each prefill chunk with (tokens done, total); returning false
 // abandons the prefill (a progress bar, or a daemon whose client went away).
 using PrefillProgress = std::function<bool(int done, int total)>;
@@ -73,6 +85,8 @@ class Generator {
   Drafter* drafter() const { return drafter_; }
   void set_draft_source(DraftSource src) { source_ = std::move(src); }
   void set_tree_source(TreeSource src) { tree_source_ = std::move(src); }
+  void set_topk_source(TopkSource src) { topk_source_ = std::move(src); }
+  const AutoController& auto_controller() const { return auto_; }
   void set_prefill_progress(PrefillProgress fn) { progress_ = std::move(fn); }
 
   void begin(const int32_t* prompt, int n_prompt, const GenParams& p);
@@ -85,7 +99,7 @@ class Generator {
   void prefill(const int32_t* prompt, int n);
   int step(std::vector<int32_t>& out);
   void draft_chain(int32_t s, int V, StepRecord& rec);
-  void draft_tree(int32_t s, int V, int room, StepRecord& rec);
+  void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe);
   bool is_eos(int32_t t) const;
   // The target's choice for the token at absolute position pos from one logits row.
   int32_t pick(const float* row, int64_t pos);
@@ -95,6 +109,11 @@ class Generator {
   Drafter* drafter_ = nullptr;
   DraftSource source_;
   TreeSource tree_source_;
+  TopkSource topk_source_;
+  // Auto mode: kept across requests (the costs belong to this device and pair);
+  // the drafted tree of the step in flight (builder order) for its observation.
+  AutoController auto_;
+  DraftTree auto_tree_;
   PrefillProgress progress_;
   GenParams p_;
   int block_ = 1;

@@ -190,6 +190,33 @@ class Context:
         self._tree_hook = ffi.callback("dfl_tree_hook", call)
         check(self._lib.dfl_context_set_tree_hook(self.handle, self._tree_hook, ffi.NULL))
 
+    def set_topk_hook(self, fn) -> None:
+        """Test hook in place of the drafter's ranked output (ddtree and auto steps): fn(root_pos, root_token,
+        L, k) -> (ids, logp), each [L][k] (descending per depth).  None removes it."""
+        ffi = self._ffi
+        if fn is None:
+            check(self._lib.dfl_context_set_topk_hook(self.handle, ffi.NULL, ffi.NULL))
+            self._topk_hook = None
+            return
+
+        def call(user, root_pos, root_token, L, k, ids_out, lp_out):
+            try:
+                ids, lp = fn(root_pos, root_token, L, k)
+                ids = np.asarray(ids, dtype=np.int32).reshape(L, k)
+                lp = np.asarray(lp, dtype=np.float32).reshape(L, k)
+                ffi.memmove(ids_out, ids.tobytes(), ids.nbytes)
+                ffi.memmove(lp_out, lp.tobytes(), lp.nbytes)
+                return 0
+            except Exception:
+                return 1
+
+        self._topk_hook = ffi.callback("dfl_topk_hook", call)
+        check(self._lib.dfl_context_set_topk_hook(self.handle, self._topk_hook, ffi.NULL))
+
+    @property
+    def has_topk_hook(self) -> bool:
+        return getattr(self, "_topk_hook", None) is not None
+
     def set_prefill_progress(self, fn) -> None:
         """fn(done, total) after each prefill chunk; a truthy return cancels the prefill.  None removes."""
         ffi = self._ffi
@@ -244,7 +271,9 @@ class Context:
         for i in range(lib.dfl_generate_n_steps(self.handle)):
             check(lib.dfl_generate_step_stats(self.handle, i, st))
             out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "tree_depth",
-                                                     "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s")})
+                                                     "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s",
+                                                     "auto_budget", "probe", "expected_tokens", "est_tok_s",
+                                                     "est_ar_tok_s")})
         return out
 
     def close(self) -> None:

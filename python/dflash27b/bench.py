@@ -106,17 +106,19 @@ def prompt_ids(dec, prompts: list[Prompt]) -> list[list[int]]:
 def run_plan(modes: list[str], budgets: list[int], has_draft: bool) -> list[tuple[str, str, int]]:
     """(name, mode, budget) of every run; AR always first (the reference)."""
     for m in modes:
-        if m not in ("ar", "chain", "ddtree"):
-            raise DFlashError(f"unknown mode {m!r} in --modes: choose from ar, chain, ddtree")
+        if m not in ("ar", "chain", "ddtree", "auto"):
+            raise DFlashError(f"unknown mode {m!r} in --modes: choose from ar, chain, ddtree, auto")
     if not budgets or any(b < 1 for b in budgets):
         raise DFlashError(f"--budgets must be integers >= 1 (got {','.join(map(str, budgets)) or 'none'})")
     if not has_draft and any(m != "ar" for m in modes):
-        raise DFlashError("modes chain and ddtree need a drafter: pass -md DRAFT (or use --modes ar)")
+        raise DFlashError("modes chain, ddtree and auto need a drafter: pass -md DRAFT (or use --modes ar)")
     plan = [("ar", "ar", 0)]
     if "chain" in modes:
         plan.append(("chain", "chain", 0))
     if "ddtree" in modes:
         plan += [(f"ddtree-{b}", "ddtree", b) for b in budgets]
+    if "auto" in modes:  # chooses per step among AR and budgets up to the largest asked for
+        plan.append(("auto", "auto", max(budgets)))
     return plan
 
 

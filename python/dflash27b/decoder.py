@@ -20,8 +20,8 @@ from .tokenizer import Tokenizer
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 DEVICES = ("auto", "cpu", "cuda")
-MODES = ("ar", "chain", "ddtree")
-_MODE_IDS = {"ar": 0, "chain": 1, "ddtree": 2}
+MODES = ("ar", "chain", "ddtree", "auto")
+_MODE_IDS = {"ar": 0, "chain": 1, "ddtree": 2, "auto": 3}
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,25 @@ class GenerateStats:
     target_forwards: list[int] = field(default_factory=list)
     tree_size: list[int] = field(default_factory=list)   # draft nodes verified per step
     tree_depth: list[int] = field(default_factory=list)
+    # auto mode, per step: the budget chosen (0 = AR; -1 in the other modes), forced probes, and the
+    # estimates behind the choice (expected tokens, expected tok/s of the choice and of an AR step)
+    auto_budget: list[int] = field(default_factory=list)
+    probe: list[bool] = field(default_factory=list)
+    expected_tokens: list[float] = field(default_factory=list)
+    est_tok_s: list[float] = field(default_factory=list)
+    est_ar_tok_s: list[float] = field(default_factory=list)
+
+    @property
+    def auto_summary(self) -> str:
+        """Auto mode's choices in a few words: the share of AR steps and the speculative budgets."""
+        if self.mode != "auto" or not self.auto_budget:
+            return ""
+        spec = [b for b in self.auto_budget if b > 0]
+        out = f"{len(self.auto_budget) - len(spec)} AR + {len(spec)} tree steps"
+        if spec:
+            out += f" (budget {min(spec)}-{max(spec)}, mean {sum(spec) / len(spec):.1f})"
+        probes = sum(self.probe)
+        return out + (f", {probes} probes" if probes else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -213,7 +232,8 @@ class Decoder:
 
     @property
     def default_mode(self) -> str:
-        return "ddtree" if self._draft is not None else "ar"
+        """auto with a drafter (each step AR or the DDTree budget that pays most), else ar."""
+        return "auto" if self._draft is not None else "ar"
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -242,15 +262,17 @@ class Decoder:
 
     # -- decoding ---------------------------------------------------------------------------------------
     def _resolve_mode(self, mode: str | None, block_size: int | None) -> tuple[str, int]:
-        """(mode, block size); the default mode is ddtree with a drafter, else ar."""
+        """(mode, block size); the default mode is auto with a drafter, else ar."""
         mode = self.default_mode if mode is None else mode
         if mode not in MODES:
             raise DFlashError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode == "ar":
             return mode, 1
-        if self._draft is None:
+        oracle = self._ctx.has_topk_hook and mode in ("ddtree", "auto")  # tests: a hook drafts instead
+        if self._draft is None and not oracle:
             raise DFlashError(f"mode {mode!r} needs a drafter: pass draft=PATH (CLI: -md/--draft)")
-        bs = self._draft.info["block_size"] if block_size is None else int(block_size)
+        bs = (self._draft.info["block_size"] if self._draft is not None else 16) if block_size is None \
+            else int(block_size)
         if bs < 1:
             raise DFlashError(f"block_size must be >= 1 (got {bs})")
         return mode, bs
@@ -270,7 +292,7 @@ class Decoder:
             seed = int.from_bytes(os.urandom(4), "little")
         ids = self._prompt_ids(prompt, chat)
         self._last_prompt = ids
-        self._last_mode = (mode, bs, budget if mode == "ddtree" else 0, float(temperature), int(seed))
+        self._last_mode = (mode, bs, budget if mode in ("ddtree", "auto") else 0, float(temperature), int(seed))
         if on_prefill is not None:
             self._ctx.set_prefill_progress(on_prefill)
         try:
@@ -305,9 +327,11 @@ class Decoder:
                  topk: int = 0, chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  on_prefill=None) -> GenerateResult:
-        """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step) or "ddtree" (a
+        """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a
         tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
-        greedy chain, verified in one target forward); default "ddtree" when a drafter is loaded.
+        greedy chain, verified in one target forward) or "auto" (each step AR or the DDTree budget up to
+        `budget` that maximises expected tokens per second, from costs and acceptance measured while
+        decoding); default "auto" when a drafter is loaded.  Every mode gives AR's tokens.
 
         Sampling follows llama.cpp's order: top_k (0 = off), top_p (1 = off), min_p (0 = off), each on
         the softmax at temperature 1, then temperature (0 = greedy).  The token at position p is drawn
@@ -338,7 +362,9 @@ class Decoder:
             draft_ms=[st["draft_s"] * 1e3 for st in steps], tree_ms=[st["tree_s"] * 1e3 for st in steps],
             verify_ms=[st["verify_s"] * 1e3 for st in steps], commit_ms=[st["commit_s"] * 1e3 for st in steps],
             target_forwards=[st["target_forwards"] for st in steps], tree_size=[st["drafted"] for st in steps],
-            tree_depth=[st["tree_depth"] for st in steps])
+            tree_depth=[st["tree_depth"] for st in steps], auto_budget=[st["auto_budget"] for st in steps],
+            probe=[bool(st["probe"]) for st in steps], expected_tokens=[st["expected_tokens"] for st in steps],
+            est_tok_s=[st["est_tok_s"] for st in steps], est_ar_tok_s=[st["est_ar_tok_s"] for st in steps])
 
     # -- tools -------------------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

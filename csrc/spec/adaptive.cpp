@@ -1,0 +1,131 @@
+// adaptive.cpp — the auto-mode controller (see adaptive.h).
+#include "spec/adaptive.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "spec/generator.h"
+
+namespace dfl {
+
+namespace {
+constexpr double kTimeEma = 0.3;    // weight of a new timing
+constexpr double kAcceptDecay = 0.8;  // per speculative step: how fast the acceptance statistics forget
+constexpr double kCalibPrior = 0.5;   // pseudo-count pulling an unseen depth's calibration to 1
+constexpr double kUnknownSlope = 0.1; // per extra node, as a share of one node's cost, before two sizes are seen
+
+void ema(double& v, double x) { v = v > 0 ? (1 - kTimeEma) * v + kTimeEma * x : x; }
+}  // namespace
+
+double AutoEstimates::verify(int n) const {
+  std::map<int, double> pts = verify_s;
+  if (ar_s > 0 && !pts.count(1)) pts[1] = ar_s;
+  if (pts.empty()) return 0;
+  auto hi = pts.lower_bound(n);
+  if (hi != pts.end() && hi->first == n) return hi->second;
+  if (hi == pts.begin()) return hi->second;  // below every size seen: no cheaper than the smallest
+  auto lo = std::prev(hi);
+  if (hi != pts.end())  // between two sizes seen
+    return lo->second + (hi->second - lo->second) * (n - lo->first) / (double)(hi->first - lo->first);
+  // beyond the largest size seen: the last slope (never negative)
+  double slope = kUnknownSlope * lo->second;
+  if (lo != pts.begin()) {
+    auto lo2 = std::prev(lo);
+    slope = std::max(0.0, (lo->second - lo2->second) / (double)(lo->first - lo2->first));
+  }
+  return lo->second + slope * (n - lo->first);
+}
+
+AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
+                         bool with_draft) {
+  AutoChoice best;
+  const double ar = e.ar_s > 0 ? e.ar_s : e.verify(1);
+  best.ar_tok_s = ar > 0 ? 1.0 / ar : 0.0;
+  best.budget = 0;
+  best.expected = 1.0;
+  best.tok_s = best.ar_tok_s;
+  bool have = min_budget <= 0;
+  const double fixed = (with_draft ? e.draft_s : 0.0) + e.tree_s + e.commit_s;
+  double accepted = 0;  // expected accepted drafts of the first b nodes
+  for (int b = 1; b <= n; ++b) {
+    accepted += std::min(1.0, e.calib(depth[b - 1]) * std::exp((double)logp[b - 1]));
+    if (b < min_budget) continue;
+    const double cost = fixed + e.verify(b + 1);
+    const double rate = cost > 0 ? (1.0 + accepted) / cost : 0.0;
+    if (!have || rate > best.tok_s) {  // ties keep the smaller tree
+      best.budget = b;
+      best.expected = 1.0 + accepted;
+      best.tok_s = rate;
+      have = true;
+    }
+  }
+  return best;
+}
+
+bool AutoController::want_draft(bool* probe, AutoChoice* forecast) {
+  *probe = false;
+  const AutoChoice c =
+      choose_budget(e_, last_depth_.data(), last_logp_.data(), (int)last_depth_.size(), 0, /*with_draft=*/true);
+  *forecast = c;
+  if (e_.ar_s <= 0) return false;  // the first step measures AR
+  if (!have_spec_) {               // the second one measures speculation, small
+    *probe = true;
+    return true;
+  }
+  if (c.budget > 0 && c.tok_s > c.ar_tok_s) {
+    since_probe_ = 0;
+    return true;
+  }
+  if (++since_probe_ >= probe_gap_) {
+    since_probe_ = 0;
+    *probe = true;
+    return true;
+  }
+  return false;
+}
+
+AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n, bool probe) {
+  last_depth_.assign(depth, depth + n);
+  last_logp_.assign(logp, logp + n);
+  if (!have_spec_) {  // first probe: a small fixed tree, to measure
+    const int b = std::min(kFirstProbeBudget, n);
+    AutoChoice c = choose_budget(e_, depth, logp, b, b, false);
+    return c;
+  }
+  return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false);
+}
+
+void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }
+
+void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
+                                  const std::vector<uint8_t>& on_path, double expected) {
+  const bool was_probe = rec.probe;
+  ema(e_.draft_s, rec.draft_s);
+  ema(e_.tree_s, rec.tree_s);
+  if (budget <= 0) return;  // drafted, then AR won: nothing verified, nothing learnt about acceptance
+  have_spec_ = true;
+  ema(e_.commit_s, rec.commit_s);
+  ema(e_.verify_s[budget + 1], rec.verify_s);
+  // acceptance per depth: decayed sums of predicted path probability and of hits
+  for (double& p : pred_) p *= kAcceptDecay;
+  for (double& h : hit_) h *= kAcceptDecay;
+  for (int i = 0; i < budget; ++i) {
+    const size_t d = (size_t)depth[i];
+    if (pred_.size() <= d) pred_.resize(d + 1, 0.0), hit_.resize(d + 1, 0.0);
+    pred_[d] += std::min(1.0, std::exp((double)logp[i]));
+    hit_[d] += on_path[(size_t)i] ? 1.0 : 0.0;
+  }
+  e_.depth_calib.assign(pred_.size(), 1.0);
+  for (size_t d = 0; d < pred_.size(); ++d) e_.depth_calib[d] = (hit_[d] + kCalibPrior) / (pred_[d] + kCalibPrior);
+  if (was_probe && e_.ar_s > 0) {
+    // Space the next probe so its expected loss is at most kProbeShare of the
+    // AR time in between; one that beat its forecast comes back soon.
+    const double spent = rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s;
+    const double loss = std::max(0.0, spent - e_.ar_s * rec.committed);
+    const double gap = std::ceil(loss / (kProbeShare * e_.ar_s));
+    probe_gap_ = (int)std::clamp(gap, (double)kMinProbeGap, (double)kMaxProbeGap);
+    if (rec.committed > expected + 1.0) probe_gap_ = kMinProbeGap;
+  }
+}
+
+}  // namespace dfl

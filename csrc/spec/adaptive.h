@@ -1,0 +1,90 @@
+// adaptive.h — `auto` mode: each step, AR or a DDTree of the budget that
+// maximises expected tokens per second, from what the engine measures while
+// it decodes.
+//
+// Two things are estimated online:
+//  * cost, for this device and pair: one AR step; the drafter forward, tree
+//    build and commit of a speculative step; a verify forward as a function of
+//    its node count (a table of per-size averages, interpolated between sizes
+//    seen and extrapolated by the last slope);
+//  * acceptance, for the current text: a node's chance to be on the accepted
+//    path is its draft path probability (the product the DDTree builder ranks
+//    by) times a per-depth calibration learnt from the nodes verified so far.
+// Because the builder adds nodes best-first, the tree of budget b is the first
+// b nodes of the largest tree, and its expected accepted length is a prefix
+// sum: one draft prices every budget.  Before a step the controller decides
+// whether drafting pays, using the last drafted tree as the forecast; after
+// drafting it picks the budget (0 = verify the root alone, an AR step).
+//
+// Exploration is bounded: while AR wins, a probe (a forced speculative step)
+// runs after enough AR steps that its expected loss is at most kProbeShare of
+// the time between probes; a probe whose acceptance beats the forecast
+// brings the next one forward.  Every choice is lossless, so the output is
+// AR's whatever the controller decides.
+#pragma once
+#include <cstddef>
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+namespace dfl {
+
+struct StepRecord;
+
+// What the chooser knows about costs (seconds) and acceptance.
+struct AutoEstimates {
+  double ar_s = 0;                        // one AR step (0: not measured yet)
+  double draft_s = 0, tree_s = 0, commit_s = 0;
+  std::map<int, double> verify_s;         // verify forward time by node count (root included)
+  std::vector<double> depth_calib;        // [depth] multiplier on the draft path probability
+  double verify(int n_nodes) const;       // interpolated / extrapolated from verify_s (and ar_s at 1 node)
+  // Depths deeper than any seen take the deepest one's calibration (a drafter
+  // wrong at depth d is no better below it); none seen: 1.
+  double calib(int depth) const {
+    if (depth_calib.size() <= 1) return 1.0;
+    return depth_calib[(size_t)std::min<int>(depth, (int)depth_calib.size() - 1)];
+  }
+};
+
+struct AutoChoice {
+  int budget = 0;             // draft nodes to verify (0: AR)
+  double expected = 0;        // expected committed tokens (bonus included)
+  double tok_s = 0;           // expected tokens per second of that step
+  double ar_tok_s = 0;        // expected tokens per second of an AR step
+};
+
+// The best budget in [min_budget, n] for a drafted tree whose nodes (in the
+// builder's order) have these depths and path log-probabilities.  The draft
+// is priced in (`with_draft`) when deciding before drafting.
+AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
+                         bool with_draft);
+
+class AutoController {
+ public:
+  static constexpr double kProbeShare = 0.03;  // a probe's expected loss vs the AR time between probes
+  static constexpr int kMinProbeGap = 8, kMaxProbeGap = 512;
+  static constexpr int kFirstProbeBudget = 2;  // small: its job is to measure, not to win
+
+  // Before a step: draft (true) or run an AR step.  `probe` says the step is
+  // a forced exploration; `forecast` is the choice the last drafted tree predicts.
+  bool want_draft(bool* probe, AutoChoice* forecast);
+  // After drafting a tree of n nodes (builder order): the budget to verify.
+  AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe);
+  // After the step: its timings, and for a speculative one which of the
+  // verified nodes (1..budget) were accepted (`on_path`, indexed like depth).
+  void observe_ar(double step_s);
+  void observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
+                    const std::vector<uint8_t>& on_path, double expected);
+  const AutoEstimates& estimates() const { return e_; }
+
+ private:
+  AutoEstimates e_;
+  std::vector<double> pred_, hit_;          // per depth: decayed sums of predicted and observed acceptance
+  std::vector<int32_t> last_depth_;         // the last drafted tree: the forecast for the next step
+  std::vector<float> last_logp_;
+  bool have_spec_ = false;
+  int since_probe_ = 0, probe_gap_ = kMinProbeGap;
+};
+
+}  // namespace dfl

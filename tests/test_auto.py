@@ -1,0 +1,168 @@
+"""Auto mode: each step AR or the DDTree budget that maximises expected tokens per second.
+
+The chooser alone (`dfl_auto_choose`) with synthetic costs and acceptance; then decoding: auto's output
+equals AR's (greedy and seeded sampling) whatever it chooses, with the distilled drafter, a random one, and
+the oracle drafter (a top-k hook proposing the target's known continuation), where speculation must win and
+auto must choose it.  Speed is measured in bench/auto_cpu.py, not here.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash27b import Decoder, DFlashError
+from dflash27b._lib import check, load
+from dflash27b.tools.oracle_draft import attach_oracle
+from tiny_draft import make_tiny_draft
+
+DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled"
+TRAIN_PROMPT = np.random.default_rng(0).integers(0, 2047, 16).tolist()  # the distilled drafter's first
+
+
+def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(),
+           min_budget=0, with_draft=False):
+    ffi, lib = load()
+    e = ffi.new("dfl_auto_estimates*")
+    e.ar_s, e.draft_s, e.tree_s, e.commit_s = ar_s, draft_s, tree_s, commit_s
+    e.n_verify = len(verify)
+    for i, (n, t) in enumerate(sorted(verify.items())):
+        e.verify_nodes[i], e.verify_s[i] = n, t
+    e.n_calib = len(calib)
+    for i, c in enumerate(calib):
+        e.depth_calib[i] = c
+    d = np.asarray(depth, dtype=np.int32)
+    lp = np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
+    out = ffi.new("dfl_auto_choice*")
+    check(lib.dfl_auto_choose(e, ffi.cast("int32_t*", d.ctypes.data), ffi.cast("float*", lp.ctypes.data), len(d),
+                              min_budget, int(with_draft), out))
+    return out.budget, out.expected_tokens, out.tok_s, out.ar_tok_s
+
+
+def chain(n, q):
+    """A chain of n nodes whose depth-d path probability is q**d."""
+    return list(range(1, n + 1)), [q ** d for d in range(1, n + 1)]
+
+
+# ---------------------------------------------------------------- the chooser, synthetic costs
+
+def test_cheap_verify_and_high_acceptance_choose_a_large_tree():
+    depth, p = chain(22, 0.97)
+    ar = 0.010
+    b, expected, tok_s, ar_tok_s = choose(ar, {23: ar * 1.2}, depth, p, draft_s=0.002, with_draft=True)
+    assert b == 22 and expected == pytest.approx(1 + sum(p), rel=1e-5)
+    assert tok_s > 5 * ar_tok_s and ar_tok_s == pytest.approx(100.0)
+
+
+def test_verify_at_half_an_ar_step_per_node_chooses_ar():
+    depth, p = chain(22, 0.45)
+    ar = 0.010
+    verify = {n: ar * (1 + 0.5 * (n - 1)) for n in (1, 2, 5, 23)}
+    b, expected, tok_s, ar_tok_s = choose(ar, verify, depth, p, draft_s=0.5 * ar, with_draft=True)
+    assert b == 0 and expected == 1.0 and tok_s == ar_tok_s
+    # once drafted, the draft is sunk: still AR (1.45 tokens for 1.5 AR steps loses to 1 for 1)
+    assert choose(ar, verify, depth, p)[0] == 0
+    # a probe forces at least one node, and then the best such budget
+    assert choose(ar, verify, depth, p, min_budget=1)[0] == 1
+
+
+def test_budget_stops_where_acceptance_stops_paying():
+    # a tree: a confident chain of 6, then 16 unlikely side branches; verify 5% of AR per node
+    depth = list(range(1, 7)) + [1] * 16
+    p = [0.95 ** d for d in range(1, 7)] + [0.001] * 16
+    ar = 0.01
+    verify = {1: ar, 23: ar * (1 + 0.05 * 22)}
+    b, *_ = choose(ar, verify, depth, p)
+    assert b == 6
+
+
+def test_calibration_scales_acceptance():
+    depth, p = chain(8, 0.9)
+    ar = 0.01
+    verify = {1: ar, 9: ar * 1.4}
+    assert choose(ar, verify, depth, p)[0] == 8
+    # the drafter has been wrong at depth 1 every time: its drafts are worth nothing
+    assert choose(ar, verify, depth, p, calib=[1.0, 0.0])[0] == 0
+
+
+def test_verify_table_interpolates_and_extrapolates():
+    depth, p = chain(10, 1.0)  # sure drafts: the rate is (1 + b) / verify(b + 1)
+    ar = 0.01
+    _, e4, r4, _ = choose(ar, {1: ar, 3: 3 * ar}, depth, p, min_budget=4)  # beyond: slope ar per node
+    assert r4 == pytest.approx(5 / (3 * ar + 2 * ar))
+    _, _, r1, _ = choose(ar, {1: ar, 3: 3 * ar}, depth, p, min_budget=1)  # between: 2 nodes cost 2 ar
+    assert r1 == pytest.approx(2 / (2 * ar))
+
+
+def test_chooser_rejects_bad_tables():
+    ffi, lib = load()
+    e = ffi.new("dfl_auto_estimates*")
+    e.n_verify = 65
+    out = ffi.new("dfl_auto_choice*")
+    with pytest.raises(DFlashError, match="at most 64 entries"):
+        check(lib.dfl_auto_choose(e, ffi.NULL, ffi.NULL, 0, 0, 0, out))
+
+
+# ---------------------------------------------------------------- decoding: exact whatever it chooses
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    return make_tiny_draft(tmp_path_factory.mktemp("auto_draft"), n_layers=1, block_size=16, seed=9)
+
+
+@pytest.mark.parametrize("drafter", ["distilled", "random"])
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_auto_equals_ar_greedy(tiny_f32_gguf, ar_tokens, random_draft, drafter, kv):
+    path = DISTILLED if drafter == "distilled" else random_draft
+    with Decoder(tiny_f32_gguf, path, kv_type=kv, ctx=1024, threads=2) as d:
+        assert d.default_mode == "auto"
+        for _ in range(2):  # the controller keeps its estimates across requests
+            r = d.generate(TRAIN_PROMPT, 96, ignore_eos=True)
+            s = r.stats
+            assert s.mode == "auto" and r.tokens == ar_tokens(TRAIN_PROMPT, kv, 96)
+            assert len(s.auto_budget) == s.steps and all(0 <= b <= 22 for b in s.auto_budget)
+            assert s.tree_size == s.auto_budget and s.target_forwards == [1] * s.steps
+            assert sum(s.accept_lengths) + 1 == 96
+            assert all(a == 1 for a, b in zip(s.accept_lengths, s.auto_budget) if b == 0)
+            assert s.auto_summary.startswith(f"{s.auto_budget.count(0)} AR + ")
+
+
+def test_auto_equals_ar_sampled(tiny_f32_gguf):
+    kw = dict(temperature=0.8, top_p=0.95, seed=7)
+    with Decoder(tiny_f32_gguf, DISTILLED, kv_type="f32", threads=2) as d:
+        ar = d.generate(TRAIN_PROMPT, 64, ignore_eos=True, mode="ar", **kw)
+        auto = d.generate(TRAIN_PROMPT, 64, ignore_eos=True, mode="auto", **kw)
+    assert auto.tokens == ar.tokens
+
+
+def test_oracle_drafter_makes_auto_speculate(tiny_f32_gguf, ar_tokens):
+    prompt = [5, 17, 300, 1200, 41]
+    want = ar_tokens(prompt, "f32", 128)
+    with Decoder(tiny_f32_gguf, kv_type="f32", ctx=1024, threads=2) as d:
+        attach_oracle(d, prompt, want)
+        r = d.generate(prompt, 128, ignore_eos=True, mode="auto", block_size=16)
+        s = r.stats
+        assert r.tokens == want
+        spec = [b for b in s.auto_budget if b > 0]
+        # after the AR step and the probe that measure the costs, every step speculates and accepts it all
+        assert len(spec) >= s.steps - 2 and s.mean_accept > 6
+        assert all(a == b + 1 for a, b in zip(s.accept_lengths[2:-1], s.auto_budget[2:-1]))
+        d._ctx.set_topk_hook(None)
+        with pytest.raises(DFlashError, match="needs a drafter"):
+            d.generate(prompt, 4, mode="auto")
+
+
+def test_auto_stats_through_the_cli(tmp_path, tiny_f32_gguf):
+    import json
+    import subprocess
+    import sys
+    base = [sys.executable, "-m", "dflash27b.cli", "generate", "-m", str(tiny_f32_gguf), "-md", str(DISTILLED),
+            "--prompt-ids", ",".join(map(str, TRAIN_PROMPT)), "-n", "32", "--ignore-eos", "-t", "2"]
+    r = subprocess.run(base + ["--json"], capture_output=True, text=True)
+    s = json.loads(r.stdout)["stats"]
+    assert s["mode"] == "auto" and len(s["auto_budget"]) == len(s["est_tok_s"]) == len(s["accept_lengths"])
+    assert all(not math.isnan(x) for x in s["est_ar_tok_s"])
+    r = subprocess.run(base + ["--compare"], capture_output=True, text=True)
+    assert r.returncode == 0 and "[auto cpu]" in r.stderr and "auto: " in r.stderr and "same tokens: True" in r.stderr
