@@ -109,7 +109,14 @@ fi
 
 step "bundled pair on the GPU (10 held-out prompts, 128 tokens)"
 python3 -m dflash27b.cli bench --dataset models/heldout_prompts.jsonl --n-prompts 10 -n 128 \
-  --device cuda --modes ar,chain,ddtree --budgets 8,22 --no-peer --out build/gpu-bench 2>&1 | tail -12 || status=1
+  --device cuda --modes ar,chain,ddtree,auto --budgets 8,22 --no-peer --out build/gpu-bench 2>&1 | tail -12 || status=1
+
+step "auto vs fixed budgets with the oracle drafter (synthetic 27B Q4_K_M; set SKIP_27B=1 to skip)"
+if [ "${SKIP_27B:-0}" != 1 ]; then
+  [ -f build/synth-27b.gguf ] || python3 -m dflash27b.cli synth build/synth-27b.gguf --shape 27b --ftype q4_k_m
+  python3 bench/auto_cpu.py --device cuda --cases oracle --oracle-target build/synth-27b.gguf --budgets 8,16,22,32 \
+    --repeats 3 --out build/gpu-auto.json 2>&1 | grep -v Loading | tail -8 || status=1
+fi
 
 step "table"
 python3 - <<'EOF' || status=1

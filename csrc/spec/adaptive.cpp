@@ -72,7 +72,7 @@ bool AutoController::want_draft(bool* probe, AutoChoice* forecast) {
     *probe = true;
     return true;
   }
-  if (c.budget > 0 && c.tok_s > c.ar_tok_s) {
+  if (c.budget > 0 && c.tok_s > c.ar_tok_s && spec_rate_ > c.ar_tok_s) {
     since_probe_ = 0;
     return true;
   }
@@ -98,13 +98,15 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }
 
 void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
-                                  const std::vector<uint8_t>& on_path, double expected) {
+                                  const std::vector<uint8_t>& on_path) {
   const bool was_probe = rec.probe;
   ema(e_.draft_s, rec.draft_s);
   ema(e_.tree_s, rec.tree_s);
   if (budget <= 0) return;  // drafted, then AR won: nothing verified, nothing learnt about acceptance
   have_spec_ = true;
   ema(e_.commit_s, rec.commit_s);
+  const double spent = rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s;
+  if (spent > 0) spec_rate_ = spec_rate_ > 0 ? 0.5 * spec_rate_ + 0.5 * rec.committed / spent : rec.committed / spent;
   ema(e_.verify_s[budget + 1], rec.verify_s);
   // acceptance per depth: decayed sums of predicted path probability and of hits
   for (double& p : pred_) p *= kAcceptDecay;
@@ -118,13 +120,11 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   e_.depth_calib.assign(pred_.size(), 1.0);
   for (size_t d = 0; d < pred_.size(); ++d) e_.depth_calib[d] = (hit_[d] + kCalibPrior) / (pred_[d] + kCalibPrior);
   if (was_probe && e_.ar_s > 0) {
-    // Space the next probe so its expected loss is at most kProbeShare of the
-    // AR time in between; one that beat its forecast comes back soon.
-    const double spent = rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s;
+    // Space the next probe so its measured loss is at most kProbeShare of the
+    // AR time in between.
     const double loss = std::max(0.0, spent - e_.ar_s * rec.committed);
     const double gap = std::ceil(loss / (kProbeShare * e_.ar_s));
     probe_gap_ = (int)std::clamp(gap, (double)kMinProbeGap, (double)kMaxProbeGap);
-    if (rec.committed > expected + 1.0) probe_gap_ = kMinProbeGap;
   }
 }
 

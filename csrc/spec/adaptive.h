@@ -14,13 +14,16 @@
 // b nodes of the largest tree, and its expected accepted length is a prefix
 // sum: one draft prices every budget.  Before a step the controller decides
 // whether drafting pays, using the last drafted tree as the forecast; after
-// drafting it picks the budget (0 = verify the root alone, an AR step).
+// drafting it picks the budget (0 = verify the root alone, an AR step).  The
+// forecast is trusted only while recent speculative steps really delivered
+// more tokens per second than AR: a forecast that keeps losing is overruled.
 //
 // Exploration is bounded: while AR wins, a probe (a forced speculative step)
-// runs after enough AR steps that its expected loss is at most kProbeShare of
-// the time between probes; a probe whose acceptance beats the forecast
-// brings the next one forward.  Every choice is lossless, so the output is
-// AR's whatever the controller decides.
+// runs after enough AR steps that its measured loss is at most kProbeShare of
+// the AR time between probes.  A probe refreshes the acceptance statistics
+// (which decay, so they follow the text); when they change enough that the
+// forecast beats AR, speculation resumes at once.  Every choice is lossless,
+// so the output is AR's whatever the controller decides.
 #pragma once
 #include <cstddef>
 #include <algorithm>
@@ -62,9 +65,9 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
 
 class AutoController {
  public:
-  static constexpr double kProbeShare = 0.03;  // a probe's expected loss vs the AR time between probes
+  static constexpr double kProbeShare = 0.02;  // a probe's measured loss vs the AR time between probes
   static constexpr int kMinProbeGap = 8, kMaxProbeGap = 512;
-  static constexpr int kFirstProbeBudget = 2;  // small: its job is to measure, not to win
+  static constexpr int kFirstProbeBudget = 1;  // small: its job is to measure, not to win
 
   // Before a step: draft (true) or run an AR step.  `probe` says the step is
   // a forced exploration; `forecast` is the choice the last drafted tree predicts.
@@ -75,7 +78,7 @@ class AutoController {
   // verified nodes (1..budget) were accepted (`on_path`, indexed like depth).
   void observe_ar(double step_s);
   void observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
-                    const std::vector<uint8_t>& on_path, double expected);
+                    const std::vector<uint8_t>& on_path);
   const AutoEstimates& estimates() const { return e_; }
 
  private:
@@ -84,6 +87,7 @@ class AutoController {
   std::vector<int32_t> last_depth_;         // the last drafted tree: the forecast for the next step
   std::vector<float> last_logp_;
   bool have_spec_ = false;
+  double spec_rate_ = 0;                    // realized tokens/s of recent speculative steps (EMA)
   int since_probe_ = 0, probe_gap_ = kMinProbeGap;
 };
 

@@ -234,9 +234,13 @@ int Generator::step(std::vector<int32_t>& out) {
     rec.auto_budget = 0;
     rec.expected = 1.0, rec.est_tok_s = forecast.ar_tok_s, rec.est_ar_tok_s = forecast.ar_tok_s;
   }
-  if (speculate) draft_tree(s, V, room, rec, rec.probe);
-  else if (p_.mode == DecodeMode::Chain) draft_chain(s, V, rec);
-  else tokens_.resize(1), parent_.resize(1), depth_.resize(1);  // an AR step: the root alone
+  if (speculate) {
+    draft_tree(s, V, room, rec, rec.probe);
+  } else if (p_.mode == DecodeMode::Chain) {
+    draft_chain(s, V, rec);
+  } else {
+    tokens_.resize(1), parent_.resize(1), depth_.resize(1);  // an AR step: the root alone
+  }
   const int N = (int)tokens_.size();
   for (int i = 1; i < N; ++i)
     if (tokens_[i] < 0 || tokens_[i] >= c.n_vocab) fail("draft token %d outside the vocabulary", tokens_[i]);
@@ -323,8 +327,7 @@ int Generator::step(std::vector<int32_t>& out) {
     if (speculate) {
       std::vector<uint8_t> on_path((size_t)rec.auto_budget, 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;
-      auto_.observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget, on_path,
-                         rec.expected);
+      auto_.observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget, on_path);
     }
   }
   steps_.push_back(rec);
