@@ -105,6 +105,9 @@ def test_generate_ddtree_flags(model, draft_dir):
     assert len(s["tree_size"]) == len(s["tree_depth"]) == len(s["tree_ms"]) == n
     assert all(1 <= k <= 6 for k in s["tree_size"]) and s["target_forwards"] == [1] * n
     text = run("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "8", "--ignore-eos", "-md", draft_dir)
+    assert text.returncode == 0 and "accept" in text.stderr and "auto: " in text.stderr
+    text = run("generate", "-m", model, "--prompt-ids", "1,2,3", "-n", "8", "--ignore-eos", "-md", draft_dir,
+               "--mode", "ddtree")
     assert text.returncode == 0 and "accept" in text.stderr and "budget 22" in text.stderr
 
 
