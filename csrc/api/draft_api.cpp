@@ -12,10 +12,14 @@
 namespace {
 constexpr int kMaxInfoLayerIds = 16;  // dfl_draft_info.target_layer_ids
 
-void fill_info(const char* path, const dfl::DraftConfig& c, dfl_draft_info* o) {
+void check_info_fits(const char* path, const dfl::DraftConfig& c) {
   if ((int)c.target_layer_ids.size() > kMaxInfoLayerIds)
     dfl::fail("%s: %zu target_layer_ids; this build supports at most %d", path, c.target_layer_ids.size(),
               kMaxInfoLayerIds);
+}
+
+void fill_info(const char* path, const dfl::DraftConfig& c, dfl_draft_info* o) {
+  check_info_fits(path, c);
   *o = dfl_draft_info{};
   o->n_layer = c.n_layer; o->hidden = c.hidden; o->n_head = c.n_head; o->n_head_kv = c.n_head_kv;
   o->head_dim = c.head_dim; o->n_ff = c.n_ff; o->n_vocab = c.n_vocab;
@@ -41,8 +45,7 @@ dfl_draft* dfl_draft_load(const char* path, const dfl_model* target) {
     if (!path) dfl::fail("path is NULL");
     auto d = std::make_unique<dfl_draft>();
     d->d = dfl::load_draft(path);
-    dfl_draft_info check;
-    fill_info(path, d->d->cfg, &check);
+    check_info_fits(path, d->d->cfg);
     if (target) dfl::validate_pair(d->d->cfg, target->m->cfg);
     out = d.release();
   });

@@ -111,24 +111,20 @@ void parse_rope(const Cfg& c, DraftConfig& d) {
 
   // theta
   double theta = 10000.0;
-  if (const JsonValue* t = get("rope_theta")) {
-    theta = positive("rope_theta", t);
-  } else if (const JsonValue* top = c.root.find("rope_theta"); top && !top->is_null()) {
-    theta = c.as_num(top, "rope_theta");
-    if (!(theta > 0) || !std::isfinite(theta))
-      fail("%s: config key 'rope_theta' must be positive, found %g", path.c_str(), theta);
-  }
+  if (const JsonValue* t = get("rope_theta")) theta = positive("rope_theta", t);
+  else if (c.root.find("rope_theta") && !c.root.find("rope_theta")->is_null()) theta = c.req_pos_num("rope_theta");
   // type
   std::string type = "default";
-  if (const JsonValue* t = get("rope_type") ? get("rope_type") : get("type")) {
+  const char* type_key = get("rope_type") ? "rope_type" : "type";
+  if (const JsonValue* t = get(type_key)) {
     if (!t->is_string())
-      fail("%s: config key '%s' should be a string, found %s", path.c_str(),
-           name(get("rope_type") ? "rope_type" : "type").c_str(), json_kind_name(t->kind));
+      fail("%s: config key '%s' should be a string, found %s", path.c_str(), name(type_key).c_str(),
+           json_kind_name(t->kind));
     type = t->str;
   }
   if (type != "default" && type != "linear" && type != "yarn")
     fail("%s: config key '%s' is '%s': this RoPE type is not supported (only default, linear and yarn)",
-         path.c_str(), name(get("rope_type") ? "rope_type" : "type").c_str(), type.c_str());
+         path.c_str(), name(type_key).c_str(), type.c_str());
   if (const JsonValue* prf = get("partial_rotary_factor"); prf && number("partial_rotary_factor", prf) != 1.0)
     fail("%s: config key '%s' is %g; the drafter's RoPE covers the whole head (only 1.0 is supported)",
          path.c_str(), name("partial_rotary_factor").c_str(), prf->num);

@@ -17,11 +17,15 @@ constexpr double kUnknownSlope = 0.1; // per extra node, as a share of one node'
 void ema(double& v, double x) { v = v > 0 ? (1 - kTimeEma) * v + kTimeEma * x : x; }
 }  // namespace
 
-double AutoEstimates::verify(int n) const {
-  std::map<int, double> pts = verify_s;
-  if (ar_s > 0 && !pts.count(1)) pts[1] = ar_s;
+std::vector<std::pair<int, double>> AutoEstimates::verify_points() const {
+  std::vector<std::pair<int, double>> pts(verify_s.begin(), verify_s.end());  // ascending node counts
+  if (ar_s > 0 && (pts.empty() || pts.front().first != 1)) pts.insert(pts.begin(), {1, ar_s});
+  return pts;
+}
+
+double AutoEstimates::verify_at(const std::vector<std::pair<int, double>>& pts, int n) {
   if (pts.empty()) return 0;
-  auto hi = pts.lower_bound(n);
+  auto hi = std::lower_bound(pts.begin(), pts.end(), std::make_pair(n, -1.0));
   if (hi != pts.end() && hi->first == n) return hi->second;
   if (hi == pts.begin()) return hi->second;  // below every size seen: no cheaper than the smallest
   auto lo = std::prev(hi);
@@ -39,7 +43,8 @@ double AutoEstimates::verify(int n) const {
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
                          bool with_draft) {
   AutoChoice best;
-  const double ar = e.ar_s > 0 ? e.ar_s : e.verify(1);
+  const std::vector<std::pair<int, double>> verify = e.verify_points();  // once per call, not per budget
+  const double ar = e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1);
   best.ar_tok_s = ar > 0 ? 1.0 / ar : 0.0;
   best.budget = 0;
   best.expected = 1.0;
@@ -50,7 +55,7 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   for (int b = 1; b <= n; ++b) {
     accepted += std::min(1.0, e.calib(depth[b - 1]) * std::exp((double)logp[b - 1]));
     if (b < min_budget) continue;
-    const double cost = fixed + e.verify(b + 1);
+    const double cost = fixed + AutoEstimates::verify_at(verify, b + 1);
     const double rate = cost > 0 ? (1.0 + accepted) / cost : 0.0;
     if (!have || rate > best.tok_s) {  // ties keep the smaller tree
       best.budget = b;
@@ -89,8 +94,7 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
   last_logp_.assign(logp, logp + n);
   if (!have_spec_) {  // first probe: a small fixed tree, to measure
     const int b = std::min(kFirstProbeBudget, n);
-    AutoChoice c = choose_budget(e_, depth, logp, b, b, false);
-    return c;
+    return choose_budget(e_, depth, logp, b, b, false);
   }
   return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false);
 }

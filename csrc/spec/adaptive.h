@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <utility>
 #include <vector>
 
 namespace dfl {
@@ -41,7 +42,10 @@ struct AutoEstimates {
   double draft_s = 0, tree_s = 0, commit_s = 0;
   std::map<int, double> verify_s;         // verify forward time by node count (root included)
   std::vector<double> depth_calib;        // [depth] multiplier on the draft path probability
-  double verify(int n_nodes) const;       // interpolated / extrapolated from verify_s (and ar_s at 1 node)
+  // Verify time of n nodes: verify_s (and ar_s at 1 node) interpolated between
+  // sizes seen, extrapolated beyond by the last slope.
+  std::vector<std::pair<int, double>> verify_points() const;
+  static double verify_at(const std::vector<std::pair<int, double>>& points, int n_nodes);
   // Depths deeper than any seen take the deepest one's calibration (a drafter
   // wrong at depth d is no better below it); none seen: 1.
   double calib(int depth) const {
