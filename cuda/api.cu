@@ -24,10 +24,8 @@ namespace {
 // Owns one device allocation, rounded up to 16 bytes (matmul's requirement).
 struct DevBuf {
   void* p = nullptr;
-  explicit DevBuf(size_t bytes) { CUDA_CHECK(cudaMalloc(&p, (bytes + 15) / 16 * 16 + 16)); }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
+  explicit DevBuf(size_t bytes) { p = device_alloc((bytes + 15) / 16 * 16 + 16); }
+  ~DevBuf() { device_free(p); }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   template <class T>
@@ -171,6 +169,44 @@ double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t 
     ms = (double)total / iters;
   });
   return ms;
+}
+
+double dfl_cuda_bench_copy(int64_t bytes, int32_t iters) {
+  using namespace dfl::cuda;
+  double gbs = -1.0;
+  dfl::api_guard([&] {
+    if (bytes < 1024 || iters <= 0) dfl::fail("bench_copy needs bytes >= 1024 and iters > 0 (got %lld, %d)",
+                                              (long long)bytes, iters);
+    require_device();
+    DevBuf a((size_t)bytes), b((size_t)bytes);
+    CUDA_CHECK(cudaMemsetAsync(a.p, 1, (size_t)bytes, 0));
+    for (int i = 0; i < 2; ++i) CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, (size_t)bytes, cudaMemcpyDeviceToDevice, 0));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    Event e0, e1;
+    CUDA_CHECK(cudaEventRecord(e0.e, 0));
+    for (int i = 0; i < iters; ++i)
+      CUDA_CHECK(cudaMemcpyAsync(i & 1 ? a.p : b.p, i & 1 ? b.p : a.p, (size_t)bytes, cudaMemcpyDeviceToDevice, 0));
+    CUDA_CHECK(cudaEventRecord(e1.e, 0));
+    CUDA_CHECK(cudaEventSynchronize(e1.e));
+    float ms = 0.f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0.e, e1.e));
+    gbs = 2.0 * (double)bytes * iters / (ms > 0.f ? ms * 1e-3 : 1e-9) / 1e9;
+  });
+  return gbs;
+}
+
+int dfl_cuda_memory_stats(dfl_cuda_memory* out, int32_t reset_peak) {
+  using namespace dfl::cuda;
+  return dfl::api_guard([&] {
+    if (!out) dfl::fail("out is NULL");
+    require_device();
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    DeviceMemoryCounter& c = device_memory_counter();
+    std::lock_guard<std::mutex> lock(c.mu);
+    *out = dfl_cuda_memory{c.now, c.peak, free_b, total_b};
+    if (reset_peak) c.peak = c.now;
+  });
 }
 
 }  // extern "C"

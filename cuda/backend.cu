@@ -38,7 +38,7 @@ struct DeviceWeights {
   uint64_t bytes = 0;
   std::map<const void*, void*> dev;
   ~DeviceWeights() {
-    if (arena) cudaFree(arena);
+    device_free(arena);
   }
   void* lookup(const void* host) const {
     auto it = dev.find(host);
@@ -60,7 +60,7 @@ void upload_tensors(const std::vector<std::pair<const void*, size_t>>& parts, De
     offset[p.first] = total;
     total += (p.second + 16 + 255) / 256 * 256;
   }
-  CUDA_CHECK(cudaMalloc(&W.arena, total ? total : 256));
+  W.arena = device_alloc(total ? total : 256);
   W.bytes = total;
   for (auto& p : parts) {
     uint8_t* d = static_cast<uint8_t*>(W.arena) + offset[p.first];
@@ -164,7 +164,7 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     part_.reset();
-    if (plan_buf_) cudaFree(plan_buf_);
+    device_free(plan_buf_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -172,15 +172,14 @@ class CudaBackend final : public Backend {
   std::string name() const override { return std::string("cuda (") + prop_.name + ")"; }
 
   void* alloc(size_t bytes) override {
-    void* p = nullptr;
     const size_t n = (bytes + 16 + 255) / 256 * 256;
-    CUDA_CHECK(cudaMalloc(&p, n));
+    void* p = device_alloc(n);
     CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_));
     return p;
   }
   void release(void* p) override {
     cudaStreamSynchronize(stream_);
-    cudaFree(p);
+    device_free(p);
   }
   void upload(void* dst, const void* host, size_t bytes) override {
     CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
@@ -232,10 +231,10 @@ class CudaBackend final : public Backend {
     std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
     if (words > plan_cap_) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
-      if (plan_buf_) cudaFree(plan_buf_);
+      device_free(plan_buf_);
       plan_buf_ = nullptr;
       plan_cap_ = std::max(words, (size_t)4096);
-      CUDA_CHECK(cudaMalloc(&plan_buf_, plan_cap_ * 4));
+      plan_buf_ = static_cast<int32_t*>(device_alloc(plan_cap_ * 4));
     }
     upload(plan_buf_, host_plan_.data(), words * 4);
     int32_t* d = plan_buf_;
@@ -323,16 +322,32 @@ class CudaBackend final : public Backend {
 
   void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
     const int C = c_.conv_channels();
-    fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, parent_, n_, C, c_.conv_kernel};
+    const GdnNodeLayout U(c_);
+    fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, L.node_upd, parent_, n_, C, c_.conv_kernel,
+                     (int64_t)U.stride};
     launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
-    fwd::DeltaArgs da{mm, z, bb, aa, L.dt_bias, L.ssm_a, L.ssm_norm, L.rec, L.node_rec, parent_, y, n_, c_.ssm_nk,
-                      c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps};
+    fwd::DeltaArgs da{mm, z, bb, aa, L.dt_bias, L.ssm_a, L.ssm_norm, L.rec, L.node_rec, L.node_upd, parent_, y, n_,
+                      c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
+                      (int64_t)U.delta, (int64_t)U.decay};
     const dim3 grid((unsigned)c_.ssm_nv), block((unsigned)c_.ssm_dv);
     switch (c_.ssm_dk) {
       case 32: return launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da);
       case 64: return launch(fwd::delta_kernel<64>, grid, block, 0, stream_, da);
       case 128: return launch(fwd::delta_kernel<128>, grid, block, 0, stream_, da);
       default: return launch(fwd::delta_kernel<256>, grid, block, 0, stream_, da);
+    }
+  }
+
+  void delta_commit(float* rec, const float* node_upd, const int32_t* path, int m) override {
+    const GdnNodeLayout U(c_);
+    fwd::DeltaCommitArgs a{rec, node_upd, (int64_t)U.stride, (int64_t)U.k, (int64_t)U.delta, (int64_t)U.decay,
+                           c_.ssm_nk, c_.ssm_dk, c_.ssm_dv, 0, {}};
+    const int64_t hs = (int64_t)c_.ssm_dk * c_.ssm_dv;
+    const dim3 grid((unsigned)((hs + 255) / 256), (unsigned)c_.ssm_nv);
+    for (int p0 = 0; p0 < m; p0 += fwd::kCommitPath) {
+      a.m = std::min(fwd::kCommitPath, m - p0);
+      std::copy(path + p0, path + p0 + a.m, a.path);
+      launch(fwd::delta_commit_kernel, grid, dim3(256), 0, stream_, a);
     }
   }
 

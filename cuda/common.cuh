@@ -15,6 +15,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <mutex>
+#include <unordered_map>
+
 #include "quant/blocks.h"
 #include "util/error.h"
 
@@ -47,6 +50,41 @@ inline void require_device() {
     fail("no usable CUDA device: %s", cudaGetErrorString(e));
   }
   if (n <= 0) fail("no usable CUDA device: none found");
+}
+
+// Every device allocation of the library goes through device_alloc /
+// device_free, which count the bytes held now and the peak since the last
+// reset: the GPU record compares that peak with the memory plan
+// (dfl_cuda_memory_stats).  Allocations happen at load and context creation,
+// never in a decode step, so one mutex costs nothing.
+struct DeviceMemoryCounter {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> live;
+  uint64_t now = 0, peak = 0;
+};
+inline DeviceMemoryCounter& device_memory_counter() {
+  static DeviceMemoryCounter c;
+  return c;
+}
+inline void* device_alloc(size_t bytes) {
+  void* p = nullptr;
+  CUDA_CHECK(cudaMalloc(&p, bytes));
+  DeviceMemoryCounter& c = device_memory_counter();
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.live[p] = bytes;
+  c.now += bytes;
+  if (c.now > c.peak) c.peak = c.now;
+  return p;
+}
+inline void device_free(void* p) {
+  if (!p) return;
+  cudaFree(p);
+  DeviceMemoryCounter& c = device_memory_counter();
+  std::lock_guard<std::mutex> lock(c.mu);
+  auto it = c.live.find(p);
+  if (it == c.live.end()) return;
+  c.now -= it->second;
+  c.live.erase(it);
 }
 
 // ---- block field offsets (bytes), checked against blocks.h ----

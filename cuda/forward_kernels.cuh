@@ -425,15 +425,18 @@ __global__ void __launch_bounds__(kTopkThreads)
 // One thread per channel walks the chunk's tokens in order.  Token t starts
 // from its parent's window: the running one when the parent is t-1, the
 // committed window for -1, else node_conv[parent] (written earlier by this
-// same thread).  Verify keeps every token's window in node_conv; a commit
-// writes the last window back to conv.
+// same thread).  Verify keeps every token's window in node_conv (scratch for
+// its children) and its input row in node_upd (GdnNodeLayout::xin, kept for
+// commit); a committing chunk writes the last window back to conv.
 struct ConvArgs {
   float* mm;             // [n][C]: inputs, overwritten with silu(conv)
   const float* w;        // [C][K]
   float* conv;           // [(K-1)][C] committed
   float* node_conv;      // [n][(K-1)][C] or null (commit)
+  float* node_upd;       // [n][upd_stride] or null (commit)
   const int32_t* parent;
   int n, C, K;
+  int64_t upd_stride;
 };
 constexpr int kMaxConvK = 8;
 
@@ -453,6 +456,7 @@ __global__ void conv_kernel(ConvArgs a) {
     }
     float* mt = a.mm + (int64_t)t * a.C;
     const float xin = mt[ch];
+    if (a.node_upd) a.node_upd[t * a.upd_stride + ch] = xin;
     float acc = 0.f;
     for (int k = 0; k < K - 1; ++k) acc += wc[k] * win[k];
     acc += wc[K - 1] * xin;
@@ -472,7 +476,10 @@ __global__ void conv_kernel(ConvArgs a) {
 // starting each from its parent's state as conv_kernel does.  Per token: the
 // key head's q and k are L2-normalised (q also scaled by 1/sqrt(dk)), then
 //   S *= exp(g);  u = S^T k;  S += k (beta (v - u))^T;  out = S^T q
-// and out gets the gated RMSNorm (ssm_norm, silu(z)).
+// and out gets the gated RMSNorm (ssm_norm, silu(z)).  The state update is
+// written with explicit roundings (S = S * decay, then S = fma(k, delta, S)) so
+// that delta_commit_kernel, replaying a node's stored (k, delta, decay),
+// reproduces it bit for bit whatever the compiler would contract.
 struct DeltaArgs {
   const float* mm;       // [n][Cconv] conv outputs: q (nk*dk) | k (nk*dk) | v (nv*dv)
   const float* z;        // [n][nv*dv]
@@ -481,10 +488,12 @@ struct DeltaArgs {
   const float* dt_bias, *ssm_a, *ssm_norm;
   float* rec;            // [nv][dk][dv] committed
   float* node_rec;       // [n][nv][dk][dv] or null (commit)
+  float* node_upd;       // [n][upd_stride]: k at k_off, delta at delta_off, decay at decay_off; null (commit)
   const int32_t* parent;
   float* y;              // [n][nv*dv]
   int n, nk, nv, dv, Cconv;
   float eps;
+  int64_t upd_stride, k_off, delta_off, decay_off;
 };
 
 template <int DK>
@@ -525,15 +534,22 @@ __global__ void delta_kernel(DeltaArgs a) {
     float u = 0.f;
 #pragma unroll
     for (int i = 0; i < DK; ++i) {
-      s[i] *= decay;
+      s[i] = __fmul_rn(s[i], decay);
       u += s[i] * (ks[i] * ik);
     }
     const float delta = beta * (v - u);
     float out = 0.f;
 #pragma unroll
     for (int i = 0; i < DK; ++i) {
-      s[i] += (ks[i] * ik) * delta;
+      s[i] = fmaf(ks[i] * ik, delta, s[i]);
       out += s[i] * (qs[i] * iq * qscale);
+    }
+    if (a.node_upd) {
+      float* upd = a.node_upd + t * a.upd_stride;
+      upd[a.delta_off + h * dv + j] = delta;
+      if (j == 0) upd[a.decay_off + h] = decay;
+      if (h < a.nk)  // one CTA per key head stores its normalised keys
+        for (int i = j; i < DK; i += blockDim.x) upd[a.k_off + kh * DK + i] = ks[i] * ik;
     }
     const float ss = block_sum(out * out, red);
     const float scale = 1.f / sqrtf(ss / (float)dv + a.eps);
@@ -549,6 +565,35 @@ __global__ void delta_kernel(DeltaArgs a) {
 #pragma unroll
     for (int i = 0; i < DK; ++i) a.rec[hoff + (int64_t)i * dv + j] = s[i];
   }
+}
+
+// ---------------------------------------------------------------- delta-net: commit
+// rec <- the path's updates applied in order, each exactly as delta_kernel
+// applied it: S = S * decay; S = fma(k, delta, S).  One thread per state
+// element (grid: value heads x element blocks); the path's node indices travel
+// by value, up to kCommitPath per launch (longer paths: successive launches).
+constexpr int kCommitPath = 64;
+struct DeltaCommitArgs {
+  float* rec;              // [nv][dk][dv]
+  const float* node_upd;   // [nodes][upd_stride]
+  int64_t upd_stride, k_off, delta_off, decay_off;
+  int nk, dk, dv, m;
+  int32_t path[kCommitPath];
+};
+
+__global__ void delta_commit_kernel(DeltaCommitArgs a) {
+  const int h = blockIdx.y, kh = h % a.nk;
+  const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, hs = (int64_t)a.dk * a.dv;
+  if (e >= hs) return;
+  const int i = (int)(e / a.dv), j = (int)(e % a.dv);
+  float* sp = a.rec + (int64_t)h * hs + e;
+  float s = *sp;
+  for (int p = 0; p < a.m; ++p) {
+    const float* upd = a.node_upd + (int64_t)a.path[p] * a.upd_stride;
+    s = __fmul_rn(s, upd[a.decay_off + h]);
+    s = fmaf(upd[a.k_off + kh * a.dk + i], upd[a.delta_off + (int64_t)h * a.dv + j], s);
+  }
+  *sp = s;
 }
 
 }  // namespace fwd

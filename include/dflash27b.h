@@ -213,6 +213,16 @@ int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, co
 /* Milliseconds per call of the CUDA matmul on random device-resident weights
  * and activations (CUDA events, no host transfers timed); -1 on error. */
 double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters);
+/* Device-to-device copy bandwidth of a `bytes` buffer, GB/s counting bytes
+ * read + written (the bandwidth floor the GPU record compares with); -1 on error. */
+double dfl_cuda_bench_copy(int64_t bytes, int32_t iters);
+/* The library's device memory: bytes it holds now and the peak since the last
+ * reset (every cudaMalloc it makes: weights, KV, states, workspace, plans),
+ * and the device's free / total memory as the driver reports them. */
+typedef struct {
+  uint64_t allocated, peak, device_free, device_total;
+} dfl_cuda_memory;
+int dfl_cuda_memory_stats(dfl_cuda_memory* out, int32_t reset_peak);
 
 /* ==================== DFlash drafter (z-lab layout) ====================
  * path: a directory holding config.json + model.safetensors, or the

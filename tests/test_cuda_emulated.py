@@ -5,7 +5,7 @@ whose launch runs every CTA's threads as fibers (barriers and warp shuffles
 as written).  This builds that library plus tests/cpp/backend_ops.cpp into
 build/emu-tests once, then runs
   * every backend op on "CUDA" against the CPU backend (batches up to 64 here;
-    bench/gpu_check.sh runs up to 512 on a real GPU), and
+    bench/gpu_bench.sh runs up to 512 on a real GPU), and
   * the `cuda`-marked Python tests (tests/test_cuda_ops.py,
     tests/test_cuda_forward.py) against the emulated device.
 It proves the kernels' logic and the host code, not GPU timing, memory

@@ -1,6 +1,6 @@
 """The whole engine on the CUDA backend against the CPU backend (`pytest -m cuda`).
 
-On a machine with a GPU these run on it (bench/gpu_check.sh); without one they
+On a machine with a GPU these run on it (bench/gpu_bench.sh); without one they
 skip, and tests/test_cuda_emulated.py runs them against the CPU emulator build
 of the same CUDA source (fewer tokens there: the emulator runs every CUDA
 thread as a fiber).
@@ -111,6 +111,27 @@ def test_cuda_state_matches_cpu(pair):
     cpu, gpu = state(0), state(1)
     assert cpu.shape == gpu.shape
     assert np.abs(gpu - cpu).max() <= 1e-4 * np.abs(cpu).max()
+
+
+@pytest.mark.parametrize("path", [[0, 2], [0, 2, 3, 5, 6]])
+def test_cuda_commit_rebuilds_the_sequential_state_bitwise(cuda_dec, path):
+    """On the device too, commit rebuilds the accepted node's delta-net state from the nodes' updates, and the
+    committed state equals a chain's byte for byte (tests/test_tree_forward.py has the CPU's twin)."""
+    ctx = cuda_dec.context
+    prefix = [7, 8, 9, 10]
+    toks, parent = [50, 60, 61, 70, 71, 80, 90, 72], [-1, 0, 0, 2, 1, 3, 5, 4]
+    depth = []
+    for p in parent:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    ctx.reset()
+    ctx.forward(prefix)
+    ctx.forward(toks, pos=[len(prefix) + d for d in depth], parent=parent, commit=False)
+    ctx.commit_path(path)
+    got = ctx.state()
+    ctx.reset()
+    ctx.forward(prefix)
+    ctx.forward([toks[i] for i in path])  # (on CUDA, batches of <= 8 run the per-token matvec, as the tree did)
+    assert got == ctx.state()
 
 
 @pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0", "bf16", "f32"])

@@ -2,7 +2,7 @@
 weights and against the CPU backend's dfl_matmul.
 
 Tests marked `cuda` need a GPU (conftest skips them without one; on the lent
-GPU machine bench/gpu_check.sh runs them).  The others run everywhere: the
+GPU machine bench/gpu_bench.sh runs them).  The others run everywhere: the
 no-GPU behaviour of the entry points, and the kernels' source executed on the
 CPU by the emulator in cuda/emu (built with g++ when the build has CUDA).
 
@@ -172,6 +172,29 @@ def test_cuda_matmul_bad_arguments():
     assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 1, 3) > 0, last_error()
 
 
+@pytest.mark.cuda
+def test_cuda_memory_counter_and_copy_bandwidth():
+    """Every device allocation is counted (the GPU record's peak vs the plan): a context's bytes appear while
+    it lives, within its plan, and leave with it; the copy benchmark returns a rate."""
+    from dflash27b import Decoder
+
+    ffi, lib = load()
+    m = ffi.new("dfl_cuda_memory*")
+    assert lib.dfl_cuda_memory_stats(m, 1) == 0, last_error()
+    base = m.allocated
+    with Decoder(device="cuda", ctx=256, threads=2) as d:
+        assert lib.dfl_cuda_memory_stats(m, 0) == 0
+        held = m.allocated - base
+        assert 0 < held <= d.memory_plan["total"], (held, d.memory_plan)
+        assert held >= d.memory_plan["weights"] + d.memory_plan["kv"]
+        assert m.device_total > 0 and m.peak >= m.allocated
+    assert lib.dfl_cuda_memory_stats(m, 0) == 0
+    assert m.allocated == base and m.peak - base >= held
+    assert lib.dfl_cuda_memory_stats(ffi.NULL, 0) == -1 and "NULL" in last_error()
+    assert lib.dfl_cuda_bench_copy(1 << 20, 2) > 0, last_error()
+    assert lib.dfl_cuda_bench_copy(10, 2) == -1.0 and "bench_copy needs" in last_error()
+
+
 from conftest import _have_cuda_device  # noqa: E402  (the same rule that skips `cuda` tests)
 
 
@@ -194,6 +217,8 @@ def test_cuda_entry_points_without_gpu():
     else:
         assert msg == "CUDA backend not built", msg
     assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 16, 32, 1, 1) == -1.0
+    assert lib.dfl_cuda_bench_copy(1 << 20, 1) == -1.0
+    assert lib.dfl_cuda_memory_stats(ffi.new("dfl_cuda_memory*"), 0) == -1
     assert np.isnan(y).all()  # y untouched
 
 

@@ -45,6 +45,33 @@ def test_commit_path_equals_autoregressive_state(dec):
     assert np.array_equal(after, ref[-2:])
 
 
+@pytest.mark.parametrize("path", [[0], [0, 2], [0, 2, 3], [0, 2, 3, 5, 6], [0, 1, 4, 7]])
+def test_commit_rebuilds_the_sequential_state_bitwise(dec, path):
+    """Commit keeps only each node's update (conv input, keys, delta, decay) and rebuilds the accepted node's
+    conv window and recurrent state from the committed ones: the committed state (every byte: KV rows, conv
+    windows, recurrent states) equals the one a chain of the same tokens leaves, == not close — paths
+    shorter and longer than the conv window, from either branch."""
+    ctx = dec.context
+    prefix = [7, 8, 9, 10]
+    #        0 -> 1 -> 4 -> 7
+    #         \-> 2 -> 3 -> 5 -> 6
+    toks = [50, 60, 61, 70, 71, 80, 90, 72]
+    parent = [-1, 0, 0, 2, 1, 3, 5, 4]
+    depth = [0] * len(toks)
+    for i, p in enumerate(parent):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    pos = [len(prefix) + d for d in depth]
+    ctx.reset()
+    ctx.forward(prefix)
+    ctx.forward(toks, pos=pos, parent=parent, commit=False)
+    ctx.commit_path(path)
+    got = ctx.state()
+    ctx.reset()
+    ctx.forward(prefix)
+    ctx.forward([toks[i] for i in path])  # (on CUDA, batches of <= 8 run the per-token matvec, as the tree did)
+    assert got == ctx.state()
+
+
 def test_commit_path_rejects_non_paths(dec):
     ctx = dec.context
     ctx.reset()

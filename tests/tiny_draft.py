@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash27b.tools.draft_format import DROP, build_target_layer_ids, draft_config  # noqa: F401
+from dflash27b.tools.draft_format import DROP, build_target_layer_ids, draft_config, tensor_shapes  # noqa: F401
 
 _ST_DTYPE = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
@@ -35,29 +35,6 @@ def encode(x: np.ndarray, dtype: str) -> bytes:
     if dtype == "f16":
         return np.ascontiguousarray(x, dtype=np.float16).tobytes()
     return np.ascontiguousarray(x, dtype=np.float32).tobytes()
-
-
-def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor a drafter with this config.json has, in z-lab's order."""
-    H, F, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    Q, KV = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
-    n_ids = len((cfg.get("dflash_config") or {}).get("target_layer_ids") or cfg["target_layer_ids"])
-    out = [("fc.weight", (H, H * n_ids)), ("hidden_norm.weight", (H,))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}."
-        out += [(p + "input_layernorm.weight", (H,)),
-                (p + "mlp.down_proj.weight", (H, F)),
-                (p + "mlp.gate_proj.weight", (F, H)),
-                (p + "mlp.up_proj.weight", (F, H)),
-                (p + "post_attention_layernorm.weight", (H,)),
-                (p + "self_attn.k_norm.weight", (D,)),
-                (p + "self_attn.k_proj.weight", (KV, H)),
-                (p + "self_attn.o_proj.weight", (H, Q)),
-                (p + "self_attn.q_norm.weight", (D,)),
-                (p + "self_attn.q_proj.weight", (Q, H)),
-                (p + "self_attn.v_proj.weight", (KV, H))]
-    out.append(("norm.weight", (H,)))
-    return out
 
 
 def write_safetensors_raw(path: str | Path, header: dict[str, Any], data: bytes, header_pad: bool = True) -> Path:

@@ -22,6 +22,16 @@ double dfl_cuda_bench_matmul(uint32_t, int64_t, int64_t, int32_t, int32_t) {
   return -1.0;
 }
 
+double dfl_cuda_bench_copy(int64_t, int32_t) {
+  dfl::set_last_error("CUDA backend not built");
+  return -1.0;
+}
+
+int dfl_cuda_memory_stats(dfl_cuda_memory*, int32_t) {
+  dfl::set_last_error("CUDA backend not built");
+  return DFL_ERROR;
+}
+
 }  // extern "C"
 #pragma GCC visibility pop
 

@@ -58,14 +58,32 @@ struct AttnLayer {
   const float* k_norm;
 };
 
+// What a verified node's delta-net update was, per layer, so that commit
+// rebuilds the accepted node's state from the committed one instead of
+// keeping every node's whole state (150 MiB per node for Qwen3.5-27B): a
+// node's recurrent update is rank one per value head, S' = decay S + k delta^T,
+// and its conv window is its parent's shifted by one input row.  Per node,
+// `stride` floats: [xin: Cconv conv inputs | k: nk*dk L2-normalised keys |
+// delta: nv*dv, beta (v - (decay S)^T k) | decay: nv, exp(g)].
+struct GdnNodeLayout {
+  size_t xin = 0, k = 0, delta = 0, decay = 0, stride = 0;
+  explicit GdnNodeLayout(const Qwen35Config& c)
+      : xin(0), k((size_t)c.conv_channels()), delta(k + (size_t)c.ssm_nk * c.ssm_dk),
+        decay(delta + (size_t)c.ssm_nv * c.ssm_dv), stride(decay + (size_t)c.ssm_nv) {}
+};
+
 // Arguments of the gated delta-net op (one layer, one chunk).
 struct GdnLayer {
   const float* conv1d;  // [Cconv][K] backend vector
   const float* dt_bias, *ssm_a, *ssm_norm;
   float* conv;          // committed conv window [(K-1)][Cconv]
   float* rec;           // committed recurrent state [nv][dk][dv]
-  float* node_conv;     // verify: per chunk token, its own window / state after it
+  // verify only (null when committing): every chunk token's window and state
+  // after it — scratch, shared by all layers, read by the token's children —
+  // and its update [n][GdnNodeLayout::stride], kept per layer for commit.
+  float* node_conv;
   float* node_rec;
+  float* node_upd;
 };
 
 class Backend {
@@ -124,6 +142,12 @@ class Backend {
   // inputs (scratch afterwards), z: [n][Cv], beta/alpha: [n][nv] raw, y: [n][Cv] out.
   virtual void gdn(float* mm, const float* z, const float* beta, const float* alpha, const GdnLayer& L,
                    float* y) = 0;
+  // Commit of a verified path: rec <- the state after the path's nodes, their
+  // updates (node_upd of the same layer, GdnNodeLayout) applied in order,
+  // each exactly as gdn applied it (S = S * decay; S += k delta^T), so the
+  // result is bit-identical to the state the verify computed for the path's
+  // last node.  path: host array of m node indices.
+  virtual void delta_commit(float* rec, const float* node_upd, const int32_t* path, int m) = 0;
   // Per row of logits: the k largest (descending; ties: lower id first) as ids
   // and log-softmax values — what greedy acceptance (k = 1) and the DDTree
   // builder need, so only k values per row leave the device.

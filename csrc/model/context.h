@@ -2,8 +2,8 @@
 //
 // A Context owns everything that changes while decoding: the KV cache of the
 // full-attention layers (F32/F16/Q8_0/Q4_0), each delta-net layer's conv
-// window and recurrent state, and per-node copies of those states for batches
-// that are verified rather than committed.  `forward` is the only way the
+// window and recurrent state, and for batches that are verified rather than
+// committed each node's delta-net update (what commit replays).  `forward` is the only way the
 // model runs: prefill, AR steps, chain verify and tree verify are all a Batch
 // of tokens with absolute positions and parent indices.
 #pragma once

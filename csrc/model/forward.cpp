@@ -27,7 +27,10 @@ struct Context::Impl {
   size_t conv_floats = 0, rec_floats = 0;
   std::vector<BackendBuf> k, v;       // per layer (empty for delta-net layers)
   std::vector<BackendBuf> conv, rec;  // per layer committed state (empty for attention)
-  std::vector<BackendBuf> node_conv, node_rec;  // per layer, per verified node
+  // verify: every node's window and state (scratch, one layer at a time) and, per layer, every node's
+  // update (GdnNodeLayout): all commit_path needs to rebuild the accepted node's state
+  BackendBuf node_conv, node_rec;
+  std::vector<BackendBuf> node_upd;
   int node_cap = 0;
   std::vector<int32_t> node_parent;   // parents of the last verified batch
   ChunkPlan plan;
@@ -66,11 +69,12 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
       mp.weights += v->size() * 4;
     if (c.is_recurrent[l]) {
       mp.recurrent += (conv + rec) * 4;
-      mp.tree_state += (uint64_t)max_nodes * (conv + rec) * 4;
+      mp.tree_state += (uint64_t)max_nodes * GdnNodeLayout(c).stride * 4;
     } else {
       mp.kv += 2 * (uint64_t)p.n_ctx * kv_row;
     }
   }
+  if (c.n_layer > 0) mp.tree_state += (uint64_t)max_nodes * (conv + rec) * 4;  // one layer's node states
   const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
   mp.workspace = (3 * nb * c.n_embd + 3 * nb * widest + 2 * nb * std::max(c.ssm_nv, 1)) * 4 +
                  (size_t)std::min(kLogitGroup, p.n_batch) * c.n_vocab * 4 +
@@ -101,8 +105,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   I.v.resize(c.n_layer);
   I.conv.resize(c.n_layer);
   I.rec.resize(c.n_layer);
-  I.node_conv.resize(c.n_layer);
-  I.node_rec.resize(c.n_layer);
+  I.node_upd.resize(c.n_layer);
   for (int l = 0; l < c.n_layer; ++l) {
     if (c.is_recurrent[l]) {
       I.conv[l] = BackendBuf(be, I.conv_floats * 4);
@@ -209,11 +212,11 @@ void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
     if (b.n > params_.n_batch) fail("a verify batch of %d nodes exceeds the batch size %d", b.n, params_.n_batch);
     Impl& I = *impl_;
     if (I.node_cap < b.n) {
+      const size_t stride = GdnNodeLayout(c).stride;
+      I.node_conv = BackendBuf(*I.be, (size_t)b.n * I.conv_floats * 4);
+      I.node_rec = BackendBuf(*I.be, (size_t)b.n * I.rec_floats * 4);
       for (int l = 0; l < c.n_layer; ++l)
-        if (c.is_recurrent[l]) {
-          I.node_conv[l] = BackendBuf(*I.be, (size_t)b.n * I.conv_floats * 4);
-          I.node_rec[l] = BackendBuf(*I.be, (size_t)b.n * I.rec_floats * 4);
-        }
+        if (c.is_recurrent[l]) I.node_upd[l] = BackendBuf(*I.be, (size_t)b.n * stride * 4);
       I.node_cap = b.n;
     }
     I.node_parent.assign(b.n, 0);
@@ -245,11 +248,22 @@ void Context::commit_path(const int32_t* nodes, int n) {
                  I.kv_row);
     }
   }
-  const int last = nodes[n - 1];
+  // Delta-net layers: the conv window becomes the last K-1 inputs along (committed window, path); the
+  // recurrent state gets the path's rank-one updates in order (bit-identical to the verify's own states).
+  const GdnNodeLayout U(c);
+  const int W = c.conv_kernel - 1, C = c.conv_channels();
   for (int l = 0; l < c.n_layer; ++l) {
     if (!c.is_recurrent[l]) continue;
-    I.be->copy(I.conv[l].p, I.node_conv[l].f() + (size_t)last * I.conv_floats, I.conv_floats * 4);
-    I.be->copy(I.rec[l].p, I.node_rec[l].f() + (size_t)last * I.rec_floats, I.rec_floats * 4);
+    float* win = I.conv[l].f();
+    const float* upd = I.node_upd[l].f();
+    for (int r = 0; r < W; ++r) {  // ascending: a kept row moves up from r + n > r before being overwritten
+      const int src = r + n;       // index into (committed rows 0..W-1, then the path's inputs)
+      if (src < W)
+        I.be->copy(win + (size_t)r * C, win + (size_t)src * C, (size_t)C * 4);
+      else
+        I.be->copy(win + (size_t)r * C, upd + (size_t)nodes[src - W] * U.stride + U.xin, (size_t)C * 4);
+    }
+    I.be->delta_commit(I.rec[l].f(), upd, nodes, n);
   }
   n_past_ += n;
   n_verify_ = 0;
@@ -329,7 +343,8 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.matmul(w.wbeta, I.hn.f(), n, bb);
       be.matmul(w.walpha, I.hn.f(), n, aa);
       const GdnLayer L{be.vec(w.conv1d), be.vec(w.dt_bias), be.vec(w.ssm_a), be.vec(w.ssm_norm), I.conv[l].f(),
-                       I.rec[l].f(), commit ? nullptr : I.node_conv[l].f(), commit ? nullptr : I.node_rec[l].f()};
+                       I.rec[l].f(), commit ? nullptr : I.node_conv.f(), commit ? nullptr : I.node_rec.f(),
+                       commit ? nullptr : I.node_upd[l].f()};
       be.gdn(mm, z, bb, aa, L, y);
       be.matmul(w.ssm_out, y, n, I.out.f());
     }

@@ -158,6 +158,7 @@ class CpuBackend final : public Backend {
     const size_t cs = (size_t)(K - 1) * Cconv, rs = (size_t)nv * dk * dv;
     const float qscale = 1.f / std::sqrt((float)dk);
     const ChunkPlan& P = *p_;
+    const GdnNodeLayout U(c_);
     for (int t = 0; t < P.n; ++t) {
       float* win;  // (K-1) x Cconv, oldest first
       float* S;    // nv x dk x dv
@@ -172,6 +173,8 @@ class CpuBackend final : public Backend {
         std::memcpy(S, par < 0 ? L.rec : L.node_rec + (size_t)par * rs, rs * 4);
       }
       float* mt = mm + (size_t)t * Cconv;  // becomes the conv output in place
+      float* upd = P.commit ? nullptr : L.node_upd + (size_t)t * U.stride;
+      if (upd) std::memcpy(upd + U.xin, mt, (size_t)Cconv * 4);
       for (int ch = 0; ch < Cconv; ++ch) {
         const float* wc = L.conv1d + (size_t)ch * K;
         float acc = 0.f;
@@ -189,6 +192,7 @@ class CpuBackend final : public Backend {
         l2norm(k + h * dk, dk, c_.rms_eps);
         for (int i = 0; i < dk; ++i) q[h * dk + i] *= qscale;
       }
+      if (upd) std::memcpy(upd + U.k, k, (size_t)Ck * 4);
       const float* zt = z + (size_t)t * Cv;
       float* yt = y + (size_t)t * Cv;
       const float* bt = bb + (size_t)t * nv;
@@ -199,13 +203,28 @@ class CpuBackend final : public Backend {
           const float beta = sigmoid(bt[h]);
           const float g = L.ssm_a[h] * softplus(at[h] + L.dt_bias[h]);
           float* oh = yt + h * dv;
-          delta_rule_step(S + (size_t)h * dk * dv, k + kh * dk, v + h * dv, q + kh * dk, std::exp(g), beta, dk, dv,
-                          oh);
+          const float decay = std::exp(g);
+          delta_rule_step(S + (size_t)h * dk * dv, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
+                          upd ? upd + U.delta + (size_t)h * dv : nullptr);
+          if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
           for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[h * dv + j]);
         }
       });
     }
+  }
+
+  void delta_commit(float* rec, const float* node_upd, const int32_t* path, int m) override {
+    const int nk = c_.ssm_nk, dk = c_.ssm_dk, dv = c_.ssm_dv;
+    const GdnNodeLayout U(c_);
+    pool_.parallel_for(c_.ssm_nv, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h)
+        for (int p = 0; p < m; ++p) {
+          const float* upd = node_upd + (size_t)path[p] * U.stride;
+          delta_rule_apply(rec + (size_t)h * dk * dv, upd + U.k + (size_t)(h % nk) * dk, upd + U.delta + (size_t)h * dv,
+                           upd[U.decay + h], dk, dv);
+        }
+    });
   }
 
   void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) override {

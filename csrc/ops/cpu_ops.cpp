@@ -80,7 +80,7 @@ void embed_row(const Weight& W, int32_t token, float* out) {
 }
 
 void delta_rule_step(float* S, const float* k, const float* v, const float* q, float decay, float beta,
-                     int dk, int dv, float* out) {
+                     int dk, int dv, float* out, float* delta_out) {
   // u = S^T k after decay; delta = beta (v - u); S += k delta^T; out = S^T q.
   float u[512], delta[512];
   for (int j = 0; j < dv; ++j) u[j] = 0.f;
@@ -102,6 +102,19 @@ void delta_rule_step(float* S, const float* k, const float* v, const float* q, f
     for (int j = 0; j < dv; ++j) {
       Si[j] += ki * delta[j];
       out[j] += Si[j] * qi;
+    }
+  }
+  if (delta_out)
+    for (int j = 0; j < dv; ++j) delta_out[j] = delta[j];
+}
+
+void delta_rule_apply(float* S, const float* k, const float* delta, float decay, int dk, int dv) {
+  for (int i = 0; i < dk; ++i) {
+    float* Si = S + (int64_t)i * dv;
+    const float ki = k[i];
+    for (int j = 0; j < dv; ++j) {
+      Si[j] *= decay;
+      Si[j] += ki * delta[j];
     }
   }
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -232,16 +233,25 @@ def convert(hf_dir, out, outtype):
 
 
 @main.command()
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", type=click.Path())
 @click.option("--shape", default="tiny", show_default=True, help="tiny, 0.8b, 9b or 27b")
 @click.option("--ftype", default="q4_k_m", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int)
-def synth(out, shape, ftype, seed):
-    """Write a synthetic qwen35 GGUF (random weights, exact layout and type mix)."""
-    from .tools.synth import write_synthetic
+@click.option("--drafter", is_flag=True,
+              help="write a DFlash drafter directory for a target of this shape instead (the 27B shape: z-lab's "
+                   "published drafter shapes, BF16, random weights)")
+def synth(out, shape, ftype, seed, drafter):
+    """Write a synthetic qwen35 GGUF (random weights, exact layout and type mix), or with --drafter a
+    DFlash drafter directory of the matching shape."""
+    from .tools.synth import SHAPES, write_synthetic, write_synthetic_draft
+    if shape not in SHAPES:
+        _fail(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
     try:
-        write_synthetic(out, shape, ftype, seed)
-    except (ValueError, KeyError) as e:
+        if drafter:
+            write_synthetic_draft(out, shape, seed)
+        else:
+            write_synthetic(out, shape, ftype, seed)
+    except (ValueError, KeyError, OSError) as e:
         _fail(str(e))
     click.echo(f"wrote {out}")
 
@@ -288,7 +298,6 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
         with _loading("loading models"):
             dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
                           feature_ring=feature_ring, on_memory_plan=_plan_printer(device))
-        from pathlib import Path
         name = model_name or Path(dec.target).stem
         d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True))
         click.echo(f"loaded {dec.target}" + (f" + {dec.draft}" if dec.draft else "") +
@@ -297,6 +306,71 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
         dec.close()
     except DFlashError as e:
         _fail(str(e))
+
+
+@main.command("plan")
+@click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
+@click.option("-md", "--draft", "draft", help="DFlash drafter (directory or repo id)")
+@click.option("-c", "--ctx", type=click.IntRange(min=1), default=None,
+              help="context length [default: 4096; with --fit, the model's trained length is the upper bound]")
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
+@click.option("--budget", type=click.IntRange(min=0, max=511), default=22, show_default=True,
+              help="DDTree draft nodes per step (the verify batch is budget + 1)")
+@click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="drafter feature ring (positions)")
+@click.option("--batch", type=click.IntRange(min=1), default=512, show_default=True, help="prefill chunk")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
+@click.option("--vram", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="GiB the plan must fit in (exit status 1 when it does not)")
+@click.option("--fit", is_flag=True, help="pick the largest context, then the largest KV type, that fit in --vram")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def plan_cmd(target, draft, ctx, kv_type, budget, feature_ring, batch, device, vram, fit, as_json):
+    """The device memory plan by part, from the files alone (no GPU needed): weights, drafter, KV cache,
+    recurrent state, tree state, feature ring, draft KV, workspace, CUDA context reserve."""
+    from . import _handles
+    from .memory_plan import fit as fit_plan
+    from .memory_plan import format_plan, plan_for
+    from .model_paths import resolve_draft, resolve_target
+    if fit and vram is None:
+        _fail("--fit needs --vram GiB (the memory to fit in)")
+    if fit and device != "cuda":
+        _fail("--fit plans for a GPU: drop --device cpu")
+    if target is None:
+        pair = bundled_pair()
+        if pair is None:
+            _fail("no target given (-m) and this install has no bundled pair")
+        target, draft = pair[0], pair[1] if draft is None else draft
+    try:
+        model = _handles.Model(str(resolve_target(target)))
+        dinfo = _handles.Draft(str(resolve_draft(draft)), model).info if draft is not None else None
+    except DFlashError as e:
+        _fail(str(e))
+    vram_b = int(vram * 2**30) if vram is not None else None
+    nodes = budget + 1
+    if fit:
+        p = fit_plan(model, dinfo, vram_b, max_ctx=ctx or model.info["n_ctx_train"], nodes=nodes,
+                     feature_ring=feature_ring, batch=batch)
+        if p is None:
+            smallest = plan_for(model, dinfo, ctx=4096, kv_type="q4_0", nodes=nodes, feature_ring=feature_ring,
+                                batch=batch, device="cuda")
+            _fail(f"nothing fits in {vram:g} GiB: even 4096 tokens of q4_0 KV need "
+                  f"{smallest.total / 2**30:.2f} GiB (weights {smallest.parts['weights'] / 2**30:.2f} GiB); use a "
+                  "smaller quant or a smaller drafter")
+    else:
+        p = plan_for(model, dinfo, ctx=ctx or 4096, kv_type=kv_type, nodes=nodes, feature_ring=feature_ring,
+                     batch=batch, device=device)
+    fits = None if vram_b is None else p.total <= vram_b
+    if as_json:
+        click.echo(json.dumps({"parts": p.parts, "total_bytes": p.total, "vram_bytes": vram_b, "fits": fits,
+                               "options": {**p.options, "budget": budget, "fit": fit}}, indent=2))
+    else:
+        o = p.options
+        click.echo(f"{Path(model.path).name}" + (f" + {Path(str(draft)).name}" if draft is not None else "") +
+                   f": ctx {o['ctx']}, kv {o['kv_type']}, {nodes} verify nodes (budget {budget})" +
+                   (f", feature ring {o['feature_ring']}" if dinfo else "") + (" (chosen by --fit)" if fit else ""))
+        click.echo(format_plan(p.as_dict(), device, vram_b))
+    if fits is False:
+        sys.exit(1)
 
 
 @main.command("models")

@@ -140,18 +140,29 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
-def _drafter_bytes(info: dict, ring: int) -> int:
-    """The drafter's weights plus its feature ring and draft KV (ring + one block of f32 rows per layer)."""
-    kv = info["n_layer"] * 2 * (ring + info["block_size"]) * info["n_head_kv"] * info["head_dim"] * 4
-    return int(info["weight_bytes"]) + ring * info["n_target_layers"] * info["hidden"] * 4 + kv
-
-
 def format_memory_plan(plan: dict, device: str) -> str:
     """One line per part, as printed before a CUDA context uploads anything."""
-    mib = lambda b: f"{b / 2**20:9.1f} MiB"  # noqa: E731
-    rows = [("weights", "weights"), ("KV cache", "kv"), ("recurrent state", "recurrent"),
-            ("tree state", "tree_state"), ("workspace", "workspace"), ("drafter", "drafter"), ("total", "total")]
-    return "\n".join([f"memory plan ({device}):"] + [f"  {name:<16}{mib(plan[k])}" for name, k in rows])
+    from .memory_plan import format_plan
+    return format_plan(plan, device)
+
+
+def check_plan_fits(plan: dict) -> None:
+    """Refuses (before anything is uploaded) a plan larger than the GPU's free memory, naming the parts
+    and what to change."""
+    from ._lib import load
+    from .memory_plan import PART_NAMES, PARTS
+    ffi, lib = load()
+    m = ffi.new("dfl_cuda_memory*")
+    if lib.dfl_cuda_memory_stats(m, 0) != 0:
+        return  # no usable device: the context's own creation says so
+    if plan["total"] <= m.device_free:
+        return
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    parts = ", ".join(f"{PART_NAMES[k]} {mib(plan[k])}" for k in PARTS if plan.get(k))
+    raise DFlashError(f"the model does not fit on the GPU: it needs {mib(plan['total'])} ({parts}) but "
+                      f"{mib(m.device_free)} of {mib(m.device_total)} are free; use a smaller context (-c), a "
+                      "smaller KV type (--kv-type q4_0), a smaller feature ring or a smaller quant "
+                      "(`dflash27b plan --fit` finds options that fit)")
 
 
 class Decoder:
@@ -192,13 +203,16 @@ class Decoder:
                 self._draft = _handles.Draft(self.draft, self._model)
             dev_id = 1 if self.device == "cuda" else 0
             # What the context will hold on its device (tree state for 32 verify nodes, as the core
-            # plans), computed from the mapped files before anything is uploaded.
-            plan = _handles.memory_plan(self._model, ctx, batch, TYPE_IDS[kv_type], dev_id, 32)
-            plan["drafter"] = _drafter_bytes(self._draft.info, feature_ring) if self._draft is not None else 0
-            plan["total"] += plan["drafter"]
+            # plans), computed from the mapped files before anything is uploaded (memory_plan.py).
+            from .memory_plan import plan_for
+            plan = plan_for(self._model, self._draft.info if self._draft is not None else None, ctx=ctx,
+                            kv_type=kv_type, nodes=32, feature_ring=feature_ring, batch=batch,
+                            device=self.device).as_dict()
             self.memory_plan = plan
             if on_memory_plan is not None:
                 on_memory_plan(dict(plan))
+            if self.device == "cuda":
+                check_plan_fits(plan)
             self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id)
             self.backend = self._ctx.backend
             if self._draft is not None:

@@ -394,21 +394,22 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       cud->begin_chunk(P);
       const int Cc = c.conv_channels(), Cv = c.ssm_inner(), nv = c.ssm_nv;
       const size_t cs = (size_t)(c.conv_kernel - 1) * Cc, rs = (size_t)nv * c.ssm_dk * c.ssm_dv;
+      const GdnNodeLayout U(c);
       auto mm = randn((size_t)n * Cc), z = randn((size_t)n * Cv), bt = randn((size_t)n * nv), al = randn((size_t)n * nv);
       auto conv = randn(cs), rec = randn(rs, 0.2f);
       Buf ma(*cpu, mm.size() * 4), mb(*cud, mm.size() * 4), za(*cpu, z.size() * 4), zb(*cud, z.size() * 4),
           ba(*cpu, bt.size() * 4), bb(*cud, bt.size() * 4), aa(*cpu, al.size() * 4), ab(*cud, al.size() * 4),
           ca(*cpu, cs * 4), cb(*cud, cs * 4), ra(*cpu, rs * 4), rb(*cud, rs * 4), nca(*cpu, n * cs * 4),
           ncb(*cud, n * cs * 4), nra(*cpu, n * rs * 4), nrb(*cud, n * rs * 4), ya(*cpu, z.size() * 4),
-          yb(*cud, z.size() * 4);
+          yb(*cud, z.size() * 4), nua(*cpu, n * U.stride * 4), nub(*cud, n * U.stride * 4);
       ma.put(mm), mb.put(mm), za.put(z), zb.put(z), ba.put(bt), bb.put(bt), aa.put(al), ab.put(al);
       ca.put(conv), cb.put(conv), ra.put(rec), rb.put(rec);
-      yb.poison(), ncb.poison(), nrb.poison();
+      yb.poison(), ncb.poison(), nrb.poison(), nub.poison();
       const LayerWeights& w = M.layers[0];
       const GdnLayer La{cpu->vec(w.conv1d), cpu->vec(w.dt_bias), cpu->vec(w.ssm_a), cpu->vec(w.ssm_norm), ca.f(), ra.f(),
-                        commit ? nullptr : nca.f(), commit ? nullptr : nra.f()};
+                        commit ? nullptr : nca.f(), commit ? nullptr : nra.f(), commit ? nullptr : nua.f()};
       const GdnLayer Lb{cud->vec(w.conv1d), cud->vec(w.dt_bias), cud->vec(w.ssm_a), cud->vec(w.ssm_norm), cb.f(), rb.f(),
-                        commit ? nullptr : ncb.f(), commit ? nullptr : nrb.f()};
+                        commit ? nullptr : ncb.f(), commit ? nullptr : nrb.f(), commit ? nullptr : nub.f()};
       cpu->gdn(ma.f(), za.f(), ba.f(), aa.f(), La, ya.f());
       cud->gdn(mb.f(), zb.f(), bb.f(), ab.f(), Lb, yb.f());
       const std::string form = commit ? "chain" : "tree";
@@ -420,6 +421,34 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         check(label("gdn", form + " node conv states", n), ncb.get(n * cs), nca.get(n * cs), 0.0);
         check(label("gdn", form + " node recurrent states", n), nrb.get(n * rs), nra.get(n * rs), 1e-5);
         check(label("gdn", form + " committed state untouched", n), rb.get(rs), rec, 0.0);
+        // each node's update: conv inputs exactly, keys / deltas / decays as the states
+        const auto ua = nua.get(n * U.stride), ub = nub.get(n * U.stride);
+        auto part = [&](const std::vector<float>& u, size_t off, size_t len) {
+          std::vector<float> out;
+          for (int t = 0; t < n; ++t) out.insert(out.end(), u.begin() + t * U.stride + off, u.begin() + t * U.stride + off + len);
+          return out;
+        };
+        check(label("gdn", "tree node conv inputs", n), part(ub, U.xin, U.k - U.xin), part(ua, U.xin, U.k - U.xin), 0.0);
+        check(label("gdn", "tree node keys", n), part(ub, U.k, U.delta - U.k), part(ua, U.k, U.delta - U.k), 1e-6);
+        check(label("gdn", "tree node deltas", n), part(ub, U.delta, U.decay - U.delta),
+              part(ua, U.delta, U.decay - U.delta), 1e-5);
+        check(label("gdn", "tree node decays", n), part(ub, U.decay, U.stride - U.decay),
+              part(ua, U.decay, U.stride - U.decay), 1e-6);
+        // commit of a root-to-leaf path by replaying its updates == that node's state from the verify (each
+        // backend against itself, bitwise), and CUDA == CPU within the states' tolerance
+        std::vector<int32_t> path;
+        for (int t = n - 1; t >= 0; t = P.parent[t]) path.insert(path.begin(), t);
+        for (Backend* be : {cpu.get(), cud.get()}) {
+          Buf& r = be == cpu.get() ? ra : rb;
+          Buf& nu = be == cpu.get() ? nua : nub;
+          Buf& nr = be == cpu.get() ? nra : nrb;
+          be->delta_commit(r.f(), nu.f(), path.data(), (int)path.size());
+          const auto st = nr.get(n * rs);
+          check(label("gdn", std::string(be == cpu.get() ? "cpu" : "cuda") + " commit == node state (bitwise)", n),
+                r.get(rs), std::vector<float>(st.begin() + (size_t)path.back() * rs, st.begin() + (size_t)(path.back() + 1) * rs),
+                0.0);
+        }
+        check(label("gdn", "commit cuda vs cpu", n), rb.get(rs), ra.get(rs), 1e-5);
       }
     }
   }

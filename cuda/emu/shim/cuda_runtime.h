@@ -62,6 +62,11 @@ inline unsigned short __ldg(const unsigned short* p) {
 }
 inline uint8_t __ldg(const uint8_t* p) { return *p; }
 inline float __ldg(const float* p) { return *p; }
+// IEEE round-to-nearest multiply: one rounding, never fused (as on the GPU).
+inline float __fmul_rn(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
 
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   const uint64_t v = (uint64_t)y << 32 | x;

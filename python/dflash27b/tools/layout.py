@@ -131,7 +131,10 @@ class TensorOut:
         return rows * row_bytes(self.qtype, self.shape[-1])
 
 
-def write_gguf(path: str | Path, add_kv: Callable[[GGUFWriter], None], tensors: list[TensorOut]) -> None:
+def write_gguf(path: str | Path, add_kv: Callable[[GGUFWriter], None], tensors: list[TensorOut],
+               sparse: bool = False) -> None:
+    """sparse: leave every tensor's data a hole in the file (zero bytes, no disk used): the exact layout of
+    the model with all-zero weights, for plans and loaders of large shapes."""
     w = GGUFWriter(str(path), ARCH)
     add_kv(w)
     for t in tensors:
@@ -142,6 +145,13 @@ def write_gguf(path: str | Path, add_kv: Callable[[GGUFWriter], None], tensors: 
     fout = w.fout[0]
     align = w.data_alignment
     try:
+        if sparse:
+            end = fout.tell()
+            for t in tensors:
+                end += -end % align
+                end += t.nbytes + (-t.nbytes % align)
+            fout.truncate(end)
+            return
         for t in tensors:
             fout.write(b"\0" * (-fout.tell() % align))
             n = 0

@@ -204,9 +204,10 @@ def _tensor_out(name: str, shape: tuple[int, ...], qtype: T, rng: np.random.Gene
 
 def write_synthetic(out_path: str | Path, shape: str | Mapping[str, Any] = "tiny", ftype: str = "q4_k_m",
                     seed: int = 0, vocab: Mapping[str, Any] | None = None,
-                    random_quant: bool | None = None) -> Path:
+                    random_quant: bool | None = None, sparse: bool = False) -> Path:
     """Write a synthetic qwen35 GGUF. `vocab`: GGUF tokenizer keys to embed instead of the trained vocab.
-    `random_quant`: write random quant blocks directly (default: when the model has > 1e9 parameters)."""
+    `random_quant`: write random quant blocks directly (default: when the model has > 1e9 parameters).
+    `sparse`: all-zero weights left as holes in the file (the layout alone, for plans and loader tests)."""
     hp = resolve_shape(shape)
     plan = type_plan(hp, ftype)
     tok = dict(vocab) if vocab is not None else synth_tokenizer(hp["vocab"])
@@ -222,8 +223,38 @@ def write_synthetic(out_path: str | Path, shape: str | Mapping[str, Any] = "tiny
         add_tokenizer_kv(w, tok)
 
     out_path = Path(out_path)
-    write_gguf(out_path, add_kv, outs)
+    write_gguf(out_path, add_kv, outs, sparse=sparse)
     return out_path
+
+
+def synth_draft_config(shape: str | Mapping[str, Any] = "27b") -> dict[str, Any]:
+    """config.json of a DFlash drafter for a target of this shape.  For the 27B shape it is z-lab's
+    published Qwen3.5-27B-DFlash (5 full-attention layers, 32/8 heads of 128, ffn 17408, block 16, captured
+    layers [1, 16, 31, 46, 61], mask token 248070); other shapes get the same recipe scaled to the target
+    (heads of 128 over its width, its ffn; one layer of heads of 64 for the tiny shape)."""
+    from .draft_format import build_target_layer_ids, draft_config
+    hp = resolve_shape(shape)
+    H, L, V = hp["hidden"], hp["n_layer"], hp["vocab"]
+    if H == 5120 and L == 64:
+        kw = dict(n_layers=5, n_head=32, n_head_kv=8, head_dim=128, ffn=17408, mask_token_id=248070)
+    elif H < 1024:
+        kw = dict(n_layers=1, n_head=H // 64, n_head_kv=max(1, H // 128), head_dim=64, ffn=hp["ffn"],
+                  mask_token_id=V - 3)
+    else:
+        kw = dict(n_layers=5, n_head=H // 128, n_head_kv=max(1, H // 512), head_dim=128, ffn=hp["ffn"],
+                  mask_token_id=V - 250)
+    cfg = draft_config(H, L, V, block_size=16, max_position_embeddings=262144, **kw)
+    cfg["dflash_config"]["target_layer_ids"] = build_target_layer_ids(L, kw["n_layers"])
+    return cfg
+
+
+def write_synthetic_draft(out_dir: str | Path, shape: str | Mapping[str, Any] = "27b", seed: int = 0,
+                          sparse: bool = False) -> Path:
+    """A drafter directory (config.json + BF16 model.safetensors, random weights) for `dflash27b synth`'s
+    target of the same shape: what the GPU record times the drafter's block step with.  sparse: zero
+    weights left as holes (the layout alone)."""
+    from .draft_format import write_random_draft
+    return write_random_draft(out_dir, synth_draft_config(shape), seed, sparse=sparse)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,581 @@
+"""The GPU record: what one lent GPU machine measures, as bench/results/gpu-YYYYMMDD-HHMM.json + .md.
+
+bench/gpu_bench.sh runs the parts below on the GPU machine; each part writes one JSON file into a parts
+directory, and `record` assembles them, so a part that fails or runs out of time leaves the others'
+numbers (its keys are then null).  Every part also runs on the CPU (`--device cpu`, the bundled pair):
+tests/test_gpu_bench.py does exactly that, so the script is known to work before GPU time is spent.
+
+  exact     the four exactness checks on the bundled pair: greedy AR on the device == AR on the CPU
+            (a divergence only at a CPU logit near-tie), chain == AR, DDTree-22 == AR, seeded sampled
+            DDTree == seeded AR, all on the device
+  checks    parses the logs of the test and sanitizer runs: pytest's JUnit XML, the backend op test,
+            compute-sanitizer memcheck / racecheck summaries
+  llamacpp  llama.cpp's llama-bench on the same file (decode tg, prefill pp512 / pp8192, flash attention,
+            every layer on the GPU), or its JSON output parsed
+  ours      on the target (and drafter): AR decode and prefill, one AR step, verify by node count (chain
+            and tree shapes), the drafter's block step, a whole DDTree-22 step, commit, tok/s with the
+            oracle drafter at accept length ~8, the memory plan against the device peak, copy bandwidth
+  record    the parts -> the record (keys below, null where a part is missing) + a markdown table
+
+Record keys (other tools read them): device, commit, date, tests {passed, failed}, sanitizer
+{memcheck_errors, racecheck_hazards}, exact {cuda_ar_eq_cpu_ar, chain_eq_ar, ddtree_eq_ar,
+sampled_ddtree_eq_ar}, ar {decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s}, llamacpp
+{decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s, build}, steps {ar_ms, verify_ms {nodes: ms},
+verify_tree_ms {nodes: ms}, draft_ms, tree_ms, ddtree22_step_ms, commit_ms}, oracle {accept_length, tok_s,
+speedup}, memory {plan_bytes, peak_bytes, plan}, copy_gb_s; plus target, draft and notes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+VERIFY_NODES = (2, 4, 8, 16, 23, 32)
+NEAR_TIE = 1e-3  # CPU logit margin under which two backends may pick different tokens (tests/test_cuda_forward.py)
+PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk("]
+
+
+def _median(xs) -> float | None:
+    xs = [float(x) for x in xs]
+    return statistics.median(xs) if xs else None
+
+
+def _write(path: str | Path, obj: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------- exact
+def part_exact(device: str, n_new: int, threads: int) -> dict:
+    """The four exactness checks on the bundled pair, AR on the CPU as the cross-backend reference."""
+    from dflash27b import Decoder
+    from dflash27b.decoder import bundled_pair
+
+    target, draft = bundled_pair()
+    out: dict = {"n_new": n_new, "cuda_ar_eq_cpu_ar": True, "near_ties": []}
+    with Decoder(target, draft, device=device, ctx=1024, threads=threads) as dev, \
+            Decoder(target, draft, device="cpu", ctx=1024, threads=threads) as cpu:
+        out["device"] = dev.backend
+        for prompt in PROMPTS:
+            ids = cpu.tokenize(prompt)
+            a = dev.generate(ids, n_new, ignore_eos=True, mode="ar").tokens
+            b = cpu.generate(ids, n_new, ignore_eos=True, mode="ar").tokens
+            if a != b:
+                k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                row = cpu.logits(ids + b[:k])[-1]
+                margin = abs(float(row[b[k]]) - float(row[a[k]]))
+                out["near_ties"].append({"prompt": prompt, "token": k, "margin": margin})
+                out["cuda_ar_eq_cpu_ar"] &= margin < NEAR_TIE
+        ids = dev.tokenize(PROMPTS[1])
+        ar = dev.generate(ids, n_new, ignore_eos=True, mode="ar").tokens
+        out["chain_eq_ar"] = dev.generate(ids, n_new, ignore_eos=True, mode="chain").tokens == ar
+        out["ddtree_eq_ar"] = dev.generate(ids, n_new, ignore_eos=True, mode="ddtree", budget=22).tokens == ar
+        sampled = dict(ignore_eos=True, temperature=0.8, seed=7)
+        out["sampled_ddtree_eq_ar"] = (dev.generate(ids, n_new, mode="ddtree", **sampled).tokens
+                                       == dev.generate(ids, n_new, mode="ar", **sampled).tokens)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- checks
+def parse_junit(path: str | Path) -> dict:
+    """passed / failed / skipped / xfailed from pytest's --junitxml file."""
+    root = ET.parse(path).getroot()
+    passed = failed = skipped = xfailed = 0
+    for case in root.iter("testcase"):
+        kids = {c.tag for c in case}
+        if kids & {"failure", "error"}:
+            failed += 1
+        elif "skipped" in kids:
+            msg = " ".join((c.get("type") or "") + (c.get("message") or "") for c in case if c.tag == "skipped")
+            if "xfail" in msg:
+                xfailed += 1
+            else:
+                skipped += 1
+        else:
+            passed += 1
+    return {"passed": passed, "failed": failed, "skipped": skipped, "xfailed": xfailed}
+
+
+def parse_backend_ops(text: str) -> dict:
+    """tests/cpp/backend_ops.cpp's log: one "<case>: ok" line per case that passed, ALL OK at the end."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    ok = sum(ln.endswith(": ok") for ln in lines)
+    bad = [ln for ln in lines if ": " in ln and not ln.endswith(": ok")]
+    all_ok = bool(lines) and lines[-1].strip() == "ALL OK"
+    return {"passed": ok, "failed": len(bad) if bad or all_ok else max(1, len(bad))}
+
+
+def parse_sanitizer(text: str) -> dict:
+    """Sums compute-sanitizer's summaries: memcheck's "ERROR SUMMARY: N errors", racecheck's
+    "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)".  runs = summaries seen."""
+    errors = sum(int(m) for m in re.findall(r"ERROR SUMMARY:\s+(\d+) error", text))
+    hazards = sum(int(m) for m in re.findall(r"RACECHECK SUMMARY:\s+(\d+) hazard", text))
+    runs = len(re.findall(r"(?:ERROR|RACECHECK) SUMMARY:", text))
+    return {"errors": errors, "hazards": hazards, "runs": runs}
+
+
+def part_checks(junit: list[str], backend_ops: str | None, memcheck: list[str], racecheck: list[str]) -> dict:
+    tests = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
+    notes = []
+    for path in junit:
+        if not Path(path).is_file():
+            tests["failed"] += 1
+            notes.append(f"{path}: missing (the test run did not finish)")
+            continue
+        for k, v in parse_junit(path).items():
+            tests[k] += v
+    if backend_ops:
+        p = Path(backend_ops)
+        ops = parse_backend_ops(p.read_text(errors="replace")) if p.is_file() else {"passed": 0, "failed": 1}
+        tests["backend_ops_passed"], tests["backend_ops_failed"] = ops["passed"], ops["failed"]
+        tests["passed"] += ops["passed"]
+        tests["failed"] += ops["failed"]
+
+    def sanitize(paths: list[str], key: str) -> int | None:
+        if not paths:
+            return None
+        total = 0
+        for path in paths:
+            p = Path(path)
+            s = parse_sanitizer(p.read_text(errors="replace")) if p.is_file() else {"runs": 0}
+            if s["runs"] == 0:  # no summary: the run crashed or never started; count it as a finding
+                notes.append(f"{path}: no sanitizer summary")
+                total += 1
+            else:
+                total += s[key]
+        return total
+
+    sanitizer = {"memcheck_errors": sanitize(memcheck, "errors"), "racecheck_hazards": sanitize(racecheck, "hazards")}
+    return {"tests": tests, "sanitizer": sanitizer, "notes": notes}
+
+
+# ------------------------------------------------------------------------------------------- llamacpp
+def parse_llama_bench(rows: list[dict]) -> dict:
+    """llama-bench -o json rows -> decode / prefill tok/s (avg_ts of tg / pp rows) and the build."""
+    out: dict = {"decode_tok_s": None, "prefill_512_tok_s": None, "prefill_8192_tok_s": None, "build": None}
+    for r in rows:
+        ts = float(r["avg_ts"])
+        n_p, n_g = int(r.get("n_prompt", 0)), int(r.get("n_gen", 0))
+        if n_g > 0 and n_p == 0:
+            out["decode_tok_s"] = ts
+            out["decode_tokens"] = n_g
+        elif n_p > 0 and n_g == 0:
+            out[f"prefill_{n_p}_tok_s"] = ts
+        if r.get("build_commit"):
+            out["build"] = f"{r['build_commit']} (build {r.get('build_number', '?')})"
+        for k in ("gpu_info", "backends", "model_type", "flash_attn", "n_gpu_layers"):
+            if k in r:
+                out.setdefault(k, r[k])
+    return out
+
+
+def part_llamacpp(bench_bin: str | None, model: str | None, json_in: str | None, n_gen: int, prompts: str,
+                  reps: int) -> dict:
+    if json_in:
+        text = Path(json_in).read_text()
+    else:
+        cmd = [bench_bin, "-m", model, "-ngl", "99", "-fa", "on", "-p", prompts, "-n", str(n_gen),
+               "-r", str(reps), "-o", "json"]
+        print("running:", " ".join(cmd), flush=True)
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"llama-bench failed ({run.returncode}): {run.stderr[-2000:]}")
+        text = run.stdout
+    out = parse_llama_bench(json.loads(text))
+    out["file"] = str(model) if model else None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- ours
+def tree_shape(n_nodes: int, kind: str) -> list[int]:
+    """Parents (0 = the root) of n_nodes - 1 draft nodes: "chain", or "tree": a DDTree-like shape, a main
+    path with one sibling at every depth (node depth ~ n/2), in topological order."""
+    n = n_nodes - 1
+    if kind == "chain":
+        return list(range(n))
+    parents, spine = [], 0
+    for i in range(1, n + 1):
+        if i % 2 == 1:  # odd ids extend the main path
+            parents.append(spine)
+            spine = i
+        else:  # even ids are siblings of the node before them
+            parents.append(parents[-1])
+    return parents
+
+
+def _gen(dec, ids, n, **kw):
+    r = dec.generate(ids, n, ignore_eos=True, **kw)
+    return r, r.stats
+
+
+def _step_ms(st) -> list[float]:
+    return [d + t + v + c for d, t, v, c in zip(st.draft_ms, st.tree_ms, st.verify_ms, st.commit_ms)]
+
+
+def _cuda_memory(lib, ffi, reset: bool = False) -> dict | None:
+    m = ffi.new("dfl_cuda_memory*")
+    if lib.dfl_cuda_memory_stats(m, 1 if reset else 0) != 0:
+        return None
+    return {"allocated": int(m.allocated), "peak": int(m.peak), "device_free": int(m.device_free),
+            "device_total": int(m.device_total)}
+
+
+def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_type: str, threads: int,
+              n_decode: int, prefills: list[int], nodes: list[int], repeats: int, steps_tokens: int,
+              oracle_block: int, seed: int) -> dict:
+    from dflash27b import Decoder
+    from dflash27b._lib import load
+    from dflash27b.decoder import bundled_pair
+    from dflash27b.tools.oracle_draft import attach_oracle
+
+    if target is None:
+        target, bundled_draft = bundled_pair()
+        draft = draft or bundled_draft
+    ffi, lib = load()
+    cuda = device == "cuda"
+    if cuda:
+        _cuda_memory(lib, ffi, reset=True)
+    out: dict = {"target": str(target), "draft": str(draft) if draft else None, "ctx": ctx, "kv_type": kv_type,
+                 "repeats": repeats, "notes": []}
+    t_load = time.perf_counter()
+    with Decoder(target, draft, device=device, ctx=ctx, kv_type=kv_type, threads=threads) as dec:
+        out["load_s"] = time.perf_counter() - t_load
+        out["device"] = dec.backend
+        rng = np.random.default_rng(seed)
+        n_vocab = dec.info["n_vocab"]
+        # ids from the ordinary vocabulary (a synthetic file's high ids are padding, still valid tokens)
+        rand_ids = lambda n: [int(x) for x in rng.integers(1000 % n_vocab, n_vocab, n)]  # noqa: E731
+        prompt = dec.tokenize(PROMPTS[0]) + rand_ids(24)
+
+        # AR decode: tok/s and one step
+        ar_runs = []
+        for _ in range(repeats):
+            r, st = _gen(dec, prompt, n_decode, mode="ar")
+            ar_runs.append((st.decode_tok_s, _median(st.verify_ms)))
+        ar_tok_s = _median(x[0] for x in ar_runs)
+        ar_ms = _median(x[1] for x in ar_runs)
+        ar_tokens = r.tokens
+        out["ar"] = {"decode_tok_s": ar_tok_s, "decode_tokens": n_decode}
+        out["steps"] = {"ar_ms": ar_ms}
+
+        # prefill: one chunked forward over P prompt tokens (n_batch chunks, as generate does)
+        for p in prefills:
+            if p + 2 > ctx:
+                out["notes"].append(f"prefill {p} skipped: context {ctx}")
+                out["ar"][f"prefill_{p}_tok_s"] = None
+                continue
+            ids = rand_ids(p)
+            tps = []
+            for i in range(repeats):
+                _, st = _gen(dec, ids, 1, mode="ar")
+                tps.append(st.prefill_tok_s)
+                if st.prefill_s > 20:  # a slow prefill is measured once: its noise is small
+                    break
+            out["ar"][f"prefill_{p}_tok_s"] = _median(tps)
+
+        # verify by node count: a tree hook hands the generator fixed shapes (random tokens: nothing is
+        # accepted, every step verifies exactly n nodes)
+        verify: dict[str, dict[str, float | None]] = {"chain": {}, "tree": {}}
+        for kind in ("chain", "tree"):
+            for n in nodes:
+                parents = tree_shape(n, kind)
+                dec._ctx.set_tree_hook(lambda pos, tok, cap, _p=parents: (rand_ids(len(_p))[:cap], _p[:cap]))
+                _, st = _gen(dec, prompt, steps_tokens, mode="ddtree", budget=n - 1)
+                assert not st.tree_size or max(st.tree_size) == n - 1, (n, st.tree_size)
+                verify[kind][str(n)] = _median(st.verify_ms)
+        dec._ctx.set_tree_hook(None)
+        out["steps"]["verify_ms"] = verify["chain"]
+        out["steps"]["verify_tree_ms"] = verify["tree"]
+
+        # the drafter's block step, tree build, a whole DDTree-22 step and commit (the drafter proposes)
+        if dec.draft_info is not None:
+            _, st = _gen(dec, prompt, steps_tokens, mode="ddtree", budget=22)
+            out["steps"].update(draft_ms=_median(st.draft_ms), tree_ms=_median(st.tree_ms),
+                                ddtree22_verify_ms=_median(st.verify_ms), commit_ms=_median(st.commit_ms),
+                                ddtree22_step_ms=_median(_step_ms(st)), ddtree22_accept=st.mean_accept)
+        else:
+            out["notes"].append("no drafter: draft / DDTree-22 step not measured")
+
+        # the oracle drafter (the target's own continuation ranked first): accept length ~ the block
+        attach_oracle(dec, prompt, ar_tokens)
+        o_runs = []
+        for _ in range(repeats):
+            r, st = _gen(dec, prompt, len(ar_tokens), mode="ddtree", budget=22, block_size=oracle_block)
+            o_runs.append((st.decode_tok_s, st.mean_accept, r.tokens == ar_tokens))
+        # auto mode on the same oracle: it must find the speculative budget that pays (its estimates carry
+        # over from this decoder's earlier runs, as in a long-running daemon)
+        a_runs = []
+        for _ in range(repeats):
+            r, st = _gen(dec, prompt, len(ar_tokens), mode="auto", budget=22, block_size=oracle_block)
+            a_runs.append((st.decode_tok_s, r.tokens == ar_tokens, st.auto_summary))
+        dec._ctx.set_topk_hook(None)
+        o_tok_s = _median(x[0] for x in o_runs)
+        a_tok_s = _median(x[0] for x in a_runs)
+        out["oracle"] = {"accept_length": _median(x[1] for x in o_runs), "tok_s": o_tok_s,
+                         "speedup": o_tok_s / ar_tok_s if o_tok_s and ar_tok_s else None,
+                         "block_size": oracle_block, "eq_ar": all(x[2] for x in o_runs),
+                         "auto_tok_s": a_tok_s, "auto_eq_ar": all(x[1] for x in a_runs),
+                         "auto_choices": a_runs[-1][2]}
+
+        plan = dict(dec.memory_plan)
+        out["memory"] = {"plan_bytes": int(plan["total"]), "plan": plan, "peak_bytes": None}
+        if cuda:
+            mem = _cuda_memory(lib, ffi)
+            if mem:
+                out["memory"].update(peak_bytes=mem["peak"], device_used_bytes=mem["device_total"] - mem["device_free"],
+                                     device_total_bytes=mem["device_total"])
+    if cuda:
+        gbs = lib.dfl_cuda_bench_copy(1 << 30, 20)
+        out["copy_gb_s"] = float(gbs) if gbs > 0 else None
+    else:
+        out["copy_gb_s"] = None
+        out["read_gb_s"] = float(lib.dfl_measure_read_bandwidth(1 << 28, threads))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- matmul
+# ggml type id, elements per block, bytes per block
+MATMUL_FORMATS = {"Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "Q8_0": (8, 32, 34),
+                  "Q4_0": (2, 32, 18), "F16": (1, 1, 2), "BF16": (30, 1, 2)}
+MATMUL_SHAPES = {"ffn_up 17408x5120": (17408, 5120), "ffn_down 5120x17408": (5120, 17408)}
+
+
+def part_matmul(ns: list[int], formats: list[str]) -> dict:
+    """The CUDA matmul alone on random device-resident weights: ms per call and GB/s of weights read, for
+    the 27B's FFN shapes, every format, n tokens (dfl_cuda_bench_matmul, CUDA events)."""
+    from dflash27b._lib import last_error, load
+    ffi, lib = load()
+    out: dict = {"shapes": {}, "notes": []}
+    for shape, (rows, cols) in MATMUL_SHAPES.items():
+        table: dict = {}
+        for name in formats:
+            tid, be, bpb = MATMUL_FORMATS[name]
+            gb = rows * (cols // be) * bpb / 1e9
+            table[name] = {}
+            for n in ns:
+                ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, n, 200 if n <= 8 else (50 if n <= 64 else 10))
+                if ms < 0:
+                    out["notes"].append(f"matmul: {last_error()}")
+                    return out
+                table[name][str(n)] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
+        out["shapes"][shape] = table
+    return out
+
+
+# --------------------------------------------------------------------------------------------- record
+def _get(d: dict | None, *keys, default=None):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
+    """The record from the parts (each may be missing: its keys are null)."""
+    ex, ck, lc, ours, mm = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours", "matmul"))
+    exact_keys = ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar", "sampled_ddtree_eq_ar")
+    steps = dict.fromkeys(("ar_ms", "verify_ms", "verify_tree_ms", "draft_ms", "tree_ms", "ddtree22_step_ms",
+                           "commit_ms"))
+    steps.update(ours.get("steps") or {})
+    rec = {
+        "device": device or ours.get("device") or ex.get("device"),
+        "commit": commit,
+        "date": date.strftime("%Y-%m-%d %H:%M UTC"),
+        "tests": {"passed": _get(ck, "tests", "passed"), "failed": _get(ck, "tests", "failed"),
+                  **{k: v for k, v in (ck.get("tests") or {}).items() if k not in ("passed", "failed")}},
+        "sanitizer": {"memcheck_errors": _get(ck, "sanitizer", "memcheck_errors"),
+                      "racecheck_hazards": _get(ck, "sanitizer", "racecheck_hazards")},
+        "exact": {k: ex.get(k) for k in exact_keys},
+        "ar": {k: _get(ours, "ar", k) for k in ("decode_tok_s", "prefill_512_tok_s", "prefill_8192_tok_s")},
+        "llamacpp": {k: lc.get(k) for k in ("decode_tok_s", "prefill_512_tok_s", "prefill_8192_tok_s", "build")},
+        "steps": steps,
+        "oracle": {k: _get(ours, "oracle", k) for k in ("accept_length", "tok_s", "speedup", "eq_ar", "auto_tok_s",
+                                                          "auto_eq_ar", "auto_choices")},
+        "memory": {"plan_bytes": _get(ours, "memory", "plan_bytes"), "peak_bytes": _get(ours, "memory", "peak_bytes"),
+                   "plan": _get(ours, "memory", "plan")},
+        "copy_gb_s": ours.get("copy_gb_s"),
+        "target": ours.get("target"),
+        "draft": ours.get("draft"),
+        "matmul": mm.get("shapes"),
+        "notes": [n for p in (ex, ck, lc, ours, mm) for n in (p.get("notes") or [])],
+    }
+    weights = _get(ours, "memory", "plan", "weights")
+    if weights and rec["copy_gb_s"]:
+        # the AR step's floor: every weight byte read once at the copy rate (HBM reads at about the rate a
+        # copy moves bytes read + written)
+        rec["steps"]["ar_floor_ms"] = weights / (rec["copy_gb_s"] * 1e9) * 1e3
+    if ex.get("near_ties"):
+        rec["exact"]["near_ties"] = ex["near_ties"]
+    missing = [k for k in ("exact", "checks", "llamacpp", "ours") if k not in parts]
+    if missing:
+        rec["notes"].append("parts not measured in this run: " + ", ".join(missing))
+    return rec
+
+
+def _f(x, fmt: str = ".1f", none: str = "—") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def markdown(rec: dict) -> str:
+    """The table the closing note quotes: ours vs llama.cpp, each step in AR steps, memory peak vs plan."""
+    ar, lc, st = rec["ar"], rec["llamacpp"], rec["steps"]
+    ar_ms = st.get("ar_ms")
+    in_ar = lambda ms: None if ms is None or not ar_ms else ms / ar_ms  # noqa: E731
+    ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
+    lines = [f"# GPU record {rec['date']} — {rec['device']} — commit {rec['commit'] or '?'}", ""]
+    lines += [f"target `{rec['target']}`, drafter `{rec['draft']}`", ""]
+    lines += ["| | ours tok/s | llama.cpp tok/s | ours / llama.cpp |", "|---|---:|---:|---:|"]
+    for name, key in (("decode", "decode_tok_s"), ("prefill 512", "prefill_512_tok_s"),
+                      ("prefill 8192", "prefill_8192_tok_s")):
+        lines.append(f"| {name} | {_f(ar.get(key))} | {_f(lc.get(key))} | {_f(ratio(ar.get(key), lc.get(key)), '.2f')} |")
+    lines += ["", f"llama.cpp build: {lc.get('build') or '—'}", ""]
+    lines += ["| step | ms | AR steps |", "|---|---:|---:|", f"| AR step | {_f(ar_ms, '.3f')} | 1.00 |"]
+    if st.get("ar_floor_ms"):
+        lines.append(f"| AR floor (weights / copy rate) | {_f(st['ar_floor_ms'], '.3f')} | {_f(in_ar(st['ar_floor_ms']), '.2f')} |")
+    for kind, key in (("chain", "verify_ms"), ("tree", "verify_tree_ms")):
+        for n, ms in (st.get(key) or {}).items():
+            lines.append(f"| verify {n} nodes ({kind}) | {_f(ms, '.3f')} | {_f(in_ar(ms), '.2f')} |")
+    for name, key in (("drafter block", "draft_ms"), ("tree build", "tree_ms"), ("commit", "commit_ms"),
+                      ("DDTree-22 step", "ddtree22_step_ms")):
+        lines.append(f"| {name} | {_f(st.get(key), '.3f')} | {_f(in_ar(st.get(key)), '.2f')} |")
+    o, m = rec["oracle"], rec["memory"]
+    gib = lambda b: None if b is None else b / 2**30  # noqa: E731
+    lines += ["", f"oracle drafter: accept length {_f(o.get('accept_length'), '.2f')}, {_f(o.get('tok_s'))} tok/s, "
+                  f"{_f(o.get('speedup'), '.2f')}x AR (== AR: {o.get('eq_ar')}); auto on it {_f(o.get('auto_tok_s'))} "
+                  f"tok/s (== AR: {o.get('auto_eq_ar')}; {o.get('auto_choices') or '—'})", ""]
+    lines += [f"memory: peak {_f(gib(m.get('peak_bytes')), '.2f')} GiB vs plan {_f(gib(m.get('plan_bytes')), '.2f')} GiB"
+              f"; device copy {_f(rec.get('copy_gb_s'), '.0f')} GB/s (read + write)", ""]
+    t, s, e = rec["tests"], rec["sanitizer"], rec["exact"]
+    lines += [f"tests: {t.get('passed')} passed, {t.get('failed')} failed; memcheck errors {s.get('memcheck_errors')}, "
+              f"racecheck hazards {s.get('racecheck_hazards')}",
+              "exact: " + ", ".join(f"{k} {e.get(k)}" for k in ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar",
+                                                                  "sampled_ddtree_eq_ar"))]
+    for shape, table in (rec.get("matmul") or {}).items():
+        ns = list(next(iter(table.values())).keys()) if table else []
+        lines += ["", f"matmul {shape}: GB/s of weights read (copy bandwidth {_f(rec.get('copy_gb_s'), '.0f')} GB/s)",
+                  "", "| format | " + " | ".join(f"n={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+        for fmt, row in table.items():
+            lines.append(f"| {fmt} | " + " | ".join(_f(row[n]["gb_s"], ".0f") for n in ns) + " |")
+    if rec.get("notes"):
+        lines += ["", "notes:"] + [f"- {n}" for n in rec["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
+    parts = {}
+    for name in ("exact", "checks", "llamacpp", "ours", "matmul"):
+        p = Path(parts_dir) / f"{name}.json"
+        if p.is_file():
+            parts[name] = json.loads(p.read_text())
+    now = _dt.datetime.now(_dt.timezone.utc)
+    rec = assemble(parts, commit, device, now)
+    out = Path(out_dir) / f"gpu-{now.strftime('%Y%m%d-%H%M')}.json"
+    _write(out, rec)
+    out.with_suffix(".md").write_text(markdown(rec))
+    print(markdown(rec))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- main
+def _ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="part", required=True)
+
+    e = sub.add_parser("exact", help="the four exactness checks on the bundled pair")
+    e.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    e.add_argument("--n-new", type=int, default=128)
+    e.add_argument("--threads", type=int, default=4)
+    e.add_argument("--out", required=True)
+
+    c = sub.add_parser("checks", help="test and sanitizer logs -> tests / sanitizer")
+    c.add_argument("--junit", action="append", default=[], help="pytest --junitxml file (repeatable)")
+    c.add_argument("--backend-ops", help="the backend op test's log")
+    c.add_argument("--memcheck", action="append", default=[], help="a compute-sanitizer memcheck log (repeatable)")
+    c.add_argument("--racecheck", action="append", default=[], help="a compute-sanitizer racecheck log (repeatable)")
+    c.add_argument("--out", required=True)
+
+    ll = sub.add_parser("llamacpp", help="llama-bench on the same file")
+    g = ll.add_mutually_exclusive_group(required=True)
+    g.add_argument("--bench", help="the llama-bench binary")
+    g.add_argument("--json", dest="json_in", help="parse this llama-bench -o json output instead of running")
+    ll.add_argument("--model", help="the GGUF file (with --bench)")
+    ll.add_argument("-n", "--n-gen", type=int, default=128)
+    ll.add_argument("-p", "--prompts", default="512,8192")
+    ll.add_argument("-r", "--reps", type=int, default=3)
+    ll.add_argument("--out", required=True)
+
+    o = sub.add_parser("ours", help="our decode, prefill, steps, oracle, memory")
+    o.add_argument("--target", help="target GGUF [default: the bundled pair]")
+    o.add_argument("--draft", help="drafter directory [default: the bundled drafter with the bundled target]")
+    o.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    o.add_argument("--ctx", type=int, default=8192 + 512)
+    o.add_argument("--kv-type", default="f16")
+    o.add_argument("--threads", type=int, default=4)
+    o.add_argument("--n-decode", type=int, default=128)
+    o.add_argument("--prefill", type=_ints, default=[512, 8192])
+    o.add_argument("--nodes", type=_ints, default=list(VERIFY_NODES))
+    o.add_argument("--repeats", type=int, default=3)
+    o.add_argument("--steps-tokens", type=int, default=24, help="tokens per step-timing run")
+    o.add_argument("--oracle-block", type=int, default=8, help="block size of the oracle run (accept length ~ it)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--out", required=True)
+
+    m = sub.add_parser("matmul", help="the CUDA matmul table (every format, FFN shapes)")
+    m.add_argument("--n", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 512])
+    m.add_argument("--formats", default=",".join(MATMUL_FORMATS))
+    m.add_argument("--out", required=True)
+
+    r = sub.add_parser("record", help="assemble the parts into bench/results/gpu-*.json + .md")
+    r.add_argument("--parts", required=True)
+    r.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    r.add_argument("--commit", default=None)
+    r.add_argument("--device-name", default=None)
+
+    a = ap.parse_args(argv)
+    if a.part == "exact":
+        _write(a.out, part_exact(a.device, a.n_new, a.threads))
+    elif a.part == "checks":
+        _write(a.out, part_checks(a.junit, a.backend_ops, a.memcheck, a.racecheck))
+    elif a.part == "llamacpp":
+        if a.bench and not a.model:
+            ap.error("llamacpp --bench needs --model")
+        _write(a.out, part_llamacpp(a.bench, a.model, a.json_in, a.n_gen, a.prompts, a.reps))
+    elif a.part == "ours":
+        _write(a.out, part_ours(a.target, a.draft, a.device, a.ctx, a.kv_type, a.threads, a.n_decode, a.prefill,
+                                a.nodes, a.repeats, a.steps_tokens, a.oracle_block, a.seed))
+    elif a.part == "matmul":
+        bad = [f for f in a.formats.split(",") if f not in MATMUL_FORMATS]
+        if bad:
+            ap.error(f"unknown format(s) {', '.join(bad)}: choose from {', '.join(MATMUL_FORMATS)}")
+        _write(a.out, part_matmul(a.n, a.formats.split(",")))
+    else:
+        part_record(a.parts, a.out_dir, a.commit, a.device_name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

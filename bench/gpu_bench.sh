@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# gpu_bench.sh — the GPU record on a bare, offline GPU machine, in two calls of under 10 minutes each.
+#
+# Before (here, with network):  bash bench/gpu_prepare.sh      -> .gpu/ (wheels, llama.cpp source, commit)
+# On the GPU machine, carrying .gpu, back to back (the build and the synthetic files stay on the machine
+# while it is warm; a part that finds them gone redoes what it needs):
+#   bash bench/gpu_bench.sh part1   machine; wheels; llama.cpp's llama-bench built with CUDA in the
+#                                   background; the synthetic 27B Q4_K_M target + a drafter of z-lab's
+#                                   published 27B drafter shapes written in the background; our library
+#                                   built for sm_$ARCH; the backend op test (batches 1..512) and pytest -m cuda;
+#                                   compute-sanitizer memcheck + racecheck on a DDTree decode; the four
+#                                   exactness checks
+#   bash bench/gpu_bench.sh part2   llama-bench (tg128, pp512, pp8192, -fa 1, -ngl 99) and ours on the same
+#                                   file: AR decode / prefill, AR step, verify at 2..32 nodes (chain, tree),
+#                                   drafter block, DDTree-22 step, commit, oracle drafter at accept length ~8,
+#                                   memory peak vs plan, copy bandwidth; the matmul table; then the record
+#   bash bench/gpu_bench.sh all     both, one after the other
+# Options: --arch N (default 90), --skip-llamacpp, --skip-sanitize, --dry-run (print the steps, run nothing).
+# Environment: COMMIT (the measured HEAD; default .gpu/commit, else git), OUT (the device tool's output
+# folder: the record, its table and the logs are copied there).
+# Writes build/gpu-parts/*.json (one per part: bench/gpu_bench.py), bench/results/gpu-YYYYMMDD-HHMM.{json,md}.
+# Exit status: 0 when every step of the part ran and passed; 1 otherwise (the record is still written).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+GPU=$ROOT/.gpu
+PARTS=$ROOT/build/gpu-parts
+ARCH=90
+SKIP_LLAMACPP=0
+SKIP_SANITIZE=0
+DRY=0
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+PART=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    part1|part2|all) [ -z "$PART" ] || { echo "gpu_bench.sh: one part at a time (got $PART and $1)" >&2; exit 2; }
+                     PART=$1 ;;
+    --arch) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+a?$ ]] || { echo "gpu_bench.sh: --arch needs a number like 90" >&2; exit 2; }
+            ARCH=$2; shift ;;
+    --skip-llamacpp) SKIP_LLAMACPP=1 ;;
+    --skip-sanitize) SKIP_SANITIZE=1 ;;
+    --dry-run) DRY=1 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_bench.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+[ -n "$PART" ] || { echo "gpu_bench.sh: name a part: part1, part2 or all" >&2; usage >&2; exit 2; }
+
+status=0
+step() { echo; echo "==== $(date -u +%H:%M:%S) $*"; }
+# run SECONDS NAME CMD...: one step under a time limit; a failure marks the part failed, the part goes on
+run() {
+  local limit=$1 name=$2; shift 2
+  step "$name"
+  if [ $DRY = 1 ]; then echo "(dry run, limit ${limit}s) $*"; return 0; fi
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  [ $rc = 124 ] && echo "$name: timed out after ${limit}s"
+  [ $rc = 0 ] || { echo "$name: FAILED (exit $rc)"; status=1; }
+  return $rc
+}
+# background JOB CMD...: a job that outlives this call (setsid) while the machine stays warm;
+# build/JOB.done holds its exit status when it ends
+background() {
+  local job=$1; shift
+  step "background: $job"
+  if [ $DRY = 1 ]; then echo "(dry run) $*"; return 0; fi
+  rm -f "build/$job.done"
+  setsid bash -c '"$@" > "build/'"$job"'.log" 2>&1; echo $? > "build/'"$job"'.done"' _ "$@" < /dev/null &
+  echo "started $job (log build/$job.log)"
+}
+# wait_for JOB SECONDS: waits for a background job; 0 when it ended well
+wait_for() {
+  local job=$1 limit=$2 t=0
+  [ $DRY = 1 ] && return 0
+  [ -f "build/$job.log" ] || { echo "$job: was not started"; return 1; }
+  while [ ! -f "build/$job.done" ] && [ $t -lt "$limit" ]; do sleep 5; t=$((t + 5)); done
+  [ -f "build/$job.done" ] || { echo "$job: not done after ${limit}s more (log: build/$job.log)"; tail -5 "build/$job.log"; return 1; }
+  [ "$(cat "build/$job.done")" = 0 ] || { echo "$job: failed"; tail -20 "build/$job.log"; return 1; }
+}
+running() { [ -f "build/$1.log" ] && [ ! -f "build/$1.done" ]; }
+
+setup_env() {
+  mkdir -p build "$PARTS"
+  if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH=/usr/local/cuda/bin:$PATH CUDACXX=/usr/local/cuda/bin/nvcc
+  fi
+  local whl=$GPU/whl
+  [ -d "$whl" ] || whl=$ROOT/.whl
+  if [ $DRY = 0 ] && ls "$whl"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$whl"/*.whl || { echo "wheel install failed"; return 1; }
+    export PYTHONPATH=/tmp/site
+  else
+    echo "no wheels carried (.gpu/whl): relying on installed cffi / pycparser / gguf"
+  fi
+  export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  export DFLASH27B_LIB=$ROOT/build/gpu/libdflash27b.so
+  if [ -z "${COMMIT:-}" ]; then
+    COMMIT=$(cat "$GPU/commit" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
+  fi
+  export COMMIT
+}
+
+build_ours() {
+  local gen=()
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  cmake -S . -B build/gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DDFLASH27B_CUDA=ON -DDFLASH27B_BUILD_TESTS=ON \
+    -DDFLASH27B_CUDA_ARCHITECTURES="$ARCH" > build/gpu.configure.log 2>&1 || { tail -30 build/gpu.configure.log; return 1; }
+  cmake --build build/gpu -j "$(nproc)" 2>&1 | tail -5
+  python3 -c "
+from dflash27b._lib import load
+ffi, lib = load()
+info = ffi.string(lib.dfl_build_info()).decode()
+print('build info:', info, '| CUDA devices:', lib.dfl_cuda_device_count())
+assert 'sm_$ARCH' in info and lib.dfl_cuda_device_count() > 0, 'CUDA backend not built or no device visible'"
+}
+
+start_background_jobs() {
+  if [ $SKIP_LLAMACPP = 0 ] && [ ! -x build/llamacpp/bin/llama-bench ] && ! running llamacpp; then
+    if [ -s "$GPU/llamacpp-src.tar.gz" ]; then
+      background llamacpp nice -n 10 bash "$GPU/build_llamacpp_cuda.sh" "$GPU/llamacpp-src.tar.gz" build/llamacpp "$ARCH"
+    else
+      echo "no $GPU/llamacpp-src.tar.gz carried: llama.cpp is not measured (bench/gpu_prepare.sh makes it)"
+    fi
+  fi
+  if { [ ! -s build/synth-27b.gguf ] || [ ! -s build/synth-27b-draft/model.safetensors ]; } && ! running synth; then
+    background synth nice -n 5 bash -c "python3 -m dflash27b.cli synth build/synth-27b.gguf --shape 27b --ftype q4_k_m \
+      && python3 -m dflash27b.cli synth build/synth-27b-draft --shape 27b --drafter"
+  fi
+}
+
+part1() {
+  step "machine"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  python3 --version; nproc; df -h "$ROOT" | tail -1
+  start_background_jobs
+  run 300 "build (sm_$ARCH)" build_ours || return 1
+  run 120 "backend ops on the GPU vs the CPU backend (batches 1..512)" \
+    bash -c "build/gpu/dfl_backend_ops > build/backend_ops.log 2>&1; rc=\$?; grep -v ': ok$' build/backend_ops.log | tail -20; exit \$rc"
+  run 240 "pytest -m cuda" python3 -m pytest -q -p no:cacheprovider -m cuda -rxs --junitxml=build/gpu-pytest.xml \
+    tests/test_cuda_ops.py tests/test_cuda_forward.py
+  if [ $SKIP_SANITIZE = 0 ]; then
+    local SAN
+    SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+    if [ -n "$SAN" ] || [ $DRY = 1 ]; then
+      local decode="from dflash27b import Decoder
+with Decoder(device='cuda', ctx=512, threads=4) as d:
+    ar = d.generate('def fibonacci(n):', 24, ignore_eos=True, mode='ar').tokens
+    dd = d.generate('def fibonacci(n):', 24, ignore_eos=True, mode='ddtree').tokens
+    assert dd == ar, (dd, ar)
+print('decode ok')"
+      local t=tests/test_cuda_ops.py
+      run 150 "compute-sanitizer memcheck: matmul shapes + a DDTree decode" bash -c "
+        '$SAN' --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider -m cuda \
+          '$t::test_cuda_matmul_shapes_and_misaligned_rows' '$t::test_cuda_matmul_vs_numpy_and_cpu[Q6_K-23]' \
+          > build/memcheck-matmul.log 2>&1; a=\$?
+        '$SAN' --tool memcheck --error-exitcode 99 python3 -c \"$decode\" > build/memcheck-decode.log 2>&1; b=\$?
+        tail -3 build/memcheck-matmul.log build/memcheck-decode.log; [ \$a = 0 ] && [ \$b = 0 ]"
+      run 150 "compute-sanitizer racecheck: a DDTree decode" bash -c "
+        '$SAN' --tool racecheck --error-exitcode 99 python3 -c \"$decode\" > build/racecheck-decode.log 2>&1; a=\$?
+        tail -3 build/racecheck-decode.log; exit \$a"
+    else
+      echo "compute-sanitizer not found: sanitizer not run"
+    fi
+  fi
+  run 120 "exactness on the bundled pair (CUDA AR vs CPU AR, chain / DDTree / sampled DDTree vs CUDA AR)" \
+    python3 bench/gpu_bench.py exact --device cuda --out "$PARTS/exact.json"
+  local san=()
+  [ $SKIP_SANITIZE = 0 ] && san=(--memcheck build/memcheck-matmul.log --memcheck build/memcheck-decode.log
+                                 --racecheck build/racecheck-decode.log)
+  run 30 "test and sanitizer summary" python3 bench/gpu_bench.py checks --junit build/gpu-pytest.xml \
+    --backend-ops build/backend_ops.log "${san[@]}" --out "$PARTS/checks.json"
+  step "background jobs"
+  for j in llamacpp synth; do
+    if running $j; then echo "$j: still running ($(tail -c 200 build/$j.log | tr '\n' ' '))"
+    elif [ -f build/$j.done ]; then echo "$j: done, exit $(cat build/$j.done)"; fi
+  done
+}
+
+part2() {
+  [ -f build/gpu/libdflash27b.so ] || [ $DRY = 1 ] || run 300 "build (sm_$ARCH)" build_ours || return 1
+  start_background_jobs
+  step "synthetic 27B Q4_K_M target + 27B-shaped drafter"
+  if running synth || [ ! -s build/synth-27b-draft/model.safetensors ]; then
+    wait_for synth 300 || { status=1; return 1; }
+  fi
+  ls -la build/synth-27b.gguf build/synth-27b-draft 2>/dev/null
+  if [ $SKIP_LLAMACPP = 0 ]; then
+    step "llama.cpp build"
+    if [ -x build/llamacpp/bin/llama-bench ] || wait_for llamacpp 240; then
+      run 240 "llama-bench on the same file (tg128, pp512, pp8192; -fa 1 -ngl 99)" \
+        python3 bench/gpu_bench.py llamacpp --bench build/llamacpp/bin/llama-bench --model build/synth-27b.gguf \
+        --out "$PARTS/llamacpp.json"
+    else
+      status=1
+    fi
+  fi
+  run 420 "ours on the same file: decode, prefill, steps, oracle, memory" \
+    python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
+    --out "$PARTS/ours.json"
+  run 90 "matmul table (every format, n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
+}
+
+record() {
+  step "record"
+  [ $DRY = 1 ] && { echo "(dry run) python3 bench/gpu_bench.py record --parts $PARTS --commit \$COMMIT"; return 0; }
+  local out
+  out=$(python3 bench/gpu_bench.py record --parts "$PARTS" --commit "$COMMIT" | tee /dev/stderr | sed -n 's/^wrote //p' | head -1)
+  if [ -n "${OUT:-}" ] && [ -n "$out" ]; then
+    cp "$out" "${out%.json}.md" "$OUT"/
+    tar -czf "$OUT/gpu-parts.tar.gz" -C build gpu-parts 2>/dev/null || true
+  fi
+}
+
+main() {
+  step "gpu_bench.sh $PART (arch $ARCH, commit ${COMMIT:-from .gpu/commit})"
+  setup_env || return 1
+  case $PART in
+    part1) part1 ;;
+    part2) part2; record ;;
+    all) part1; part2; record ;;
+  esac
+  echo
+  [ $status = 0 ] && echo "gpu_bench $PART: OK" || echo "gpu_bench $PART: FAILED (see the steps above)"
+  return $status
+}
+
+LOG=build/gpu_bench-$PART.log
+mkdir -p build
+main 2>&1 | tee "$LOG"
+rc=${PIPESTATUS[0]}
+[ -n "${OUT:-}" ] && [ $DRY = 0 ] && cp "$LOG" "$OUT"/ 2>/dev/null
+exit "$rc"

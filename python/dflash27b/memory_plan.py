@@ -1,0 +1,96 @@
+"""The device memory plan, by part, computed from the files alone (no GPU needed).
+
+One computation serves `dflash27b plan`, the plan `generate` / `serve` print before a CUDA context uploads
+anything, and the check that refuses a plan the GPU cannot hold.  The target's parts come from the core
+(`dfl_context_memory_plan`: weights, KV cache, recurrent state, tree state for the verify nodes, workspace);
+the drafter's from its config and weights (its BF16 weights, the feature ring of captured target features,
+its own K/V cache); plus a reserve for the CUDA context itself (driver, kernels, cuBLAS-free runtime).
+
+Tree state is the per-node update a verify keeps for commit (conv input, keys, delta, decay per delta-net
+layer) plus one layer's node states in scratch: for the 27B, ~3.4 MiB per node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import _handles
+from ._lib import TYPE_IDS
+
+# What the CUDA runtime itself holds on the device (context, module images, stream): an allowance, not a
+# measurement of this build; the GPU record (bench/gpu_bench.sh) compares the device's use with the plan.
+CUDA_CONTEXT_RESERVE = 512 << 20
+PARTS = ("weights", "drafter", "kv", "recurrent", "tree_state", "feature_ring", "draft_kv", "workspace",
+         "cuda_context")
+PART_NAMES = {"weights": "weights", "drafter": "drafter weights", "kv": "KV cache", "recurrent": "recurrent state",
+              "tree_state": "tree state", "feature_ring": "feature ring", "draft_kv": "draft KV",
+              "workspace": "workspace", "cuda_context": "CUDA context"}
+KV_BY_SIZE = ("f16", "q8_0", "q4_0")  # --fit tries these, largest first
+
+
+@dataclass
+class Plan:
+    parts: dict[str, int]
+    options: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def as_dict(self) -> dict:
+        """The flat dict Decoder.memory_plan has always been: every part plus total."""
+        return {**self.parts, "total": self.total}
+
+
+def drafter_parts(info: dict, ring: int) -> dict[str, int]:
+    """The drafter's weights, its feature ring (f32 rows of the captured target layers) and its K/V cache
+    (ring + one block of f32 rows per drafter layer)."""
+    return {"drafter": int(info["weight_bytes"]),
+            "feature_ring": ring * info["n_target_layers"] * info["hidden"] * 4,
+            "draft_kv": info["n_layer"] * 2 * (ring + info["block_size"]) * info["n_head_kv"] * info["head_dim"] * 4}
+
+
+def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_type: str, nodes: int,
+             feature_ring: int, batch: int, device: str) -> Plan:
+    """The plan for a loaded (mapped) target and an optional drafter's info."""
+    core = _handles.memory_plan(model, ctx, batch, TYPE_IDS[kv_type], 1 if device == "cuda" else 0, nodes)
+    parts = dict.fromkeys(PARTS, 0)
+    for k in ("weights", "kv", "recurrent", "tree_state", "workspace"):
+        parts[k] = core[k]
+    if draft_info is not None:
+        parts.update(drafter_parts(draft_info, feature_ring))
+    if device == "cuda":
+        parts["cuda_context"] = CUDA_CONTEXT_RESERVE
+    opts = {"ctx": ctx, "kv_type": kv_type, "verify_nodes": nodes, "feature_ring": feature_ring if draft_info else 0,
+            "batch": batch, "device": device}
+    return Plan(parts, opts)
+
+
+def fit(model: _handles.Model, draft_info: dict | None, vram: int, *, max_ctx: int, nodes: int, feature_ring: int,
+        batch: int, min_ctx: int = 4096) -> Plan | None:
+    """The largest context (powers of two from max_ctx down to min_ctx, max_ctx itself first) and, for it, the
+    largest KV type whose plan fits in vram bytes; None when nothing does."""
+    ctxs = [max_ctx]
+    c = 1 << (max_ctx.bit_length() - 1)
+    while c >= min_ctx:
+        if c < max_ctx:
+            ctxs.append(c)
+        c >>= 1
+    for ctx in ctxs:
+        for kv in KV_BY_SIZE:
+            p = plan_for(model, draft_info, ctx=ctx, kv_type=kv, nodes=nodes, feature_ring=feature_ring, batch=batch,
+                         device="cuda")
+            if p.total <= vram:
+                return p
+    return None
+
+
+def format_plan(plan: dict, device: str, vram: int | None = None) -> str:
+    """One line per part (parts that are zero are left out), then the total and, given vram, the verdict."""
+    mib = lambda b: f"{b / 2**20:10.1f} MiB"  # noqa: E731
+    lines = [f"memory plan ({device}):"]
+    lines += [f"  {PART_NAMES[k]:<17}{mib(plan[k])}" for k in PARTS if plan.get(k)]
+    lines.append(f"  {'total':<17}{mib(plan['total'])}  ({plan['total'] / 2**30:.2f} GiB)")
+    if vram is not None:
+        verdict = "fits" if plan["total"] <= vram else "does NOT fit"
+        lines.append(f"  {verdict} in {vram / 2**30:.2f} GiB ({(vram - plan['total']) / 2**20:+.1f} MiB to spare)")
+    return "\n".join(lines)

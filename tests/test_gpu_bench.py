@@ -1,0 +1,219 @@
+"""The GPU record's tooling, on the CPU: everything bench/gpu_bench.sh needs that does not need the GPU.
+
+GPU time is short and the machine is bare and offline, so the script must work the first time there:
+  * the carried wheels cover every runtime dependency the GPU image lacks, one pinned version each, and
+    bench/gpu_prepare.sh --check says what is missing;
+  * gpu_bench.sh's arguments (parts, options, errors) and its step list (--dry-run);
+  * the parsers of what the GPU run produces: pytest's JUnit XML, the backend op log, compute-sanitizer
+    summaries, llama-bench's JSON;
+  * every measuring part of bench/gpu_bench.py runs end to end on the CPU with the bundled pair, and the
+    record it assembles has exactly the keys the issue names, with numbers in them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures" / "gpu_bench"
+_spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "bench" / "gpu_bench.py")
+gb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gb)
+
+RECORD_KEYS = {
+    "device": None, "commit": None, "date": None,
+    "tests": {"passed", "failed"},
+    "sanitizer": {"memcheck_errors", "racecheck_hazards"},
+    "exact": {"cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar", "sampled_ddtree_eq_ar"},
+    "ar": {"decode_tok_s", "prefill_512_tok_s", "prefill_8192_tok_s"},
+    "llamacpp": {"decode_tok_s", "prefill_512_tok_s", "prefill_8192_tok_s", "build"},
+    "steps": {"ar_ms", "verify_ms", "draft_ms", "ddtree22_step_ms", "commit_ms"},
+    "oracle": {"accept_length", "tok_s", "speedup"},
+    "memory": {"plan_bytes", "peak_bytes"},
+    "copy_gb_s": None,
+}
+
+
+def _wheels() -> list[str]:
+    return [ln.strip() for ln in (ROOT / "bench" / "gpu_wheels.txt").read_text().splitlines()
+            if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_wheels_cover_the_runtime_dependencies():
+    wheels = _wheels()
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][A-Za-z0-9.]*", w) for w in wheels), wheels
+    names = [_norm(w.split("==")[0]) for w in wheels]
+    assert len(names) == len(set(names)), "one version per wheel: pip refuses two"
+    image_line = next(ln for ln in (ROOT / "bench" / "gpu_wheels.txt").read_text().splitlines()
+                      if ln.startswith("# image:"))
+    on_image = {_norm(n) for n in image_line.split(":", 1)[1].split()}
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        name = _norm(re.split(r"[<>=!~ \[;]", dep, maxsplit=1)[0])
+        assert name in names or name in on_image, f"{dep}: neither carried nor on the GPU image"
+    assert "pycparser" in names  # cffi's own requirement, not on the image
+
+
+def test_prepare_check_names_what_is_missing(tmp_path):
+    env = dict(os.environ, GPU_DIR=str(tmp_path / "gpu"))
+    run = subprocess.run(["bash", "bench/gpu_prepare.sh", "--check"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 1
+    assert "missing wheels: " + " ".join(_wheels()) in run.stdout and "llamacpp-src.tar.gz" in run.stdout
+    whl = tmp_path / "gpu" / "whl"
+    whl.mkdir(parents=True)
+    for w in _wheels():
+        name, ver = w.split("==")
+        (whl / f"{name.replace('-', '_')}-{ver}-py3-none-any.whl").write_bytes(b"x")
+    (tmp_path / "gpu" / "llamacpp-src.tar.gz").write_bytes(b"x")
+    script = tmp_path / "gpu" / "build_llamacpp_cuda.sh"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    run = subprocess.run(["bash", "bench/gpu_prepare.sh", "--check"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0 and "is complete" in run.stdout, run.stdout
+    bad = subprocess.run(["bash", "bench/gpu_prepare.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument '--bogus'" in bad.stderr
+
+
+def _sh(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    return subprocess.run(["bash", "bench/gpu_bench.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_gpu_bench_sh_arguments():
+    h = _sh("--help")
+    assert h.returncode == 0 and "part1" in h.stdout and "part2" in h.stdout and "set -uo" not in h.stdout
+    for args, msg in ((), "name a part"), (("bogus",), "unknown argument 'bogus'"), \
+            (("part1", "part2"), "one part at a time"), (("part1", "--arch", "x"), "--arch needs a number"):
+        r = _sh(*args)
+        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+
+
+def test_gpu_bench_sh_dry_run_lists_every_step():
+    one = _sh("--dry-run", "part1")
+    assert one.returncode == 0, one.stdout + one.stderr
+    for s in ("build (sm_90)", "dfl_backend_ops", "pytest -m cuda", "memcheck", "racecheck",
+              "gpu_bench.py exact --device cuda", "gpu_bench.py checks"):
+        assert s in one.stdout, s
+    two = _sh("--dry-run", "--arch", "90a", "--skip-llamacpp", "part2")
+    assert two.returncode == 0, two.stdout + two.stderr
+    for s in ("gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft",
+              "gpu_bench.py matmul", "gpu_bench.py record"):
+        assert s in two.stdout, s
+    assert "llama-bench on the same file" not in two.stdout
+    skip = _sh("--dry-run", "--skip-sanitize", "part1")
+    assert "racecheck" not in skip.stdout
+
+
+def test_parse_junit(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text("""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
+failures="1" skipped="2" tests="5"><testcase classname="t" name="a" time="0.1"/>
+<testcase classname="t" name="b" time="0.1"><failure message="assert 1 == 2">x</failure></testcase>
+<testcase classname="t" name="c" time="0.1"><skipped type="pytest.skip" message="no GPU">s</skipped></testcase>
+<testcase classname="t" name="d" time="0.1"><skipped type="pytest.xfail" message="near-tie">s</skipped></testcase>
+<testcase classname="t" name="e" time="0.1"/></testsuite></testsuites>""")
+    assert gb.parse_junit(xml) == {"passed": 2, "failed": 1, "skipped": 1, "xfailed": 1}
+
+
+def test_parse_backend_ops_and_sanitizer():
+    assert gb.parse_backend_ops("matmul Q4_K n=1: ok\nrmsnorm n=3: ok\nALL OK\n") == {"passed": 2, "failed": 0}
+    assert gb.parse_backend_ops("matmul Q4_K n=1: ok\nattn n=7: max err 3e-2 > 1e-4\n") == {"passed": 1, "failed": 1}
+    assert gb.parse_backend_ops("") == {"passed": 0, "failed": 1}  # a crash before the first case
+    mem = "========= COMPUTE-SANITIZER\n....\n========= ERROR SUMMARY: 0 errors\n"
+    race = ("========= Error: Race reported between Write access at k+0x10\n"
+            "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n")
+    assert gb.parse_sanitizer(mem) == {"errors": 0, "hazards": 0, "runs": 1}
+    assert gb.parse_sanitizer(race) == {"errors": 0, "hazards": 2, "runs": 1}
+    assert gb.parse_sanitizer(mem + "========= ERROR SUMMARY: 3 errors\n")["errors"] == 3
+
+
+def test_parse_llama_bench():
+    rows = json.loads((FIX / "llama-bench.json").read_text())
+    out = gb.parse_llama_bench(rows)
+    assert out["decode_tok_s"] == 55.0 and out["prefill_512_tok_s"] == 2500.0 and out["prefill_8192_tok_s"] == 2100.0
+    assert out["build"] == "0c1e5709 (build 1)" and out["flash_attn"] is True and out["n_gpu_layers"] == 99
+
+
+def test_tree_shapes():
+    for n in gb.VERIFY_NODES:
+        for kind in ("chain", "tree"):
+            par = gb.tree_shape(n, kind)
+            assert len(par) == n - 1 and all(0 <= p <= i for i, p in enumerate(par))  # parent id < node id (1-based)
+            depth = [0]
+            for p in par:
+                depth.append(depth[p] + 1)
+            assert max(depth) == (n - 1 if kind == "chain" else (n) // 2), (n, kind, depth)
+
+
+def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
+    parts = tmp_path / "parts"
+    py = [sys.executable, str(ROOT / "bench" / "gpu_bench.py")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+
+    def part(*args):
+        r = subprocess.run(py + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r
+
+    part("exact", "--device", "cpu", "--threads", "2", "--n-new", "24", "--out", str(parts / "exact.json"))
+    part("ours", "--device", "cpu", "--threads", "2", "--n-decode", "24", "--prefill", "512,1024", "--nodes", "2,4,8",
+         "--repeats", "1", "--steps-tokens", "8", "--ctx", "2048", "--out", str(parts / "ours.json"))
+    part("llamacpp", "--json", str(FIX / "llama-bench.json"), "--out", str(parts / "llamacpp.json"))
+    junit = tmp_path / "j.xml"
+    junit.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"/></testsuite></testsuites>')
+    ops = tmp_path / "ops.log"
+    ops.write_text("matmul n=1: ok\nALL OK\n")
+    part("checks", "--junit", str(junit), "--backend-ops", str(ops), "--out", str(parts / "checks.json"))
+    r = part("record", "--parts", str(parts), "--out-dir", str(tmp_path / "results"), "--commit", "abc123")
+
+    recs = list((tmp_path / "results").glob("gpu-*.json"))
+    assert len(recs) == 1 and re.fullmatch(r"gpu-\d{8}-\d{4}\.json", recs[0].name)
+    rec = json.loads(recs[0].read_text())
+    for key, sub in RECORD_KEYS.items():
+        assert key in rec, key
+        if sub:
+            assert sub <= set(rec[key]), (key, sub - set(rec[key]))
+    assert rec["commit"] == "abc123" and rec["device"].startswith("cpu")
+    assert rec["exact"] == {"cuda_ar_eq_cpu_ar": True, "chain_eq_ar": True, "ddtree_eq_ar": True,
+                            "sampled_ddtree_eq_ar": True}
+    assert rec["tests"]["passed"] == 3 and rec["tests"]["failed"] == 0
+    assert rec["sanitizer"] == {"memcheck_errors": None, "racecheck_hazards": None}  # not run: null, not 0
+    assert rec["ar"]["decode_tok_s"] > 0 and rec["ar"]["prefill_512_tok_s"] > 0
+    assert rec["ar"]["prefill_8192_tok_s"] is None  # not measured in this run
+    st = rec["steps"]
+    assert set(st["verify_ms"]) == set(st["verify_tree_ms"]) == {"2", "4", "8"}
+    assert all(v > 0 for v in st["verify_ms"].values()) and st["ar_ms"] > 0
+    assert st["draft_ms"] > 0 and st["commit_ms"] > 0 and st["ddtree22_step_ms"] > st["draft_ms"]
+    assert rec["oracle"]["accept_length"] >= 5  # block 8: up to 8 tokens per step, every draft right
+    assert rec["oracle"]["eq_ar"] is True and rec["oracle"]["auto_eq_ar"] is True and rec["oracle"]["auto_tok_s"] > 0
+    assert rec["llamacpp"]["decode_tok_s"] == 55.0
+    assert rec["memory"]["plan_bytes"] > 0 and rec["memory"]["peak_bytes"] is None  # no device counter on the CPU
+    md = recs[0].with_suffix(".md").read_text()
+    assert "| decode |" in md and "| verify 8 nodes (tree) |" in md and "DDTree-22 step" in md
+    assert "parts not measured in this run: matmul" not in md  # matmul is optional, not a missing part
+    assert "wrote " in r.stdout
+
+
+def test_record_with_missing_parts_is_null_not_absent(tmp_path):
+    rec = gb.assemble({}, "c0ffee", "NVIDIA H100 80GB HBM3", gb._dt.datetime(2026, 11, 23, 12, 0))
+    for key, sub in RECORD_KEYS.items():
+        assert key in rec
+        for k in sub or ():
+            assert rec[key][k] is None, (key, k)
+    assert any("parts not measured" in n for n in rec["notes"])
+    assert "—" in gb.markdown(rec)
