@@ -15,6 +15,9 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
   ours      on the target (and drafter): AR decode and prefill, one AR step, verify by node count (chain
             and tree shapes), the drafter's block step, a whole DDTree-22 step, commit, tok/s with the
             oracle drafter at accept length ~8, the memory plan against the device peak, copy bandwidth
+  vram24    the 24 GB card on a bigger GPU: a ballast leaves 24 GiB free; the 27B + drafter at 128K context,
+            Q4_0 KV, DDTree-22 after a long prompt; peak vs plan vs cap, DDTree == AR on that run
+  matmul    the CUDA matmul alone: GB/s per format and token count on the 27B's FFN shapes
   record    the parts -> the record (keys below, null where a part is missing) + a markdown table
 
 Record keys (other tools read them): device, commit, date, tests {passed, failed}, sanitizer
@@ -22,7 +25,8 @@ Record keys (other tools read them): device, commit, date, tests {passed, failed
 sampled_ddtree_eq_ar}, ar {decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s}, llamacpp
 {decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s, build}, steps {ar_ms, verify_ms {nodes: ms},
 verify_tree_ms {nodes: ms}, draft_ms, tree_ms, ddtree22_step_ms, commit_ms}, oracle {accept_length, tok_s,
-speedup}, memory {plan_bytes, peak_bytes, plan}, copy_gb_s; plus target, draft and notes.
+speedup}, memory {plan_bytes, peak_bytes, plan}, copy_gb_s, vram24 {ctx, peak_bytes, plan_bytes, cap_bytes,
+exact}; plus matmul, target, draft and notes.
 """
 from __future__ import annotations
 
@@ -345,6 +349,45 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
     return out
 
 
+# --------------------------------------------------------------------------------------------- vram24
+def part_vram24(target: str, draft: str, cap_gib: float, ctx: int, prompt_len: int, n_new: int, kv_type: str,
+                draft_type: str | None, threads: int) -> dict:
+    """The 24 GB card on a bigger GPU: a ballast allocation leaves exactly cap_gib free, then the target + drafter
+    at ctx with DDTree-22 after a prompt_len-token prompt; DDTree == AR on that run, peak vs plan vs cap."""
+    import torch
+
+    from dflash27b import Decoder
+    from dflash27b._lib import load
+    ffi, lib = load()
+    cap = int(cap_gib * 2**30)
+    free, _ = torch.cuda.mem_get_info()
+    if free < cap:
+        return {"notes": [f"vram24: only {free / 2**30:.1f} GiB free, cannot cap at {cap_gib} GiB"]}
+    ballast = torch.empty(free - cap, dtype=torch.uint8, device="cuda")
+    _cuda_memory(lib, ffi, reset=True)
+    out: dict = {"ctx": ctx, "cap_bytes": cap, "kv_type": kv_type, "draft_type": draft_type or "stored",
+                 "prompt_tokens": prompt_len, "notes": []}
+    try:
+        with Decoder(target, draft, device="cuda", ctx=ctx, kv_type=kv_type, threads=threads,
+                     draft_type=draft_type) as dec:
+            out["plan_bytes"] = int(dec.memory_plan["total"])
+            rng = np.random.default_rng(1)
+            ids = [int(x) for x in rng.integers(1000, dec.info["n_vocab"], prompt_len)]
+            ar = dec.generate(ids, n_new, ignore_eos=True, mode="ar")
+            dd = dec.generate(ids, n_new, ignore_eos=True, mode="ddtree", budget=22)
+            out["exact"] = dd.tokens == ar.tokens
+            out["prefill_tok_s"] = ar.stats.prefill_tok_s
+            out["ar_tok_s"], out["ddtree_tok_s"] = ar.stats.decode_tok_s, dd.stats.decode_tok_s
+            mem = _cuda_memory(lib, ffi)
+            out["peak_bytes"] = mem["peak"] if mem else None
+    except Exception as exc:  # a refusal (plan too big) is a result too
+        out["error"] = str(exc)
+    finally:
+        del ballast
+        torch.cuda.empty_cache()
+    return out
+
+
 # --------------------------------------------------------------------------------------------- matmul
 # ggml type id, elements per block, bytes per block
 MATMUL_FORMATS = {"Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "Q8_0": (8, 32, 34),
@@ -385,7 +428,8 @@ def _get(d: dict | None, *keys, default=None):
 
 def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
     """The record from the parts (each may be missing: its keys are null)."""
-    ex, ck, lc, ours, mm = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours", "matmul"))
+    ex, ck, lc, ours, mm, v24 = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours", "matmul",
+                                                                 "vram24"))
     exact_keys = ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar", "sampled_ddtree_eq_ar")
     steps = dict.fromkeys(("ar_ms", "verify_ms", "verify_tree_ms", "draft_ms", "tree_ms", "ddtree22_step_ms",
                            "commit_ms"))
@@ -410,7 +454,9 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "target": ours.get("target"),
         "draft": ours.get("draft"),
         "matmul": mm.get("shapes"),
-        "notes": [n for p in (ex, ck, lc, ours, mm) for n in (p.get("notes") or [])],
+        "vram24": {k: v24.get(k) for k in ("ctx", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v24 else None,
+        "notes": [n for p in (ex, ck, lc, ours, mm, v24) for n in (p.get("notes") or [])] +
+                 ([f"vram24: {v24['error']}"] if v24.get("error") else []),
     }
     weights = _get(ours, "memory", "plan", "weights")
     if weights and rec["copy_gb_s"]:
@@ -463,6 +509,11 @@ def markdown(rec: dict) -> str:
               f"racecheck hazards {s.get('racecheck_hazards')}",
               "exact: " + ", ".join(f"{k} {e.get(k)}" for k in ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar",
                                                                   "sampled_ddtree_eq_ar"))]
+    v = rec.get("vram24")
+    if v:
+        lines += ["", f"24 GiB cap: ctx {v.get('ctx')}, peak {_f(gib(v.get('peak_bytes')), '.2f')} GiB, plan "
+                      f"{_f(gib(v.get('plan_bytes')), '.2f')} GiB, cap {_f(gib(v.get('cap_bytes')), '.2f')} GiB, "
+                      f"DDTree == AR: {v.get('exact')}"]
     for shape, table in (rec.get("matmul") or {}).items():
         ns = list(next(iter(table.values())).keys()) if table else []
         lines += ["", f"matmul {shape}: GB/s of weights read (copy bandwidth {_f(rec.get('copy_gb_s'), '.0f')} GB/s)",
@@ -476,7 +527,7 @@ def markdown(rec: dict) -> str:
 
 def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
     parts = {}
-    for name in ("exact", "checks", "llamacpp", "ours", "matmul"):
+    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24"):
         p = Path(parts_dir) / f"{name}.json"
         if p.is_file():
             parts[name] = json.loads(p.read_text())
@@ -549,6 +600,18 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--formats", default=",".join(MATMUL_FORMATS))
     m.add_argument("--out", required=True)
 
+    v = sub.add_parser("vram24", help="target + drafter under a 24 GiB cap (ballast), DDTree == AR")
+    v.add_argument("--target", required=True)
+    v.add_argument("--draft", required=True)
+    v.add_argument("--cap-gib", type=float, default=24.0)
+    v.add_argument("--ctx", type=int, default=131072)
+    v.add_argument("--prompt-len", type=int, default=4096)
+    v.add_argument("-n", "--n-new", type=int, default=64)
+    v.add_argument("--kv-type", default="q4_0")
+    v.add_argument("--draft-type", default=None, choices=("bf16", "q8_0"))
+    v.add_argument("--threads", type=int, default=4)
+    v.add_argument("--out", required=True)
+
     r = sub.add_parser("record", help="assemble the parts into bench/results/gpu-*.json + .md")
     r.add_argument("--parts", required=True)
     r.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -567,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.part == "ours":
         _write(a.out, part_ours(a.target, a.draft, a.device, a.ctx, a.kv_type, a.threads, a.n_decode, a.prefill,
                                 a.nodes, a.repeats, a.steps_tokens, a.oracle_block, a.seed))
+    elif a.part == "vram24":
+        _write(a.out, part_vram24(a.target, a.draft, a.cap_gib, a.ctx, a.prompt_len, a.n_new, a.kv_type, a.draft_type,
+                                  a.threads))
     elif a.part == "matmul":
         bad = [f for f in a.formats.split(",") if f not in MATMUL_FORMATS]
         if bad:

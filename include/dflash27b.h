@@ -250,6 +250,10 @@ typedef struct {
 } dfl_draft_info;
 
 dfl_draft* dfl_draft_load(const char* path, const dfl_model* target);
+/* As dfl_draft_load, with the matrices converted at load to weight_type:
+ * DFL_TYPE_BF16 or DFL_TYPE_Q8_0 (DFL_DRAFT_AS_STORED keeps the file's). */
+#define DFL_DRAFT_AS_STORED 0xFFFFFFFFu
+dfl_draft* dfl_draft_load_as(const char* path, const dfl_model* target, uint32_t weight_type);
 void dfl_draft_free(dfl_draft* d);
 int dfl_draft_get_info(const dfl_draft* d, dfl_draft_info* out);
 /* Reads and validates a drafter's config.json alone (path: the file or its

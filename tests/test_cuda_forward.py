@@ -134,6 +134,17 @@ def test_cuda_commit_rebuilds_the_sequential_state_bitwise(cuda_dec, path):
     assert got == ctx.state()
 
 
+def test_cuda_q8_0_drafter_is_lossless(pair):
+    """The drafter quantised to Q8_0 at load runs its matmuls in that format on the device; the output is
+    still CUDA AR's."""
+    with Decoder(pair[0], pair[1], device="cuda", ctx=512, threads=2, draft_type="q8_0") as d:
+        ids = d.tokenize(PROMPTS[1])
+        n = 12 if EMULATED else 64
+        ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
+        r = d.generate(ids, n, ignore_eos=True, mode="ddtree")
+        assert r.tokens == ar and r.stats.mean_accept > 1.5
+
+
 @pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0", "bf16", "f32"])
 def test_cuda_kv_types(pair, kv):
     """Every KV type decodes on CUDA; with the same KV type the first tokens match the CPU's."""

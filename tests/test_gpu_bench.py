@@ -112,7 +112,7 @@ def test_gpu_bench_sh_dry_run_lists_every_step():
     two = _sh("--dry-run", "--arch", "90a", "--skip-llamacpp", "part2")
     assert two.returncode == 0, two.stdout + two.stderr
     for s in ("gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft",
-              "gpu_bench.py matmul", "gpu_bench.py record"):
+              "gpu_bench.py matmul", "gpu_bench.py vram24 --target build/synth-27b.gguf", "gpu_bench.py record"):
         assert s in two.stdout, s
     assert "llama-bench on the same file" not in two.stdout
     skip = _sh("--dry-run", "--skip-sanitize", "part1")
@@ -217,3 +217,13 @@ def test_record_with_missing_parts_is_null_not_absent(tmp_path):
             assert rec[key][k] is None, (key, k)
     assert any("parts not measured" in n for n in rec["notes"])
     assert "—" in gb.markdown(rec)
+
+
+def test_vram24_in_the_record():
+    part = {"ctx": 131072, "cap_bytes": 24 * 2**30, "plan_bytes": 22 * 2**30, "peak_bytes": 21 * 2**30,
+            "exact": True, "kv_type": "q4_0", "notes": []}
+    rec = gb.assemble({"vram24": part}, "c", "H100", gb._dt.datetime(2026, 11, 23))
+    assert rec["vram24"] == {"ctx": 131072, "peak_bytes": 21 * 2**30, "plan_bytes": 22 * 2**30,
+                             "cap_bytes": 24 * 2**30, "exact": True}
+    assert "24 GiB cap: ctx 131072, peak 21.00 GiB, plan 22.00 GiB" in gb.markdown(rec)
+    assert gb.assemble({}, "c", "H100", gb._dt.datetime(2026, 11, 23))["vram24"] is None

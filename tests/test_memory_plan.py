@@ -52,7 +52,13 @@ def test_27b_at_128k_with_ddtree_fits_24_gib(sparse27):
     assert 3.2 * GIB < parts["drafter"] < 3.3 * GIB    # 1.73 B BF16 parameters: 3.46 GB
     assert parts["kv"] == 16 * 2 * 131072 * (1024 // 32) * 18  # 16 attention layers, K and V, Q4_0 rows
     assert p["options"] == {"ctx": 131072, "kv_type": "q4_0", "verify_nodes": 23, "feature_ring": 4096,
-                            "batch": 512, "device": "cuda", "budget": 22, "fit": False}
+                            "batch": 512, "device": "cuda", "draft_type": "stored", "budget": 22, "fit": False}
+    # the drafter quantised to Q8_0 at load: 1.73 G matrix values at 34 bytes per 32
+    rc, q = plan_json("-m", str(t), "-md", str(d), "-c", "131072", "--kv-type", "q4_0", "--vram", "24",
+                      "--draft-type", "q8_0")
+    assert rc == 0 and q["options"]["draft_type"] == "q8_0"
+    assert 1.70 * GIB < q["parts"]["drafter"] < 1.72 * GIB
+    assert q["total_bytes"] == p["total_bytes"] - p["parts"]["drafter"] + q["parts"]["drafter"]
 
 
 def test_tree_state_is_the_per_node_update(sparse27):

@@ -40,11 +40,17 @@ void fill_info(const char* path, const dfl::DraftConfig& c, dfl_draft_info* o) {
 extern "C" {
 
 dfl_draft* dfl_draft_load(const char* path, const dfl_model* target) {
+  return dfl_draft_load_as(path, target, DFL_DRAFT_AS_STORED);
+}
+
+dfl_draft* dfl_draft_load_as(const char* path, const dfl_model* target, uint32_t weight_type) {
   dfl_draft* out = nullptr;
   dfl::api_guard([&] {
     if (!path) dfl::fail("path is NULL");
     auto d = std::make_unique<dfl_draft>();
-    d->d = dfl::load_draft(path);
+    std::optional<dfl::DType> wt;
+    if (weight_type != DFL_DRAFT_AS_STORED) wt = (dfl::DType)weight_type;
+    d->d = dfl::load_draft(path, wt);
     check_info_fits(path, d->d->cfg);
     if (target) dfl::validate_pair(d->d->cfg, target->m->cfg);
     out = d.release();

@@ -3,9 +3,11 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <thread>
 
 #include "quant/quant.h"
 #include "util/json.h"
@@ -383,7 +385,39 @@ DraftFiles draft_files(const std::string& path, bool need_weights) {
   return f;
 }
 
-std::unique_ptr<DraftModel> load_draft(const std::string& path) {
+// A matrix converted row by row (BF16 or Q8_0) into memory the model owns, on
+// all cores: the 27B drafter's 1.6 G matrix values take seconds, not minutes.
+static Weight convert_matrix(const Weight& w, DType to, std::vector<std::vector<uint8_t>>& owned) {
+  if (w.type == to) return w;
+  if (to == DType::Q8_0 && w.cols % QK8_0)
+    fail("cannot quantise the drafter to Q8_0: a matrix has %lld columns, not a multiple of %d", (long long)w.cols,
+         QK8_0);
+  Weight out = w;
+  out.type = to;
+  out.row_bytes = row_bytes(to, w.cols);
+  owned.emplace_back((size_t)w.rows * out.row_bytes);
+  uint8_t* dst = owned.back().data();
+  out.data = dst;
+  const int nt = std::max(1, std::min((int)std::thread::hardware_concurrency(), 32));
+  std::vector<std::thread> th;
+  for (int t = 0; t < nt; ++t)
+    th.emplace_back([&, t] {
+      std::vector<float> row((size_t)w.cols);
+      std::vector<uint8_t> src(w.row_bytes);
+      for (int64_t r = t; r < w.rows; r += nt) {
+        std::memcpy(src.data(), w.row(r), w.row_bytes);  // the mapping need not be aligned
+        dequantize_row(w.type, src.data(), row.data(), w.cols);
+        quantize_row(to, row.data(), dst + (size_t)r * out.row_bytes, w.cols);
+      }
+    });
+  for (auto& x : th) x.join();
+  return out;
+}
+
+std::unique_ptr<DraftModel> load_draft(const std::string& path, std::optional<DType> weight_type) {
+  if (weight_type && *weight_type != DType::BF16 && *weight_type != DType::Q8_0)
+    fail("drafter weights can be kept as stored or converted to BF16 or Q8_0 (asked for type %u)",
+         (unsigned)*weight_type);
   const DraftFiles files = draft_files(path, true);
   const std::string& cfg_path = files.config;
   const std::string& st_path = files.weights;
@@ -418,6 +452,16 @@ std::unique_ptr<DraftModel> load_draft(const std::string& path) {
       fail("%s: unexpected tensor '%s' (not part of a %d-layer DFlash drafter)", st_path.c_str(), t.name.c_str(),
            c.n_layer);
     m->weight_bytes += t.nbytes();
+  }
+  if (weight_type) {
+    std::vector<Weight*> mats{&m->fc};
+    for (DraftLayerWeights& l : m->layers)
+      for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down}) mats.push_back(w);
+    for (Weight* w : mats) {
+      const uint64_t before = (uint64_t)w->rows * w->row_bytes;
+      *w = convert_matrix(*w, *weight_type, m->converted);
+      m->weight_bytes = m->weight_bytes - before + (uint64_t)w->rows * w->row_bytes;
+    }
   }
   return m;
 }

@@ -10,6 +10,7 @@
 // file (or the pair) and the problem.
 #pragma once
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,7 @@ struct DraftLayerWeights {
 
 struct DraftModel {
   std::unique_ptr<SafetensorsFile> file;
+  std::vector<std::vector<uint8_t>> converted;  // matrices converted at load (Weight::data points here)
   std::string config_path;
   DraftConfig cfg;
   Weight fc;                            // [H, H * n_target_layers]
@@ -85,7 +87,11 @@ struct DraftFiles {
 };
 DraftFiles draft_files(const std::string& path, bool need_weights);
 
-std::unique_ptr<DraftModel> load_draft(const std::string& path);
+// weight_type: the matrices' type in memory — none for the file's own, or
+// BF16 / Q8_0 converted at load (norm vectors stay f32 either way).
+// The drafter only proposes, so its weight type changes acceptance, never
+// the output.
+std::unique_ptr<DraftModel> load_draft(const std::string& path, std::optional<DType> weight_type = {});
 
 // Refuses a drafter that cannot run against `target`: hidden sizes, every
 // target_layer_id inside [0, target n_layer), mask token id, vocab sizes.

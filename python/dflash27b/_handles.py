@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._lib import DFlashError, check, load
+from ._lib import TYPE_IDS, DFlashError, check, load
 
 _STOP_REASONS = {0: "running", 1: "length", 2: "eos", 3: "context_full"}
 
@@ -312,10 +312,16 @@ def draft_config_info(path) -> dict:
 class Draft:
     """A loaded DFlash drafter (config.json + model.safetensors), validated against `target` when given."""
 
-    def __init__(self, path: str, target: Model | None = None):
+    AS_STORED = 0xFFFFFFFF
+
+    def __init__(self, path: str, target: Model | None = None, weight_type: str | None = None):
+        """weight_type: None keeps the file's type; "bf16" / "q8_0" converts the matrices at load."""
         ffi, lib = load()
         self._ffi, self._lib = ffi, lib
-        h = lib.dfl_draft_load(str(path).encode(), target.handle if target is not None else ffi.NULL)
+        if weight_type not in (None, "bf16", "q8_0"):
+            raise DFlashError(f"drafter weight type {weight_type!r}: choose bf16 or q8_0 (or keep the file's)")
+        wt = self.AS_STORED if weight_type is None else TYPE_IDS[weight_type]
+        h = lib.dfl_draft_load_as(str(path).encode(), target.handle if target is not None else ffi.NULL, wt)
         if h == ffi.NULL:
             raise DFlashError(ffi.string(lib.dfl_last_error()).decode("utf-8", "replace"))
         self._h = h

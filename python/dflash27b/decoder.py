@@ -170,12 +170,16 @@ class Decoder:
 
     >>> with Decoder("model.gguf") as d:
     ...     print(d.generate("def fib(n):", max_new_tokens=32).text)
+
+    draft_type: None keeps the drafter's weights as stored (BF16 for z-lab's); "q8_0" quantises its matrices
+    at load (half the memory; the drafter only proposes, so the output is unchanged, acceptance may move).
     """
 
     def __init__(self, target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
                  device: str = "auto",
                  kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
-                 feature_ring: int = 4096, on_memory_plan: Callable[[dict], None] | None = None):
+                 feature_ring: int = 4096, draft_type: str | None = None,
+                 on_memory_plan: Callable[[dict], None] | None = None):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
         if ctx <= 0:
@@ -200,7 +204,7 @@ class Decoder:
         try:
             if draft is not None:
                 # The pair is validated by the core; a mismatch names the offending field.
-                self._draft = _handles.Draft(self.draft, self._model)
+                self._draft = _handles.Draft(self.draft, self._model, draft_type)
             dev_id = 1 if self.device == "cuda" else 0
             # What the context will hold on its device (tree state for 32 verify nodes, as the core
             # plans), computed from the mapped files before anything is uploaded (memory_plan.py).

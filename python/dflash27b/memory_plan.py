@@ -41,32 +41,49 @@ class Plan:
         return {**self.parts, "total": self.total}
 
 
-def drafter_parts(info: dict, ring: int) -> dict[str, int]:
+def drafter_weight_bytes(info: dict, draft_type: str | None) -> int:
+    """The drafter's weights in memory: as stored (the loaded info's weight_bytes), or with the matrices
+    converted at load (bf16: 2 bytes a value; q8_0: 34 bytes per 32), the norm vectors as stored."""
+    stored = int(info["weight_bytes"])
+    if draft_type is None or not stored:
+        return stored
+    H, L, F, D = info["hidden"], info["n_layer"], info["n_ff"], info["head_dim"]
+    Q, KV = info["n_head"] * D, info["n_head_kv"] * D
+    mats = H * H * info["n_target_layers"] + L * (2 * Q * H + 2 * KV * H + 3 * F * H)
+    vecs = 2 * H + L * (2 * H + 2 * D)
+    elem = stored / (mats + vecs)  # one dtype in the file
+    per_mat = {"bf16": 2.0, "q8_0": 34 / 32}[draft_type]
+    return int(round(mats * per_mat + vecs * elem))
+
+
+def drafter_parts(info: dict, ring: int, draft_type: str | None = None) -> dict[str, int]:
     """The drafter's weights, its feature ring (f32 rows of the captured target layers) and its K/V cache
-    (ring + one block of f32 rows per drafter layer)."""
-    return {"drafter": int(info["weight_bytes"]),
+    (ring + one block of f32 rows per drafter layer).  info: a loaded drafter's (weights as held) or a
+    config's with the stored weight bytes and the type to convert to."""
+    return {"drafter": drafter_weight_bytes(info, draft_type),
             "feature_ring": ring * info["n_target_layers"] * info["hidden"] * 4,
             "draft_kv": info["n_layer"] * 2 * (ring + info["block_size"]) * info["n_head_kv"] * info["head_dim"] * 4}
 
 
 def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_type: str, nodes: int,
-             feature_ring: int, batch: int, device: str) -> Plan:
-    """The plan for a loaded (mapped) target and an optional drafter's info."""
+             feature_ring: int, batch: int, device: str, draft_type: str | None = None) -> Plan:
+    """The plan for a loaded (mapped) target and an optional drafter's info (draft_type: the conversion
+    still to apply to the info's stored weights; None when the info is of the drafter as loaded)."""
     core = _handles.memory_plan(model, ctx, batch, TYPE_IDS[kv_type], 1 if device == "cuda" else 0, nodes)
     parts = dict.fromkeys(PARTS, 0)
     for k in ("weights", "kv", "recurrent", "tree_state", "workspace"):
         parts[k] = core[k]
     if draft_info is not None:
-        parts.update(drafter_parts(draft_info, feature_ring))
+        parts.update(drafter_parts(draft_info, feature_ring, draft_type))
     if device == "cuda":
         parts["cuda_context"] = CUDA_CONTEXT_RESERVE
     opts = {"ctx": ctx, "kv_type": kv_type, "verify_nodes": nodes, "feature_ring": feature_ring if draft_info else 0,
-            "batch": batch, "device": device}
+            "batch": batch, "device": device, "draft_type": (draft_type or "stored") if draft_info else None}
     return Plan(parts, opts)
 
 
 def fit(model: _handles.Model, draft_info: dict | None, vram: int, *, max_ctx: int, nodes: int, feature_ring: int,
-        batch: int, min_ctx: int = 4096) -> Plan | None:
+        batch: int, draft_type: str | None = None, min_ctx: int = 4096) -> Plan | None:
     """The largest context (powers of two from max_ctx down to min_ctx, max_ctx itself first) and, for it, the
     largest KV type whose plan fits in vram bytes; None when nothing does."""
     ctxs = [max_ctx]
@@ -78,7 +95,7 @@ def fit(model: _handles.Model, draft_info: dict | None, vram: int, *, max_ctx: i
     for ctx in ctxs:
         for kv in KV_BY_SIZE:
             p = plan_for(model, draft_info, ctx=ctx, kv_type=kv, nodes=nodes, feature_ring=feature_ring, batch=batch,
-                         device="cuda")
+                         device="cuda", draft_type=draft_type)
             if p.total <= vram:
                 return p
     return None
