@@ -328,7 +328,7 @@ class CudaBackend final : public Backend {
     launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
     fwd::DeltaArgs da{mm, z, bb, aa, L.dt_bias, L.ssm_a, L.ssm_norm, L.rec, L.node_rec, L.node_upd, parent_, y, n_,
                       c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
-                      (int64_t)U.delta, (int64_t)U.decay};
+                      (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
     const dim3 grid((unsigned)c_.ssm_nv), block((unsigned)c_.ssm_dv);
     switch (c_.ssm_dk) {
       case 32: return launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da);
@@ -338,10 +338,10 @@ class CudaBackend final : public Backend {
     }
   }
 
-  void delta_commit(float* rec, const float* node_upd, const int32_t* path, int m) override {
+  void delta_commit(void* rec, DType state_type, const float* node_upd, const int32_t* path, int m) override {
     const GdnNodeLayout U(c_);
     fwd::DeltaCommitArgs a{rec, node_upd, (int64_t)U.stride, (int64_t)U.k, (int64_t)U.delta, (int64_t)U.decay,
-                           c_.ssm_nk, c_.ssm_dk, c_.ssm_dv, 0, {}};
+                           c_.ssm_nk, c_.ssm_dk, c_.ssm_dv, 0, (int)state_type, {}};
     const int64_t hs = (int64_t)c_.ssm_dk * c_.ssm_dv;
     const dim3 grid((unsigned)((hs + 255) / 256), (unsigned)c_.ssm_nv);
     for (int p0 = 0; p0 < m; p0 += fwd::kCommitPath) {

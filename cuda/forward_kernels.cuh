@@ -480,20 +480,43 @@ __global__ void conv_kernel(ConvArgs a) {
 // written with explicit roundings (S = S * decay, then S = fma(k, delta, S)) so
 // that delta_commit_kernel, replaying a node's stored (k, delta, decay),
 // reproduces it bit for bit whatever the compiler would contract.
+// The recurrent state's storage: f32, or bf16 / f16 rounded to nearest even
+// (DType ids; the state is computed in f32 and rounded after every token).
+__device__ __forceinline__ uint32_t f32_to_bf16_bits_rn(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ float ld_state(const void* p, int64_t i, int type) {
+  if (type == (int)DType::BF16) return bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+  if (type == (int)DType::F16) return f16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+__device__ __forceinline__ void st_state(void* p, int64_t i, float v, int type) {
+  if (type == (int)DType::BF16) static_cast<uint16_t*>(p)[i] = (uint16_t)f32_to_bf16_bits_rn(v);
+  else if (type == (int)DType::F16) static_cast<uint16_t*>(p)[i] = (uint16_t)f32_to_f16_bits(v);
+  else static_cast<float*>(p)[i] = v;
+}
+__device__ __forceinline__ float round_state(float v, int type) {
+  if (type == (int)DType::BF16) return bf16_bits_to_f32(f32_to_bf16_bits_rn(v));
+  if (type == (int)DType::F16) return f16_bits_to_f32(f32_to_f16_bits(v));
+  return v;
+}
+
 struct DeltaArgs {
   const float* mm;       // [n][Cconv] conv outputs: q (nk*dk) | k (nk*dk) | v (nv*dv)
   const float* z;        // [n][nv*dv]
   const float* beta;     // [n][nv]
   const float* alpha;    // [n][nv]
   const float* dt_bias, *ssm_a, *ssm_norm;
-  float* rec;            // [nv][dk][dv] committed
-  float* node_rec;       // [n][nv][dk][dv] or null (commit)
+  void* rec;             // [nv][dk][dv] committed, of state_type
+  void* node_rec;        // [n][nv][dk][dv] of state_type, or null (commit)
   float* node_upd;       // [n][upd_stride]: k at k_off, delta at delta_off, decay at decay_off; null (commit)
   const int32_t* parent;
   float* y;              // [n][nv*dv]
   int n, nk, nv, dv, Cconv;
   float eps;
   int64_t upd_stride, k_off, delta_off, decay_off;
+  int state_type;        // DType id: F32, BF16 or F16
 };
 
 template <int DK>
@@ -505,13 +528,14 @@ __global__ void delta_kernel(DeltaArgs a) {
   const float qscale = 1.f / sqrtf((float)DK);
   float s[DK];
 #pragma unroll
-  for (int i = 0; i < DK; ++i) s[i] = a.rec[hoff + (int64_t)i * dv + j];
+  for (int i = 0; i < DK; ++i) s[i] = ld_state(a.rec, hoff + (int64_t)i * dv + j, a.state_type);
   for (int t = 0; t < a.n; ++t) {
     const int par = a.parent[t];
     if (par != t - 1) {
-      const float* src = (par < 0 ? a.rec : a.node_rec + par * rs) + hoff;
+      const void* src = par < 0 ? a.rec : a.node_rec;
+      const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
 #pragma unroll
-      for (int i = 0; i < DK; ++i) s[i] = src[(int64_t)i * dv + j];
+      for (int i = 0; i < DK; ++i) s[i] = ld_state(src, base + (int64_t)i * dv + j, a.state_type);
     }
     const float* mt = a.mm + (int64_t)t * a.Cconv;
     const float* qsrc = mt + kh * DK;
@@ -551,19 +575,22 @@ __global__ void delta_kernel(DeltaArgs a) {
       if (h < a.nk)  // one CTA per key head stores its normalised keys
         for (int i = j; i < DK; i += blockDim.x) upd[a.k_off + kh * DK + i] = ks[i] * ik;
     }
+    if (a.state_type != (int)DType::F32) {
+#pragma unroll
+      for (int i = 0; i < DK; ++i) s[i] = round_state(s[i], a.state_type);
+    }
     const float ss = block_sum(out * out, red);
     const float scale = 1.f / sqrtf(ss / (float)dv + a.eps);
     const int64_t yi = (int64_t)t * a.nv * dv + h * dv + j;
     a.y[yi] = out * scale * a.ssm_norm[j] * silu_f(a.z[yi]);
     if (a.node_rec) {
-      float* dst = a.node_rec + t * rs + hoff;
 #pragma unroll
-      for (int i = 0; i < DK; ++i) dst[(int64_t)i * dv + j] = s[i];
+      for (int i = 0; i < DK; ++i) st_state(a.node_rec, t * rs + hoff + (int64_t)i * dv + j, s[i], a.state_type);
     }
   }
   if (!a.node_rec) {
 #pragma unroll
-    for (int i = 0; i < DK; ++i) a.rec[hoff + (int64_t)i * dv + j] = s[i];
+    for (int i = 0; i < DK; ++i) st_state(a.rec, hoff + (int64_t)i * dv + j, s[i], a.state_type);
   }
 }
 
@@ -574,10 +601,10 @@ __global__ void delta_kernel(DeltaArgs a) {
 // by value, up to kCommitPath per launch (longer paths: successive launches).
 constexpr int kCommitPath = 64;
 struct DeltaCommitArgs {
-  float* rec;              // [nv][dk][dv]
+  void* rec;               // [nv][dk][dv] of state_type
   const float* node_upd;   // [nodes][upd_stride]
   int64_t upd_stride, k_off, delta_off, decay_off;
-  int nk, dk, dv, m;
+  int nk, dk, dv, m, state_type;
   int32_t path[kCommitPath];
 };
 
@@ -586,14 +613,15 @@ __global__ void delta_commit_kernel(DeltaCommitArgs a) {
   const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, hs = (int64_t)a.dk * a.dv;
   if (e >= hs) return;
   const int i = (int)(e / a.dv), j = (int)(e % a.dv);
-  float* sp = a.rec + (int64_t)h * hs + e;
-  float s = *sp;
+  const int64_t at = (int64_t)h * hs + e;
+  float s = ld_state(a.rec, at, a.state_type);
   for (int p = 0; p < a.m; ++p) {
     const float* upd = a.node_upd + (int64_t)a.path[p] * a.upd_stride;
     s = __fmul_rn(s, upd[a.decay_off + h]);
     s = fmaf(upd[a.k_off + kh * a.dk + i], upd[a.delta_off + (int64_t)h * a.dv + j], s);
+    s = round_state(s, a.state_type);
   }
-  *sp = s;
+  st_state(a.rec, at, s, a.state_type);
 }
 
 }  // namespace fwd

@@ -57,6 +57,8 @@ typedef struct {
   int32_t n_threads; /* 0 = all cores */
   uint32_t kv_type;  /* DFL_TYPE_F32 / F16 / Q8_0 / Q4_0 */
   int32_t device;    /* DFL_DEVICE_CPU or DFL_DEVICE_CUDA (the first GPU; an error if none) */
+  uint32_t state_type; /* delta-net recurrent state: DFL_TYPE_F32 (default), BF16 or F16, rounded after
+                          every token alike in chains and trees, so each choice is exact on its own terms */
 } dfl_context_params;
 
 #define DFL_DEVICE_CPU 0

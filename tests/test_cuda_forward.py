@@ -134,6 +134,32 @@ def test_cuda_commit_rebuilds_the_sequential_state_bitwise(cuda_dec, path):
     assert got == ctx.state()
 
 
+@pytest.mark.parametrize("state_type", ["bf16", "f16"])
+def test_cuda_reduced_state_is_exact(pair, state_type):
+    """A BF16 / F16 recurrent state on the device: rounded after every token in chains and trees, and after
+    every node in commit's replay, so commit == a chain's state byte for byte and DDTree == AR."""
+    with Decoder(pair[0], pair[1], device="cuda", ctx=512, threads=2, state_type=state_type) as d:
+        ctx = d.context
+        prefix, toks, parent = [7, 8, 9, 10], [50, 60, 61, 70, 71, 80, 90, 72], [-1, 0, 0, 2, 1, 3, 5, 4]
+        depth = []
+        for p in parent:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        path = [0, 2, 3, 5, 6]
+        ctx.reset()
+        ctx.forward(prefix)
+        ctx.forward(toks, pos=[len(prefix) + x for x in depth], parent=parent, commit=False)
+        ctx.commit_path(path)
+        got = ctx.state()
+        ctx.reset()
+        ctx.forward(prefix)
+        ctx.forward([toks[i] for i in path])
+        assert got == ctx.state()
+        ids = d.tokenize(PROMPTS[1])
+        n = 12 if EMULATED else 64
+        assert d.generate(ids, n, ignore_eos=True, mode="ddtree").tokens == \
+            d.generate(ids, n, ignore_eos=True, mode="ar").tokens
+
+
 def test_cuda_q8_0_drafter_is_lossless(pair):
     """The drafter quantised to Q8_0 at load runs its matmuls in that format on the device; the output is
     still CUDA AR's."""

@@ -122,6 +122,7 @@ dfl_context_params dfl_context_default_params(void) {
   p.n_threads = 0;
   p.kv_type = DFL_TYPE_F16;
   p.device = DFL_DEVICE_CPU;
+  p.state_type = DFL_TYPE_F32;
   return p;
 }
 
@@ -133,6 +134,7 @@ static dfl::ContextParams to_context_params(const dfl_context_params& d) {
   cp.n_batch = d.n_batch;
   cp.n_threads = d.n_threads;
   cp.kv_type = (dfl::DType)d.kv_type;
+  cp.state_type = (dfl::DType)d.state_type;
   cp.device = d.device == DFL_DEVICE_CUDA ? dfl::Device::CUDA : dfl::Device::CPU;
   return cp;
 }

@@ -76,14 +76,17 @@ struct GdnNodeLayout {
 struct GdnLayer {
   const float* conv1d;  // [Cconv][K] backend vector
   const float* dt_bias, *ssm_a, *ssm_norm;
-  float* conv;          // committed conv window [(K-1)][Cconv]
-  float* rec;           // committed recurrent state [nv][dk][dv]
+  float* conv;          // committed conv window [(K-1)][Cconv] (f32)
+  void* rec;            // committed recurrent state [nv][dk][dv] of state_type
   // verify only (null when committing): every chunk token's window and state
   // after it — scratch, shared by all layers, read by the token's children —
   // and its update [n][GdnNodeLayout::stride], kept per layer for commit.
   float* node_conv;
-  float* node_rec;
+  void* node_rec;       // [n][nv][dk][dv] of state_type
   float* node_upd;
+  // F32, BF16 or F16: the state is rounded to it after every token (chain or
+  // tree alike), computed in f32.
+  DType state_type;
 };
 
 class Backend {
@@ -147,7 +150,8 @@ class Backend {
   // each exactly as gdn applied it (S = S * decay; S += k delta^T), so the
   // result is bit-identical to the state the verify computed for the path's
   // last node.  path: host array of m node indices.
-  virtual void delta_commit(float* rec, const float* node_upd, const int32_t* path, int m) = 0;
+  // rec is of state_type, rounded after each node as gdn rounds after each token.
+  virtual void delta_commit(void* rec, DType state_type, const float* node_upd, const int32_t* path, int m) = 0;
   // Per row of logits: the k largest (descending; ties: lower id first) as ids
   // and log-softmax values — what greedy acceptance (k = 1) and the DDTree
   // builder need, so only k values per row leave the device.

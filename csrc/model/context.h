@@ -21,6 +21,10 @@ struct ContextParams {
   int n_ctx = 4096;
   int n_batch = 512;      // tokens per internal chunk; also the largest verify batch
   DType kv_type = DType::F16;
+  // The delta-net recurrent state (committed and per verified node): F32, BF16
+  // or F16.  The state is rounded to it after every token, alone or in a batch,
+  // so every choice is exact on its own terms (speculative == AR).
+  DType state_type = DType::F32;
   int n_threads = 0;      // 0: hardware concurrency
   Device device = Device::CPU;
 };

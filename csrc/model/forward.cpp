@@ -25,6 +25,7 @@ struct Context::Impl {
   std::unique_ptr<Backend> be;
   size_t kv_row = 0;                  // bytes of one K (or V) row of kv_dim values
   size_t conv_floats = 0, rec_floats = 0;
+  size_t rec_bytes = 0;               // one layer's recurrent state in the state type
   std::vector<BackendBuf> k, v;       // per layer (empty for delta-net layers)
   std::vector<BackendBuf> conv, rec;  // per layer committed state (empty for attention)
   // verify: every node's window and state (scratch, one layer at a time) and, per layer, every node's
@@ -56,25 +57,33 @@ static size_t widest_row(const Qwen35Config& c) {
                    (size_t)c.ssm_inner()});
 }
 
+static void check_state_type(DType t) {
+  if (t != DType::F32 && t != DType::BF16 && t != DType::F16)
+    fail("unsupported recurrent state type %s (f32, bf16 or f16)",
+         type_traits((uint32_t)t) ? type_traits((uint32_t)t)->name : "?");
+}
+
 MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
   const Qwen35Config& c = m.cfg;
+  check_state_type(p.state_type);
   MemoryPlan mp;
   mp.weights = m.weight_bytes;
   for (auto* v : {&m.output_norm}) mp.weights += v->size() * 4;
   const size_t kv_row = row_bytes(p.kv_type, c.kv_dim());
-  const size_t conv = (size_t)(c.conv_kernel - 1) * c.conv_channels(), rec = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv;
+  const size_t conv = (size_t)(c.conv_kernel - 1) * c.conv_channels() * 4,
+               rec = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv * row_bytes(p.state_type, 1);  // bytes
   for (int l = 0; l < c.n_layer; ++l) {
     const LayerWeights& w = m.layers[l];
     for (auto* v : {&w.attn_norm, &w.post_norm, &w.q_norm, &w.k_norm, &w.conv1d, &w.dt_bias, &w.ssm_a, &w.ssm_norm})
       mp.weights += v->size() * 4;
     if (c.is_recurrent[l]) {
-      mp.recurrent += (conv + rec) * 4;
+      mp.recurrent += conv + rec;
       mp.tree_state += (uint64_t)max_nodes * GdnNodeLayout(c).stride * 4;
     } else {
       mp.kv += 2 * (uint64_t)p.n_ctx * kv_row;
     }
   }
-  if (c.n_layer > 0) mp.tree_state += (uint64_t)max_nodes * (conv + rec) * 4;  // one layer's node states
+  if (c.n_layer > 0) mp.tree_state += (uint64_t)max_nodes * (conv + rec);  // one layer's node states
   const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
   mp.workspace = (3 * nb * c.n_embd + 3 * nb * widest + 2 * nb * std::max(c.ssm_nv, 1)) * 4 +
                  (size_t)std::min(kLogitGroup, p.n_batch) * c.n_vocab * 4 +
@@ -89,6 +98,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   if (p.kv_type != DType::F32 && p.kv_type != DType::F16 && p.kv_type != DType::Q8_0 &&
       p.kv_type != DType::Q4_0 && p.kv_type != DType::BF16)
     fail("unsupported KV cache type %s", type_traits((uint32_t)p.kv_type) ? type_traits((uint32_t)p.kv_type)->name : "?");
+  check_state_type(p.state_type);
   impl_ = std::make_unique<Impl>(p.n_threads > 0 ? p.n_threads : default_threads());
   Impl& I = *impl_;
   if (p.device == Device::CUDA) {
@@ -101,6 +111,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   I.kv_row = row_bytes(p.kv_type, c.kv_dim());
   I.conv_floats = (size_t)(c.conv_kernel - 1) * c.conv_channels();
   I.rec_floats = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv;
+  I.rec_bytes = I.rec_floats * row_bytes(p.state_type, 1);
   I.k.resize(c.n_layer);
   I.v.resize(c.n_layer);
   I.conv.resize(c.n_layer);
@@ -109,7 +120,7 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
   for (int l = 0; l < c.n_layer; ++l) {
     if (c.is_recurrent[l]) {
       I.conv[l] = BackendBuf(be, I.conv_floats * 4);
-      I.rec[l] = BackendBuf(be, I.rec_floats * 4);
+      I.rec[l] = BackendBuf(be, I.rec_bytes);
     } else {
       I.k[l] = BackendBuf(be, (size_t)p.n_ctx * I.kv_row);
       I.v[l] = BackendBuf(be, (size_t)p.n_ctx * I.kv_row);
@@ -153,7 +164,7 @@ size_t Context::committed_state_size() const {
   const Impl& I = *impl_;
   size_t b = 0;
   for (int l = 0; l < model_.cfg.n_layer; ++l)
-    b += model_.cfg.is_recurrent[l] ? (I.conv_floats + I.rec_floats) * 4 : 2 * (size_t)n_past_ * I.kv_row;
+    b += model_.cfg.is_recurrent[l] ? I.conv_floats * 4 + I.rec_bytes : 2 * (size_t)n_past_ * I.kv_row;
   return b;
 }
 
@@ -163,8 +174,8 @@ void Context::copy_committed_state(uint8_t* dst) const {
     if (model_.cfg.is_recurrent[l]) {
       I.be->download(dst, I.conv[l].p, I.conv_floats * 4);
       dst += I.conv_floats * 4;
-      I.be->download(dst, I.rec[l].p, I.rec_floats * 4);
-      dst += I.rec_floats * 4;
+      I.be->download(dst, I.rec[l].p, I.rec_bytes);
+      dst += I.rec_bytes;
     } else {
       const size_t n = (size_t)n_past_ * I.kv_row;
       if (n) {
@@ -214,7 +225,7 @@ void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
     if (I.node_cap < b.n) {
       const size_t stride = GdnNodeLayout(c).stride;
       I.node_conv = BackendBuf(*I.be, (size_t)b.n * I.conv_floats * 4);
-      I.node_rec = BackendBuf(*I.be, (size_t)b.n * I.rec_floats * 4);
+      I.node_rec = BackendBuf(*I.be, (size_t)b.n * I.rec_bytes);
       for (int l = 0; l < c.n_layer; ++l)
         if (c.is_recurrent[l]) I.node_upd[l] = BackendBuf(*I.be, (size_t)b.n * stride * 4);
       I.node_cap = b.n;
@@ -263,7 +274,7 @@ void Context::commit_path(const int32_t* nodes, int n) {
       else
         I.be->copy(win + (size_t)r * C, upd + (size_t)nodes[src - W] * U.stride + U.xin, (size_t)C * 4);
     }
-    I.be->delta_commit(I.rec[l].f(), upd, nodes, n);
+    I.be->delta_commit(I.rec[l].p, params_.state_type, upd, nodes, n);
   }
   n_past_ += n;
   n_verify_ = 0;
@@ -343,8 +354,8 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.matmul(w.wbeta, I.hn.f(), n, bb);
       be.matmul(w.walpha, I.hn.f(), n, aa);
       const GdnLayer L{be.vec(w.conv1d), be.vec(w.dt_bias), be.vec(w.ssm_a), be.vec(w.ssm_norm), I.conv[l].f(),
-                       I.rec[l].f(), commit ? nullptr : I.node_conv.f(), commit ? nullptr : I.node_rec.f(),
-                       commit ? nullptr : I.node_upd[l].f()};
+                       I.rec[l].p, commit ? nullptr : I.node_conv.f(), commit ? nullptr : I.node_rec.p,
+                       commit ? nullptr : I.node_upd[l].f(), params_.state_type};
       be.gdn(mm, z, bb, aa, L, y);
       be.matmul(w.ssm_out, y, n, I.out.f());
     }

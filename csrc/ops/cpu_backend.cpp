@@ -159,18 +159,19 @@ class CpuBackend final : public Backend {
     const float qscale = 1.f / std::sqrt((float)dk);
     const ChunkPlan& P = *p_;
     const GdnNodeLayout U(c_);
+    const size_t es = row_bytes(L.state_type, 1), hs = (size_t)dk * dv;  // state element bytes, head size
     for (int t = 0; t < P.n; ++t) {
       float* win;  // (K-1) x Cconv, oldest first
-      float* S;    // nv x dk x dv
+      uint8_t* S;  // nv x dk x dv of state_type
       if (P.commit) {
         win = L.conv;
-        S = L.rec;
+        S = static_cast<uint8_t*>(L.rec);
       } else {
         const int par = P.parent[t];
         win = L.node_conv + (size_t)t * cs;
-        S = L.node_rec + (size_t)t * rs;
+        S = static_cast<uint8_t*>(L.node_rec) + (size_t)t * rs * es;
         std::memcpy(win, par < 0 ? L.conv : L.node_conv + (size_t)par * cs, cs * 4);
-        std::memcpy(S, par < 0 ? L.rec : L.node_rec + (size_t)par * rs, rs * 4);
+        std::memcpy(S, par < 0 ? L.rec : static_cast<const uint8_t*>(L.node_rec) + (size_t)par * rs * es, rs * es);
       }
       float* mt = mm + (size_t)t * Cconv;  // becomes the conv output in place
       float* upd = P.commit ? nullptr : L.node_upd + (size_t)t * U.stride;
@@ -198,14 +199,22 @@ class CpuBackend final : public Backend {
       const float* bt = bb + (size_t)t * nv;
       const float* at = aa + (size_t)t * nv;
       pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
+        std::vector<float> tmp(L.state_type == DType::F32 ? 0 : hs);
         for (int64_t h = h0; h < h1; ++h) {
           const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
+          uint8_t* Sh = S + (size_t)h * hs * es;
+          float* Sf = reinterpret_cast<float*>(Sh);
+          if (!tmp.empty()) {  // a reduced state: computed in f32, rounded back after the token
+            dequantize_row(L.state_type, Sh, tmp.data(), (int64_t)hs);
+            Sf = tmp.data();
+          }
           const float beta = sigmoid(bt[h]);
           const float g = L.ssm_a[h] * softplus(at[h] + L.dt_bias[h]);
           float* oh = yt + h * dv;
           const float decay = std::exp(g);
-          delta_rule_step(S + (size_t)h * dk * dv, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
+          delta_rule_step(Sf, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
                           upd ? upd + U.delta + (size_t)h * dv : nullptr);
+          if (!tmp.empty()) quantize_row(L.state_type, tmp.data(), Sh, (int64_t)hs);
           if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
           for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[h * dv + j]);
@@ -214,16 +223,29 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void delta_commit(float* rec, const float* node_upd, const int32_t* path, int m) override {
+  void delta_commit(void* rec, DType state_type, const float* node_upd, const int32_t* path, int m) override {
     const int nk = c_.ssm_nk, dk = c_.ssm_dk, dv = c_.ssm_dv;
+    const size_t hs = (size_t)dk * dv, es = row_bytes(state_type, 1);
     const GdnNodeLayout U(c_);
     pool_.parallel_for(c_.ssm_nv, 1, [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h)
+      std::vector<float> tmp(state_type == DType::F32 ? 0 : hs);
+      for (int64_t h = h0; h < h1; ++h) {
+        uint8_t* Sh = static_cast<uint8_t*>(rec) + (size_t)h * hs * es;
+        float* Sf = reinterpret_cast<float*>(Sh);
+        if (!tmp.empty()) {
+          dequantize_row(state_type, Sh, tmp.data(), (int64_t)hs);
+          Sf = tmp.data();
+        }
         for (int p = 0; p < m; ++p) {
           const float* upd = node_upd + (size_t)path[p] * U.stride;
-          delta_rule_apply(rec + (size_t)h * dk * dv, upd + U.k + (size_t)(h % nk) * dk, upd + U.delta + (size_t)h * dv,
-                           upd[U.decay + h], dk, dv);
+          delta_rule_apply(Sf, upd + U.k + (size_t)(h % nk) * dk, upd + U.delta + (size_t)h * dv, upd[U.decay + h],
+                           dk, dv);
+          if (!tmp.empty()) {  // rounded after each node, as gdn rounds after each token
+            quantize_row(state_type, tmp.data(), Sh, (int64_t)hs);
+            dequantize_row(state_type, Sh, tmp.data(), (int64_t)hs);
+          }
         }
+      }
     });
   }
 

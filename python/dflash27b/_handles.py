@@ -59,26 +59,32 @@ class Model:
         self.close()
 
 
-def context_params(lib, ffi, n_ctx: int, n_batch: int, n_threads: int, kv_type: int, device: int):
+def context_params(lib, ffi, n_ctx: int, n_batch: int, n_threads: int, kv_type: int, device: int,
+                   state_type: int = 0):
     p = lib.dfl_context_default_params()
     p.n_ctx, p.n_batch, p.n_threads, p.kv_type, p.device = n_ctx, n_batch, n_threads, kv_type, device
+    p.state_type = state_type
     return ffi.new("dfl_context_params*", p)
 
 
-def memory_plan(model: Model, n_ctx: int, n_batch: int, kv_type: int, device: int, max_nodes: int) -> dict:
+def memory_plan(model: Model, n_ctx: int, n_batch: int, kv_type: int, device: int, max_nodes: int,
+                state_type: int = 0) -> dict:
     """Bytes the context will need on its device, by part (see dfl_context_memory_plan)."""
     ffi, lib = model._ffi, model._lib
     out = ffi.new("dfl_memory_plan*")
-    check(lib.dfl_context_memory_plan(model.handle, context_params(lib, ffi, n_ctx, n_batch, 1, kv_type, device),
+    check(lib.dfl_context_memory_plan(model.handle, context_params(lib, ffi, n_ctx, n_batch, 1, kv_type, device,
+                                                                   state_type),
                                       max_nodes, out))
     return {k: int(getattr(out, k)) for k in ("weights", "kv", "recurrent", "tree_state", "workspace", "total")}
 
 
 class Context:
-    def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int, kv_type: int, device: int = 0):
+    def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int, kv_type: int, device: int = 0,
+                 state_type: int = 0):
         ffi, lib = model._ffi, model._lib
         self._ffi, self._lib, self.model = ffi, lib, model
-        h = lib.dfl_context_new(model.handle, context_params(lib, ffi, n_ctx, n_batch, n_threads, kv_type, device))
+        h = lib.dfl_context_new(model.handle, context_params(lib, ffi, n_ctx, n_batch, n_threads, kv_type, device,
+                                                             state_type))
         if h == ffi.NULL:
             raise DFlashError(ffi.string(lib.dfl_last_error()).decode("utf-8", "replace"))
         self._h = h

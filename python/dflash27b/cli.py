@@ -15,7 +15,7 @@ import click
 
 from . import __version__
 from ._lib import DFlashError, load
-from .decoder import DEVICES, KV_TYPES, MODES, Decoder, bundled_pair, format_memory_plan, resolve_device
+from .decoder import DEVICES, KV_TYPES, MODES, STATE_TYPES, Decoder, bundled_pair, format_memory_plan, resolve_device
 
 
 def _version_line() -> str:
@@ -121,6 +121,8 @@ def main() -> None:
 @click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
               help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
                    "output is unchanged")
+@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
+              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
 @click.option("--prompt-ids", help="prompt as comma-separated token ids instead of text")
 @click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=0))
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
@@ -131,7 +133,7 @@ def main() -> None:
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
-def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed, block_size, feature_ring, draft_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
+def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed, block_size, feature_ring, draft_type, state_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
              kv_type, device, threads, raw, as_json, compare):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None and bundled_pair() is None and socket_path is None:
@@ -147,7 +149,8 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
         else:
             with _loading("loading models"):
                 dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
-                              feature_ring=feature_ring, draft_type=draft_type, on_memory_plan=_plan_printer(device))
+                              feature_ring=feature_ring, draft_type=draft_type, state_type=state_type,
+                              on_memory_plan=_plan_printer(device))
         with dec:
             kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
                       chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -280,9 +283,12 @@ def _parse_http(s: str) -> tuple[str, int]:
 @click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
               help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
                    "output is unchanged")
+@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
+              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
               help="target positions the drafter keeps as context")
-def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, threads, draft_type, feature_ring):
+def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, threads, draft_type, state_type,
+          feature_ring):
     """Keep the models loaded and serve requests (protocol: docs/PROTOCOL.md)."""
     from .server import Daemon, check_socket_free
     if socket_path is None and http is None:
@@ -303,7 +309,8 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
     try:
         with _loading("loading models"):
             dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
-                          feature_ring=feature_ring, draft_type=draft_type, on_memory_plan=_plan_printer(device))
+                          feature_ring=feature_ring, draft_type=draft_type, state_type=state_type,
+                          on_memory_plan=_plan_printer(device))
         name = model_name or Path(dec.target).stem
         d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True))
         click.echo(f"loaded {dec.target}" + (f" + {dec.draft}" if dec.draft else "") +
@@ -325,6 +332,8 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
 @click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
               help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
                    "output is unchanged")
+@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
+              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
               help="drafter feature ring (positions)")
 @click.option("--batch", type=click.IntRange(min=1), default=512, show_default=True, help="prefill chunk")
@@ -333,7 +342,7 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
               help="GiB the plan must fit in (exit status 1 when it does not)")
 @click.option("--fit", is_flag=True, help="pick the largest context, then the largest KV type, that fit in --vram")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, feature_ring, batch, device, vram, fit, as_json):
+def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, feature_ring, batch, device, vram, fit, as_json):
     """The device memory plan by part, from the files alone (no GPU needed): weights, drafter, KV cache,
     recurrent state, tree state, feature ring, draft KV, workspace, CUDA context reserve."""
     from . import _handles
@@ -358,16 +367,16 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, feature_ring, batc
     nodes = budget + 1
     if fit:
         p = fit_plan(model, dinfo, vram_b, max_ctx=ctx or model.info["n_ctx_train"], nodes=nodes,
-                     feature_ring=feature_ring, batch=batch, draft_type=draft_type)
+                     feature_ring=feature_ring, batch=batch, draft_type=draft_type, state_type=state_type)
         if p is None:
             smallest = plan_for(model, dinfo, ctx=4096, kv_type="q4_0", nodes=nodes, feature_ring=feature_ring,
-                                batch=batch, device="cuda", draft_type=draft_type)
+                                batch=batch, device="cuda", draft_type=draft_type, state_type=state_type)
             _fail(f"nothing fits in {vram:g} GiB: even 4096 tokens of q4_0 KV need "
                   f"{smallest.total / 2**30:.2f} GiB (weights {smallest.parts['weights'] / 2**30:.2f} GiB); use a "
                   "smaller quant or a smaller drafter")
     else:
         p = plan_for(model, dinfo, ctx=ctx or 4096, kv_type=kv_type, nodes=nodes, feature_ring=feature_ring,
-                     batch=batch, device=device, draft_type=draft_type)
+                     batch=batch, device=device, draft_type=draft_type, state_type=state_type)
     fits = None if vram_b is None else p.total <= vram_b
     if as_json:
         click.echo(json.dumps({"parts": p.parts, "total_bytes": p.total, "vram_bytes": vram_b, "fits": fits,
@@ -375,7 +384,7 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, feature_ring, batc
     else:
         o = p.options
         click.echo(f"{Path(model.path).name}" + (f" + {Path(str(draft)).name}" if draft is not None else "") +
-                   f": ctx {o['ctx']}, kv {o['kv_type']}, {nodes} verify nodes (budget {budget})" +
+                   f": ctx {o['ctx']}, kv {o['kv_type']}, state {o['state_type']}, {nodes} verify nodes (budget {budget})" +
                    (f", feature ring {o['feature_ring']}, drafter {o['draft_type']}" if dinfo else "") +
                    (" (chosen by --fit)" if fit else ""))
         click.echo(format_plan(p.as_dict(), device, vram_b))
@@ -447,12 +456,14 @@ def _int_list(s: str, opt: str) -> list[int]:
 @click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
               help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
                    "output is unchanged")
+@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
+              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False),
               help="where results.json, results.md and the plots go")
 @click.option("--peer/--no-peer", default=True, show_default=True,
               help="add llama.cpp's AR decode (llama-cpp-python) when installed")
 def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets, block_size, temperature, seed,
-              ctx, kv_type, device, threads, draft_type, out_dir, peer):
+              ctx, kv_type, device, threads, draft_type, state_type, out_dir, peer):
     """AR vs chain vs DDTree on a prompt set: tok/s, accept length, step split, plots."""
     from pathlib import Path
 
@@ -466,7 +477,7 @@ def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets,
             _fail("no target model given: pass -m/--target")
         with _loading("loading models"):
             dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
-                          draft_type=draft_type, on_memory_plan=_plan_printer(device))
+                          draft_type=draft_type, state_type=state_type, on_memory_plan=_plan_printer(device))
         with dec:
             plan = B.run_plan([m.strip() for m in modes.split(",") if m.strip()], _int_list(budgets, "--budgets"),
                               dec.draft is not None)

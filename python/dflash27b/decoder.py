@@ -19,6 +19,7 @@ from ._lib import TYPE_IDS, DFlashError, load
 from .tokenizer import Tokenizer
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+STATE_TYPES = ("f32", "bf16", "f16")
 DEVICES = ("auto", "cpu", "cuda")
 MODES = ("ar", "chain", "ddtree", "auto")
 _MODE_IDS = {"ar": 0, "chain": 1, "ddtree": 2, "auto": 3}
@@ -173,17 +174,23 @@ class Decoder:
 
     draft_type: None keeps the drafter's weights as stored (BF16 for z-lab's); "q8_0" quantises its matrices
     at load (half the memory; the drafter only proposes, so the output is unchanged, acceptance may move).
+    state_type: the delta-net recurrent state's storage, "f32" (default), "bf16" or "f16": rounded after every
+    token alike in AR steps and tree verifies, so speculation stays exact for each choice; the model itself
+    moves slightly from F32 (bench/state_type.py measures how far).
     """
 
     def __init__(self, target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *,
                  device: str = "auto",
                  kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
-                 feature_ring: int = 4096, draft_type: str | None = None,
+                 feature_ring: int = 4096, draft_type: str | None = None, state_type: str = "f32",
                  on_memory_plan: Callable[[dict], None] | None = None):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
         if ctx <= 0:
             raise DFlashError(f"ctx must be positive (got {ctx})")
+        if state_type not in STATE_TYPES:
+            raise DFlashError(f"unknown state_type {state_type!r}: choose one of {', '.join(STATE_TYPES)}")
+        self.state_type = state_type
         self.device = resolve_device(device)
         if target is None:
             pair = bundled_pair()
@@ -211,13 +218,14 @@ class Decoder:
             from .memory_plan import plan_for
             plan = plan_for(self._model, self._draft.info if self._draft is not None else None, ctx=ctx,
                             kv_type=kv_type, nodes=32, feature_ring=feature_ring, batch=batch,
-                            device=self.device).as_dict()
+                            device=self.device, state_type=state_type).as_dict()
             self.memory_plan = plan
             if on_memory_plan is not None:
                 on_memory_plan(dict(plan))
             if self.device == "cuda":
                 check_plan_fits(plan)
-            self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id)
+            self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id,
+                                         TYPE_IDS[state_type])
             self.backend = self._ctx.backend
             if self._draft is not None:
                 self._ctx.attach_draft(self._draft, feature_ring)

@@ -66,10 +66,12 @@ def drafter_parts(info: dict, ring: int, draft_type: str | None = None) -> dict[
 
 
 def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_type: str, nodes: int,
-             feature_ring: int, batch: int, device: str, draft_type: str | None = None) -> Plan:
+             feature_ring: int, batch: int, device: str, draft_type: str | None = None,
+             state_type: str = "f32") -> Plan:
     """The plan for a loaded (mapped) target and an optional drafter's info (draft_type: the conversion
     still to apply to the info's stored weights; None when the info is of the drafter as loaded)."""
-    core = _handles.memory_plan(model, ctx, batch, TYPE_IDS[kv_type], 1 if device == "cuda" else 0, nodes)
+    core = _handles.memory_plan(model, ctx, batch, TYPE_IDS[kv_type], 1 if device == "cuda" else 0, nodes,
+                                TYPE_IDS[state_type])
     parts = dict.fromkeys(PARTS, 0)
     for k in ("weights", "kv", "recurrent", "tree_state", "workspace"):
         parts[k] = core[k]
@@ -78,12 +80,13 @@ def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_typ
     if device == "cuda":
         parts["cuda_context"] = CUDA_CONTEXT_RESERVE
     opts = {"ctx": ctx, "kv_type": kv_type, "verify_nodes": nodes, "feature_ring": feature_ring if draft_info else 0,
-            "batch": batch, "device": device, "draft_type": (draft_type or "stored") if draft_info else None}
+            "batch": batch, "device": device, "draft_type": (draft_type or "stored") if draft_info else None,
+            "state_type": state_type}
     return Plan(parts, opts)
 
 
 def fit(model: _handles.Model, draft_info: dict | None, vram: int, *, max_ctx: int, nodes: int, feature_ring: int,
-        batch: int, draft_type: str | None = None, min_ctx: int = 4096) -> Plan | None:
+        batch: int, draft_type: str | None = None, state_type: str = "f32", min_ctx: int = 4096) -> Plan | None:
     """The largest context (powers of two from max_ctx down to min_ctx, max_ctx itself first) and, for it, the
     largest KV type whose plan fits in vram bytes; None when nothing does."""
     ctxs = [max_ctx]
@@ -95,7 +98,7 @@ def fit(model: _handles.Model, draft_info: dict | None, vram: int, *, max_ctx: i
     for ctx in ctxs:
         for kv in KV_BY_SIZE:
             p = plan_for(model, draft_info, ctx=ctx, kv_type=kv, nodes=nodes, feature_ring=feature_ring, batch=batch,
-                         device="cuda", draft_type=draft_type)
+                         device="cuda", draft_type=draft_type, state_type=state_type)
             if p.total <= vram:
                 return p
     return None

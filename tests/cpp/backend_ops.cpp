@@ -386,70 +386,84 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     }
   }
 
-  // gated delta-net, chain (commit) and tree (verify, per-node states)
+  // gated delta-net, chain (commit) and tree (verify, per-node states), for each recurrent state type
+  for (DType st : {DType::F32, DType::BF16, DType::F16})
   for (int n : sizes) {
+    if (st != DType::F32 && n > 64) continue;
     for (int commit = 1; commit >= 0; --commit) {
       ChunkPlan P = make_plan(n, commit, 11, 50);
       cpu->begin_chunk(P);
       cud->begin_chunk(P);
       const int Cc = c.conv_channels(), Cv = c.ssm_inner(), nv = c.ssm_nv;
       const size_t cs = (size_t)(c.conv_kernel - 1) * Cc, rs = (size_t)nv * c.ssm_dk * c.ssm_dv;
+      const size_t es = row_bytes(st, 1);
       const GdnNodeLayout U(c);
+      // a reduced state is compared after one rounding of either side: one ulp of its type
+      const double stol = st == DType::F32 ? 1e-5 : st == DType::BF16 ? 1e-2 : 2e-3;
+      const std::string sname = st == DType::F32 ? "" : std::string(" ") + tname(st);
       auto mm = randn((size_t)n * Cc), z = randn((size_t)n * Cv), bt = randn((size_t)n * nv), al = randn((size_t)n * nv);
-      auto conv = randn(cs), rec = randn(rs, 0.2f);
+      auto conv = randn(cs), rec0 = randn(rs, 0.2f);
+      std::vector<uint8_t> rec_bytes(rs * es);
+      quantize_row(st, rec0.data(), rec_bytes.data(), (int64_t)rs);
+      std::vector<float> rec(rs);
+      dequantize_row(st, rec_bytes.data(), rec.data(), (int64_t)rs);
+      auto sget = [&](const Buf& b, size_t count, size_t off = 0) {  // states back as f32
+        auto raw = b.bytes_back((off + count) * es);
+        std::vector<float> v(count);
+        dequantize_row(st, raw.data() + off * es, v.data(), (int64_t)count);
+        return v;
+      };
       Buf ma(*cpu, mm.size() * 4), mb(*cud, mm.size() * 4), za(*cpu, z.size() * 4), zb(*cud, z.size() * 4),
           ba(*cpu, bt.size() * 4), bb(*cud, bt.size() * 4), aa(*cpu, al.size() * 4), ab(*cud, al.size() * 4),
-          ca(*cpu, cs * 4), cb(*cud, cs * 4), ra(*cpu, rs * 4), rb(*cud, rs * 4), nca(*cpu, n * cs * 4),
-          ncb(*cud, n * cs * 4), nra(*cpu, n * rs * 4), nrb(*cud, n * rs * 4), ya(*cpu, z.size() * 4),
+          ca(*cpu, cs * 4), cb(*cud, cs * 4), ra(*cpu, rs * es), rb(*cud, rs * es), nca(*cpu, n * cs * 4),
+          ncb(*cud, n * cs * 4), nra(*cpu, n * rs * es), nrb(*cud, n * rs * es), ya(*cpu, z.size() * 4),
           yb(*cud, z.size() * 4), nua(*cpu, n * U.stride * 4), nub(*cud, n * U.stride * 4);
       ma.put(mm), mb.put(mm), za.put(z), zb.put(z), ba.put(bt), bb.put(bt), aa.put(al), ab.put(al);
-      ca.put(conv), cb.put(conv), ra.put(rec), rb.put(rec);
+      ca.put(conv), cb.put(conv), ra.put(rec_bytes.data(), rec_bytes.size()), rb.put(rec_bytes.data(), rec_bytes.size());
       yb.poison(), ncb.poison(), nrb.poison(), nub.poison();
       const LayerWeights& w = M.layers[0];
-      const GdnLayer La{cpu->vec(w.conv1d), cpu->vec(w.dt_bias), cpu->vec(w.ssm_a), cpu->vec(w.ssm_norm), ca.f(), ra.f(),
-                        commit ? nullptr : nca.f(), commit ? nullptr : nra.f(), commit ? nullptr : nua.f()};
-      const GdnLayer Lb{cud->vec(w.conv1d), cud->vec(w.dt_bias), cud->vec(w.ssm_a), cud->vec(w.ssm_norm), cb.f(), rb.f(),
-                        commit ? nullptr : ncb.f(), commit ? nullptr : nrb.f(), commit ? nullptr : nub.f()};
+      const GdnLayer La{cpu->vec(w.conv1d), cpu->vec(w.dt_bias), cpu->vec(w.ssm_a), cpu->vec(w.ssm_norm), ca.f(), ra.p,
+                        commit ? nullptr : nca.f(), commit ? nullptr : nra.p, commit ? nullptr : nua.f(), st};
+      const GdnLayer Lb{cud->vec(w.conv1d), cud->vec(w.dt_bias), cud->vec(w.ssm_a), cud->vec(w.ssm_norm), cb.f(), rb.p,
+                        commit ? nullptr : ncb.f(), commit ? nullptr : nrb.p, commit ? nullptr : nub.f(), st};
       cpu->gdn(ma.f(), za.f(), ba.f(), aa.f(), La, ya.f());
       cud->gdn(mb.f(), zb.f(), bb.f(), ab.f(), Lb, yb.f());
-      const std::string form = commit ? "chain" : "tree";
-      check(label("gdn", form + " y", n), yb.get(z.size()), ya.get(z.size()), 1e-5);
+      const std::string form = (commit ? "chain" : "tree") + sname;
+      check(label("gdn", form + " y", n), yb.get(z.size()), ya.get(z.size()), st == DType::F32 ? 1e-5 : stol);
       if (commit) {
         check(label("gdn", form + " conv state", n), cb.get(cs), ca.get(cs), 0.0);
-        check(label("gdn", form + " recurrent state", n), rb.get(rs), ra.get(rs), 1e-5);
-      } else {
-        check(label("gdn", form + " node conv states", n), ncb.get(n * cs), nca.get(n * cs), 0.0);
-        check(label("gdn", form + " node recurrent states", n), nrb.get(n * rs), nra.get(n * rs), 1e-5);
-        check(label("gdn", form + " committed state untouched", n), rb.get(rs), rec, 0.0);
-        // each node's update: conv inputs exactly, keys / deltas / decays as the states
-        const auto ua = nua.get(n * U.stride), ub = nub.get(n * U.stride);
-        auto part = [&](const std::vector<float>& u, size_t off, size_t len) {
-          std::vector<float> out;
-          for (int t = 0; t < n; ++t) out.insert(out.end(), u.begin() + t * U.stride + off, u.begin() + t * U.stride + off + len);
-          return out;
-        };
-        check(label("gdn", "tree node conv inputs", n), part(ub, U.xin, U.k - U.xin), part(ua, U.xin, U.k - U.xin), 0.0);
-        check(label("gdn", "tree node keys", n), part(ub, U.k, U.delta - U.k), part(ua, U.k, U.delta - U.k), 1e-6);
-        check(label("gdn", "tree node deltas", n), part(ub, U.delta, U.decay - U.delta),
-              part(ua, U.delta, U.decay - U.delta), 1e-5);
-        check(label("gdn", "tree node decays", n), part(ub, U.decay, U.stride - U.decay),
-              part(ua, U.decay, U.stride - U.decay), 1e-6);
-        // commit of a root-to-leaf path by replaying its updates == that node's state from the verify (each
-        // backend against itself, bitwise), and CUDA == CPU within the states' tolerance
-        std::vector<int32_t> path;
-        for (int t = n - 1; t >= 0; t = P.parent[t]) path.insert(path.begin(), t);
-        for (Backend* be : {cpu.get(), cud.get()}) {
-          Buf& r = be == cpu.get() ? ra : rb;
-          Buf& nu = be == cpu.get() ? nua : nub;
-          Buf& nr = be == cpu.get() ? nra : nrb;
-          be->delta_commit(r.f(), nu.f(), path.data(), (int)path.size());
-          const auto st = nr.get(n * rs);
-          check(label("gdn", std::string(be == cpu.get() ? "cpu" : "cuda") + " commit == node state (bitwise)", n),
-                r.get(rs), std::vector<float>(st.begin() + (size_t)path.back() * rs, st.begin() + (size_t)(path.back() + 1) * rs),
-                0.0);
-        }
-        check(label("gdn", "commit cuda vs cpu", n), rb.get(rs), ra.get(rs), 1e-5);
+        check(label("gdn", form + " recurrent state", n), sget(rb, rs), sget(ra, rs), stol);
+        continue;
       }
+      check(label("gdn", form + " node conv states", n), ncb.get(n * cs), nca.get(n * cs), 0.0);
+      check(label("gdn", form + " node recurrent states", n), sget(nrb, n * rs), sget(nra, n * rs), stol);
+      check(label("gdn", form + " committed state untouched", n), sget(rb, rs), rec, 0.0);
+      // each node's update: conv inputs exactly, keys / deltas / decays as the states
+      const auto ua = nua.get(n * U.stride), ub = nub.get(n * U.stride);
+      auto part = [&](const std::vector<float>& u, size_t off, size_t len) {
+        std::vector<float> out;
+        for (int t = 0; t < n; ++t) out.insert(out.end(), u.begin() + t * U.stride + off, u.begin() + t * U.stride + off + len);
+        return out;
+      };
+      check(label("gdn", form + " node conv inputs", n), part(ub, U.xin, U.k - U.xin), part(ua, U.xin, U.k - U.xin), 0.0);
+      check(label("gdn", form + " node keys", n), part(ub, U.k, U.delta - U.k), part(ua, U.k, U.delta - U.k), 1e-6);
+      check(label("gdn", form + " node deltas", n), part(ub, U.delta, U.decay - U.delta),
+            part(ua, U.delta, U.decay - U.delta), st == DType::F32 ? 1e-5 : stol);
+      check(label("gdn", form + " node decays", n), part(ub, U.decay, U.stride - U.decay),
+            part(ua, U.decay, U.stride - U.decay), 1e-6);
+      // commit of a root-to-leaf path by replaying its updates == that node's state from the verify (each
+      // backend against itself, bitwise), and CUDA == CPU within the states' tolerance
+      std::vector<int32_t> path;
+      for (int t = n - 1; t >= 0; t = P.parent[t]) path.insert(path.begin(), t);
+      for (Backend* be : {cpu.get(), cud.get()}) {
+        Buf& r = be == cpu.get() ? ra : rb;
+        Buf& nu = be == cpu.get() ? nua : nub;
+        Buf& nr = be == cpu.get() ? nra : nrb;
+        be->delta_commit(r.p, st, nu.f(), path.data(), (int)path.size());
+        check(label("gdn", std::string(be == cpu.get() ? "cpu " : "cuda ") + form + " commit == node state (bitwise)", n),
+              sget(r, rs), sget(nr, rs, (size_t)path.back() * rs), 0.0);
+      }
+      check(label("gdn", form + " commit cuda vs cpu", n), sget(rb, rs), sget(ra, rs), stol);
     }
   }
 }
