@@ -139,3 +139,26 @@ def test_models_listing_matches_drafters(fake_hub, tiny_f32_gguf, monkeypatch, t
                        env={**os.environ, "HF_HOME": str(tmp_path / "hf"), "DFLASH27B_MODELS": str(md),
                             "COLUMNS": "200"})
     assert r.returncode == 0 and "z-lab/Tiny-DFlash" in r.stdout and "Q4_K_M" in r.stdout
+
+
+def test_gguf_drafters_are_refused_naming_what_is_supported(tmp_path, synth_gguf):
+    """A GGUF given as -md: a DFlash GGUF (llama.cpp / Luce conversions, layout not pinned down) and a plain
+    qwen35 model (draft-model speculation) are each refused with one line saying what -md takes."""
+    import gguf as g
+
+    from dflash27b import Decoder, DFlashError
+    from dflash27b.model_paths import resolve_draft
+
+    dflash = tmp_path / "drafter-q8_0.gguf"
+    w = g.GGUFWriter(str(dflash), "dflash")
+    w.add_uint32("dflash.block_size", 16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(DFlashError, match=r"DFlash drafter stored as GGUF \(architecture 'dflash'\) is not "
+                                          r"supported.*config\.json \+ model\.safetensors"):
+        resolve_draft(dflash)
+    target = synth_gguf("q4_k_m")
+    with pytest.raises(DFlashError, match=r"architecture 'qwen35'\) as the draft model is not supported yet"):
+        Decoder(target, target, device="cpu", threads=1)

@@ -131,6 +131,26 @@ def resolve_target(spec: str | os.PathLike) -> Path:
                       + (f"; {'; '.join(notes)}" if notes else ""))
 
 
+def _refuse_gguf_draft(p: Path) -> None:
+    """A GGUF given as the drafter: say what it is and what is supported instead of a missing-config error."""
+    try:
+        with open(p, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return
+        from gguf import GGUFReader
+        field = GGUFReader(str(p)).fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field else "?"
+    except Exception:  # noqa: BLE001  an unreadable GGUF: still a GGUF
+        arch = "?"
+    if "dflash" in arch.lower():
+        raise DFlashError(f"{p}: a DFlash drafter stored as GGUF (architecture '{arch}') is not supported: its tensor "
+                          "layout differs between converters (llama.cpp, Luce) and is not pinned down publicly; use "
+                          "the drafter as z-lab publishes it, a directory with config.json + model.safetensors "
+                          "(--draft-type q8_0 quantises it at load)")
+    raise DFlashError(f"{p}: a GGUF model (architecture '{arch}') as the draft model is not supported yet: -md takes "
+                      "a DFlash drafter directory (config.json + model.safetensors), e.g. z-lab/Qwen3.5-27B-DFlash")
+
+
 def resolve_draft(spec: str | os.PathLike) -> Path:
     """A drafter directory (config.json + model.safetensors) from a path or `owner/name`."""
     s = os.fspath(spec)
@@ -138,6 +158,8 @@ def resolve_draft(spec: str | os.PathLike) -> Path:
     if p.exists():
         if p.is_file() and p.name in ("config.json", "model.safetensors"):
             p = p.parent
+        if p.is_file():
+            _refuse_gguf_draft(p)
         return p  # the loader names what is missing or wrong
     m = _REPO_ID.match(s)
     if m is None or m["quant"]:
