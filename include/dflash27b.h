@@ -97,6 +97,18 @@ int dfl_commit_path(dfl_context* c, const int32_t* nodes, int32_t n);
  * that committed the same tokens hold equal bytes. */
 int64_t dfl_context_state_size(const dfl_context* c);
 int dfl_context_get_state(const dfl_context* c, void* dst, int64_t size);
+/* Prefix reuse (what a prompt cache stores and restores): the KV rows of
+ * positions [p0, p1) of every attention layer (layer by layer: K rows, then V
+ * rows), and every delta-net layer's conv window + recurrent state.  Restoring
+ * rows [0, n) and the recurrent state a context had at n_past == n, then
+ * dfl_context_set_n_past(n), continues exactly as that context would. */
+int64_t dfl_context_kv_bytes_per_position(const dfl_context* c);
+int dfl_context_get_kv(const dfl_context* c, int32_t p0, int32_t p1, void* dst, int64_t size);
+int dfl_context_set_kv(dfl_context* c, int32_t p0, int32_t p1, const void* src, int64_t size);
+int64_t dfl_context_recurrent_bytes(const dfl_context* c);
+int dfl_context_get_recurrent(const dfl_context* c, void* dst, int64_t size);
+int dfl_context_set_recurrent(dfl_context* c, const void* src, int64_t size);
+int dfl_context_set_n_past(dfl_context* c, int32_t n);
 /* Target forwards run by this context so far. */
 int64_t dfl_context_n_forwards(const dfl_context* c);
 
@@ -140,6 +152,11 @@ typedef struct {
 } dfl_gen_stats;
 
 int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, const dfl_gen_params* p);
+/* As dfl_generate_begin, keeping the first n_keep prompt tokens' state that
+ * the context already holds (restored, n_past == n_keep < n_prompt): only
+ * the rest is prefilled, and the decode equals a cold one token for token. */
+int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_prompt, int32_t n_keep,
+                            const dfl_gen_params* p);
 /* Writes up to cap new tokens; returns how many (0 = finished), -1 on error. */
 int32_t dfl_generate_next(dfl_context* c, int32_t* out_tokens, int32_t cap);
 int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* out);

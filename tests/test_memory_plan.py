@@ -52,7 +52,10 @@ def test_27b_at_128k_with_ddtree_fits_24_gib(sparse27):
     assert 3.2 * GIB < parts["drafter"] < 3.3 * GIB    # 1.73 B BF16 parameters: 3.46 GB
     assert parts["kv"] == 16 * 2 * 131072 * (1024 // 32) * 18  # 16 attention layers, K and V, Q4_0 rows
     assert p["options"] == {"ctx": 131072, "kv_type": "q4_0", "verify_nodes": 23, "feature_ring": 4096,
-                            "batch": 512, "device": "cuda", "draft_type": "stored", "budget": 22, "fit": False}
+                            "batch": 512, "device": "cuda", "draft_type": "stored", "state_type": "f32", "budget": 22,
+                            "fit": False}
+    rc, b = plan_json("-m", str(t), "-md", str(d), "-c", "131072", "--kv-type", "q4_0", "--state-type", "bf16")
+    assert b["parts"]["recurrent"] < 0.53 * p["parts"]["recurrent"]  # conv windows stay f32 and b["options"]["state_type"] == "bf16"
     # the drafter quantised to Q8_0 at load: 1.73 G matrix values at 34 bytes per 32
     rc, q = plan_json("-m", str(t), "-md", str(d), "-c", "131072", "--kv-type", "q4_0", "--vram", "24",
                       "--draft-type", "q8_0")
@@ -95,7 +98,8 @@ def test_vram_sets_the_exit_status_and_bad_options_are_refused(sparse27):
     r = CliRunner().invoke(main, ["plan", "-m", str(t), "-c", "131072", "--kv-type", "q4_0", "--vram", "24"])
     assert r.exit_code == 0 and "fits in 24.00 GiB" in r.output and "tree state" in r.output
     for args, msg in ((["--fit"], "--fit needs --vram"), (["--vram", "24", "--fit", "--device", "cpu"], "GPU"),
-                      (["--vram", "-1"], "--vram"), (["--state-type", "bf16"], "No such option")):
+                      (["--vram", "-1"], "--vram"), (["--state-type", "q8_0"], "Invalid value"),
+                      (["--flash-attn"], "No such option")):
         r = CliRunner().invoke(main, ["plan", "-m", str(t), *args])
         assert r.exit_code != 0 and msg in r.output, (args, r.output)
 

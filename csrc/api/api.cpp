@@ -198,6 +198,60 @@ int dfl_context_get_state(const dfl_context* c, void* dst, int64_t size) {
   });
 }
 
+int64_t dfl_context_kv_bytes_per_position(const dfl_context* c) {
+  return c ? (int64_t)c->ctx->kv_bytes_per_position() : -1;
+}
+
+static void need_size(int64_t have, size_t want, const char* what) {
+  if (have != (int64_t)want)
+    dfl::fail("%s buffer of %lld bytes, expected %zu", what, (long long)have, want);
+}
+
+int dfl_context_get_kv(const dfl_context* c, int32_t p0, int32_t p1, void* dst, int64_t size) {
+  return guard([&] {
+    need(c, "context");
+    need(dst, "dst");
+    need_size(size, (size_t)std::max(0, p1 - p0) * c->ctx->kv_bytes_per_position(), "KV");
+    c->ctx->get_kv(p0, p1, (uint8_t*)dst);
+  });
+}
+
+int dfl_context_set_kv(dfl_context* c, int32_t p0, int32_t p1, const void* src, int64_t size) {
+  return guard([&] {
+    need(c, "context");
+    need(src, "src");
+    need_size(size, (size_t)std::max(0, p1 - p0) * c->ctx->kv_bytes_per_position(), "KV");
+    c->ctx->set_kv(p0, p1, (const uint8_t*)src);
+  });
+}
+
+int64_t dfl_context_recurrent_bytes(const dfl_context* c) { return c ? (int64_t)c->ctx->recurrent_bytes() : -1; }
+
+int dfl_context_get_recurrent(const dfl_context* c, void* dst, int64_t size) {
+  return guard([&] {
+    need(c, "context");
+    need(dst, "dst");
+    need_size(size, c->ctx->recurrent_bytes(), "recurrent state");
+    c->ctx->get_recurrent((uint8_t*)dst);
+  });
+}
+
+int dfl_context_set_recurrent(dfl_context* c, const void* src, int64_t size) {
+  return guard([&] {
+    need(c, "context");
+    need(src, "src");
+    need_size(size, c->ctx->recurrent_bytes(), "recurrent state");
+    c->ctx->set_recurrent((const uint8_t*)src);
+  });
+}
+
+int dfl_context_set_n_past(dfl_context* c, int32_t n) {
+  return guard([&] {
+    need(c, "context");
+    c->ctx->set_n_past(n);
+  });
+}
+
 int64_t dfl_context_n_forwards(const dfl_context* c) { return c ? c->ctx->n_forwards() : -1; }
 
 int dfl_forward(dfl_context* c, int32_t n, const int32_t* tokens, const int32_t* pos, const int32_t* parent,
@@ -242,6 +296,11 @@ dfl_gen_params dfl_gen_default_params(void) {
 }
 
 int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, const dfl_gen_params* p) {
+  return dfl_generate_begin_keep(c, prompt, n_prompt, 0, p);
+}
+
+int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_prompt, int32_t n_keep,
+                            const dfl_gen_params* p) {
   return guard([&] {
     need(c, "context");
     need(prompt, "prompt");
@@ -267,7 +326,7 @@ int dfl_generate_begin(dfl_context* c, const int32_t* prompt, int32_t n_prompt, 
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);
       }
     }
-    c->gen->begin(prompt, n_prompt, gp);
+    c->gen->begin(prompt, n_prompt, gp, n_keep);
   });
 }
 

@@ -78,6 +78,19 @@ class Context {
   size_t committed_state_size() const;
   void copy_committed_state(uint8_t* dst) const;
 
+  // Prefix reuse (a cache of earlier conversations' states): KV rows of
+  // positions [p0, p1) of every attention layer (layer by layer, K rows then
+  // V rows), and every delta-net layer's conv window + recurrent state.
+  // Restoring rows [0, n) and the recurrent state a context had at n, then
+  // set_n_past(n), continues exactly as that context would have.
+  size_t kv_bytes_per_position() const;
+  void get_kv(int p0, int p1, uint8_t* dst) const;
+  void set_kv(int p0, int p1, const uint8_t* src);
+  size_t recurrent_bytes() const;
+  void get_recurrent(uint8_t* dst) const;
+  void set_recurrent(const uint8_t* src);
+  void set_n_past(int n);
+
   // Target forwards run since construction (tests count them per step).
   int64_t n_forwards() const { return n_forwards_; }
   // The context's worker threads, shared with a drafter serving it.

@@ -187,6 +187,76 @@ void Context::copy_committed_state(uint8_t* dst) const {
   }
 }
 
+size_t Context::kv_bytes_per_position() const {
+  size_t b = 0;
+  for (int l = 0; l < model_.cfg.n_layer; ++l)
+    if (!model_.cfg.is_recurrent[l]) b += 2 * impl_->kv_row;
+  return b;
+}
+
+static void check_kv_range(int p0, int p1, int n_ctx) {
+  if (p0 < 0 || p1 < p0 || p1 > n_ctx) fail("KV positions [%d, %d) outside the context [0, %d)", p0, p1, n_ctx);
+}
+
+void Context::get_kv(int p0, int p1, uint8_t* dst) const {
+  check_kv_range(p0, p1, params_.n_ctx);
+  const Impl& I = *impl_;
+  const size_t n = (size_t)(p1 - p0) * I.kv_row;
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (model_.cfg.is_recurrent[l] || !n) continue;
+    I.be->download(dst, I.k[l].u8() + (size_t)p0 * I.kv_row, n);
+    I.be->download(dst + n, I.v[l].u8() + (size_t)p0 * I.kv_row, n);
+    dst += 2 * n;
+  }
+}
+
+void Context::set_kv(int p0, int p1, const uint8_t* src) {
+  check_kv_range(p0, p1, params_.n_ctx);
+  Impl& I = *impl_;
+  const size_t n = (size_t)(p1 - p0) * I.kv_row;
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (model_.cfg.is_recurrent[l] || !n) continue;
+    I.be->upload(I.k[l].u8() + (size_t)p0 * I.kv_row, src, n);
+    I.be->upload(I.v[l].u8() + (size_t)p0 * I.kv_row, src + n, n);
+    src += 2 * n;
+  }
+  n_verify_ = 0;
+}
+
+size_t Context::recurrent_bytes() const {
+  size_t b = 0;
+  for (int l = 0; l < model_.cfg.n_layer; ++l)
+    if (model_.cfg.is_recurrent[l]) b += impl_->conv_floats * 4 + impl_->rec_bytes;
+  return b;
+}
+
+void Context::get_recurrent(uint8_t* dst) const {
+  const Impl& I = *impl_;
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (!model_.cfg.is_recurrent[l]) continue;
+    I.be->download(dst, I.conv[l].p, I.conv_floats * 4);
+    I.be->download(dst + I.conv_floats * 4, I.rec[l].p, I.rec_bytes);
+    dst += I.conv_floats * 4 + I.rec_bytes;
+  }
+}
+
+void Context::set_recurrent(const uint8_t* src) {
+  Impl& I = *impl_;
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (!model_.cfg.is_recurrent[l]) continue;
+    I.be->upload(I.conv[l].p, src, I.conv_floats * 4);
+    I.be->upload(I.rec[l].p, src + I.conv_floats * 4, I.rec_bytes);
+    src += I.conv_floats * 4 + I.rec_bytes;
+  }
+  n_verify_ = 0;
+}
+
+void Context::set_n_past(int n) {
+  if (n < 0 || n > params_.n_ctx) fail("n_past %d outside the context [0, %d]", n, params_.n_ctx);
+  n_past_ = n;
+  n_verify_ = 0;
+}
+
 void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
   const Qwen35Config& c = model_.cfg;
   if (b.n <= 0) fail("empty batch");

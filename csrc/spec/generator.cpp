@@ -13,9 +13,13 @@ static double since(Clock::time_point t0) {
 
 // Lowest index wins ties, so the choice never depends on scan order.
 
-void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
+void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, int n_keep) {
   const Qwen35Config& c = ctx_.model().cfg;
   if (n_prompt <= 0) fail("empty prompt: give at least one token");
+  if (n_keep < 0 || n_keep >= n_prompt)
+    fail("kept prefix of %d tokens must be shorter than the prompt (%d tokens)", n_keep, n_prompt);
+  if (n_keep > 0 && ctx_.n_past() != n_keep)
+    fail("kept prefix of %d tokens but the context holds %d", n_keep, ctx_.n_past());
   if (n_prompt >= ctx_.params().n_ctx)
     fail("prompt of %d tokens does not fit the context length %d (leave room for at least one new token)",
          n_prompt, ctx_.params().n_ctx);
@@ -45,11 +49,14 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
   stats_ = GenStats{};
   stats_.prompt_tokens = n_prompt;
   steps_.clear();
-  ctx_.reset();
-  if (drafter_) drafter_->reset();
+  if (n_keep == 0) ctx_.reset();
+  if (drafter_) {
+    drafter_->reset();
+    if (n_keep > 0 && capturing()) drafter_->skip_features(0, n_keep);
+  }
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
-  prefill(prompt, n_prompt);
+  prefill(prompt, n_prompt, n_keep);
   stats_.prefill_s = since(t0);
   first_emitted_ = false;
   done_ = false;
@@ -59,13 +66,13 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p) {
   }
 }
 
-void Generator::prefill(const int32_t* prompt, int n) {
+void Generator::prefill(const int32_t* prompt, int n, int first) {
   const int chunk = ctx_.params().n_batch;
   const bool cap = capturing();
   if (cap) capture_ = drafter_->config().target_layer_ids;
   // Only the newest `capacity` positions can reach the drafter: capture those.
   const int first_captured = cap ? std::max(0, n - drafter_->capacity()) : n;
-  for (int off = 0; off < n; off += chunk) {
+  for (int off = first; off < n; off += chunk) {
     const int m = std::min(chunk, n - off);
     pos_.resize(m);
     for (int i = 0; i < m; ++i) pos_[i] = off + i;

@@ -89,14 +89,19 @@ class Generator {
   const AutoController& auto_controller() const { return auto_; }
   void set_prefill_progress(PrefillProgress fn) { progress_ = std::move(fn); }
 
-  void begin(const int32_t* prompt, int n_prompt, const GenParams& p);
+  // n_keep > 0: the context already holds the committed state of
+  // prompt[0, n_keep) (restored from a prefix cache, n_past == n_keep); only
+  // the rest is prefilled.  The forward is batch-invariant, so this decodes
+  // exactly as a cold begin would (the drafter starts with no features of the
+  // kept positions: only its acceptance can differ).
+  void begin(const int32_t* prompt, int n_prompt, const GenParams& p, int n_keep = 0);
   // Appends the tokens decided by one step; returns how many (0 when done).
   int next(std::vector<int32_t>& out);
   const GenStats& stats() const { return stats_; }
   const std::vector<StepRecord>& steps() const { return steps_; }
 
  private:
-  void prefill(const int32_t* prompt, int n);
+  void prefill(const int32_t* prompt, int n, int first);
   int step(std::vector<int32_t>& out);
   void draft_chain(int32_t s, int V, StepRecord& rec);
   void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe);

@@ -130,6 +130,36 @@ class Context:
         nodes = _i32(nodes)
         check(self._lib.dfl_commit_path(self.handle, self._p(nodes), len(nodes)))
 
+    # -- prefix reuse: KV rows by position range, the delta-net state, the committed length --------------
+    @property
+    def kv_bytes_per_position(self) -> int:
+        return int(self._lib.dfl_context_kv_bytes_per_position(self.handle))
+
+    @property
+    def recurrent_bytes(self) -> int:
+        return int(self._lib.dfl_context_recurrent_bytes(self.handle))
+
+    def get_kv(self, p0: int, p1: int) -> bytes:
+        n = max(0, p1 - p0) * self.kv_bytes_per_position
+        buf = self._ffi.new("uint8_t[]", max(n, 1))
+        check(self._lib.dfl_context_get_kv(self.handle, p0, p1, buf, n))
+        return bytes(self._ffi.buffer(buf, n))
+
+    def set_kv(self, p0: int, p1: int, data: bytes) -> None:
+        check(self._lib.dfl_context_set_kv(self.handle, p0, p1, self._ffi.from_buffer(data), len(data)))
+
+    def get_recurrent(self) -> bytes:
+        n = self.recurrent_bytes
+        buf = self._ffi.new("uint8_t[]", max(n, 1))
+        check(self._lib.dfl_context_get_recurrent(self.handle, buf, n))
+        return bytes(self._ffi.buffer(buf, n))
+
+    def set_recurrent(self, data: bytes) -> None:
+        check(self._lib.dfl_context_set_recurrent(self.handle, self._ffi.from_buffer(data), len(data)))
+
+    def set_n_past(self, n: int) -> None:
+        check(self._lib.dfl_context_set_n_past(self.handle, n))
+
     def state(self) -> bytes:
         """The committed state (KV rows, conv and recurrent states) as bytes."""
         n = self._lib.dfl_context_state_size(self.handle)
@@ -243,7 +273,8 @@ class Context:
     def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids, mode: int = 0,
                        block_size: int = 0, tree_budget: int = 22, tree_topk: int = 0,
                        chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       min_p: float = 0.0, seed: int = 0) -> None:
+                       min_p: float = 0.0, seed: int = 0, n_keep: int = 0) -> None:
+        """n_keep: prompt tokens whose state the context already holds (restored from a prefix cache)."""
         ffi = self._ffi
         prompt = _i32(prompt)
         if len(prompt) == 0:
@@ -256,7 +287,7 @@ class Context:
         gp.tree_budget, gp.tree_topk, gp.chain_seed = tree_budget, tree_topk, 1 if chain_seed else 0
         gp.temperature, gp.top_k, gp.top_p, gp.min_p = temperature, top_k, top_p, min_p
         gp.seed = seed & 0xFFFFFFFFFFFFFFFF
-        check(self._lib.dfl_generate_begin(self.handle, self._p(prompt), len(prompt), gp))
+        check(self._lib.dfl_generate_begin_keep(self.handle, self._p(prompt), len(prompt), n_keep, gp))
         self._buf = np.empty(max(256, block_size + 1, tree_budget + 2), np.int32)
 
     def generate_next(self) -> list[int]:

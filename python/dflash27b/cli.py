@@ -287,8 +287,11 @@ def _parse_http(s: str) -> tuple[str, int]:
               help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
               help="target positions the drafter keeps as context")
+@click.option("--cache-mem", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="GiB of host memory for the prefix cache: earlier conversations' states, so a chat's next turn "
+                   "prefills only what is new (0 = off; requests may pass cache_prompt=false)")
 def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, threads, draft_type, state_type,
-          feature_ring):
+          feature_ring, cache_mem):
     """Keep the models loaded and serve requests (protocol: docs/PROTOCOL.md)."""
     from .server import Daemon, check_socket_free
     if socket_path is None and http is None:
@@ -310,7 +313,7 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
         with _loading("loading models"):
             dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
                           feature_ring=feature_ring, draft_type=draft_type, state_type=state_type,
-                          on_memory_plan=_plan_printer(device))
+                          cache_mem=int(cache_mem * 2**30), on_memory_plan=_plan_printer(device))
         name = model_name or Path(dec.target).stem
         d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True))
         click.echo(f"loaded {dec.target}" + (f" + {dec.draft}" if dec.draft else "") +

@@ -78,6 +78,9 @@ class RemoteDecoder:
         else:
             req = {"prompt_ids": [int(t) for t in prompt]}
         req.update(max_new_tokens=int(max_new_tokens), stream=stream)
+        if "cache" in kw:  # Decoder's keyword, the protocol's (llama-server's) field name
+            kw = dict(kw)
+            req["cache_prompt"] = bool(kw.pop("cache"))
         req.update({k: v for k, v in kw.items() if v is not None})
         return req
 

@@ -37,6 +37,7 @@ class GenerateStats:
     stop_reason: str
     mode: str = "ar"
     device: str = "cpu"
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     mean_accept: float = 1.0
     block_size: int = 1
     budget: int = 0
@@ -174,6 +175,9 @@ class Decoder:
 
     draft_type: None keeps the drafter's weights as stored (BF16 for z-lab's); "q8_0" quantises its matrices
     at load (half the memory; the drafter only proposes, so the output is unchanged, acceptance may move).
+    cache_mem: bytes for a prefix cache (0 = none): checkpoints of earlier prompts' and replies' states
+    (KV rows + delta-net state), so a prompt that starts like an earlier one (a chat's next turn) prefills
+    only what is new; the decode equals a cold one token for token (`generate(..., cache=False)` bypasses).
     state_type: the delta-net recurrent state's storage, "f32" (default), "bf16" or "f16": rounded after every
     token alike in AR steps and tree verifies, so speculation stays exact for each choice; the model itself
     moves slightly from F32 (bench/state_type.py measures how far).
@@ -183,6 +187,7 @@ class Decoder:
                  device: str = "auto",
                  kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
                  feature_ring: int = 4096, draft_type: str | None = None, state_type: str = "f32",
+                 cache_mem: int = 0,
                  on_memory_plan: Callable[[dict], None] | None = None):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
@@ -191,6 +196,11 @@ class Decoder:
         if state_type not in STATE_TYPES:
             raise DFlashError(f"unknown state_type {state_type!r}: choose one of {', '.join(STATE_TYPES)}")
         self.state_type = state_type
+        if cache_mem < 0:
+            raise DFlashError(f"cache_mem must be >= 0 bytes (got {cache_mem})")
+        from .prefix_cache import PrefixCache
+        # earlier prompts' and replies' states, reused by prompts that start the same way (0 = off)
+        self.prefix_cache = PrefixCache(cache_mem, every=batch) if cache_mem else None
         self.device = resolve_device(device)
         if target is None:
             pair = bundled_pair()
@@ -307,9 +317,10 @@ class Decoder:
                    chat: bool = False, mode: str | None = None, block_size: int | None = None,
                    budget: int = 22, topk: int = 0, chain_seed: bool = True, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                   seed: int | None = None, on_prefill=None) -> Iterator[list[int]]:
+                   seed: int | None = None, on_prefill=None, cache: bool = True) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
-        `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels."""
+        `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
+        cache: use (and feed) the prefix cache when the Decoder has one."""
         mode, bs = self._resolve_mode(mode, block_size)
         if budget < 0 or topk < 0:
             raise DFlashError(f"budget and topk must be >= 0 (got {budget}, {topk})")
@@ -319,22 +330,45 @@ class Decoder:
         ids = self._prompt_ids(prompt, chat)
         self._last_prompt = ids
         self._last_mode = (mode, bs, budget if mode in ("ddtree", "auto") else 0, float(temperature), int(seed))
-        if on_prefill is not None:
-            self._ctx.set_prefill_progress(on_prefill)
+        pc = self.prefix_cache if cache else None
+        n_keep = 0
+        if pc is not None:
+            ck = pc.lookup(ids)
+            if ck is not None:
+                n_keep = pc.restore(self._ctx, ck)
+        self._last_cached = n_keep
+        progress = on_prefill
+        if pc is not None:
+            saved = [n_keep]
+
+            def progress(done, total):  # checkpoints along a long prompt and at its end
+                if done - saved[0] >= pc.every or done == total:
+                    pc.save(self._ctx, ids[:done])
+                    saved[0] = done
+                return on_prefill(done, total) if on_prefill is not None else False
+        if progress is not None:
+            self._ctx.set_prefill_progress(progress)
         try:
             self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
                                      bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
-                                     min_p, int(seed))
+                                     min_p, int(seed), n_keep=n_keep)
         finally:
-            if on_prefill is not None:
+            if progress is not None:
                 self._ctx.set_prefill_progress(None)
         self._last_tokens: list[int] = []
-        while True:
-            toks = self._ctx.generate_next()
-            if not toks:
-                break
-            self._last_tokens += toks
-            yield toks
+        try:
+            while True:
+                toks = self._ctx.generate_next()
+                if not toks:
+                    break
+                self._last_tokens += toks
+                yield toks
+        finally:
+            if pc is not None:  # the reply's end: the next turn starts with prompt + reply
+                held = ids + self._last_tokens
+                n = self._ctx.n_past
+                if 0 < n <= len(held):
+                    pc.save(self._ctx, held[:n])
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
                chat: bool = False, **kw) -> Iterator[str]:
@@ -352,7 +386,7 @@ class Decoder:
                  chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
                  topk: int = 0, chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                 on_prefill=None) -> GenerateResult:
+                 on_prefill=None, cache: bool = True) -> GenerateResult:
         """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a
         tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
         greedy chain, verified in one target forward) or "auto" (each step AR or the DDTree budget up to
@@ -367,7 +401,7 @@ class Decoder:
         for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
                                     block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed,
                                     temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                    on_prefill=on_prefill):
+                                    on_prefill=on_prefill, cache=cache):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt))
@@ -381,8 +415,10 @@ class Decoder:
         return GenerateStats(
             prompt_tokens=s["prompt_tokens"], generated_tokens=s["generated_tokens"], prefill_s=s["prefill_s"],
             decode_s=s["decode_s"], decode_tok_s=after_first / s["decode_s"] if s["decode_s"] > 0 else 0.0,
-            prefill_tok_s=s["prompt_tokens"] / s["prefill_s"] if s["prefill_s"] > 0 else 0.0,
+            prefill_tok_s=(s["prompt_tokens"] - getattr(self, "_last_cached", 0)) / s["prefill_s"]
+            if s["prefill_s"] > 0 else 0.0,
             steps=s["steps"], stop_reason=s["stop_reason"], mode=mode, device=self.device,
+            cached_tokens=getattr(self, "_last_cached", 0),
             mean_accept=sum(acc) / len(acc) if acc else 0.0, block_size=bs, budget=budget,
             temperature=temperature, seed=seed, accept_lengths=acc,
             draft_ms=[st["draft_s"] * 1e3 for st in steps], tree_ms=[st["tree_s"] * 1e3 for st in steps],

@@ -25,7 +25,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise DFlashError("the HTTP front needs starlette and uvicorn: pip install 'dflash27b[serve]'") from e
 
-_EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "top_k", "min_p", "ignore_eos")
+_EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "top_k", "min_p", "ignore_eos", "cache_prompt")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -108,7 +108,8 @@ def make_app(daemon) -> Starlette:
 
         def usage(stats):
             return {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["generated_tokens"],
-                    "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"]}
+                    "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"],
+                    "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
             if chat:

@@ -66,6 +66,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop": (lambda v: isinstance(v, str) and v != "" or (isinstance(v, list) and len(v) <= 16 and all(
         isinstance(s, str) and s for s in v)), "must be a non-empty string or a list of up to 16 of them"),
     "stream": (lambda v: isinstance(v, bool), "must be true or false"),
+    # llama-server's name: false decodes without the prefix cache (neither reads nor feeds it)
+    "cache_prompt": (lambda v: isinstance(v, bool), "must be true or false"),
 }
 
 
@@ -211,7 +213,7 @@ class DecodeService:
         sd = dec.tokenizer.stream_decoder()
         tokens: list[int] = []
         stopped = cancelled = False
-        steps = dec.stream_ids(prompt, p["max_new_tokens"], **_decode_kwargs(p),
+        steps = dec.stream_ids(prompt, p["max_new_tokens"], **_decode_kwargs(p), cache=p.get("cache_prompt", True),
                                on_prefill=lambda done, total: job.cancelled.is_set())
         try:
             for toks in steps:
@@ -354,7 +356,8 @@ class Daemon:
                 "draft": d.draft, "model": self.model_name, "device": d.device, "n_ctx": d.n_ctx,
                 "default_mode": d.default_mode, "queue": self.service.queue_length(),
                 "served": self.service.served, "uptime_s": round(time.time() - self.service.started, 3),
-                "rss_bytes": _rss_bytes(), "pid": os.getpid()}
+                "rss_bytes": _rss_bytes(), "pid": os.getpid(),
+                "cache": d.prefix_cache.stats() if d.prefix_cache is not None else None}
 
     # -- Unix socket ---------------------------------------------------------------------------------------
     async def _write(self, writer: asyncio.StreamWriter, obj: dict) -> None:
