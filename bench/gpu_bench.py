@@ -15,6 +15,8 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
   ours      on the target (and drafter): AR decode and prefill, one AR step, verify by node count (chain
             and tree shapes), the drafter's block step, a whole DDTree-22 step, commit, tok/s with the
             oracle drafter at accept length ~8, the memory plan against the device peak, copy bandwidth
+  prefix    the prefix cache: turn 2 of an 8K-token conversation (turn 1 + reply + 24 tokens) vs turn 1,
+            time to first token, == a cold decode
   vram24    the 24 GB card on a bigger GPU: a ballast leaves 24 GiB free; the 27B + drafter at 128K context,
             Q4_0 KV, DDTree-22 after a long prompt; peak vs plan vs cap, DDTree == AR on that run
   matmul    the CUDA matmul alone: GB/s per format and token count on the 27B's FFN shapes
@@ -388,6 +390,39 @@ def part_vram24(target: str, draft: str, cap_gib: float, ctx: int, prompt_len: i
     return out
 
 
+# --------------------------------------------------------------------------------------------- prefix
+def part_prefix(target: str | None, draft: str | None, device: str, history: int, n_new: int, ctx: int,
+                threads: int, seed: int) -> dict:
+    """The prefix cache on the device: turn 1 = a `history`-token prompt, turn 2 = turn 1 + its reply + 24 new
+    tokens; time to the first token of each (in-process, the cache on), each reply against a cold decode."""
+    from dflash27b import Decoder
+    from dflash27b.decoder import bundled_pair
+
+    if target is None:
+        target, draft = bundled_pair()
+    out: dict = {"history": history, "notes": []}
+    with Decoder(target, draft, device=device, ctx=ctx, threads=threads, cache_mem=8 << 30) as dec:
+        rng = np.random.default_rng(seed)
+        ids = [int(x) for x in rng.integers(1000 % dec.info["n_vocab"], dec.info["n_vocab"], history + 24)]
+
+        def ttft(prompt, cache=True):
+            t0 = time.perf_counter()
+            first, toks = None, []
+            for step in dec.stream_ids(prompt, n_new, ignore_eos=True, cache=cache):
+                if first is None:
+                    first = time.perf_counter() - t0
+                toks += step
+            return first, toks, dec.last_stats()
+
+        t1, r1, _ = ttft(ids[:history])
+        turn2 = ids[:history] + r1 + ids[history:]
+        t2, r2, s2 = ttft(turn2)
+        _, cold2, _ = ttft(turn2, cache=False)
+        out.update(turn1_ttft_s=t1, turn2_ttft_s=t2, ratio=t2 / t1 if t1 else None, cached_tokens=s2.cached_tokens,
+                   exact=r2 == cold2)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- matmul
 # ggml type id, elements per block, bytes per block
 MATMUL_FORMATS = {"Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "Q8_0": (8, 32, 34),
@@ -428,8 +463,8 @@ def _get(d: dict | None, *keys, default=None):
 
 def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
     """The record from the parts (each may be missing: its keys are null)."""
-    ex, ck, lc, ours, mm, v24 = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours", "matmul",
-                                                                 "vram24"))
+    ex, ck, lc, ours, mm, v24, pf = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours", "matmul",
+                                                                     "vram24", "prefix"))
     exact_keys = ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar", "sampled_ddtree_eq_ar")
     steps = dict.fromkeys(("ar_ms", "verify_ms", "verify_tree_ms", "draft_ms", "tree_ms", "ddtree22_step_ms",
                            "commit_ms"))
@@ -455,7 +490,9 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "draft": ours.get("draft"),
         "matmul": mm.get("shapes"),
         "vram24": {k: v24.get(k) for k in ("ctx", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v24 else None,
-        "notes": [n for p in (ex, ck, lc, ours, mm, v24) for n in (p.get("notes") or [])] +
+        "prefix": {k: pf.get(k) for k in ("history", "turn1_ttft_s", "turn2_ttft_s", "ratio", "cached_tokens",
+                                          "exact")} if pf else None,
+        "notes": [n for p in (ex, ck, lc, ours, mm, v24, pf) for n in (p.get("notes") or [])] +
                  ([f"vram24: {v24['error']}"] if v24.get("error") else []),
     }
     weights = _get(ours, "memory", "plan", "weights")
@@ -514,6 +551,11 @@ def markdown(rec: dict) -> str:
         lines += ["", f"24 GiB cap: ctx {v.get('ctx')}, peak {_f(gib(v.get('peak_bytes')), '.2f')} GiB, plan "
                       f"{_f(gib(v.get('plan_bytes')), '.2f')} GiB, cap {_f(gib(v.get('cap_bytes')), '.2f')} GiB, "
                       f"DDTree == AR: {v.get('exact')}"]
+    pf = rec.get("prefix")
+    if pf:
+        lines += ["", f"prefix cache, {pf.get('history')}-token history: turn 1 first token "
+                      f"{_f(pf.get('turn1_ttft_s'), '.3f')} s, turn 2 {_f(pf.get('turn2_ttft_s'), '.3f')} s "
+                      f"({_f(pf.get('ratio'), '.2f')}x, {pf.get('cached_tokens')} tokens reused), == cold: {pf.get('exact')}"]
     for shape, table in (rec.get("matmul") or {}).items():
         ns = list(next(iter(table.values())).keys()) if table else []
         lines += ["", f"matmul {shape}: GB/s of weights read (copy bandwidth {_f(rec.get('copy_gb_s'), '.0f')} GB/s)",
@@ -527,7 +569,7 @@ def markdown(rec: dict) -> str:
 
 def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
     parts = {}
-    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24"):
+    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "prefix"):
         p = Path(parts_dir) / f"{name}.json"
         if p.is_file():
             parts[name] = json.loads(p.read_text())
@@ -612,6 +654,17 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--threads", type=int, default=4)
     v.add_argument("--out", required=True)
 
+    pp = sub.add_parser("prefix", help="the prefix cache: turn 2 of a long conversation vs turn 1")
+    pp.add_argument("--target")
+    pp.add_argument("--draft")
+    pp.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    pp.add_argument("--history", type=int, default=8192)
+    pp.add_argument("-n", "--n-new", type=int, default=32)
+    pp.add_argument("--ctx", type=int, default=8192 + 512)
+    pp.add_argument("--threads", type=int, default=4)
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--out", required=True)
+
     r = sub.add_parser("record", help="assemble the parts into bench/results/gpu-*.json + .md")
     r.add_argument("--parts", required=True)
     r.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -633,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.part == "vram24":
         _write(a.out, part_vram24(a.target, a.draft, a.cap_gib, a.ctx, a.prompt_len, a.n_new, a.kv_type, a.draft_type,
                                   a.threads))
+    elif a.part == "prefix":
+        _write(a.out, part_prefix(a.target, a.draft, a.device, a.history, a.n_new, a.ctx, a.threads, a.seed))
     elif a.part == "matmul":
         bad = [f for f in a.formats.split(",") if f not in MATMUL_FORMATS]
         if bad:

@@ -203,6 +203,9 @@ part2() {
   run 420 "ours on the same file: decode, prefill, steps, oracle, memory" \
     python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/ours.json"
+  run 150 "prefix cache: turn 2 of an 8K-token conversation vs turn 1 (27B)" \
+    python3 bench/gpu_bench.py prefix --target build/synth-27b.gguf --draft build/synth-27b-draft \
+    --out "$PARTS/prefix.json"
   run 240 "27B + drafter under a 24 GiB cap: 128K context, Q4_0 KV, DDTree-22 after a 4K prompt" \
     python3 bench/gpu_bench.py vram24 --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/vram24.json"

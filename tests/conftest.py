@@ -81,3 +81,13 @@ def ar_tokens(tiny_f32_gguf):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def pair():
+    """(target GGUF, drafter dir) of the bundled tiny pair (skips where the install has none)."""
+    from dflash27b.decoder import bundled_pair
+    p = bundled_pair()
+    if p is None:
+        pytest.skip("no bundled pair in this install")
+    return p

@@ -24,3 +24,28 @@ def run_checking_state(ctx, ar_ctx, full: list[int]) -> tuple[list[int], set[int
         ar_ctx.forward(full[: ctx.n_past], logit_rows=[])
         assert ctx.state() == ar_ctx.state(), f"state differs after a step accepting {st['accepted']}"
     return out, accepted
+
+
+# A verified tree after a 4-token prefix:   0 -> 1 -> 4 -> 7
+#                                             \-> 2 -> 3 -> 5 -> 6
+TREE_PREFIX = [7, 8, 9, 10]
+TREE_TOKENS = [50, 60, 61, 70, 71, 80, 90, 72]
+TREE_PARENT = [-1, 0, 0, 2, 1, 3, 5, 4]
+
+
+def commit_and_chain_states(ctx, path: list[int]) -> tuple[bytes, bytes]:
+    """The committed state after verifying the tree above and committing `path`, and after a chain of the
+    same tokens (prefix in one forward, the path's tokens in another: on CUDA, batches of <= 8 run the
+    per-token matvec as the tree did).  Commit is exact when the two are equal."""
+    depth: list[int] = []
+    for p in TREE_PARENT:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    ctx.reset()
+    ctx.forward(TREE_PREFIX)
+    ctx.forward(TREE_TOKENS, pos=[len(TREE_PREFIX) + d for d in depth], parent=TREE_PARENT, commit=False)
+    ctx.commit_path(path)
+    got = ctx.state()
+    ctx.reset()
+    ctx.forward(TREE_PREFIX)
+    ctx.forward([TREE_TOKENS[i] for i in path])
+    return got, ctx.state()

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from spec_steps import commit_and_chain_states
 
 from dflash27b import DFlashError, Decoder
-from dflash27b.decoder import bundled_pair, cuda_build
+from dflash27b.decoder import cuda_build
 
 pytestmark = pytest.mark.cuda
 
@@ -28,14 +29,6 @@ EMULATED = cuda_build() == "emulator"
 N_NEW = 16 if EMULATED else 128
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk("]
 NEAR_TIE = 1e-3  # logit margin below which the two backends may legitimately pick different tokens
-
-
-@pytest.fixture(scope="module")
-def pair():
-    p = bundled_pair()
-    if p is None:
-        pytest.skip("no bundled pair in this install")
-    return p
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +110,8 @@ def test_cuda_state_matches_cpu(pair):
 def test_cuda_commit_rebuilds_the_sequential_state_bitwise(cuda_dec, path):
     """On the device too, commit rebuilds the accepted node's delta-net state from the nodes' updates, and the
     committed state equals a chain's byte for byte (tests/test_tree_forward.py has the CPU's twin)."""
-    ctx = cuda_dec.context
-    prefix = [7, 8, 9, 10]
-    toks, parent = [50, 60, 61, 70, 71, 80, 90, 72], [-1, 0, 0, 2, 1, 3, 5, 4]
-    depth = []
-    for p in parent:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    ctx.reset()
-    ctx.forward(prefix)
-    ctx.forward(toks, pos=[len(prefix) + d for d in depth], parent=parent, commit=False)
-    ctx.commit_path(path)
-    got = ctx.state()
-    ctx.reset()
-    ctx.forward(prefix)
-    ctx.forward([toks[i] for i in path])  # (on CUDA, batches of <= 8 run the per-token matvec, as the tree did)
-    assert got == ctx.state()
+    got, chain = commit_and_chain_states(cuda_dec.context, path)
+    assert got == chain
 
 
 @pytest.mark.parametrize("state_type", ["bf16", "f16"])
@@ -139,21 +119,8 @@ def test_cuda_reduced_state_is_exact(pair, state_type):
     """A BF16 / F16 recurrent state on the device: rounded after every token in chains and trees, and after
     every node in commit's replay, so commit == a chain's state byte for byte and DDTree == AR."""
     with Decoder(pair[0], pair[1], device="cuda", ctx=512, threads=2, state_type=state_type) as d:
-        ctx = d.context
-        prefix, toks, parent = [7, 8, 9, 10], [50, 60, 61, 70, 71, 80, 90, 72], [-1, 0, 0, 2, 1, 3, 5, 4]
-        depth = []
-        for p in parent:
-            depth.append(0 if p < 0 else depth[p] + 1)
-        path = [0, 2, 3, 5, 6]
-        ctx.reset()
-        ctx.forward(prefix)
-        ctx.forward(toks, pos=[len(prefix) + x for x in depth], parent=parent, commit=False)
-        ctx.commit_path(path)
-        got = ctx.state()
-        ctx.reset()
-        ctx.forward(prefix)
-        ctx.forward([toks[i] for i in path])
-        assert got == ctx.state()
+        got, chain = commit_and_chain_states(d.context, [0, 2, 3, 5, 6])
+        assert got == chain
         ids = d.tokenize(PROMPTS[1])
         n = 12 if EMULATED else 64
         assert d.generate(ids, n, ignore_eos=True, mode="ddtree").tokens == \

@@ -10,17 +10,8 @@ import numpy as np
 import pytest
 
 from dflash27b import Decoder, DFlashError, _handles
-from dflash27b.decoder import bundled_pair
 from dflash27b.memory_plan import drafter_weight_bytes
 from dflash27b._lib import last_error, load
-
-
-@pytest.fixture(scope="module")
-def pair():
-    p = bundled_pair()
-    if p is None:
-        pytest.skip("no bundled pair")
-    return p
 
 
 @pytest.mark.parametrize("draft_type", ["q8_0", "bf16"])

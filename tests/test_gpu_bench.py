@@ -112,7 +112,8 @@ def test_gpu_bench_sh_dry_run_lists_every_step():
     two = _sh("--dry-run", "--arch", "90a", "--skip-llamacpp", "part2")
     assert two.returncode == 0, two.stdout + two.stderr
     for s in ("gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft",
-              "gpu_bench.py matmul", "gpu_bench.py vram24 --target build/synth-27b.gguf", "gpu_bench.py record"):
+              "gpu_bench.py matmul", "gpu_bench.py vram24 --target build/synth-27b.gguf",
+              "gpu_bench.py prefix --target build/synth-27b.gguf", "gpu_bench.py record"):
         assert s in two.stdout, s
     assert "llama-bench on the same file" not in two.stdout
     skip = _sh("--dry-run", "--skip-sanitize", "part1")
@@ -174,6 +175,8 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
     part("ours", "--device", "cpu", "--threads", "2", "--n-decode", "24", "--prefill", "512,1024", "--nodes", "2,4,8",
          "--repeats", "1", "--steps-tokens", "8", "--ctx", "2048", "--out", str(parts / "ours.json"))
     part("llamacpp", "--json", str(FIX / "llama-bench.json"), "--out", str(parts / "llamacpp.json"))
+    part("prefix", "--device", "cpu", "--threads", "2", "--history", "600", "-n", "8", "--ctx", "1024",
+         "--out", str(parts / "prefix.json"))
     junit = tmp_path / "j.xml"
     junit.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"/></testsuite></testsuites>')
     ops = tmp_path / "ops.log"
@@ -202,6 +205,8 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
     assert rec["oracle"]["accept_length"] >= 5  # block 8: up to 8 tokens per step, every draft right
     assert rec["oracle"]["eq_ar"] is True and rec["oracle"]["auto_eq_ar"] is True and rec["oracle"]["auto_tok_s"] > 0
     assert rec["llamacpp"]["decode_tok_s"] == 55.0
+    assert rec["prefix"]["exact"] is True and rec["prefix"]["cached_tokens"] >= 600
+    assert rec["prefix"]["turn2_ttft_s"] < rec["prefix"]["turn1_ttft_s"]
     assert rec["memory"]["plan_bytes"] > 0 and rec["memory"]["peak_bytes"] is None  # no device counter on the CPU
     md = recs[0].with_suffix(".md").read_text()
     assert "| decode |" in md and "| verify 8 nodes (tree) |" in md and "DDTree-22 step" in md

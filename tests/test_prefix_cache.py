@@ -18,19 +18,10 @@ import time
 import pytest
 
 from dflash27b import Decoder
-from dflash27b.decoder import bundled_pair
 from dflash27b.prefix_cache import PrefixCache
 
 MODES = ["ar", "chain", "ddtree", "auto"]
 SAMPLING = [{}, {"temperature": 0.8, "seed": 5}]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    p = bundled_pair()
-    if p is None:
-        pytest.skip("no bundled pair")
-    return p
 
 
 @pytest.fixture(scope="module")

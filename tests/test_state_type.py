@@ -10,20 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from spec_steps import commit_and_chain_states
 
 from dflash27b import Decoder, DFlashError, _handles
-from dflash27b.decoder import bundled_pair
 from dflash27b._lib import TYPE_IDS, last_error, load
 
 REDUCED = ["bf16", "f16"]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    p = bundled_pair()
-    if p is None:
-        pytest.skip("no bundled pair")
-    return p
 
 
 @pytest.fixture(scope="module", params=REDUCED)
@@ -58,21 +50,8 @@ def test_chunked_prefill_equals_token_by_token(dec):
 
 @pytest.mark.parametrize("path", [[0], [0, 2, 3], [0, 2, 3, 5, 6], [0, 1, 4, 7]])
 def test_commit_rebuilds_the_sequential_state_bitwise(dec, path):
-    ctx = dec.context
-    prefix = [7, 8, 9, 10]
-    toks, parent = [50, 60, 61, 70, 71, 80, 90, 72], [-1, 0, 0, 2, 1, 3, 5, 4]
-    depth = []
-    for p in parent:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    ctx.reset()
-    ctx.forward(prefix)
-    ctx.forward(toks, pos=[len(prefix) + d for d in depth], parent=parent, commit=False)
-    ctx.commit_path(path)
-    got = ctx.state()
-    ctx.reset()
-    ctx.forward(prefix)
-    ctx.forward([toks[i] for i in path])
-    assert got == ctx.state()
+    got, chain = commit_and_chain_states(dec.context, path)
+    assert got == chain
 
 
 def test_reduced_state_is_half_the_bytes_and_moves_the_model_slightly(pair):

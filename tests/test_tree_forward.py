@@ -2,6 +2,7 @@
 commit_path gathers the accepted path's KV and delta-net state (no replay)."""
 import numpy as np
 import pytest
+from spec_steps import commit_and_chain_states
 
 from dflash27b import Decoder, DFlashError
 
@@ -51,25 +52,8 @@ def test_commit_rebuilds_the_sequential_state_bitwise(dec, path):
     conv window and recurrent state from the committed ones: the committed state (every byte: KV rows, conv
     windows, recurrent states) equals the one a chain of the same tokens leaves, == not close — paths
     shorter and longer than the conv window, from either branch."""
-    ctx = dec.context
-    prefix = [7, 8, 9, 10]
-    #        0 -> 1 -> 4 -> 7
-    #         \-> 2 -> 3 -> 5 -> 6
-    toks = [50, 60, 61, 70, 71, 80, 90, 72]
-    parent = [-1, 0, 0, 2, 1, 3, 5, 4]
-    depth = [0] * len(toks)
-    for i, p in enumerate(parent):
-        depth[i] = 0 if p < 0 else depth[p] + 1
-    pos = [len(prefix) + d for d in depth]
-    ctx.reset()
-    ctx.forward(prefix)
-    ctx.forward(toks, pos=pos, parent=parent, commit=False)
-    ctx.commit_path(path)
-    got = ctx.state()
-    ctx.reset()
-    ctx.forward(prefix)
-    ctx.forward([toks[i] for i in path])  # (on CUDA, batches of <= 8 run the per-token matvec, as the tree did)
-    assert got == ctx.state()
+    got, chain = commit_and_chain_states(dec.context, path)
+    assert got == chain
 
 
 def test_commit_path_rejects_non_paths(dec):
