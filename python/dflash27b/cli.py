@@ -78,6 +78,16 @@ class _prefill_bar:
             self.progress = None
 
 
+def _memory_options(f):
+    """--draft-type and --state-type, shared by generate, serve, bench and plan."""
+    f = click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
+                     help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model "
+                          "moves slightly)")(f)
+    return click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
+                        help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, "
+                             "the output is unchanged")(f)
+
+
 def _parse_ids(s: str) -> list[int]:
     try:
         return [int(x) for x in s.replace(" ", "").split(",") if x]
@@ -118,11 +128,7 @@ def main() -> None:
               help="tokens per draft block incl. the root [default: the drafter's]")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
               help="target positions the drafter keeps as context")
-@click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
-              help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
-                   "output is unchanged")
-@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
-              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
+@_memory_options
 @click.option("--prompt-ids", help="prompt as comma-separated token ids instead of text")
 @click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=0))
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
@@ -280,11 +286,7 @@ def _parse_http(s: str) -> tuple[str, int]:
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
-@click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
-              help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
-                   "output is unchanged")
-@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
-              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
+@_memory_options
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
               help="target positions the drafter keeps as context")
 @click.option("--cache-mem", type=click.FloatRange(min=0), default=1.0, show_default=True,
@@ -332,11 +334,7 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--budget", type=click.IntRange(min=0, max=511), default=22, show_default=True,
               help="DDTree draft nodes per step (the verify batch is budget + 1)")
-@click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
-              help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
-                   "output is unchanged")
-@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
-              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
+@_memory_options
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
               help="drafter feature ring (positions)")
 @click.option("--batch", type=click.IntRange(min=1), default=512, show_default=True, help="prefill chunk")
@@ -456,11 +454,7 @@ def _int_list(s: str, opt: str) -> list[int]:
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
-@click.option("--draft-type", type=click.Choice(["bf16", "q8_0"]), default=None,
-              help="convert the drafter's matrices at load [default: as stored]; q8_0 halves its memory, the "
-                   "output is unchanged")
-@click.option("--state-type", type=click.Choice(STATE_TYPES), default="f32", show_default=True,
-              help="delta-net recurrent state storage (bf16 / f16 halve it; exact either way, the model moves slightly)")
+@_memory_options
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False),
               help="where results.json, results.md and the plots go")
 @click.option("--peer/--no-peer", default=True, show_default=True,
