@@ -247,6 +247,19 @@ def test_openai_client_http(daemon, local):
     assert chunks[-1].choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
         c.completions.create(model="tiny", prompt="x", max_tokens=-1)
+    # the next turn of that chat reuses the prefix cache, and says so in usage (llama-server's cache_prompt
+    # turns it off for one request); the answer is the cold decode's either way
+    turn2 = msgs + [{"role": "assistant", "content": want_chat.text}, {"role": "user", "content": "Now a queue."}]
+    want2 = local.generate(local.chat_prompt(turn2), 12, ignore_eos=True, cache=False)
+    r2 = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert r2.choices[0].message.content == want2.text
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    r3 = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True, "cache_prompt": False})
+    assert r3.choices[0].message.content == want2.text and r3.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="cache_prompt"):
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"cache_prompt": "yes"})
 
 
 def test_resident_memory_flat_over_500_requests(daemon):
