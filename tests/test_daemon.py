@@ -285,3 +285,66 @@ def test_prefill_progress_and_cancel(tiny_f32_gguf):
         with pytest.raises(DFlashError, match="prefill cancelled after 64 of 100 prompt tokens"):
             d.generate(ids, 8, on_prefill=lambda done, total: done >= 64)
         assert d.generate(ids, 8).tokens == want  # nothing left behind by the cancelled prefill
+
+
+def test_fire_and_forget_shutdown_stops_the_daemon(tiny_f32_gguf, tmp_path):
+    """`printf '{"op": "shutdown"}\\n' | nc -U sock`: the client closes right after sending; the daemon still
+    stops (only a generate request is cancelled by its client's disconnect)."""
+    sock = str(tmp_path / "ff.sock")
+    proc = _serve(["-m", str(tiny_f32_gguf), "-t", "1", "-c", "64"], sock)
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(sock)
+        s.sendall(b'{"op": "shutdown"}\n')
+        s.close()
+        assert proc.wait(20) == 0
+        assert not os.path.exists(sock)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_openai_fields_honoured_or_refused(daemon, local):
+    """Every OpenAI field is honoured, a no-op where it cannot change the answer, or a 400 naming it."""
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon['port']}/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Write a stack class."}]
+    want = local.generate(local.chat_prompt(msgs), 8, ignore_eos=True, cache=False).text
+    base = dict(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    # no-ops: they cannot change the answer
+    r = c.chat.completions.create(**base, user="u1", n=1, logprobs=False, frequency_penalty=0, presence_penalty=0,
+                                  response_format={"type": "text"}, tools=None,
+                                  extra_body={"ignore_eos": True, "logit_bias": {}, "metadata": {"k": "v"}})
+    assert r.choices[0].message.content == want
+    refused = {"logprobs": dict(logprobs=True, top_logprobs=2), "frequency_penalty": dict(frequency_penalty=0.5),
+               "presence_penalty": dict(presence_penalty=0.5), "response_format": dict(
+                   response_format={"type": "json_object"}),
+               "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+               "logit_bias": dict(logit_bias={"5": 10}), "frobnicate": dict(extra_body={"frobnicate": 1}),
+               "n=1": dict(n=2)}
+    for field, kw in refused.items():
+        with pytest.raises(openai.BadRequestError, match=field.split("=")[0]):
+            c.chat.completions.create(**base, **kw)
+    # stream_options.include_usage: the last chunk carries the usage
+    chunks = list(c.chat.completions.create(**base, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+
+
+def test_tokenize_detokenize_metrics(daemon, local):
+    import httpx
+    url = f"http://127.0.0.1:{daemon['port']}"
+    ids = httpx.post(url + "/tokenize", json={"content": "def f(x):\n    return x"}).json()["tokens"]
+    assert ids == local.tokenize("def f(x):\n    return x")
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json()["content"] == "def f(x):\n    return x"
+    pieces = httpx.post(url + "/tokenize", json={"content": "def f", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "def f"
+    bad = httpx.post(url + "/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/tokenize", json={"text": "x"}).status_code == 400
+    m = httpx.get(url + "/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    vals = {ln.split()[0]: float(ln.split()[1]) for ln in m.text.splitlines() if ln and not ln.startswith("#")}
+    assert vals["dflash27b_requests_total"] >= 1 and vals["dflash27b_tokens_predicted_total"] >= 1
+    assert "dflash27b_prefix_cache_bytes" in vals and "dflash27b_queue_length" in vals

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP front of the daemon (`dflash27b serve --http HOST:PORT`), on Starlette + uvicorn.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or SSE streaming with
-`data: [DONE]`), GET /health.  Requests go through the daemon's one decode queue, like socket requests.
+`data: [DONE]`), GET /health, POST /tokenize, POST /detokenize, GET /metrics (Prometheus text), as
+llama-server offers them.  Every OpenAI request field is honoured, a no-op where it cannot change the answer,
+or refused with 400 naming it.  Requests go through the daemon's one decode queue, like socket requests.
 OpenAI's sampling fields map onto the engine's; `mode`, `budget`, `top_k`, `min_p`, `ignore_eos` may be
 passed as extra body fields (openai client: `extra_body={...}`).  Chat prompts use the GGUF's template.
 """
@@ -27,6 +29,59 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 _EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "top_k", "min_p", "ignore_eos", "cache_prompt")
 
+# Every OpenAI request field is honoured, accepted as a no-op where it cannot change the answer, or refused
+# with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.
+_HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+             "stop", "stream", "stream_options", "n"} | set(_EXTRA)
+_NO_OP = {"user", "metadata", "store", "service_tier", "modalities", "parallel_tool_calls"}
+
+
+def _neutral(k: str, v) -> bool:
+    """Values of the not-yet-honoured fields that ask for nothing (so the answer cannot change)."""
+    if v is None:
+        return True
+    return {
+        "logprobs": v is False or v == 0,
+        "top_logprobs": v == 0,
+        "frequency_penalty": v == 0,
+        "presence_penalty": v == 0,
+        "repeat_penalty": v == 1,
+        "logit_bias": v == {},
+        "response_format": isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
+        "tools": v == [],
+        "tool_choice": v == "none",
+        "functions": v == [],
+        "function_call": v == "none",
+        "echo": v is False,
+        "suffix": v == "",
+        "best_of": v == 1,
+    }.get(k, False)
+
+
+_WHY = {"logprobs": "log-probabilities are not returned yet", "top_logprobs": "log-probabilities are not returned yet",
+        "frequency_penalty": "penalties are not applied yet", "presence_penalty": "penalties are not applied yet",
+        "repeat_penalty": "penalties are not applied yet", "logit_bias": "logit biases are not applied",
+        "response_format": "constrained output (JSON mode / schema) is not supported; only {\"type\": \"text\"}",
+        "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
+        "functions": "function calls are not supported", "function_call": "function calls are not supported",
+        "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
+        "best_of": "only best_of=1 is supported"}
+
+
+def _check_fields(body: dict) -> None:
+    for k, v in body.items():
+        if k in _HONOURED or k in _NO_OP:
+            continue
+        if k in _WHY:
+            if not _neutral(k, v):
+                raise DFlashError(f"'{k}' is not supported: {_WHY[k]}")
+            continue
+        raise DFlashError(f"unknown request field '{k}'")
+    so = body.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"} or
+                           not isinstance(so.get("include_usage", False), bool)):
+        raise DFlashError("'stream_options' takes only {\"include_usage\": true|false}")
+
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -34,6 +89,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
 
 def _to_engine(body: dict, chat: bool) -> dict:
     """OpenAI request body -> a daemon generate request (validated by parse_generate)."""
+    _check_fields(body)
     req: dict = {}
     if chat:
         msgs = body.get("messages")
@@ -100,6 +156,7 @@ def make_app(daemon) -> Starlette:
         except DFlashError as e:
             return _error(400, str(e))
         stream = params["stream"]
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
         params["stream"] = True  # always stream internally; the HTTP shape decides what is sent
         job, _ = service.submit(params, asyncio.get_running_loop())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -139,6 +196,10 @@ def make_app(daemon) -> Starlette:
                         yield chunk(ev["text"], None)
                     elif ev["event"] == "done":
                         yield chunk(None if chat else "", _finish(ev["stats"]["stop_reason"]))
+                        if include_usage:  # OpenAI's shape: one more chunk, no choices, the usage
+                            yield "data: " + json.dumps({"id": rid, "object": kind + ".chunk" if chat else kind,
+                                                         "created": created, "model": model, "choices": [],
+                                                         "usage": usage(ev["stats"])}) + "\n\n"
                     elif ev["event"] == "error":
                         yield "data: " + json.dumps({"error": {"message": ev["message"], "type": "server_error"}}) + "\n\n"
                 yield "data: [DONE]\n\n"
@@ -156,6 +217,70 @@ def make_app(daemon) -> Starlette:
                                      "dflash27b": {k: ev["stats"][k] for k in ("mode", "mean_accept", "decode_tok_s")}})
         return _error(500, "the request ended without a result", "server_error")
 
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DFlashError(f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise DFlashError("the request body must be a JSON object")
+        return body
+
+    async def tokenize(request: Request):
+        """llama-server's /tokenize: {"content", "add_special"?, "parse_special"?, "with_pieces"?}."""
+        try:
+            body = await body_of(request)
+            unknown = set(body) - {"content", "add_special", "parse_special", "with_pieces"}
+            if unknown:
+                raise DFlashError(f"unknown request field '{sorted(unknown)[0]}'")
+            if not isinstance(body.get("content"), str):
+                raise DFlashError("'content' must be a string")
+            if body.get("add_special"):
+                raise DFlashError("'add_special' is not supported: Qwen3.5's tokenizer adds no BOS token")
+            ids = daemon.decoder.tokenize(body["content"], parse_special=bool(body.get("parse_special", True)))
+        except DFlashError as e:
+            return _error(400, str(e))
+        if body.get("with_pieces"):
+            return JSONResponse({"tokens": [{"id": t, "piece": daemon.decoder.detokenize([t])} for t in ids]})
+        return JSONResponse({"tokens": ids})
+
+    async def detokenize(request: Request):
+        try:
+            body = await body_of(request)
+            toks = body.get("tokens")
+            n_vocab = daemon.decoder.info["n_vocab"]
+            if set(body) - {"tokens"} or not isinstance(toks, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in toks):
+                raise DFlashError(f"the body must be {{\"tokens\": [ids in 0..{n_vocab - 1}]}}")
+        except DFlashError as e:
+            return _error(400, str(e))
+        return JSONResponse({"content": daemon.decoder.detokenize(toks)})
+
+    async def metrics(_: Request):
+        """Prometheus text exposition: requests, tokens, accept length, queue, cache."""
+        from starlette.responses import PlainTextResponse
+        h = daemon.health()
+        cache = h.get("cache") or {}
+        steps = service.decode_steps_total
+        rows = [
+            ("requests_total", "counter", "generate requests served", service.served),
+            ("prompt_tokens_total", "counter", "prompt tokens of served requests", service.prompt_tokens_total),
+            ("prompt_tokens_cached_total", "counter", "prompt tokens restored from the prefix cache",
+             service.cached_tokens_total),
+            ("tokens_predicted_total", "counter", "tokens generated", service.generated_tokens_total),
+            ("decode_steps_total", "counter", "decode steps (target forwards after prefill)", steps),
+            ("decode_seconds_total", "counter", "seconds spent decoding", round(service.decode_seconds_total, 6)),
+            ("mean_accept_length", "gauge", "tokens per decode step, all requests (bonus included)",
+             round((service.generated_tokens_total - service.served) / steps, 4) if steps else 0),
+            ("queue_length", "gauge", "requests running or waiting", h["queue"]),
+            ("prefix_cache_bytes", "gauge", "bytes held by the prefix cache", cache.get("bytes", 0)),
+            ("prefix_cache_checkpoints", "gauge", "prefix cache checkpoints", cache.get("checkpoints", 0)),
+            ("prefix_cache_hits_total", "counter", "requests that reused a cached prefix", cache.get("hits", 0)),
+            ("resident_memory_bytes", "gauge", "daemon resident set size", h["rss_bytes"]),
+        ]
+        text = "".join(f"# HELP dflash27b_{n} {d}\n# TYPE dflash27b_{n} {t}\ndflash27b_{n} {v}\n" for n, t, d, v in rows)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
     async def chat_completions(request: Request):
         return await completion(request, chat=True)
 
@@ -167,6 +292,9 @@ def make_app(daemon) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ])
 
 

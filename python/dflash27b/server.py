@@ -11,6 +11,7 @@ between decode steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -151,6 +152,12 @@ class DecodeService:
         self.running: Job | None = None
         self.served = 0
         self.started = time.time()
+        # totals for /metrics (written by the worker thread only)
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generated_tokens_total = 0
+        self.decode_steps_total = 0
+        self.decode_seconds_total = 0.0
         self._worker = threading.Thread(target=self._run, name="dflash27b-decode", daemon=True)
         self._worker.start()
 
@@ -236,6 +243,11 @@ class DecodeService:
             if stream and piece:
                 job.emit({"event": "token", "ids": [], "text": piece})
         stats = dec.last_stats().to_dict()
+        self.prompt_tokens_total += stats["prompt_tokens"]
+        self.cached_tokens_total += stats["cached_tokens"]
+        self.generated_tokens_total += stats["generated_tokens"]
+        self.decode_steps_total += stats["steps"]
+        self.decode_seconds_total += stats["decode_s"]
         if stopped:
             stats["stop_reason"] = "stop"
         job.emit({"event": "done", "tokens": tokens, "text": stop.text, "stats": stats})
@@ -436,8 +448,11 @@ class Daemon:
             await self._write(writer, self.health())
             return True
         if op == "shutdown":
-            await self._write(writer, {"event": "shutdown", "status": "ok"})
+            # stop first: a fire-and-forget client (`printf ... | nc -U`) is gone before the reply is written,
+            # and only a generate request may be cancelled by its client's disconnect
             self.request_stop()
+            with contextlib.suppress(ConnectionError, OSError):
+                await self._write(writer, {"event": "shutdown", "status": "ok"})
             return False
         if op != "generate":
             await self._write(writer, err(f"unknown op {op!r} (known: generate, health, shutdown)", rid))
