@@ -138,6 +138,8 @@ typedef struct {
   float top_p;         /* (0, 1]; 1 = off */
   float min_p;         /* [0, 1]; 0 = off */
   uint64_t seed;       /* the token at position p is drawn with a number that depends only on (seed, p) */
+  int32_t n_logprobs;  /* -1 (default): off; k in 0..20: each emitted token's log-probability (log-softmax of
+                          the target's raw logits) and the k most likely alternatives, in every mode */
 } dfl_gen_params;
 
 dfl_gen_params dfl_gen_default_params(void);
@@ -174,6 +176,17 @@ typedef struct {
   double est_tok_s;        /* auto: its expected tokens per second */
   double est_ar_tok_s;     /* auto: the expected tokens per second of an AR step */
 } dfl_step_stats;
+
+/* Log-probabilities of the emitted tokens (dfl_gen_params.n_logprobs >= 0): one entry per token, in order. */
+typedef struct {
+  int32_t token;
+  float logprob;
+  int32_t n_top;
+  int32_t top_ids[20];
+  float top_logprobs[20];
+} dfl_token_logprob;
+int32_t dfl_generate_n_logprobs(const dfl_context* c);
+int dfl_generate_logprob(const dfl_context* c, int32_t i, dfl_token_logprob* out);
 
 int32_t dfl_generate_n_steps(const dfl_context* c);
 int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* out);

@@ -183,3 +183,19 @@ def test_cuda_drafter_matches_cpu(cuda_dec, cpu_dec):
     c = cpu_dec.generate(ids, N_NEW, ignore_eos=True, mode="chain")
     assert g.tokens == c.tokens
     assert g.stats.accept_lengths == c.stats.accept_lengths
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_cuda_logprobs(cuda_dec, mode):
+    """On the device the chosen token's log-probability and the alternatives come from the device top-k of the
+    verify rows; they equal the log-softmax of the device's own logits rows, and change no token."""
+    ids = cuda_dec.tokenize(PROMPTS[0])
+    n = 6 if EMULATED else 24
+    plain = cuda_dec.generate(ids, n, ignore_eos=True, mode=mode).tokens
+    r = cuda_dec.generate(ids, n, ignore_eos=True, mode=mode, logprobs=3)
+    assert r.tokens == plain
+    rows = cuda_dec.logits(ids + r.tokens)[len(ids) - 1:len(ids) - 1 + n].astype(np.float64)
+    ref = rows - rows.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    assert max(abs(e["logprob"] - ref[i, t]) for i, (e, t) in enumerate(zip(r.logprobs, r.tokens))) < 2e-3
+    assert all(len(e["top"]) == 3 for e in r.logprobs)

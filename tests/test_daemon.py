@@ -316,7 +316,7 @@ def test_openai_fields_honoured_or_refused(daemon, local):
                                   response_format={"type": "text"}, tools=None,
                                   extra_body={"ignore_eos": True, "logit_bias": {}, "metadata": {"k": "v"}})
     assert r.choices[0].message.content == want
-    refused = {"logprobs": dict(logprobs=True, top_logprobs=2), "frequency_penalty": dict(frequency_penalty=0.5),
+    refused = {"top_logprobs": dict(top_logprobs=2), "frequency_penalty": dict(frequency_penalty=0.5),
                "presence_penalty": dict(presence_penalty=0.5), "response_format": dict(
                    response_format={"type": "json_object"}),
                "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
@@ -348,3 +348,48 @@ def test_tokenize_detokenize_metrics(daemon, local):
     vals = {ln.split()[0]: float(ln.split()[1]) for ln in m.text.splitlines() if ln and not ln.startswith("#")}
     assert vals["dflash27b_requests_total"] >= 1 and vals["dflash27b_tokens_predicted_total"] >= 1
     assert "dflash27b_prefix_cache_bytes" in vals and "dflash27b_queue_length" in vals
+
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_openai_logprobs_equal_the_target_log_softmax(daemon, local, mode):
+    """logprobs / top_logprobs (chat) and logprobs (completions), streamed or not: the target's log-softmax of
+    its raw logits at each generated position, within 2e-3 of Decoder.logits (speculative modes take them from
+    the verify rows of the accepted tokens)."""
+    import numpy as np
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon['port']}/v1", api_key="unused")
+    prompt = "def fibonacci(n):"
+    extra = {"ignore_eos": True, "mode": mode}
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=3, extra_body=extra)
+    ids = local.tokenize(prompt)
+    gen = local.generate(ids, 12, ignore_eos=True, mode=mode, cache=False).tokens
+    rows = local.logits(ids + gen)[len(ids) - 1:len(ids) - 1 + len(gen)].astype(np.float64)
+    ref = rows - rows.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 12 and "".join(lp.tokens) == r.choices[0].text
+    assert np.abs(np.array(lp.token_logprobs) - ref[np.arange(12), gen]).max() < 2e-3
+    top_ids = np.argsort(-ref, axis=-1, kind="stable")[:, :3]
+    for k in range(12):
+        want = [ref[k, t] for t in top_ids[k]]
+        assert np.allclose(sorted(lp.top_logprobs[k].values(), reverse=True), want, atol=2e-3)
+    msgs = [{"role": "user", "content": "Write a stack class."}]
+    cids = local.tokenize(local.chat_prompt(msgs))
+    cgen = local.generate(cids, 10, ignore_eos=True, mode=mode, cache=False).tokens
+    crows = local.logits(cids + cgen)[len(cids) - 1:len(cids) - 1 + len(cgen)].astype(np.float64)
+    cref = crows - crows.max(-1, keepdims=True)
+    cref -= np.log(np.exp(cref).sum(-1, keepdims=True))
+    for stream in (False, True):
+        kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body=extra)
+        if stream:
+            content = [e for ch in c.chat.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs
+                       for e in ch.choices[0].logprobs.content]
+        else:
+            content = c.chat.completions.create(**kw).choices[0].logprobs.content
+        assert len(content) == 10
+        got = np.array([e.logprob for e in content])
+        assert np.abs(got - cref[np.arange(10), cgen]).max() < 2e-3, stream
+        assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+        assert all(e.bytes == list(e.token.encode()) for e in content)

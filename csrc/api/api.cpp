@@ -292,6 +292,7 @@ dfl_gen_params dfl_gen_default_params(void) {
   p.top_p = d.sampler.top_p;
   p.min_p = d.sampler.min_p;
   p.seed = d.sampler.seed;
+  p.n_logprobs = d.n_logprobs;
   return p;
 }
 
@@ -321,6 +322,7 @@ int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_pro
       gp.sampler.top_p = p->top_p;
       gp.sampler.min_p = p->min_p;
       gp.sampler.seed = p->seed;
+      gp.n_logprobs = p->n_logprobs;
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);
@@ -360,6 +362,26 @@ int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* o) {
 }
 
 int32_t dfl_generate_n_steps(const dfl_context* c) { return c ? (int32_t)c->gen->steps().size() : -1; }
+
+int32_t dfl_generate_n_logprobs(const dfl_context* c) { return c ? (int32_t)c->gen->logprobs().size() : -1; }
+
+int dfl_generate_logprob(const dfl_context* c, int32_t i, dfl_token_logprob* o) {
+  return guard([&] {
+    need(c, "context");
+    need(o, "out");
+    const auto& lp = c->gen->logprobs();
+    if (i < 0 || i >= (int32_t)lp.size()) dfl::fail("log-probability %d of %zu", i, lp.size());
+    static_assert(dfl::kMaxLogprobs == 20, "dfl_token_logprob holds 20 alternatives");
+    const dfl::TokenLogprob& e = lp[(size_t)i];
+    o->token = e.token;
+    o->logprob = e.logp;
+    o->n_top = e.n_top;
+    for (int k = 0; k < 20; ++k) {
+      o->top_ids[k] = k < e.n_top ? e.top_ids[k] : -1;
+      o->top_logprobs[k] = k < e.n_top ? e.top_logp[k] : 0.f;
+    }
+  });
+}
 
 int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) {
   return guard([&] {

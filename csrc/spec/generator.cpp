@@ -44,7 +44,10 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   } else if (p.mode != DecodeMode::AR) {
     fail("unknown decode mode %d", (int)p.mode);
   }
+  if (p.n_logprobs < -1 || p.n_logprobs > kMaxLogprobs)
+    fail("top log-probabilities: %d asked, 0..%d supported (-1 = off)", p.n_logprobs, kMaxLogprobs);
   p_ = p;
+  logprobs_.clear();
   done_ = true;  // until the prefill has succeeded: a failed begin leaves nothing to continue
   stats_ = GenStats{};
   stats_.prompt_tokens = n_prompt;
@@ -63,6 +66,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   if (p.max_new_tokens == 0) {
     done_ = true;
     stats_.stop = StopReason::Length;
+    logprobs_.clear();
   }
 }
 
@@ -83,8 +87,8 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
       o.n_logits = 1;
       o.logit_rows = &last;
       if (greedy()) {
-        top_ids_.resize(1), top_logp_.resize(1);
-        o.topk = 1, o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
+        top_ids_.resize(row_k()), top_logp_.resize(row_k());
+        o.topk = row_k(), o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
       } else {
         o.logits = logits_.data();
       }
@@ -104,6 +108,28 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
   pending_ = greedy() ? top_ids_[0] : pick(logits_.data(), n);
+  if (p_.n_logprobs >= 0) record_logprob(0, pending_);
+}
+
+void Generator::record_logprob(int node, int32_t token) {
+  const int V = ctx_.model().cfg.n_vocab, K = row_k();
+  TokenLogprob e;
+  e.token = token;
+  e.n_top = std::min(p_.n_logprobs, V);
+  if (greedy()) {  // the device's top-k of the row: the choice is its first entry
+    const int32_t* ids = top_ids_.data() + (size_t)node * K;
+    const float* lp = top_logp_.data() + (size_t)node * K;
+    e.logp = lp[0];
+    for (int i = 0; i < e.n_top; ++i) e.top_ids[i] = ids[i], e.top_logp[i] = lp[i];
+  } else {  // the raw row (before temperature and filters): its log-softmax
+    const float* row = logits_.data() + (size_t)node * V;
+    int32_t ids[kMaxLogprobs + 1];
+    float lp[kMaxLogprobs + 1];
+    topk_logprobs(row, V, 1 + e.n_top > V ? V : 1 + e.n_top, ids, lp);
+    e.logp = row[token] - (row[ids[0]] - lp[0]);  // lse = row[top] - logp[top]
+    for (int i = 0; i < e.n_top; ++i) e.top_ids[i] = ids[i], e.top_logp[i] = lp[i];
+  }
+  logprobs_.push_back(e);
 }
 
 int32_t Generator::pick(const float* row, int64_t pos) {
@@ -122,6 +148,7 @@ int Generator::next(std::vector<int32_t>& out) {
     if (is_eos(pending_)) {
       done_ = true;
       stats_.stop = StopReason::Eos;
+      logprobs_.clear();  // the prefill's token was not emitted
       return 0;
     }
     out.push_back(pending_);
@@ -263,9 +290,10 @@ int Generator::step(std::vector<int32_t>& out) {
   ForwardOutputs o;
   o.n_logits = N;
   o.logit_rows = rows.data();
+  const int K = row_k();
   if (greedy()) {
-    top_ids_.resize(N), top_logp_.resize(N);
-    o.topk = 1, o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
+    top_ids_.resize((size_t)N * K), top_logp_.resize((size_t)N * K);
+    o.topk = K, o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
   } else {
     logits_.resize((size_t)N * c.n_vocab);
     o.logits = logits_.data();
@@ -283,7 +311,7 @@ int Generator::step(std::vector<int32_t>& out) {
   // argmax, or its sample with the number of the position that token takes).
   std::vector<int32_t> path{0};
   auto choice_at = [&](int node) {
-    return greedy() ? top_ids_[node] : pick(logits_.data() + (size_t)node * c.n_vocab, s + depth_[node] + 1);
+    return greedy() ? top_ids_[(size_t)node * K] : pick(logits_.data() + (size_t)node * c.n_vocab, s + depth_[node] + 1);
   };
   int32_t choice = choice_at(0);
   for (;;) {
@@ -325,6 +353,7 @@ int Generator::step(std::vector<int32_t>& out) {
       break;
     }
     out.push_back(t);
+    if (p_.n_logprobs >= 0) record_logprob(path[i], t);  // node path[i] predicted the i-th token
     ++emitted;
   }
   stats_.generated_tokens += emitted;

@@ -37,6 +37,19 @@ struct GenParams {
   int block_size = 0;  // chain/ddtree: draft block incl. the root; 0 = the drafter's block_size
   TreeParams tree;     // ddtree: budget, top-K per depth, chain seed (auto: the largest budget it may choose)
   SamplerParams sampler;  // temperature 0 = greedy
+  // Log-probabilities of the emitted tokens: -1 = off; k >= 0 = each token's
+  // log-softmax of the target's raw logits and the k most likely alternatives
+  // (speculative modes take them from the verify rows of the accepted path).
+  int n_logprobs = -1;
+};
+
+constexpr int kMaxLogprobs = 20;
+struct TokenLogprob {
+  int32_t token = 0;
+  float logp = 0.f;
+  int n_top = 0;
+  int32_t top_ids[kMaxLogprobs] = {};
+  float top_logp[kMaxLogprobs] = {};
 };
 
 struct GenStats {
@@ -99,8 +112,14 @@ class Generator {
   int next(std::vector<int32_t>& out);
   const GenStats& stats() const { return stats_; }
   const std::vector<StepRecord>& steps() const { return steps_; }
+  // One entry per emitted token when GenParams::n_logprobs >= 0.
+  const std::vector<TokenLogprob>& logprobs() const { return logprobs_; }
 
  private:
+  // How many top entries a row needs: the choice (1) and the asked alternatives.
+  int row_k() const { return std::max(1, p_.n_logprobs); }
+  // Records the log-probability of `token` from row `node` of the last forward.
+  void record_logprob(int node, int32_t token);
   void prefill(const int32_t* prompt, int n, int first);
   int step(std::vector<int32_t>& out);
   void draft_chain(int32_t s, int V, StepRecord& rec);
@@ -124,6 +143,7 @@ class Generator {
   int block_ = 1;
   GenStats stats_;
   std::vector<StepRecord> steps_;
+  std::vector<TokenLogprob> logprobs_;
   std::vector<float> logits_;
   // Greedy decoding needs only each row's argmax and the drafts' top-K: they
   // are computed where the logits are (top_ids_ / top_logp_), no rows move.

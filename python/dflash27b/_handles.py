@@ -273,7 +273,7 @@ class Context:
     def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids, mode: int = 0,
                        block_size: int = 0, tree_budget: int = 22, tree_topk: int = 0,
                        chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       min_p: float = 0.0, seed: int = 0, n_keep: int = 0) -> None:
+                       min_p: float = 0.0, seed: int = 0, n_keep: int = 0, n_logprobs: int = -1) -> None:
         """n_keep: prompt tokens whose state the context already holds (restored from a prefix cache)."""
         ffi = self._ffi
         prompt = _i32(prompt)
@@ -287,12 +287,23 @@ class Context:
         gp.tree_budget, gp.tree_topk, gp.chain_seed = tree_budget, tree_topk, 1 if chain_seed else 0
         gp.temperature, gp.top_k, gp.top_p, gp.min_p = temperature, top_k, top_p, min_p
         gp.seed = seed & 0xFFFFFFFFFFFFFFFF
+        gp.n_logprobs = n_logprobs
         check(self._lib.dfl_generate_begin_keep(self.handle, self._p(prompt), len(prompt), n_keep, gp))
         self._buf = np.empty(max(256, block_size + 1, tree_budget + 2), np.int32)
 
     def generate_next(self) -> list[int]:
         n = check(self._lib.dfl_generate_next(self.handle, self._p(self._buf), len(self._buf)))
         return self._buf[:n].tolist()
+
+    def logprobs(self, start: int = 0) -> list[dict]:
+        """Emitted tokens' log-probabilities from index start: {"token", "logprob", "top": [(id, logprob)]}."""
+        lib, out = self._lib, []
+        e = self._ffi.new("dfl_token_logprob*")
+        for i in range(start, lib.dfl_generate_n_logprobs(self.handle)):
+            check(lib.dfl_generate_logprob(self.handle, i, e))
+            out.append({"token": e.token, "logprob": e.logprob,
+                        "top": [(e.top_ids[k], e.top_logprobs[k]) for k in range(e.n_top)]})
+        return out
 
     def generate_stats(self) -> dict:
         s = self._ffi.new("dfl_gen_stats*")

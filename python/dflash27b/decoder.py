@@ -83,6 +83,9 @@ class GenerateResult:
     text: str
     stats: GenerateStats
     prompt_tokens: list[int] = field(default_factory=list)
+    # with generate(logprobs=k): per token {"token", "logprob", "top": [(id, logprob) x k]}, the log-softmax
+    # of the target's raw logits at that position (before temperature and filters)
+    logprobs: list[dict] | None = None
 
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "models"
@@ -317,10 +320,14 @@ class Decoder:
                    chat: bool = False, mode: str | None = None, block_size: int | None = None,
                    budget: int = 22, topk: int = 0, chain_seed: bool = True, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                   seed: int | None = None, on_prefill=None, cache: bool = True) -> Iterator[list[int]]:
+                   seed: int | None = None, on_prefill=None, cache: bool = True,
+                   logprobs: int | None = None) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
         `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
-        cache: use (and feed) the prefix cache when the Decoder has one."""
+        cache: use (and feed) the prefix cache when the Decoder has one.  logprobs: None, or k in 0..20 to
+        record each token's log-probability and its k most likely alternatives (`last_logprobs`)."""
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
+            raise DFlashError(f"logprobs must be an integer in 0..20 (got {logprobs!r})")
         mode, bs = self._resolve_mode(mode, block_size)
         if budget < 0 or topk < 0:
             raise DFlashError(f"budget and topk must be >= 0 (got {budget}, {topk})")
@@ -351,7 +358,9 @@ class Decoder:
         try:
             self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
                                      bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
-                                     min_p, int(seed), n_keep=n_keep)
+                                     min_p, int(seed), n_keep=n_keep,
+                                     n_logprobs=-1 if logprobs is None else logprobs)
+            self._want_logprobs = logprobs is not None
         finally:
             if progress is not None:
                 self._ctx.set_prefill_progress(None)
@@ -386,7 +395,7 @@ class Decoder:
                  chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
                  topk: int = 0, chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                 on_prefill=None, cache: bool = True) -> GenerateResult:
+                 on_prefill=None, cache: bool = True, logprobs: int | None = None) -> GenerateResult:
         """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a
         tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
         greedy chain, verified in one target forward) or "auto" (each step AR or the DDTree budget up to
@@ -401,10 +410,15 @@ class Decoder:
         for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
                                     block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed,
                                     temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                    on_prefill=on_prefill, cache=cache):
+                                    on_prefill=on_prefill, cache=cache, logprobs=logprobs):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
-                              prompt_tokens=list(self._last_prompt))
+                              prompt_tokens=list(self._last_prompt),
+                              logprobs=self.last_logprobs() if logprobs is not None else None)
+
+    def last_logprobs(self, start: int = 0) -> list[dict]:
+        """The last decode's per-token log-probabilities (from token index start), when it asked for them."""
+        return self._ctx.logprobs(start) if getattr(self, "_want_logprobs", False) else []
 
     def last_stats(self) -> GenerateStats:
         s = self._ctx.generate_stats()

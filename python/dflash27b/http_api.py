@@ -32,7 +32,7 @@ _EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "top_k", "min_p"
 # Every OpenAI request field is honoured, accepted as a no-op where it cannot change the answer, or refused
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.
 _HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-             "stop", "stream", "stream_options", "n"} | set(_EXTRA)
+             "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs"} | set(_EXTRA)
 _NO_OP = {"user", "metadata", "store", "service_tier", "modalities", "parallel_tool_calls"}
 
 
@@ -41,8 +41,6 @@ def _neutral(k: str, v) -> bool:
     if v is None:
         return True
     return {
-        "logprobs": v is False or v == 0,
-        "top_logprobs": v == 0,
         "frequency_penalty": v == 0,
         "presence_penalty": v == 0,
         "repeat_penalty": v == 1,
@@ -58,8 +56,7 @@ def _neutral(k: str, v) -> bool:
     }.get(k, False)
 
 
-_WHY = {"logprobs": "log-probabilities are not returned yet", "top_logprobs": "log-probabilities are not returned yet",
-        "frequency_penalty": "penalties are not applied yet", "presence_penalty": "penalties are not applied yet",
+_WHY = {"frequency_penalty": "penalties are not applied yet", "presence_penalty": "penalties are not applied yet",
         "repeat_penalty": "penalties are not applied yet", "logit_bias": "logit biases are not applied",
         "response_format": "constrained output (JSON mode / schema) is not supported; only {\"type\": \"text\"}",
         "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
@@ -112,6 +109,23 @@ def _to_engine(body: dict, chat: bool) -> dict:
             req["prompt"] = p
         else:
             raise DFlashError("'prompt' must be a string or a list of token ids (one prompt per request)")
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:  # logprobs: bool, top_logprobs: 0..20 alternatives
+        if lp is not None and not isinstance(lp, bool):
+            raise DFlashError("'logprobs' must be true or false")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+            raise DFlashError("'top_logprobs' must be an integer in 0..20")
+        if top and not lp:
+            raise DFlashError("'top_logprobs' needs 'logprobs': true")
+        if lp:
+            req["logprobs"] = top or 0
+    else:  # completions: logprobs = the number of alternatives (0..20)
+        if top is not None:
+            raise DFlashError("'top_logprobs' is a chat field; completions take 'logprobs': k")
+        if lp is not None:
+            if not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20:
+                raise DFlashError("'logprobs' must be an integer in 0..20")
+            req["logprobs"] = lp
     n = body.get("max_completion_tokens", body.get("max_tokens"))
     if n is not None:
         req["max_new_tokens"] = n
@@ -168,12 +182,33 @@ def make_app(daemon) -> Starlette:
                     "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"],
                     "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        dec = daemon.decoder
+
+        def piece(t: int) -> dict:
+            text = dec.detokenize([t])
+            return {"token": text, "bytes": list(text.encode("utf-8"))}
+
+        def logprobs_of(lps: list[dict] | None):
+            """OpenAI's shape: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
+            if lps is None:
+                return None
+            if chat:
+                return {"content": [{**piece(e["token"]), "logprob": e["logprob"],
+                                     "top_logprobs": [{**piece(i), "logprob": p} for i, p in e["top"]]} for e in lps]}
+            toks = [piece(e["token"])["token"] for e in lps]
+            offs, o = [], 0
+            for t in toks:
+                offs.append(o)
+                o += len(t)
+            return {"tokens": toks, "token_logprobs": [e["logprob"] for e in lps],
+                    "top_logprobs": [{piece(i)["token"]: p for i, p in e["top"]} for e in lps], "text_offset": offs}
+
+        def chunk(text: str | None, finish: str | None, first: bool = False, lps: list[dict] | None = None) -> str:
             if chat:
                 delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs_of(lps)}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs_of(lps)}
             return "data: " + json.dumps({"id": rid, "object": kind + ".chunk" if chat else kind,
                                           "created": created, "model": model, "choices": [choice]}) + "\n\n"
 
@@ -192,8 +227,8 @@ def make_app(daemon) -> Starlette:
                 if chat:
                     yield chunk(None, None, first=True)
                 async for ev in events():
-                    if ev["event"] == "token" and ev["text"]:
-                        yield chunk(ev["text"], None)
+                    if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
+                        yield chunk(ev["text"], None, lps=ev.get("logprobs"))
                     elif ev["event"] == "done":
                         yield chunk(None if chat else "", _finish(ev["stats"]["stop_reason"]))
                         if include_usage:  # OpenAI's shape: one more chunk, no choices, the usage
@@ -210,8 +245,10 @@ def make_app(daemon) -> Starlette:
                 return _error(400, ev["message"])
             if ev["event"] == "done":
                 fin = _finish(ev["stats"]["stop_reason"])
-                choice = ({"index": 0, "message": {"role": "assistant", "content": ev["text"]}, "finish_reason": fin}
-                          if chat else {"index": 0, "text": ev["text"], "finish_reason": fin, "logprobs": None})
+                lps = logprobs_of(ev.get("logprobs"))
+                choice = ({"index": 0, "message": {"role": "assistant", "content": ev["text"]}, "finish_reason": fin,
+                           "logprobs": lps}
+                          if chat else {"index": 0, "text": ev["text"], "finish_reason": fin, "logprobs": lps})
                 return JSONResponse({"id": rid, "object": kind, "created": created, "model": model,
                                      "choices": [choice], "usage": usage(ev["stats"]),
                                      "dflash27b": {k: ev["stats"][k] for k in ("mode", "mean_accept", "decode_tok_s")}})

@@ -69,6 +69,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream": (lambda v: isinstance(v, bool), "must be true or false"),
     # llama-server's name: false decodes without the prefix cache (neither reads nor feeds it)
     "cache_prompt": (lambda v: isinstance(v, bool), "must be true or false"),
+    # per emitted token: its log-probability and the k most likely alternatives (null = off)
+    "logprobs": (lambda v: v is None or (_is_int(v) and 0 <= v <= 20), "must be null or an integer in 0..20"),
 }
 
 
@@ -220,14 +222,18 @@ class DecodeService:
         sd = dec.tokenizer.stream_decoder()
         tokens: list[int] = []
         stopped = cancelled = False
+        want_lp = p.get("logprobs") is not None
         steps = dec.stream_ids(prompt, p["max_new_tokens"], **_decode_kwargs(p), cache=p.get("cache_prompt", True),
-                               on_prefill=lambda done, total: job.cancelled.is_set())
+                               logprobs=p.get("logprobs"), on_prefill=lambda done, total: job.cancelled.is_set())
         try:
             for toks in steps:
                 tokens += toks
                 piece, stopped = stop.push("".join(sd.push(t) for t in toks))
                 if stream:
-                    job.emit({"event": "token", "ids": toks, "text": piece})
+                    ev = {"event": "token", "ids": toks, "text": piece}
+                    if want_lp:
+                        ev["logprobs"] = dec.last_logprobs(len(tokens) - len(toks))
+                    job.emit(ev)
                 if stopped:
                     break
                 if job.cancelled.is_set():
@@ -250,7 +256,10 @@ class DecodeService:
         self.decode_seconds_total += stats["decode_s"]
         if stopped:
             stats["stop_reason"] = "stop"
-        job.emit({"event": "done", "tokens": tokens, "text": stop.text, "stats": stats})
+        done = {"event": "done", "tokens": tokens, "text": stop.text, "stats": stats}
+        if want_lp:
+            done["logprobs"] = dec.last_logprobs()[:len(tokens)]
+        job.emit(done)
 
 
 def _rss_bytes() -> int:
