@@ -138,6 +138,13 @@ typedef struct {
   float top_p;         /* (0, 1]; 1 = off */
   float min_p;         /* [0, 1]; 0 = off */
   uint64_t seed;       /* the token at position p is drawn with a number that depends only on (seed, p) */
+  /* repetition penalties (llama.cpp's, applied before the sampler, in every mode: a verified node counts its
+     own ancestors' tokens, so speculative output stays AR's): repeat (1 = off), frequency and presence
+     (0 = off) over the last repeat_last_n tokens of the sequence, prompt included (-1 = all, 0 = off) */
+  float repeat_penalty;
+  float frequency_penalty;
+  float presence_penalty;
+  int32_t repeat_last_n;
   int32_t n_logprobs;  /* -1 (default): off; k in 0..20: each emitted token's log-probability (log-softmax of
                           the target's raw logits) and the k most likely alternatives, in every mode */
 } dfl_gen_params;

@@ -316,8 +316,7 @@ def test_openai_fields_honoured_or_refused(daemon, local):
                                   response_format={"type": "text"}, tools=None,
                                   extra_body={"ignore_eos": True, "logit_bias": {}, "metadata": {"k": "v"}})
     assert r.choices[0].message.content == want
-    refused = {"top_logprobs": dict(top_logprobs=2), "frequency_penalty": dict(frequency_penalty=0.5),
-               "presence_penalty": dict(presence_penalty=0.5), "response_format": dict(
+    refused = {"top_logprobs": dict(top_logprobs=2), "response_format": dict(
                    response_format={"type": "json_object"}),
                "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
                "logit_bias": dict(logit_bias={"5": 10}), "frobnicate": dict(extra_body={"frobnicate": 1}),
@@ -325,6 +324,13 @@ def test_openai_fields_honoured_or_refused(daemon, local):
     for field, kw in refused.items():
         with pytest.raises(openai.BadRequestError, match=field.split("=")[0]):
             c.chat.completions.create(**base, **kw)
+    # penalties: honoured, the same tokens as in-process with the same penalties
+    loop = "import os\nimport sys\nimport "
+    want_pen = local.generate(loop, 24, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.2,
+                              cache=False).text
+    r = c.completions.create(model="tiny", prompt=loop, max_tokens=24, temperature=0, frequency_penalty=1.0,
+                             presence_penalty=0.2, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want_pen  # (tests/test_penalties.py: a penalty breaks a loop, speculative == AR)
     # stream_options.include_usage: the last chunk carries the usage
     chunks = list(c.chat.completions.create(**base, stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))

@@ -293,6 +293,10 @@ dfl_gen_params dfl_gen_default_params(void) {
   p.min_p = d.sampler.min_p;
   p.seed = d.sampler.seed;
   p.n_logprobs = d.n_logprobs;
+  p.repeat_penalty = d.sampler.repeat_penalty;
+  p.frequency_penalty = d.sampler.frequency_penalty;
+  p.presence_penalty = d.sampler.presence_penalty;
+  p.repeat_last_n = d.sampler.repeat_last_n;
   return p;
 }
 
@@ -323,6 +327,10 @@ int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_pro
       gp.sampler.min_p = p->min_p;
       gp.sampler.seed = p->seed;
       gp.n_logprobs = p->n_logprobs;
+      gp.sampler.repeat_penalty = p->repeat_penalty;
+      gp.sampler.frequency_penalty = p->frequency_penalty;
+      gp.sampler.presence_penalty = p->presence_penalty;
+      gp.sampler.repeat_last_n = p->repeat_last_n;
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);

@@ -53,6 +53,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   stats_.prompt_tokens = n_prompt;
   steps_.clear();
   if (n_keep == 0) ctx_.reset();
+  hist_.assign(prompt, prompt + n_prompt);
   if (drafter_) {
     drafter_->reset();
     if (n_keep > 0 && capturing()) drafter_->skip_features(0, n_keep);
@@ -86,7 +87,7 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
     if (off + m == n) {
       o.n_logits = 1;
       o.logit_rows = &last;
-      if (greedy()) {
+      if (!need_rows()) {
         top_ids_.resize(row_k()), top_logp_.resize(row_k());
         o.topk = row_k(), o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
       } else {
@@ -107,7 +108,7 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
     }
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
-  pending_ = greedy() ? top_ids_[0] : pick(logits_.data(), n);
+  pending_ = need_rows() ? pick(logits_.data(), n) : top_ids_[0];
   if (p_.n_logprobs >= 0) record_logprob(0, pending_);
 }
 
@@ -116,7 +117,7 @@ void Generator::record_logprob(int node, int32_t token) {
   TokenLogprob e;
   e.token = token;
   e.n_top = std::min(p_.n_logprobs, V);
-  if (greedy()) {  // the device's top-k of the row: the choice is its first entry
+  if (!need_rows()) {  // the device's top-k of the row: the choice is its first entry
     const int32_t* ids = top_ids_.data() + (size_t)node * K;
     const float* lp = top_logp_.data() + (size_t)node * K;
     e.logp = lp[0];
@@ -132,8 +133,16 @@ void Generator::record_logprob(int node, int32_t token) {
   logprobs_.push_back(e);
 }
 
-int32_t Generator::pick(const float* row, int64_t pos) {
-  return sample_token(row, ctx_.model().cfg.n_vocab, p_.sampler, pos, sample_scratch_);
+int32_t Generator::pick(const float* row, int64_t pos, const int32_t* extra, int n_extra) {
+  const int V = ctx_.model().cfg.n_vocab;
+  if (!p_.sampler.penalized()) return sample_token(row, V, p_.sampler, pos, sample_scratch_);
+  // the node's own sequence: the committed tokens, then its ancestors and itself
+  const size_t n0 = hist_.size();
+  hist_.insert(hist_.end(), extra, extra + n_extra);
+  row_scratch_.assign(row, row + V);
+  apply_penalties(row_scratch_.data(), V, p_.sampler, hist_.data(), hist_.size(), penalty_scratch_);
+  hist_.resize(n0);
+  return sample_token(row_scratch_.data(), V, p_.sampler, pos, sample_scratch_);
 }
 
 bool Generator::is_eos(int32_t t) const {
@@ -291,7 +300,7 @@ int Generator::step(std::vector<int32_t>& out) {
   o.n_logits = N;
   o.logit_rows = rows.data();
   const int K = row_k();
-  if (greedy()) {
+  if (!need_rows()) {
     top_ids_.resize((size_t)N * K), top_logp_.resize((size_t)N * K);
     o.topk = K, o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
   } else {
@@ -310,8 +319,12 @@ int Generator::step(std::vector<int32_t>& out) {
   // ACCEPT: from the root, follow the child holding the target's choice (its
   // argmax, or its sample with the number of the position that token takes).
   std::vector<int32_t> path{0};
+  std::vector<int32_t> path_tokens;  // the tokens root..node along the walk (penalties count them)
   auto choice_at = [&](int node) {
-    return greedy() ? top_ids_[(size_t)node * K] : pick(logits_.data() + (size_t)node * c.n_vocab, s + depth_[node] + 1);
+    if (!need_rows()) return top_ids_[(size_t)node * K];
+    path_tokens.push_back(tokens_[node]);
+    return pick(logits_.data() + (size_t)node * c.n_vocab, s + depth_[node] + 1, path_tokens.data(),
+                (int)path_tokens.size());
   };
   int32_t choice = choice_at(0);
   for (;;) {
@@ -339,6 +352,7 @@ int Generator::step(std::vector<int32_t>& out) {
   }
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);
+  for (int i = 0; i <= a; ++i) hist_.push_back(tokens_[path[i]]);  // positions s .. s + a are committed
 
   // ---- EMIT ---- accepted drafts, then the bonus, within max_new_tokens
   const int produced = std::min(a + 1, remaining);

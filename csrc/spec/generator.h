@@ -125,8 +125,12 @@ class Generator {
   void draft_chain(int32_t s, int V, StepRecord& rec);
   void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe);
   bool is_eos(int32_t t) const;
-  // The target's choice for the token at absolute position pos from one logits row.
-  int32_t pick(const float* row, int64_t pos);
+  // The target's choice for the token at absolute position pos from one raw
+  // logits row, the sequence before it being hist_ then extra[0, n_extra)
+  // (a tree node's ancestors): penalties first, then the sampler.
+  int32_t pick(const float* row, int64_t pos, const int32_t* extra = nullptr, int n_extra = 0);
+  // Whole logits rows must come back (sampling or penalties), not just the device's top-k.
+  bool need_rows() const { return !greedy() || p_.sampler.penalized(); }
   bool capturing() const { return drafter_ && p_.mode != DecodeMode::AR; }
 
   Context& ctx_;
@@ -151,6 +155,9 @@ class Generator {
   std::vector<int32_t> top_ids_;
   std::vector<float> top_logp_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
+  std::vector<int32_t> hist_;          // the tokens at positions [0, n_past): what penalties count
+  std::vector<int32_t> penalty_scratch_;
+  std::vector<float> row_scratch_;
   // the step's verify batch: node 0 = root, then drafts (chain: parent i-1)
   std::vector<int32_t> tokens_, parent_, depth_, pos_, capture_;
   int32_t pending_ = -1;  // decided but not yet fed to the target

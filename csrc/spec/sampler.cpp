@@ -14,6 +14,32 @@ void validate_sampler(const SamplerParams& p) {
   if (p.top_k < 0) fail("top_k must be >= 0 (0 = off; got %d)", p.top_k);
   if (!(p.top_p > 0.f && p.top_p <= 1.f)) fail("top_p must be in (0, 1] (got %g)", (double)p.top_p);
   if (!(p.min_p >= 0.f && p.min_p <= 1.f)) fail("min_p must be in [0, 1] (got %g)", (double)p.min_p);
+  if (!(p.repeat_penalty > 0.f) || !std::isfinite(p.repeat_penalty))
+    fail("repeat_penalty must be a finite number > 0 (1 = off; got %g)", (double)p.repeat_penalty);
+  if (!std::isfinite(p.frequency_penalty)) fail("frequency_penalty must be a finite number (got %g)", (double)p.frequency_penalty);
+  if (!std::isfinite(p.presence_penalty)) fail("presence_penalty must be a finite number (got %g)", (double)p.presence_penalty);
+  if (p.repeat_last_n < -1) fail("repeat_last_n must be >= -1 (-1 = the whole sequence, 0 = off; got %d)", p.repeat_last_n);
+}
+
+void apply_penalties(float* logits, int n_vocab, const SamplerParams& p, const int32_t* hist, size_t n_hist,
+                     std::vector<int32_t>& seen) {
+  if (!p.penalized()) return;
+  const size_t w = p.repeat_last_n < 0 ? n_hist : std::min(n_hist, (size_t)p.repeat_last_n);
+  const int32_t* win = hist + (n_hist - w);
+  seen.assign(win, win + w);
+  std::sort(seen.begin(), seen.end());  // each distinct token once, with its count: a fixed order
+  for (size_t i = 0; i < seen.size();) {
+    size_t j = i;
+    while (j < seen.size() && seen[j] == seen[i]) ++j;
+    const int32_t t = seen[i];
+    const float count = (float)(j - i);
+    if (t >= 0 && t < n_vocab) {
+      float& x = logits[t];
+      x = x > 0.f ? x / p.repeat_penalty : x * p.repeat_penalty;
+      x -= count * p.frequency_penalty + p.presence_penalty;
+    }
+    i = j;
+  }
 }
 
 static uint64_t mix64(uint64_t z) {

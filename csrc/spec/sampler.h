@@ -9,6 +9,7 @@
 // position its token would occupy, exactly as AR decoding would, so sampled
 // output is the same token for token in every mode.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -20,7 +21,19 @@ struct SamplerParams {
   float top_p = 1.f;        // 1: off; must be in (0, 1]
   float min_p = 0.f;        // 0: off; must be in [0, 1]
   uint64_t seed = 0;
+  // Repetition penalties, applied first, as llama.cpp's penalties sampler: for
+  // each token seen c > 0 times in the last repeat_last_n tokens of the
+  // sequence (prompt included; -1 = all, 0 = none), its logit is divided by
+  // repeat_penalty when positive (multiplied when negative), then lowered by
+  // c * frequency_penalty + presence_penalty.
+  float repeat_penalty = 1.f;     // 1: off
+  float frequency_penalty = 0.f;  // 0: off
+  float presence_penalty = 0.f;   // 0: off
+  int repeat_last_n = 64;
   bool greedy() const { return !(temperature > 0.f); }
+  bool penalized() const {
+    return repeat_last_n != 0 && (repeat_penalty != 1.f || frequency_penalty != 0.f || presence_penalty != 0.f);
+  }
 };
 
 // Throws a one-line dfl::Error naming the bad parameter.
@@ -28,6 +41,11 @@ void validate_sampler(const SamplerParams& p);
 
 // Uniform in [0, 1) for the token at absolute position pos (SplitMix64-style hash).
 double position_uniform(uint64_t seed, int64_t pos);
+
+// The penalties of p applied in place to a logits row whose sequence so far
+// (every token before the one this row predicts) is hist[0, n_hist).
+void apply_penalties(float* logits, int n_vocab, const SamplerParams& p, const int32_t* hist, size_t n_hist,
+                     std::vector<int32_t>& scratch);
 
 // The token for position `pos` drawn from logits[n_vocab] under p.
 int32_t sample_token(const float* logits, int n_vocab, const SamplerParams& p, int64_t pos,

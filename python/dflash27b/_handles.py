@@ -273,7 +273,9 @@ class Context:
     def generate_begin(self, prompt, max_new_tokens: int, ignore_eos: bool, eos_ids, mode: int = 0,
                        block_size: int = 0, tree_budget: int = 22, tree_topk: int = 0,
                        chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                       min_p: float = 0.0, seed: int = 0, n_keep: int = 0, n_logprobs: int = -1) -> None:
+                       min_p: float = 0.0, seed: int = 0, n_keep: int = 0, n_logprobs: int = -1,
+                       penalties: tuple[float, float, float, int] = (1.0, 0.0, 0.0, 64)) -> None:
+        """penalties: (repeat, frequency, presence, repeat_last_n) as llama.cpp's."""
         """n_keep: prompt tokens whose state the context already holds (restored from a prefix cache)."""
         ffi = self._ffi
         prompt = _i32(prompt)
@@ -288,6 +290,7 @@ class Context:
         gp.temperature, gp.top_k, gp.top_p, gp.min_p = temperature, top_k, top_p, min_p
         gp.seed = seed & 0xFFFFFFFFFFFFFFFF
         gp.n_logprobs = n_logprobs
+        gp.repeat_penalty, gp.frequency_penalty, gp.presence_penalty, gp.repeat_last_n = penalties
         check(self._lib.dfl_generate_begin_keep(self.handle, self._p(prompt), len(prompt), n_keep, gp))
         self._buf = np.empty(max(256, block_size + 1, tree_budget + 2), np.int32)
 

@@ -124,6 +124,14 @@ def main() -> None:
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="top-p filter, in (0, 1] (1 = off)")
 @click.option("--min-p", type=float, default=0.0, show_default=True, help="min-p filter, in [0, 1] (0 = off)")
 @click.option("-s", "--seed", type=int, default=None, help="sampling seed (default: a fresh one, shown in --json)")
+@click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+              help="divide (multiply when negative) the logits of recently seen tokens (1 = off), as llama.cpp")
+@click.option("--repeat-last-n", type=click.IntRange(min=-1), default=64, show_default=True,
+              help="tokens the penalties look back over, prompt included (-1 = all, 0 = off)")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="lower a seen token's logit by this times its count (0 = off)")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="lower a seen token's logit by this once (0 = off)")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="tokens per draft block incl. the root [default: the drafter's]")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -139,7 +147,8 @@ def main() -> None:
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
-def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed, block_size, feature_ring, draft_type, state_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
+def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed,
+             repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, block_size, feature_ring, draft_type, state_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
              kv_type, device, threads, raw, as_json, compare):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None and bundled_pair() is None and socket_path is None:
@@ -161,6 +170,9 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
             kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
                       chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       seed=seed)
+            if (repeat_penalty, frequency_penalty, presence_penalty) != (1.0, 0.0, 0.0):
+                kw.update(repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                          frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
             ar = None
             if compare:
                 ar = dec.generate(p, max_new_tokens, **{**kw, "mode": "ar"})

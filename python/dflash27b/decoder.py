@@ -110,6 +110,18 @@ def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -
         raise DFlashError(f"min_p must be in [0, 1] (got {min_p!r})")
 
 
+def check_penalties(repeat_penalty: float, frequency_penalty: float, presence_penalty: float,
+                    repeat_last_n: int) -> None:
+    import math
+    if not isinstance(repeat_penalty, (int, float)) or not math.isfinite(repeat_penalty) or repeat_penalty <= 0:
+        raise DFlashError(f"repeat_penalty must be a finite number > 0 (1 = off; got {repeat_penalty!r})")
+    for name, v in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise DFlashError(f"{name} must be a finite number (0 = off; got {v!r})")
+    if not isinstance(repeat_last_n, int) or repeat_last_n < -1:
+        raise DFlashError(f"repeat_last_n must be an integer >= -1 (-1 = all, 0 = off; got {repeat_last_n!r})")
+
+
 def cuda_build() -> str:
     """What the core was built with for CUDA: "not built", "emulator" (tests only) or "sm_86,..."."""
     ffi, lib = load()
@@ -321,7 +333,8 @@ class Decoder:
                    budget: int = 22, topk: int = 0, chain_seed: bool = True, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                    seed: int | None = None, on_prefill=None, cache: bool = True,
-                   logprobs: int | None = None) -> Iterator[list[int]]:
+                   logprobs: int | None = None, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+                   presence_penalty: float = 0.0, repeat_last_n: int = 64) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
         `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
         cache: use (and feed) the prefix cache when the Decoder has one.  logprobs: None, or k in 0..20 to
@@ -332,6 +345,7 @@ class Decoder:
         if budget < 0 or topk < 0:
             raise DFlashError(f"budget and topk must be >= 0 (got {budget}, {topk})")
         check_sampling(temperature, top_k, top_p, min_p)
+        check_penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
         if seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
             seed = int.from_bytes(os.urandom(4), "little")
         ids = self._prompt_ids(prompt, chat)
@@ -359,7 +373,8 @@ class Decoder:
             self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
                                      bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
                                      min_p, int(seed), n_keep=n_keep,
-                                     n_logprobs=-1 if logprobs is None else logprobs)
+                                     n_logprobs=-1 if logprobs is None else logprobs,
+                                     penalties=(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n))
             self._want_logprobs = logprobs is not None
         finally:
             if progress is not None:
@@ -395,7 +410,9 @@ class Decoder:
                  chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
                  topk: int = 0, chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                 on_prefill=None, cache: bool = True, logprobs: int | None = None) -> GenerateResult:
+                 on_prefill=None, cache: bool = True, logprobs: int | None = None, repeat_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 repeat_last_n: int = 64) -> GenerateResult:
         """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a
         tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
         greedy chain, verified in one target forward) or "auto" (each step AR or the DDTree budget up to
@@ -405,12 +422,20 @@ class Decoder:
         Sampling follows llama.cpp's order: top_k (0 = off), top_p (1 = off), min_p (0 = off), each on
         the softmax at temperature 1, then temperature (0 = greedy).  The token at position p is drawn
         with a number that depends only on (seed, p), so for a given seed the output is the same token
-        for token in every mode (seed None: a fresh one, reported in stats.seed)."""
+        for token in every mode (seed None: a fresh one, reported in stats.seed).
+
+        Penalties come first, as llama.cpp's: each token seen c times in the last repeat_last_n tokens (prompt
+        included; -1 = all) has its logit divided by repeat_penalty (multiplied when negative), then lowered by
+        c * frequency_penalty + presence_penalty.  A verified tree node counts its own ancestors, so
+        speculative output still equals AR's.  logprobs=k: each token's log-probability (of the raw logits)
+        and its k most likely alternatives, in result.logprobs."""
         tokens: list[int] = []
         for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
                                     block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed,
                                     temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                    on_prefill=on_prefill, cache=cache, logprobs=logprobs):
+                                    on_prefill=on_prefill, cache=cache, logprobs=logprobs,
+                                    repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                    presence_penalty=presence_penalty, repeat_last_n=repeat_last_n):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt),

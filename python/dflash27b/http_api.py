@@ -27,7 +27,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise DFlashError("the HTTP front needs starlette and uvicorn: pip install 'dflash27b[serve]'") from e
 
-_EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "top_k", "min_p", "ignore_eos", "cache_prompt")
+_EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "top_k", "min_p", "ignore_eos", "cache_prompt",
+          "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty")
 
 # Every OpenAI request field is honoured, accepted as a no-op where it cannot change the answer, or refused
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.
@@ -41,9 +42,6 @@ def _neutral(k: str, v) -> bool:
     if v is None:
         return True
     return {
-        "frequency_penalty": v == 0,
-        "presence_penalty": v == 0,
-        "repeat_penalty": v == 1,
         "logit_bias": v == {},
         "response_format": isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
         "tools": v == [],
@@ -56,8 +54,7 @@ def _neutral(k: str, v) -> bool:
     }.get(k, False)
 
 
-_WHY = {"frequency_penalty": "penalties are not applied yet", "presence_penalty": "penalties are not applied yet",
-        "repeat_penalty": "penalties are not applied yet", "logit_bias": "logit biases are not applied",
+_WHY = {"logit_bias": "logit biases are not applied",
         "response_format": "constrained output (JSON mode / schema) is not supported; only {\"type\": \"text\"}",
         "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
         "functions": "function calls are not supported", "function_call": "function calls are not supported",

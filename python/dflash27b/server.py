@@ -62,6 +62,10 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_k": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "top_p": (lambda v: _is_num(v) and 0 < v <= 1, "must be a number in (0, 1]"),
     "min_p": (lambda v: _is_num(v) and 0 <= v <= 1, "must be a number in [0, 1]"),
+    "repeat_penalty": (lambda v: _is_num(v) and v > 0, "must be a number > 0 (1 = off)"),
+    "frequency_penalty": (lambda v: _is_num(v), "must be a number (0 = off)"),
+    "presence_penalty": (lambda v: _is_num(v), "must be a number (0 = off)"),
+    "repeat_last_n": (lambda v: _is_int(v) and v >= -1, "must be an integer >= -1 (-1 = all, 0 = off)"),
     "seed": (lambda v: v is None or (_is_int(v) and 0 <= v < 2 ** 32), "must be an integer in [0, 2^32)"),
     "ignore_eos": (lambda v: isinstance(v, bool), "must be true or false"),
     "stop": (lambda v: isinstance(v, str) and v != "" or (isinstance(v, list) and len(v) <= 16 and all(
@@ -111,7 +115,7 @@ class Job:
 
 def _decode_kwargs(p: dict) -> dict:
     keys = ("mode", "budget", "topk", "block_size", "chain_seed", "temperature", "top_k", "top_p", "min_p",
-            "seed", "ignore_eos")
+            "seed", "ignore_eos", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
     return {k: p[k] for k in keys if k in p}
 
 
