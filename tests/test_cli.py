@@ -120,3 +120,21 @@ def test_generate_mismatched_draft_is_one_error_line(model, tmp_path):
         "error: drafter/target mismatch: drafter hidden_size 384 != target hidden size 256"]
     r = run("generate", "-m", model, "--prompt-ids", "1,2", "-n", "2", "--mode", "chain")
     assert r.returncode == 1 and "needs a drafter" in r.stderr
+
+
+def test_generate_penalty_flags(pair):
+    """--repeat-penalty / --repeat-last-n / --frequency-penalty / --presence-penalty reach the engine: the CLI's
+    tokens are Decoder's with the same penalties, and differ from the unpenalized ones on a looping prompt."""
+    from dflash27b import Decoder
+    args = ["generate", "-m", str(pair[0]), "-md", str(pair[1]), "import os\nimport sys\nimport ", "-n", "24",
+            "--ignore-eos", "--json", "-t", "2", "--mode", "ddtree"]
+    flags = ["--frequency-penalty", "1.0", "--presence-penalty", "0.1", "--repeat-penalty", "1.1",
+             "--repeat-last-n", "32"]
+    pen = json.loads(run(*args, *flags).stdout)["tokens"]
+    plain = json.loads(run(*args).stdout)["tokens"]
+    with Decoder(pair[0], pair[1], device="cpu", threads=2) as d:
+        want = d.generate("import os\nimport sys\nimport ", 24, ignore_eos=True, mode="ar", frequency_penalty=1.0,
+                          presence_penalty=0.1, repeat_penalty=1.1, repeat_last_n=32).tokens
+    assert pen == want and pen != plain
+    bad = run(*args, "--repeat-penalty", "0")
+    assert bad.returncode != 0 and "repeat_penalty" in bad.stderr
