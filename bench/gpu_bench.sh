@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# gpu_bench.sh — the GPU record on a bare, offline GPU machine, in two calls of under 10 minutes each.
+# gpu_bench.sh — the GPU record on a bare, offline GPU machine, in three calls of under 10 minutes each.
 #
 # Before (here, with network):  bash bench/gpu_prepare.sh      -> .gpu/ (wheels, llama.cpp source, commit)
-# On the GPU machine, carrying .gpu, back to back (the build and the synthetic files stay on the machine
+# On the GPU machine, carrying .gpu, three calls back to back (the build and the synthetic files stay on the machine
 # while it is warm; a part that finds them gone redoes what it needs):
 #   bash bench/gpu_bench.sh part1   machine; wheels; llama.cpp's llama-bench built with CUDA in the
 #                                   background; the synthetic 27B Q4_K_M target + a drafter of z-lab's
 #                                   published 27B drafter shapes written in the background; our library
 #                                   built for sm_$ARCH; the backend op test (batches 1..512) and pytest -m cuda;
-#                                   compute-sanitizer memcheck + racecheck on a DDTree decode; the four
-#                                   exactness checks
-#   bash bench/gpu_bench.sh part2   llama-bench (tg128, pp512, pp8192, -fa 1, -ngl 99) and ours on the same
+#                                   the four exactness checks
+#   bash bench/gpu_bench.sh part2   llama-bench (tg128, pp512, pp8192, -fa on, -ngl 99) and ours on the same
 #                                   file: AR decode / prefill, AR step, verify at 2..32 nodes (chain, tree),
 #                                   drafter block, DDTree-22 step, commit, oracle drafter at accept length ~8,
-#                                   memory peak vs plan, copy bandwidth; the matmul table; then the record
-#   bash bench/gpu_bench.sh all     both, one after the other
+#                                   memory peak vs plan, copy bandwidth; then the record
+#   bash bench/gpu_bench.sh part3   compute-sanitizer memcheck + racecheck on a DDTree decode; the prefix
+#                                   cache on an 8K-token conversation, the 24 GiB cap run (128K
+#                                   context, Q4_0 KV, DDTree == AR), the matmul table; the record again (all parts)
+#   bash bench/gpu_bench.sh all     all three, one after the other
 # Options: --arch N (default 90), --skip-llamacpp, --skip-sanitize, --dry-run (print the steps, run nothing).
 # Environment: COMMIT (the measured HEAD; default .gpu/commit, else git), OUT (the device tool's output
 # folder: the record, its table and the logs are copied there).
@@ -35,7 +37,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 PART=
 while [ $# -gt 0 ]; do
   case "$1" in
-    part1|part2|all) [ -z "$PART" ] || { echo "gpu_bench.sh: one part at a time (got $PART and $1)" >&2; exit 2; }
+    part1|part2|part3|all) [ -z "$PART" ] || { echo "gpu_bench.sh: one part at a time (got $PART and $1)" >&2; exit 2; }
                      PART=$1 ;;
     --arch) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+a?$ ]] || { echo "gpu_bench.sh: --arch needs a number like 90" >&2; exit 2; }
             ARCH=$2; shift ;;
@@ -47,7 +49,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$PART" ] || { echo "gpu_bench.sh: name a part: part1, part2 or all" >&2; usage >&2; exit 2; }
+[ -n "$PART" ] || { echo "gpu_bench.sh: name a part: part1, part2, part3 or all" >&2; usage >&2; exit 2; }
 
 status=0
 step() { echo; echo "==== $(date -u +%H:%M:%S) $*"; }
@@ -133,17 +135,7 @@ start_background_jobs() {
   fi
 }
 
-part1() {
-  step "machine"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
-  command -v nvcc >/dev/null && nvcc --version | tail -2
-  python3 --version; nproc; df -h "$ROOT" | tail -1
-  start_background_jobs
-  run 300 "build (sm_$ARCH)" build_ours || return 1
-  run 120 "backend ops on the GPU vs the CPU backend (batches 1..512)" \
-    bash -c "build/gpu/dfl_backend_ops > build/backend_ops.log 2>&1; rc=\$?; grep -v ': ok$' build/backend_ops.log | tail -20; exit \$rc"
-  run 240 "pytest -m cuda" python3 -m pytest -q -p no:cacheprovider -m cuda -rxs --junitxml=build/gpu-pytest.xml \
-    tests/test_cuda_ops.py tests/test_cuda_forward.py
+sanitize() {
   if [ $SKIP_SANITIZE = 0 ]; then
     local SAN
     SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
@@ -155,7 +147,7 @@ with Decoder(device='cuda', ctx=512, threads=4) as d:
     assert dd == ar, (dd, ar)
 print('decode ok')"
       local t=tests/test_cuda_ops.py
-      run 150 "compute-sanitizer memcheck: matmul shapes + a DDTree decode" bash -c "
+      run 120 "compute-sanitizer memcheck: matmul shapes + a DDTree decode" bash -c "
         '$SAN' --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider -m cuda \
           '$t::test_cuda_matmul_shapes_and_misaligned_rows' '$t::test_cuda_matmul_vs_numpy_and_cpu[Q6_K-23]' \
           > build/memcheck-matmul.log 2>&1; a=\$?
@@ -168,13 +160,31 @@ print('decode ok')"
       echo "compute-sanitizer not found: sanitizer not run"
     fi
   fi
-  run 120 "exactness on the bundled pair (CUDA AR vs CPU AR, chain / DDTree / sampled DDTree vs CUDA AR)" \
-    python3 bench/gpu_bench.py exact --device cuda --out "$PARTS/exact.json"
+}
+
+# the tests' and (when they ran) the sanitizers' summary -> build/gpu-parts/checks.json
+checks_summary() {
   local san=()
-  [ $SKIP_SANITIZE = 0 ] && san=(--memcheck build/memcheck-matmul.log --memcheck build/memcheck-decode.log
-                                 --racecheck build/racecheck-decode.log)
+  [ -f build/memcheck-decode.log ] && san+=(--memcheck build/memcheck-matmul.log --memcheck build/memcheck-decode.log)
+  [ -f build/racecheck-decode.log ] && san+=(--racecheck build/racecheck-decode.log)
   run 30 "test and sanitizer summary" python3 bench/gpu_bench.py checks --junit build/gpu-pytest.xml \
     --backend-ops build/backend_ops.log "${san[@]}" --out "$PARTS/checks.json"
+}
+
+part1() {
+  step "machine"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  python3 --version; nproc; df -h "$ROOT" | tail -1
+  start_background_jobs
+  run 300 "build (sm_$ARCH)" build_ours || return 1
+  run 120 "backend ops on the GPU vs the CPU backend (batches 1..512)" \
+    bash -c "build/gpu/dfl_backend_ops > build/backend_ops.log 2>&1; rc=\$?; grep -v ': ok$' build/backend_ops.log | tail -20; exit \$rc"
+  run 240 "pytest -m cuda" python3 -m pytest -q -p no:cacheprovider -m cuda -rxs --junitxml=build/gpu-pytest.xml \
+    tests/test_cuda_ops.py tests/test_cuda_forward.py
+  run 120 "exactness on the bundled pair (CUDA AR vs CPU AR, chain / DDTree / sampled DDTree vs CUDA AR)" \
+    python3 bench/gpu_bench.py exact --device cuda --out "$PARTS/exact.json"
+  checks_summary
   step "background jobs"
   for j in llamacpp synth; do
     if running $j; then echo "$j: still running ($(tail -c 200 build/$j.log | tr '\n' ' '))"
@@ -203,13 +213,23 @@ part2() {
   run 420 "ours on the same file: decode, prefill, steps, oracle, memory" \
     python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/ours.json"
-  run 150 "prefix cache: turn 2 of an 8K-token conversation vs turn 1 (27B)" \
+}
+
+part3() {
+  [ -f build/gpu/libdflash27b.so ] || [ $DRY = 1 ] || run 300 "build (sm_$ARCH)" build_ours || return 1
+  if [ $DRY = 0 ] && [ ! -s build/synth-27b-draft/model.safetensors ]; then
+    start_background_jobs
+    wait_for synth 300 || { status=1; return 1; }
+  fi
+  sanitize
+  checks_summary
+  run 120 "prefix cache: turn 2 of an 8K-token conversation vs turn 1 (27B)" \
     python3 bench/gpu_bench.py prefix --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/prefix.json"
-  run 240 "27B + drafter under a 24 GiB cap: 128K context, Q4_0 KV, DDTree-22 after a 4K prompt" \
+  run 150 "27B + drafter under a 24 GiB cap: 128K context, Q4_0 KV, DDTree-22 after a 4K prompt" \
     python3 bench/gpu_bench.py vram24 --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/vram24.json"
-  run 90 "matmul table (every format, n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
+  run 45 "matmul table (every format, n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
 }
 
 record() {
@@ -229,7 +249,8 @@ main() {
   case $PART in
     part1) part1 ;;
     part2) part2; record ;;
-    all) part1; part2; record ;;
+    part3) part3; record ;;
+    all) part1; part2; part3; record ;;
   esac
   echo
   [ $status = 0 ] && echo "gpu_bench $PART: OK" || echo "gpu_bench $PART: FAILED (see the steps above)"
