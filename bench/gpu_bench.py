@@ -15,6 +15,7 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
   ours      on the target (and drafter): AR decode and prefill, one AR step, verify by node count (chain
             and tree shapes), the drafter's block step, a whole DDTree-22 step, commit, tok/s with the
             oracle drafter at accept length ~8, the memory plan against the device peak, copy bandwidth
+  draftmodel  classic draft-model speculation: a 0.8B-shaped qwen35 GGUF drafting for the 27B, step costs
   prefix    the prefix cache: turn 2 of an 8K-token conversation (turn 1 + reply + 24 tokens) vs turn 1,
             time to first token, == a cold decode
   vram24    the 24 GB card on a bigger GPU: a ballast leaves 24 GiB free; the 27B + drafter at 128K context,
@@ -423,6 +424,38 @@ def part_prefix(target: str | None, draft: str | None, device: str, history: int
     return out
 
 
+# ---------------------------------------------------------------------------------------- draft model
+def part_draftmodel(target: str | None, draft: str | None, device: str, n_new: int, threads: int,
+                    blocks: list[int]) -> dict:
+    """Classic draft-model speculation (a 0.8B-shaped qwen35 drafting for the 27B): per block size, the draft
+    step (the draft model's forwards), the verify, the whole step, in AR steps; accept length; == AR."""
+    from dflash27b import Decoder
+
+    if target is None:  # the CPU check: the tests' recipe, a tiny F32 target and its Q4_K_M copy
+        import tempfile
+        from dflash27b.tools.synth import write_synthetic
+        tmp = tempfile.mkdtemp()
+        target = str(write_synthetic(f"{tmp}/t.gguf", "tiny", "f32", seed=0))
+        draft = str(write_synthetic(f"{tmp}/d.gguf", "tiny", "q4_k_m", seed=0))
+    out: dict = {"target": target, "draft": draft, "blocks": {}, "notes": []}
+    with Decoder(target, draft, device=device, ctx=2048, threads=threads) as dec:
+        ids = dec.tokenize(PROMPTS[0])
+        ar = dec.generate(ids, n_new, ignore_eos=True, mode="ar")
+        ar_ms = _median(ar.stats.verify_ms)
+        out["ar_ms"] = ar_ms
+        for b in blocks:
+            for mode in ("chain", "ddtree"):
+                r = dec.generate(ids, n_new, ignore_eos=True, mode=mode, block_size=b)
+                st = r.stats
+                step = _median(_step_ms(st))
+                out["blocks"][f"{mode}-{b}"] = {
+                    "accept_length": st.mean_accept, "draft_ms": _median(st.draft_ms), "verify_ms": _median(st.verify_ms),
+                    "step_ms": step, "step_in_ar": step / ar_ms if step and ar_ms else None,
+                    "speedup": st.decode_tok_s / ar.stats.decode_tok_s if ar.stats.decode_tok_s else None,
+                    "eq_ar": r.tokens == ar.tokens}
+    return out
+
+
 # --------------------------------------------------------------------------------------------- matmul
 # ggml type id, elements per block, bytes per block
 MATMUL_FORMATS = {"Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "Q8_0": (8, 32, 34),
@@ -463,8 +496,8 @@ def _get(d: dict | None, *keys, default=None):
 
 def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
     """The record from the parts (each may be missing: its keys are null)."""
-    ex, ck, lc, ours, mm, v24, pf = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours", "matmul",
-                                                                     "vram24", "prefix"))
+    ex, ck, lc, ours, mm, v24, pf, dm = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours",
+                                                                         "matmul", "vram24", "prefix", "draftmodel"))
     exact_keys = ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar", "sampled_ddtree_eq_ar")
     steps = dict.fromkeys(("ar_ms", "verify_ms", "verify_tree_ms", "draft_ms", "tree_ms", "ddtree22_step_ms",
                            "commit_ms"))
@@ -492,7 +525,8 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "vram24": {k: v24.get(k) for k in ("ctx", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v24 else None,
         "prefix": {k: pf.get(k) for k in ("history", "turn1_ttft_s", "turn2_ttft_s", "ratio", "cached_tokens",
                                           "exact")} if pf else None,
-        "notes": [n for p in (ex, ck, lc, ours, mm, v24, pf) for n in (p.get("notes") or [])] +
+        "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
+        "notes": [n for p in (ex, ck, lc, ours, mm, v24, pf, dm) for n in (p.get("notes") or [])] +
                  ([f"vram24: {v24['error']}"] if v24.get("error") else []),
     }
     weights = _get(ours, "memory", "plan", "weights")
@@ -556,6 +590,14 @@ def markdown(rec: dict) -> str:
         lines += ["", f"prefix cache, {pf.get('history')}-token history: turn 1 first token "
                       f"{_f(pf.get('turn1_ttft_s'), '.3f')} s, turn 2 {_f(pf.get('turn2_ttft_s'), '.3f')} s "
                       f"({_f(pf.get('ratio'), '.2f')}x, {pf.get('cached_tokens')} tokens reused), == cold: {pf.get('exact')}"]
+    dm = rec.get("draft_model")
+    if dm and dm.get("blocks"):
+        lines += ["", "| draft model (0.8B shape) | accept | draft ms | verify ms | step (AR steps) | speedup | == AR |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for k, v in dm["blocks"].items():
+            lines.append(f"| {k} | {_f(v['accept_length'], '.2f')} | {_f(v['draft_ms'], '.2f')} | "
+                         f"{_f(v['verify_ms'], '.2f')} | {_f(v['step_in_ar'], '.2f')} | {_f(v['speedup'], '.2f')} | "
+                         f"{v['eq_ar']} |")
     for shape, table in (rec.get("matmul") or {}).items():
         ns = list(next(iter(table.values())).keys()) if table else []
         lines += ["", f"matmul {shape}: GB/s of weights read (copy bandwidth {_f(rec.get('copy_gb_s'), '.0f')} GB/s)",
@@ -569,7 +611,7 @@ def markdown(rec: dict) -> str:
 
 def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
     parts = {}
-    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "prefix"):
+    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "prefix", "draftmodel"):
         p = Path(parts_dir) / f"{name}.json"
         if p.is_file():
             parts[name] = json.loads(p.read_text())
@@ -654,6 +696,15 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--threads", type=int, default=4)
     v.add_argument("--out", required=True)
 
+    dmp = sub.add_parser("draftmodel", help="a small qwen35 GGUF drafting for the target: step costs")
+    dmp.add_argument("--target")
+    dmp.add_argument("--draft")
+    dmp.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    dmp.add_argument("-n", "--n-new", type=int, default=64)
+    dmp.add_argument("--threads", type=int, default=4)
+    dmp.add_argument("--blocks", type=_ints, default=[5, 9])
+    dmp.add_argument("--out", required=True)
+
     pp = sub.add_parser("prefix", help="the prefix cache: turn 2 of a long conversation vs turn 1")
     pp.add_argument("--target")
     pp.add_argument("--draft")
@@ -686,6 +737,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.part == "vram24":
         _write(a.out, part_vram24(a.target, a.draft, a.cap_gib, a.ctx, a.prompt_len, a.n_new, a.kv_type, a.draft_type,
                                   a.threads))
+    elif a.part == "draftmodel":
+        _write(a.out, part_draftmodel(a.target, a.draft, a.device, a.n_new, a.threads, a.blocks))
     elif a.part == "prefix":
         _write(a.out, part_prefix(a.target, a.draft, a.device, a.history, a.n_new, a.ctx, a.threads, a.seed))
     elif a.part == "matmul":

@@ -129,9 +129,11 @@ start_background_jobs() {
       echo "no $GPU/llamacpp-src.tar.gz carried: llama.cpp is not measured (bench/gpu_prepare.sh makes it)"
     fi
   fi
-  if { [ ! -s build/synth-27b.gguf ] || [ ! -s build/synth-27b-draft/model.safetensors ]; } && ! running synth; then
+  if { [ ! -s build/synth-27b.gguf ] || [ ! -s build/synth-27b-draft/model.safetensors ] ||
+       [ ! -s build/synth-0.8b.gguf ]; } && ! running synth; then
     background synth nice -n 5 bash -c "python3 -m dflash27b.cli synth build/synth-27b.gguf --shape 27b --ftype q4_k_m \
-      && python3 -m dflash27b.cli synth build/synth-27b-draft --shape 27b --drafter"
+      && python3 -m dflash27b.cli synth build/synth-27b-draft --shape 27b --drafter \
+      && python3 -m dflash27b.cli synth build/synth-0.8b.gguf --shape 0.8b --ftype q4_k_m"
   fi
 }
 
@@ -229,6 +231,9 @@ part3() {
   run 150 "27B + drafter under a 24 GiB cap: 128K context, Q4_0 KV, DDTree-22 after a 4K prompt" \
     python3 bench/gpu_bench.py vram24 --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/vram24.json"
+  run 90 "draft model: a 0.8B-shaped qwen35 drafting for the 27B (chain / DDTree, block 5 and 9)" \
+    python3 bench/gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf \
+    --out "$PARTS/draftmodel.json"
   run 45 "matmul table (every format, n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
 }
 

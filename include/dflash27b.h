@@ -312,7 +312,12 @@ dfl_drafter_params dfl_drafter_default_params(void);
 /* Attaches drafter d (which must outlive the context's use of it) to c for
  * chain decoding, on c's threads; d == NULL detaches.  The pair is validated. */
 int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_drafter_params* p);
-/* Bytes held by the attached drafter's ring and KV cache (0 when none). */
+/* Classic draft-model speculation: m (a qwen35 model with the target's vocabulary, which must outlive the
+ * context's use of it) drafts chain / DDTree / auto steps from its own context (KV cache and delta-net
+ * state, same device and KV type), rolled back to the accepted path from per-position snapshots.  The
+ * vocabulary size is checked here; m == NULL detaches. */
+int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m);
+/* Bytes held by the attached drafter's ring and KV cache, or the draft model's context (0 when none). */
 int64_t dfl_context_draft_state_bytes(const dfl_context* c);
 
 /* Test hook: when set, chain steps take their drafts from fn instead of the

@@ -199,3 +199,13 @@ def test_cuda_logprobs(cuda_dec, mode):
     ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
     assert max(abs(e["logprob"] - ref[i, t]) for i, (e, t) in enumerate(zip(r.logprobs, r.tokens))) < 2e-3
     assert all(len(e["top"]) == 3 for e in r.logprobs)
+
+
+def test_cuda_draft_model_speculation(synth_gguf):
+    """A draft model on the device: its own context, snapshots and rollback in device memory; DDTree == AR."""
+    with Decoder(synth_gguf("f32"), synth_gguf("q4_k_m"), device="cuda", ctx=256, threads=2) as d:
+        ids = d.tokenize(PROMPTS[0])
+        n = 10 if EMULATED else 64
+        ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
+        r = d.generate(ids, n, ignore_eos=True, mode="ddtree", block_size=5)
+        assert r.tokens == ar and r.stats.mean_accept > 1.5

@@ -117,6 +117,7 @@ def test_gpu_bench_sh_dry_run_lists_every_step():
     three = _sh("--dry-run", "part3")
     assert three.returncode == 0, three.stdout + three.stderr
     for s in ("memcheck", "racecheck", "gpu_bench.py matmul", "gpu_bench.py vram24 --target build/synth-27b.gguf",
+              "gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf",
               "gpu_bench.py prefix --target build/synth-27b.gguf", "gpu_bench.py record"):
         assert s in three.stdout, s
     assert "llama-bench on the same file" not in two.stdout
@@ -179,6 +180,7 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
     part("ours", "--device", "cpu", "--threads", "2", "--n-decode", "24", "--prefill", "512,1024", "--nodes", "2,4,8",
          "--repeats", "1", "--steps-tokens", "8", "--ctx", "2048", "--out", str(parts / "ours.json"))
     part("llamacpp", "--json", str(FIX / "llama-bench.json"), "--out", str(parts / "llamacpp.json"))
+    part("draftmodel", "--device", "cpu", "--threads", "2", "-n", "24", "--out", str(parts / "draftmodel.json"))
     part("prefix", "--device", "cpu", "--threads", "2", "--history", "600", "-n", "8", "--ctx", "1024",
          "--out", str(parts / "prefix.json"))
     junit = tmp_path / "j.xml"
@@ -210,10 +212,13 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
     assert rec["oracle"]["eq_ar"] is True and rec["oracle"]["auto_eq_ar"] is True and rec["oracle"]["auto_tok_s"] > 0
     assert rec["llamacpp"]["decode_tok_s"] == 55.0
     assert rec["prefix"]["exact"] is True and rec["prefix"]["cached_tokens"] >= 600
+    dmb = rec["draft_model"]["blocks"]
+    assert set(dmb) == {"chain-5", "ddtree-5", "chain-9", "ddtree-9"} and all(v["eq_ar"] for v in dmb.values())
+    assert dmb["chain-9"]["accept_length"] >= 3 and dmb["chain-9"]["step_in_ar"] > 0
     assert rec["prefix"]["turn2_ttft_s"] < rec["prefix"]["turn1_ttft_s"]
     assert rec["memory"]["plan_bytes"] > 0 and rec["memory"]["peak_bytes"] is None  # no device counter on the CPU
     md = recs[0].with_suffix(".md").read_text()
-    assert "| decode |" in md and "| verify 8 nodes (tree) |" in md and "DDTree-22 step" in md
+    assert "| decode |" in md and "| verify 8 nodes (tree) |" in md and "DDTree-22 step" in md and "| chain-9 |" in md
     assert "parts not measured in this run: matmul" not in md  # matmul is optional, not a missing part
     assert "wrote " in r.stdout
 

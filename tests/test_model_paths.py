@@ -142,8 +142,8 @@ def test_models_listing_matches_drafters(fake_hub, tiny_f32_gguf, monkeypatch, t
 
 
 def test_gguf_drafters_are_refused_naming_what_is_supported(tmp_path, synth_gguf):
-    """A GGUF given as -md: a DFlash GGUF (llama.cpp / Luce conversions, layout not pinned down) and a plain
-    qwen35 model (draft-model speculation) are each refused with one line saying what -md takes."""
+    """A GGUF given as -md that cannot draft: a DFlash GGUF (llama.cpp / Luce conversions, layout not pinned
+    down) or another architecture, each refused with one line saying what -md takes."""
     import gguf as g
 
     from dflash27b import Decoder, DFlashError
@@ -159,6 +159,11 @@ def test_gguf_drafters_are_refused_naming_what_is_supported(tmp_path, synth_gguf
     with pytest.raises(DFlashError, match=r"DFlash drafter stored as GGUF \(architecture 'dflash'\) is not "
                                           r"supported.*config\.json \+ model\.safetensors"):
         resolve_draft(dflash)
-    target = synth_gguf("q4_k_m")
-    with pytest.raises(DFlashError, match=r"architecture 'qwen35'\) as the draft model is not supported yet"):
-        Decoder(target, target, device="cpu", threads=1)
+    other = tmp_path / "llama.gguf"
+    w = g.GGUFWriter(str(other), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(DFlashError, match=r"architecture 'llama' cannot draft: -md takes a qwen35 GGUF"):
+        Decoder(synth_gguf("q4_k_m"), other, device="cpu", threads=1)

@@ -103,8 +103,20 @@ int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_draft
   });
 }
 
+int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    c->gen->set_draft_model(nullptr);
+    c->draft_model.reset();
+    if (!m) return;
+    c->draft_model = std::make_unique<dfl::DraftModelProposer>(*m->m, c->ctx->model(), c->ctx->params());
+    c->gen->set_draft_model(c->draft_model.get());
+  });
+}
+
 int64_t dfl_context_draft_state_bytes(const dfl_context* c) {
   if (!c) return -1;
+  if (c->draft_model) return (int64_t)c->draft_model->state_bytes();
   return c->drafter ? (int64_t)c->drafter->state_bytes() : 0;
 }
 

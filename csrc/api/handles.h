@@ -9,6 +9,7 @@
 #include "model/drafter.h"
 #include "model/qwen35.h"
 #include "spec/generator.h"
+#include "spec/draft_model.h"
 
 struct dfl_model {
   std::unique_ptr<dfl::Model> m;
@@ -22,6 +23,7 @@ struct dfl_context {
   std::unique_ptr<dfl::Context> ctx;
   std::unique_ptr<dfl::Generator> gen;
   std::unique_ptr<dfl::Drafter> drafter;  // attached drafter runtime (on ctx's threads)
+  std::unique_ptr<dfl::DraftModelProposer> draft_model;  // or an attached draft model (its own context)
   mutable std::string backend_name;        // dfl_context_backend's string
 };
 

@@ -90,6 +90,10 @@ class Context {
   void get_recurrent(uint8_t* dst) const;
   void set_recurrent(const uint8_t* src);
   void set_n_past(int n);
+  // The delta-net state copied to / from backend memory (draft-model rollback).
+  BackendBuf new_recurrent_snapshot();
+  void save_recurrent(BackendBuf& dst) const;
+  void restore_recurrent(const BackendBuf& src);
 
   // Target forwards run since construction (tests count them per step).
   int64_t n_forwards() const { return n_forwards_; }

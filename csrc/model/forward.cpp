@@ -251,6 +251,31 @@ void Context::set_recurrent(const uint8_t* src) {
   n_verify_ = 0;
 }
 
+BackendBuf Context::new_recurrent_snapshot() { return BackendBuf(*impl_->be, std::max<size_t>(recurrent_bytes(), 16)); }
+
+void Context::save_recurrent(BackendBuf& dst) const {
+  const Impl& I = *impl_;
+  uint8_t* d = dst.u8();
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (!model_.cfg.is_recurrent[l]) continue;
+    I.be->copy(d, I.conv[l].p, I.conv_floats * 4);
+    I.be->copy(d + I.conv_floats * 4, I.rec[l].p, I.rec_bytes);
+    d += I.conv_floats * 4 + I.rec_bytes;
+  }
+}
+
+void Context::restore_recurrent(const BackendBuf& src) {
+  Impl& I = *impl_;
+  const uint8_t* s = src.u8();
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (!model_.cfg.is_recurrent[l]) continue;
+    I.be->copy(I.conv[l].p, s, I.conv_floats * 4);
+    I.be->copy(I.rec[l].p, s + I.conv_floats * 4, I.rec_bytes);
+    s += I.conv_floats * 4 + I.rec_bytes;
+  }
+  n_verify_ = 0;
+}
+
 void Context::set_n_past(int n) {
   if (n < 0 || n > params_.n_ctx) fail("n_past %d outside the context [0, %d]", n, params_.n_ctx);
   n_past_ = n;

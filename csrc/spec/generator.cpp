@@ -28,16 +28,16 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   block_ = 1;
   if (p.mode == DecodeMode::DDTree || p.mode == DecodeMode::Auto) {
     const bool is_auto = p.mode == DecodeMode::Auto;
-    if (!drafter_ && !topk_source_ && (is_auto || !tree_source_))
+    if (!drafter_ && !draft_model_ && !topk_source_ && (is_auto || !tree_source_))
       fail("%s mode needs a drafter (none is attached)", is_auto ? "auto" : "ddtree");
     if (p.tree.budget < 0) fail("tree budget must be >= 0 (got %d)", p.tree.budget);
     if (p.tree.topk < 0) fail("top-K must be >= 0 (got %d)", p.tree.topk);
-    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : 1;
+    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : draft_model_ ? kDraftModelBlock : 1;
     if (p.tree.budget + 1 > ctx_.params().n_batch)
       fail("tree budget %d exceeds the context's batch size %d (minus the root)", p.tree.budget, ctx_.params().n_batch);
   } else if (p.mode == DecodeMode::Chain) {
-    if (!drafter_ && !source_) fail("chain mode needs a drafter (none is attached)");
-    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : 0;
+    if (!drafter_ && !draft_model_ && !source_) fail("chain mode needs a drafter (none is attached)");
+    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : draft_model_ ? kDraftModelBlock : 0;
     if (block_ < 1) fail("chain mode needs a block size (no drafter to take it from)");
     if (block_ > ctx_.params().n_batch)
       fail("block size %d exceeds the context's batch size %d", block_, ctx_.params().n_batch);
@@ -54,6 +54,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   steps_.clear();
   if (n_keep == 0) ctx_.reset();
   hist_.assign(prompt, prompt + n_prompt);
+  if (draft_model_) draft_model_->reset();
   if (drafter_) {
     drafter_->reset();
     if (n_keep > 0 && capturing()) drafter_->skip_features(0, n_keep);
@@ -183,6 +184,10 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
   auto t0 = Clock::now();
   if (source_) {
     source_(s, pending_, V - 1, tokens_.data() + 1);
+  } else if (draft_model_) {
+    top_ids_.resize(V - 1), top_logp_.resize(V - 1);
+    draft_model_->propose_topk(hist_.data(), s, pending_, V - 1, 1, top_ids_.data(), top_logp_.data());
+    for (int i = 1; i < V; ++i) tokens_[i] = top_ids_[i - 1];
   } else {
     for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
     // the drafter's argmax per position, ranked where its logits are
@@ -225,6 +230,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   const int K = ddtree_k(tp, n_vocab);
   top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
   if (topk_source_) topk_source_(s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
+  else if (draft_model_) draft_model_->propose_topk(hist_.data(), s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
   else drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
   rec.draft_s = since(t0);
   t0 = Clock::now();

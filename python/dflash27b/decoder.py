@@ -157,6 +157,16 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
+def _check_same_vocab(target: str, draft: str) -> None:
+    """A draft model must speak the target's tokens: the same vocabulary, token for token."""
+    a, b = Tokenizer.from_gguf(target).tokens, Tokenizer.from_gguf(draft).tokens
+    if a != b:
+        where = f"sizes {len(a)} and {len(b)}" if len(a) != len(b) else \
+            f"token {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)} differs"
+        raise DFlashError(f"draft model {draft} and target {target} have different vocabularies ({where}): a draft "
+                          "model must use the target's tokenizer")
+
+
 def format_memory_plan(plan: dict, device: str) -> str:
     """One line per part, as printed before a CUDA context uploads anything."""
     from .memory_plan import format_plan
@@ -232,9 +242,13 @@ class Decoder:
         self._model = _handles.Model(self.target)
         self._ctx = None
         self._draft = None
+        self._draft_model = None  # a plain qwen35 GGUF drafting for the target (classic draft-model speculation)
         self.draft = None if draft is None else str(draft)
         try:
-            if draft is not None:
+            if draft is not None and Path(self.draft).is_file():
+                self._draft_model = _handles.Model(self.draft)
+                _check_same_vocab(self.target, self.draft)
+            elif draft is not None:
                 # The pair is validated by the core; a mismatch names the offending field.
                 self._draft = _handles.Draft(self.draft, self._model, draft_type)
             dev_id = 1 if self.device == "cuda" else 0
@@ -244,6 +258,12 @@ class Decoder:
             plan = plan_for(self._model, self._draft.info if self._draft is not None else None, ctx=ctx,
                             kv_type=kv_type, nodes=32, feature_ring=feature_ring, batch=batch,
                             device=self.device, state_type=state_type).as_dict()
+            if self._draft_model is not None:  # its weights, and its context (KV, state, snapshots)
+                dp = _handles.memory_plan(self._draft_model, ctx, batch, TYPE_IDS[kv_type], dev_id, 0,
+                                          TYPE_IDS[state_type])
+                plan["drafter"] = dp["weights"]
+                plan["draft_kv"] = dp["kv"] + dp["recurrent"] * 17 + dp["workspace"]
+                plan["total"] = sum(v for k, v in plan.items() if k != "total")
             self.memory_plan = plan
             if on_memory_plan is not None:
                 on_memory_plan(dict(plan))
@@ -254,6 +274,8 @@ class Decoder:
             self.backend = self._ctx.backend
             if self._draft is not None:
                 self._ctx.attach_draft(self._draft, feature_ring)
+            if self._draft_model is not None:
+                self._ctx.attach_draft_model(self._draft_model)
         except DFlashError:
             self.close()
             raise
@@ -284,7 +306,7 @@ class Decoder:
     @property
     def default_mode(self) -> str:
         """auto with a drafter (each step AR or the DDTree budget that pays most), else ar."""
-        return "auto" if self._draft is not None else "ar"
+        return "auto" if self._draft is not None or self._draft_model is not None else "ar"
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -320,10 +342,14 @@ class Decoder:
         if mode == "ar":
             return mode, 1
         oracle = self._ctx.has_topk_hook and mode in ("ddtree", "auto")  # tests: a hook drafts instead
-        if self._draft is None and not oracle:
+        if self._draft is None and self._draft_model is None and not oracle:
             raise DFlashError(f"mode {mode!r} needs a drafter: pass draft=PATH (CLI: -md/--draft)")
-        bs = (self._draft.info["block_size"] if self._draft is not None else 16) if block_size is None \
-            else int(block_size)
+        if block_size is not None:
+            bs = int(block_size)
+        elif self._draft is not None:
+            bs = self._draft.info["block_size"]
+        else:
+            bs = 9 if self._draft_model is not None else 16  # a draft model: 8 draft tokens a step
         if bs < 1:
             raise DFlashError(f"block_size must be >= 1 (got {bs})")
         return mode, bs
@@ -500,6 +526,9 @@ class Decoder:
         if getattr(self, "_draft", None) is not None:
             self._draft.close()
             self._draft = None
+        if getattr(self, "_draft_model", None) is not None:
+            self._draft_model.close()
+            self._draft_model = None
         if getattr(self, "_model", None) is not None:
             self._model.close()
             self._model = None

@@ -147,8 +147,10 @@ def _refuse_gguf_draft(p: Path) -> None:
                           "layout differs between converters (llama.cpp, Luce) and is not pinned down publicly; use "
                           "the drafter as z-lab publishes it, a directory with config.json + model.safetensors "
                           "(--draft-type q8_0 quantises it at load)")
-    raise DFlashError(f"{p}: a GGUF model (architecture '{arch}') as the draft model is not supported yet: -md takes "
-                      "a DFlash drafter directory (config.json + model.safetensors), e.g. z-lab/Qwen3.5-27B-DFlash")
+    if arch != "qwen35":
+        raise DFlashError(f"{p}: a GGUF model of architecture '{arch}' cannot draft: -md takes a qwen35 GGUF of the "
+                          "target's vocabulary (a draft model) or a DFlash drafter directory (config.json + "
+                          "model.safetensors)")
 
 
 def resolve_draft(spec: str | os.PathLike) -> Path:

@@ -1,0 +1,44 @@
+// draft_model.h — classic draft-model speculation: a small qwen35 model of the
+// same vocabulary drafts for the target.
+//
+// The draft model runs in its own Context (its own KV cache and delta-net
+// state) through the same forward as the target.  To draft the block rooted
+// at position s it first holds exactly the target's committed tokens [0, s)
+// — rolling its delta-net state back to the last position both agree on from
+// a per-position snapshot taken while drafting (a gather, never a replay of
+// drafted tokens) and feeding the tokens it has not seen — then runs the root
+// and its own greedy chain one token at a time, keeping each depth's top-K
+// (one greedy path with per-depth alternatives: what the DDTree builder needs).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/context.h"
+
+namespace dfl {
+
+class DraftModelProposer {
+ public:
+  // draft: a qwen35 model with the target's vocabulary size (the caller checks
+  // the tokens themselves); p: the target context's parameters (device, KV type, ...).
+  DraftModelProposer(const Model& draft, const Model& target, const ContextParams& p);
+  void reset();
+  // hist[0, s): the target's committed tokens; root: the token at position s.
+  // Writes ids/logp [L][K]: per depth 1..L the draft's top-K (log-softmax,
+  // descending), its greedy token first.
+  void propose_topk(const int32_t* hist, int32_t s, int32_t root, int L, int K, int32_t* ids, float* logp);
+  size_t state_bytes() const;
+
+ private:
+  void feed(const int32_t* tokens, int n, int32_t pos0);  // commits n tokens at pos0.. (no logits)
+
+  Context ctx_;
+  std::vector<int32_t> seen_;       // the tokens the draft context holds, positions [0, n_past)
+  int32_t snap_base_ = -1;          // snapshot k: the state with n_past == snap_base_ + k + 1 (the root's position + k + 1)
+  int n_snap_ = 0;
+  std::vector<BackendBuf> snaps_;   // recurrent-state snapshots, one per drafted position
+  std::vector<int32_t> pos_;
+};
+
+}  // namespace dfl
