@@ -9,6 +9,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/backend.h"
@@ -106,6 +107,9 @@ class Context {
 
  private:
   struct Impl;
+  // Every delta-net layer's conv window and recurrent state (backend memory, bytes), in layer order: the
+  // layout of get/set_recurrent and of the snapshots.
+  std::vector<std::pair<void*, size_t>> gdn_state_parts() const;
   void run_chunk(const Batch& b, int off, int n, const ForwardOutputs& out, bool commit);
 
   const Model& model_;

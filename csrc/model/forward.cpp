@@ -223,56 +223,41 @@ void Context::set_kv(int p0, int p1, const uint8_t* src) {
   n_verify_ = 0;
 }
 
+std::vector<std::pair<void*, size_t>> Context::gdn_state_parts() const {
+  std::vector<std::pair<void*, size_t>> parts;
+  for (int l = 0; l < model_.cfg.n_layer; ++l) {
+    if (!model_.cfg.is_recurrent[l]) continue;
+    parts.push_back({impl_->conv[l].p, impl_->conv_floats * 4});
+    parts.push_back({impl_->rec[l].p, impl_->rec_bytes});
+  }
+  return parts;
+}
+
 size_t Context::recurrent_bytes() const {
   size_t b = 0;
-  for (int l = 0; l < model_.cfg.n_layer; ++l)
-    if (model_.cfg.is_recurrent[l]) b += impl_->conv_floats * 4 + impl_->rec_bytes;
+  for (auto& p : gdn_state_parts()) b += p.second;
   return b;
 }
 
 void Context::get_recurrent(uint8_t* dst) const {
-  const Impl& I = *impl_;
-  for (int l = 0; l < model_.cfg.n_layer; ++l) {
-    if (!model_.cfg.is_recurrent[l]) continue;
-    I.be->download(dst, I.conv[l].p, I.conv_floats * 4);
-    I.be->download(dst + I.conv_floats * 4, I.rec[l].p, I.rec_bytes);
-    dst += I.conv_floats * 4 + I.rec_bytes;
-  }
+  for (auto& p : gdn_state_parts()) impl_->be->download(dst, p.first, p.second), dst += p.second;
 }
 
 void Context::set_recurrent(const uint8_t* src) {
-  Impl& I = *impl_;
-  for (int l = 0; l < model_.cfg.n_layer; ++l) {
-    if (!model_.cfg.is_recurrent[l]) continue;
-    I.be->upload(I.conv[l].p, src, I.conv_floats * 4);
-    I.be->upload(I.rec[l].p, src + I.conv_floats * 4, I.rec_bytes);
-    src += I.conv_floats * 4 + I.rec_bytes;
-  }
+  for (auto& p : gdn_state_parts()) impl_->be->upload(p.first, src, p.second), src += p.second;
   n_verify_ = 0;
 }
 
 BackendBuf Context::new_recurrent_snapshot() { return BackendBuf(*impl_->be, std::max<size_t>(recurrent_bytes(), 16)); }
 
 void Context::save_recurrent(BackendBuf& dst) const {
-  const Impl& I = *impl_;
   uint8_t* d = dst.u8();
-  for (int l = 0; l < model_.cfg.n_layer; ++l) {
-    if (!model_.cfg.is_recurrent[l]) continue;
-    I.be->copy(d, I.conv[l].p, I.conv_floats * 4);
-    I.be->copy(d + I.conv_floats * 4, I.rec[l].p, I.rec_bytes);
-    d += I.conv_floats * 4 + I.rec_bytes;
-  }
+  for (auto& p : gdn_state_parts()) impl_->be->copy(d, p.first, p.second), d += p.second;
 }
 
 void Context::restore_recurrent(const BackendBuf& src) {
-  Impl& I = *impl_;
   const uint8_t* s = src.u8();
-  for (int l = 0; l < model_.cfg.n_layer; ++l) {
-    if (!model_.cfg.is_recurrent[l]) continue;
-    I.be->copy(I.conv[l].p, s, I.conv_floats * 4);
-    I.be->copy(I.rec[l].p, s + I.conv_floats * 4, I.rec_bytes);
-    s += I.conv_floats * 4 + I.rec_bytes;
-  }
+  for (auto& p : gdn_state_parts()) impl_->be->copy(p.first, s, p.second), s += p.second;
   n_verify_ = 0;
 }
 
