@@ -338,8 +338,13 @@ class CudaBackend final : public Backend {
     }
   }
 
-  void delta_commit(void* rec, DType state_type, const float* node_upd, const int32_t* path, int m) override {
+  void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
+                  int m) override {
     const GdnNodeLayout U(c_);
+    fwd::ConvCommitArgs ca{conv, node_upd + U.xin, (int64_t)U.stride, c_.conv_channels(), c_.conv_kernel - 1, m, {}};
+    const int t = std::min(m, ca.W);
+    std::copy(path + m - t, path + m, ca.tail);
+    launch(fwd::conv_commit_kernel, dim3((unsigned)((ca.C + 127) / 128)), dim3(128), 0, stream_, ca);
     fwd::DeltaCommitArgs a{rec, node_upd, (int64_t)U.stride, (int64_t)U.k, (int64_t)U.delta, (int64_t)U.decay,
                            c_.ssm_nk, c_.ssm_dk, c_.ssm_dv, 0, (int)state_type, {}};
     const int64_t hs = (int64_t)c_.ssm_dk * c_.ssm_dv;

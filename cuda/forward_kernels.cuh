@@ -608,6 +608,29 @@ struct DeltaCommitArgs {
   int32_t path[kCommitPath];
 };
 
+// conv <- the last K-1 inputs of (committed window, the path's conv inputs):
+// one thread per channel; only the path's last K-1 nodes can reach it.
+struct ConvCommitArgs {
+  float* conv;             // [(K-1)][C]
+  const float* node_upd;   // the nodes' conv inputs, node i's at node_upd + i * upd_stride
+  int64_t upd_stride;
+  int C, W, m;             // W = K-1, m = path length
+  int32_t tail[kMaxConvK]; // the path's last min(m, W) nodes
+};
+
+__global__ void conv_commit_kernel(ConvCommitArgs a) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= a.C) return;
+  const int t = a.m < a.W ? a.m : a.W;  // tail[q - (m - t)] is path[q]
+  float win[kMaxConvK];
+  for (int r = 0; r < a.W; ++r) {
+    const int src = r + a.m;
+    win[r] = src < a.W ? a.conv[(int64_t)src * a.C + ch]
+                       : a.node_upd[(int64_t)a.tail[src - a.W - (a.m - t)] * a.upd_stride + ch];
+  }
+  for (int r = 0; r < a.W; ++r) a.conv[(int64_t)r * a.C + ch] = win[r];
+}
+
 __global__ void delta_commit_kernel(DeltaCommitArgs a) {
   const int h = blockIdx.y, kh = h % a.nk;
   const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, hs = (int64_t)a.dk * a.dv;

@@ -145,13 +145,14 @@ class Backend {
   // inputs (scratch afterwards), z: [n][Cv], beta/alpha: [n][nv] raw, y: [n][Cv] out.
   virtual void gdn(float* mm, const float* z, const float* beta, const float* alpha, const GdnLayer& L,
                    float* y) = 0;
-  // Commit of a verified path: rec <- the state after the path's nodes, their
-  // updates (node_upd of the same layer, GdnNodeLayout) applied in order,
-  // each exactly as gdn applied it (S = S * decay; S += k delta^T), so the
-  // result is bit-identical to the state the verify computed for the path's
-  // last node.  path: host array of m node indices.
-  // rec is of state_type, rounded after each node as gdn rounds after each token.
-  virtual void delta_commit(void* rec, DType state_type, const float* node_upd, const int32_t* path, int m) = 0;
+  // Commit of a verified path in one delta-net layer, from the nodes' updates
+  // (node_upd of the same layer, GdnNodeLayout): conv <- the last K-1 inputs
+  // of (committed window, the path's conv inputs); rec <- the path's updates
+  // applied in order, each exactly as gdn applied it (S = S * decay;
+  // S += k delta^T; rounded to state_type), so both are bit-identical to what
+  // the verify computed for the path's last node.  path: host array of m nodes.
+  virtual void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
+                          int m) = 0;
   // Per row of logits: the k largest (descending; ties: lower id first) as ids
   // and log-softmax values — what greedy acceptance (k = 1) and the DDTree
   // builder need, so only k values per row leave the device.

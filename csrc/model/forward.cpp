@@ -339,23 +339,10 @@ void Context::commit_path(const int32_t* nodes, int n) {
                  I.kv_row);
     }
   }
-  // Delta-net layers: the conv window becomes the last K-1 inputs along (committed window, path); the
-  // recurrent state gets the path's rank-one updates in order (bit-identical to the verify's own states).
-  const GdnNodeLayout U(c);
-  const int W = c.conv_kernel - 1, C = c.conv_channels();
-  for (int l = 0; l < c.n_layer; ++l) {
-    if (!c.is_recurrent[l]) continue;
-    float* win = I.conv[l].f();
-    const float* upd = I.node_upd[l].f();
-    for (int r = 0; r < W; ++r) {  // ascending: a kept row moves up from r + n > r before being overwritten
-      const int src = r + n;       // index into (committed rows 0..W-1, then the path's inputs)
-      if (src < W)
-        I.be->copy(win + (size_t)r * C, win + (size_t)src * C, (size_t)C * 4);
-      else
-        I.be->copy(win + (size_t)r * C, upd + (size_t)nodes[src - W] * U.stride + U.xin, (size_t)C * 4);
-    }
-    I.be->delta_commit(I.rec[l].p, params_.state_type, upd, nodes, n);
-  }
+  // Delta-net layers: the conv window and the recurrent state rebuilt from the path's updates
+  // (bit-identical to the verify's own states for the path's last node).
+  for (int l = 0; l < c.n_layer; ++l)
+    if (c.is_recurrent[l]) I.be->gdn_commit(I.conv[l].f(), I.rec[l].p, params_.state_type, I.node_upd[l].f(), nodes, n);
   n_past_ += n;
   n_verify_ = 0;
 }

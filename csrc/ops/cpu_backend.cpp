@@ -223,10 +223,18 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void delta_commit(void* rec, DType state_type, const float* node_upd, const int32_t* path, int m) override {
-    const int nk = c_.ssm_nk, dk = c_.ssm_dk, dv = c_.ssm_dv;
+  void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
+                  int m) override {
+    const int nk = c_.ssm_nk, dk = c_.ssm_dk, dv = c_.ssm_dv, W = c_.conv_kernel - 1, C = c_.conv_channels();
     const size_t hs = (size_t)dk * dv, es = row_bytes(state_type, 1);
     const GdnNodeLayout U(c_);
+    // conv window: row r <- entry r + m of (committed rows 0..W-1, then the path's inputs); ascending r
+    // reads a kept row (r + m > r) before it is overwritten
+    for (int r = 0; r < W; ++r) {
+      const int src = r + m;
+      const float* from = src < W ? conv + (size_t)src * C : node_upd + (size_t)path[src - W] * U.stride + U.xin;
+      std::memmove(conv + (size_t)r * C, from, (size_t)C * 4);
+    }
     pool_.parallel_for(c_.ssm_nv, 1, [&](int64_t h0, int64_t h1) {
       std::vector<float> tmp(state_type == DType::F32 ? 0 : hs);
       for (int64_t h = h0; h < h1; ++h) {

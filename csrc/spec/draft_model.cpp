@@ -39,11 +39,7 @@ void DraftModelProposer::feed(const int32_t* tokens, int n, int32_t pos0) {
   seen_.insert(seen_.end(), tokens, tokens + n);
 }
 
-void DraftModelProposer::propose_topk(const int32_t* hist, int32_t s, int32_t root, int L, int K, int32_t* ids,
-                                      float* logp) {
-  if (s + L > ctx_.params().n_ctx) fail("draft model: %d + %d positions exceed its context %d", s, L, ctx_.params().n_ctx);
-  // 1. agree with the target on [0, s): keep the common prefix, roll the
-  //    delta-net state back to it from a snapshot, feed the rest
+void DraftModelProposer::sync(const int32_t* hist, int32_t s) {
   int c = 0;
   const int held = (int)seen_.size();
   while (c < held && c < s && seen_[c] == hist[c]) ++c;
@@ -58,7 +54,13 @@ void DraftModelProposer::propose_topk(const int32_t* hist, int32_t s, int32_t ro
     }
   }
   if ((int)seen_.size() < s) feed(hist + seen_.size(), s - (int)seen_.size(), (int32_t)seen_.size());
-  // 2. the root, then the draft's own greedy chain: one token per forward,
+}
+
+void DraftModelProposer::propose_topk(const int32_t* hist, int32_t s, int32_t root, int L, int K, int32_t* ids,
+                                      float* logp) {
+  if (s + L > ctx_.params().n_ctx) fail("draft model: %d + %d positions exceed its context %d", s, L, ctx_.params().n_ctx);
+  sync(hist, s);  // agree with the target on [0, s)
+  // the root, then the draft's own greedy chain: one token per forward,
   //    each depth's top-K kept, the state after every position snapshotted
   if ((int)snaps_.size() < L) {
     snaps_.reserve(L);

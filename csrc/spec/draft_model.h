@@ -24,6 +24,10 @@ class DraftModelProposer {
   // the tokens themselves); p: the target context's parameters (device, KV type, ...).
   DraftModelProposer(const Model& draft, const Model& target, const ContextParams& p);
   void reset();
+  // Makes the draft context hold exactly hist[0, s): keeps the common prefix,
+  // rolls the delta-net state back to it from a snapshot, feeds the rest (the
+  // prompt's prefill when called at the start of a request).
+  void sync(const int32_t* hist, int32_t s);
   // hist[0, s): the target's committed tokens; root: the token at position s.
   // Writes ids/logp [L][K]: per depth 1..L the draft's top-K (log-softmax,
   // descending), its greedy token first.

@@ -62,6 +62,9 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
   prefill(prompt, n_prompt, n_keep);
+  // a draft model reads the prompt now, with the prefill, not inside the first step's draft time (what auto
+  // mode prices drafting by)
+  if (draft_model_ && p.mode != DecodeMode::AR) draft_model_->sync(prompt, n_prompt);
   stats_.prefill_s = since(t0);
   first_emitted_ = false;
   done_ = false;

@@ -456,12 +456,20 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       std::vector<int32_t> path;
       for (int t = n - 1; t >= 0; t = P.parent[t]) path.insert(path.begin(), t);
       for (Backend* be : {cpu.get(), cud.get()}) {
-        Buf& r = be == cpu.get() ? ra : rb;
-        Buf& nu = be == cpu.get() ? nua : nub;
-        Buf& nr = be == cpu.get() ? nra : nrb;
-        be->delta_commit(r.p, st, nu.f(), path.data(), (int)path.size());
-        check(label("gdn", std::string(be == cpu.get() ? "cpu " : "cuda ") + form + " commit == node state (bitwise)", n),
-              sget(r, rs), sget(nr, rs, (size_t)path.back() * rs), 0.0);
+        const bool on_cpu = be == cpu.get();
+        Buf& cw = on_cpu ? ca : cb;
+        Buf& r = on_cpu ? ra : rb;
+        Buf& nu = on_cpu ? nua : nub;
+        Buf& nc = on_cpu ? nca : ncb;
+        Buf& nr = on_cpu ? nra : nrb;
+        be->gdn_commit(cw.f(), r.p, st, nu.f(), path.data(), (int)path.size());
+        const std::string who = on_cpu ? "cpu " : "cuda ";
+        const auto node_win = nc.get(n * cs);
+        check(label("gdn", who + form + " commit conv == node window (bitwise)", n), cw.get(cs),
+              std::vector<float>(node_win.begin() + (size_t)path.back() * cs,
+                                 node_win.begin() + (size_t)(path.back() + 1) * cs), 0.0);
+        check(label("gdn", who + form + " commit == node state (bitwise)", n), sget(r, rs),
+              sget(nr, rs, (size_t)path.back() * rs), 0.0);
       }
       check(label("gdn", form + " commit cuda vs cpu", n), sget(rb, rs), sget(ra, rs), stol);
     }
