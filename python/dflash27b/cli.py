@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from ._lib import TYPE_IDS, DFlashError, load
+from ._lib import DFlashError, load
 from .decoder import DEVICES, KV_TYPES, MODES, STATE_TYPES, Decoder, bundled_pair, format_memory_plan, resolve_device
 
 
@@ -399,11 +399,9 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
         p = plan_for(model, dinfo, ctx=ctx or 4096, kv_type=kv_type, nodes=nodes, feature_ring=feature_ring,
                      batch=batch, device=device, draft_type=draft_type, state_type=state_type)
     if draft_model is not None:  # a draft model: its weights and its own context (KV, state, snapshots)
-        o = p.options
-        dp = _handles.memory_plan(draft_model, o["ctx"], batch, TYPE_IDS[o["kv_type"]], 1 if device == "cuda" else 0,
-                                  0, TYPE_IDS[state_type])
-        p.parts["drafter"] = dp["weights"]
-        p.parts["draft_kv"] = dp["kv"] + dp["recurrent"] * 17 + dp["workspace"]
+        from .memory_plan import draft_model_parts
+        p.parts.update(draft_model_parts(draft_model, ctx=p.options["ctx"], kv_type=p.options["kv_type"], batch=batch,
+                                         device=device, state_type=state_type))
         p.options["draft_type"] = "model"
     fits = None if vram_b is None else p.total <= vram_b
     if as_json:

@@ -258,11 +258,10 @@ class Decoder:
             plan = plan_for(self._model, self._draft.info if self._draft is not None else None, ctx=ctx,
                             kv_type=kv_type, nodes=32, feature_ring=feature_ring, batch=batch,
                             device=self.device, state_type=state_type).as_dict()
-            if self._draft_model is not None:  # its weights, and its context (KV, state, snapshots)
-                dp = _handles.memory_plan(self._draft_model, ctx, batch, TYPE_IDS[kv_type], dev_id, 0,
-                                          TYPE_IDS[state_type])
-                plan["drafter"] = dp["weights"]
-                plan["draft_kv"] = dp["kv"] + dp["recurrent"] * 17 + dp["workspace"]
+            if self._draft_model is not None:
+                from .memory_plan import draft_model_parts
+                plan.update(draft_model_parts(self._draft_model, ctx=ctx, kv_type=kv_type, batch=batch,
+                                              device=self.device, state_type=state_type))
                 plan["total"] = sum(v for k, v in plan.items() if k != "total")
             self.memory_plan = plan
             if on_memory_plan is not None:

@@ -65,6 +65,19 @@ def drafter_parts(info: dict, ring: int, draft_type: str | None = None) -> dict[
             "draft_kv": info["n_layer"] * 2 * (ring + info["block_size"]) * info["n_head_kv"] * info["head_dim"] * 4}
 
 
+# A draft model keeps one delta-net snapshot per drafted position: planned for blocks of up to 16 drafts.
+DRAFT_MODEL_SNAPSHOTS = 16
+
+
+def draft_model_parts(draft_model: _handles.Model, *, ctx: int, kv_type: str, batch: int, device: str,
+                      state_type: str = "f32") -> dict[str, int]:
+    """A draft model's weights, and its own context: KV cache, delta-net state and its snapshots, workspace."""
+    dp = _handles.memory_plan(draft_model, ctx, batch, TYPE_IDS[kv_type], 1 if device == "cuda" else 0, 0,
+                              TYPE_IDS[state_type])
+    return {"drafter": dp["weights"],
+            "draft_kv": dp["kv"] + dp["recurrent"] * (1 + DRAFT_MODEL_SNAPSHOTS) + dp["workspace"]}
+
+
 def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_type: str, nodes: int,
              feature_ring: int, batch: int, device: str, draft_type: str | None = None,
              state_type: str = "f32") -> Plan:
