@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+import dflash27b
+
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "gpu_bench"
 _spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "bench" / "gpu_bench.py")
@@ -169,7 +171,9 @@ def test_tree_shapes():
 def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
     parts = tmp_path / "parts"
     py = [sys.executable, str(ROOT / "bench" / "gpu_bench.py")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    # The package this test imported (in CI the installed one, with its library), not the source tree's.
+    pkg_root = Path(dflash27b.__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg_root), os.environ.get("PYTHONPATH", "")]))
 
     def part(*args):
         r = subprocess.run(py + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
