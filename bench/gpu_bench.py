@@ -428,7 +428,9 @@ def part_prefix(target: str | None, draft: str | None, device: str, history: int
 def part_draftmodel(target: str | None, draft: str | None, device: str, n_new: int, threads: int,
                     blocks: list[int]) -> dict:
     """Classic draft-model speculation (a 0.8B-shaped qwen35 drafting for the 27B): per block size, the draft
-    step (the draft model's forwards), the verify, the whole step, in AR steps; accept length; == AR."""
+    step (the draft model's forwards), the verify, the whole step, in AR steps; accept length; == AR.  DDTree
+    both from one draft pass and by expanding branches (4 per depth): what the wider draft forwards cost on
+    the GPU (bench/draft_tree.py measured their acceptance: +0-4% on the CPU pairs)."""
     from dflash27b import Decoder
 
     if target is None:  # the CPU check: the tests' recipe, a tiny F32 target and its Q4_K_M copy
@@ -444,11 +446,11 @@ def part_draftmodel(target: str | None, draft: str | None, device: str, n_new: i
         ar_ms = _median(ar.stats.verify_ms)
         out["ar_ms"] = ar_ms
         for b in blocks:
-            for mode in ("chain", "ddtree"):
-                r = dec.generate(ids, n_new, ignore_eos=True, mode=mode, block_size=b)
+            for mode, expand in (("chain", 0), ("ddtree", 0), ("ddtree", 4)):
+                r = dec.generate(ids, n_new, ignore_eos=True, mode=mode, block_size=b, expand=expand)
                 st = r.stats
                 step = _median(_step_ms(st))
-                out["blocks"][f"{mode}-{b}"] = {
+                out["blocks"][f"{mode}-{b}" + (f"-expand{expand}" if expand else "")] = {
                     "accept_length": st.mean_accept, "draft_ms": _median(st.draft_ms), "verify_ms": _median(st.verify_ms),
                     "step_ms": step, "step_in_ar": step / ar_ms if step and ar_ms else None,
                     "speedup": st.decode_tok_s / ar.stats.decode_tok_s if ar.stats.decode_tok_s else None,

@@ -147,6 +147,9 @@ typedef struct {
   int32_t repeat_last_n;
   int32_t n_logprobs;  /* -1 (default): off; k in 0..20: each emitted token's log-probability (log-softmax of
                           the target's raw logits) and the k most likely alternatives, in every mode */
+  int32_t tree_expand; /* ddtree/auto with a draft model: 0 (default) = the tree from one draft pass (its greedy
+                          path with per-depth alternatives); w > 0 = expanding branches, each depth running the w
+                          most probable nodes of the one before (tree_topk children each) */
 } dfl_gen_params;
 
 dfl_gen_params dfl_gen_default_params(void);

@@ -58,3 +58,29 @@ def test_cli_takes_a_draft_model(synth_gguf):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["ar"]["same_tokens"] and out["stats"]["mean_accept"] > 1
+
+
+def test_expanding_branches_equal_ar_and_commit_by_gather(dec, pair):
+    """expand=w: each depth runs the w most probable nodes of the one before as one draft tree batch; the
+    accepted path is committed in the draft context by gather.  Output == AR (greedy, seeded, auto), the
+    acceptance holds over a long decode (the draft context stays in step with the target)."""
+    ids = dec.tokenize("def fibonacci(n):\n")
+    ar = dec.generate(ids, 96, ignore_eos=True, mode="ar").tokens
+    one_pass = dec.generate(ids, 96, ignore_eos=True, mode="ddtree").stats.mean_accept
+    for w in (1, 3):
+        r = dec.generate(ids, 96, ignore_eos=True, mode="ddtree", expand=w)
+        assert r.tokens == ar, w
+        assert r.stats.mean_accept >= 3 and r.stats.mean_accept >= one_pass - 0.25, (w, r.stats.mean_accept, one_pass)
+        assert max(r.stats.tree_depth) == 8  # the greedy path seeds the tree, 8 drafts deep
+    assert dec.generate(ids, 64, ignore_eos=True, mode="auto", expand=2).tokens == ar[:64]
+    kw = dict(ignore_eos=True, temperature=0.8, seed=5)
+    assert dec.generate(ids, 48, mode="ddtree", expand=2, budget=12, **kw).tokens == \
+        dec.generate(ids, 48, mode="ar", **kw).tokens
+    # a small budget, no chain seed: still exact
+    assert dec.generate(ids, 48, ignore_eos=True, mode="ddtree", expand=2, budget=3, chain_seed=False).tokens == ar[:48]
+    with pytest.raises(DFlashError, match="expand"):
+        dec.generate(ids, 8, mode="ddtree", expand=-1)
+    # a DFlash drafter drafts every depth in one pass: expanding branches is refused, naming what it needs
+    with Decoder(*pair, device="cpu", threads=2) as d2, \
+            pytest.raises(DFlashError, match=r"expanding branches .* needs a draft model"):
+        d2.generate("def f(x):", 8, mode="ddtree", expand=2)

@@ -118,3 +118,26 @@ def test_decoder_plan_is_the_same_computation():
 def test_plan_runs_without_a_gpu_from_the_shell():
     r = subprocess.run([sys.executable, "-m", "dflash27b.cli", "plan"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "memory plan (cuda)" in r.stdout and "CUDA context" in r.stdout
+
+
+def test_fit_counts_a_draft_models_context(sparse27, tmp_path):
+    """A draft model keeps its own KV cache of the same length and type: --fit sizes the pair, not the target."""
+    from dflash27b.memory_plan import draft_model_parts, fit
+    t, _ = sparse27
+    d = write_synthetic(tmp_path / "d08.gguf", "0.8b", "q4_k_m", sparse=True)
+    m, dm = _handles.Model(str(t)), _handles.Model(str(d))
+    try:
+        kw = dict(nodes=23, feature_ring=0, batch=512)
+        both = plan_for(m, None, ctx=131072, kv_type="q4_0", device="cuda", draft_model=dm, **kw)
+        own = draft_model_parts(dm, ctx=131072, kv_type="q4_0", batch=512, device="cuda")
+        assert both.parts["drafter"] == own["drafter"] and both.parts["draft_kv"] == own["draft_kv"] > 0
+        assert both.options["draft_type"] == "model"
+        vram = both.total - 1  # the target alone fits 128K here, the pair does not
+        assert fit(m, None, vram, max_ctx=131072, **kw).options["ctx"] == 131072
+        p = fit(m, None, vram, max_ctx=131072, draft_model=dm, **kw)
+        assert p.options["ctx"] == 65536 and p.total <= vram and p.parts["draft_kv"] > 0
+    finally:
+        m.close()
+        dm.close()
+    rc, j = plan_json("-m", str(t), "-md", str(d), "--vram", str(vram / GIB), "--fit", "-c", "131072")
+    assert rc == 0 and j["options"]["ctx"] == 65536 and j["options"]["draft_type"] == "model"

@@ -287,6 +287,7 @@ dfl_gen_params dfl_gen_default_params(void) {
   p.tree_budget = d.tree.budget;
   p.tree_topk = d.tree.topk;
   p.chain_seed = d.tree.chain_seed ? 1 : 0;
+  p.tree_expand = d.tree.expand;
   p.temperature = d.sampler.temperature;
   p.top_k = d.sampler.top_k;
   p.top_p = d.sampler.top_p;
@@ -321,6 +322,7 @@ int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_pro
       gp.tree.budget = p->tree_budget;
       gp.tree.topk = p->tree_topk;
       gp.tree.chain_seed = p->chain_seed != 0;
+      gp.tree.expand = p->tree_expand;
       gp.sampler.temperature = p->temperature;
       gp.sampler.top_k = p->top_k;
       gp.sampler.top_p = p->top_p;

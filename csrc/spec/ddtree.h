@@ -17,6 +17,10 @@ struct TreeParams {
   int budget = 22;         // non-root nodes
   int topk = 0;            // candidates per depth; 0 = budget (as the reference)
   bool chain_seed = true;  // insert the greedy chain first
+  // A draft model only: 0 = one draft pass, its greedy path with per-depth
+  // alternatives (the builder above); w > 0 = expanding branches: each depth
+  // runs the w most probable nodes of the depth before (draft_model.h).
+  int expand = 0;
 };
 
 // Non-root nodes in topological order (parent < index).  Index 0 is the root

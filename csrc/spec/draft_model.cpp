@@ -2,6 +2,7 @@
 #include "spec/draft_model.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "util/error.h"
 
@@ -19,6 +20,7 @@ void DraftModelProposer::reset() {
   seen_.clear();
   snap_base_ = -1;
   n_snap_ = 0;
+  tree_base_ = -1;
 }
 
 size_t DraftModelProposer::state_bytes() const {
@@ -53,6 +55,21 @@ void DraftModelProposer::sync(const int32_t* hist, int32_t s) {
       reset();
     }
   }
+  // The accepted path of the last expanded tree: its nodes were run (per-node
+  // states kept by that forward), so they are committed by gather.
+  if (tree_base_ >= 0 && (int)seen_.size() == tree_base_ && s > tree_base_ && hist[tree_base_] == run_tokens_[0]) {
+    std::vector<int32_t> path{0};
+    for (int32_t p = tree_base_ + 1; p < s; ++p) {
+      int next = -1;
+      for (int i = path.back() + 1; i < (int)run_tokens_.size() && next < 0; ++i)
+        if (run_parent_[(size_t)i] == path.back() && run_tokens_[(size_t)i] == hist[p]) next = i;
+      if (next < 0) break;
+      path.push_back(next);
+    }
+    ctx_.commit_path(path.data(), (int)path.size());
+    seen_.insert(seen_.end(), hist + tree_base_, hist + tree_base_ + path.size());
+  }
+  tree_base_ = -1;
   if ((int)seen_.size() < s) feed(hist + seen_.size(), s - (int)seen_.size(), (int32_t)seen_.size());
 }
 
@@ -85,6 +102,103 @@ void DraftModelProposer::propose_topk(const int32_t* hist, int32_t s, int32_t ro
     n_snap_ = d + 1;
     tok = ids[(size_t)d * K];
   }
+}
+
+DraftTree DraftModelProposer::propose_tree(const int32_t* hist, int32_t s, int32_t root, int L, int budget, int width,
+                                           int K, bool chain_seed) {
+  if (width < 1 || K < 1) fail("draft model: expanding branches needs width >= 1 and K >= 1 (got %d, %d)", width, K);
+  const Qwen35Config& c = ctx_.model().cfg;
+  K = std::min(K, c.n_vocab);
+  // Every node run sits at slot n_past + i of one verify batch: stop growing where they would not fit.
+  const int room = std::min(ctx_.params().n_ctx - s, ctx_.params().n_batch);
+  L = std::min(L, room >= 1 ? 1 + (room - 1) / width : 0);
+  sync(hist, s);  // agree with the target on [0, s)
+  n_snap_ = 0;    // the chain's snapshots no longer describe this context
+  DraftTree t;
+  if (L < 1 || budget < 1) return t;
+
+  struct Cand {
+    int32_t token;
+    int32_t parent_run;  // the run node it is a child of (0 = the root)
+    int32_t depth;
+    float cum;           // cumulative draft log-probability of its path
+    int32_t run = -1;    // its run index once expanded
+    bool greedy = false; // on the draft's greedy path (the chain seed)
+  };
+  std::vector<Cand> cands;
+  run_tokens_.assign(1, root);
+  run_parent_.assign(1, -1);
+  run_depth_.assign(1, 0);
+  std::vector<float> run_cum(1, 0.f);
+  std::vector<int32_t> frontier{0}, ids;
+  std::vector<float> logp;
+  int32_t greedy_run = 0;  // the greedy path's node at the newest depth (a run node), -1 once it stops
+  for (int d = 1; d <= L; ++d) {
+    const int n = (int)run_tokens_.size();
+    pos_.resize((size_t)n);
+    for (int i = 0; i < n; ++i) pos_[(size_t)i] = s + run_depth_[(size_t)i];
+    ids.resize(frontier.size() * (size_t)K), logp.resize(frontier.size() * (size_t)K);
+    Batch b{n, run_tokens_.data(), pos_.data(), run_parent_.data()};
+    ForwardOutputs o;
+    o.n_logits = (int)frontier.size();
+    o.logit_rows = frontier.data();
+    o.topk = K, o.top_ids = ids.data(), o.top_logp = logp.data();
+    ctx_.forward(b, o, /*commit=*/false);
+    const size_t first = cands.size();
+    for (size_t f = 0; f < frontier.size(); ++f)
+      for (int j = 0; j < K; ++j)
+        cands.push_back({ids[f * K + j], frontier[f], d, run_cum[(size_t)frontier[f]] + logp[f * K + j], -1,
+                         chain_seed && j == 0 && frontier[f] == greedy_run});
+    if (d == L) break;
+    // the `width` most probable nodes of this depth run next (ties: the earlier
+    // candidate), the greedy path's first when it seeds the tree
+    std::vector<int32_t> order(cands.size() - first);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b2) {
+      const Cand &x = cands[first + a], &y = cands[first + b2];
+      return x.greedy != y.greedy ? x.greedy : x.cum > y.cum;
+    });
+    frontier.clear();
+    greedy_run = -1;
+    for (int k = 0; k < width && k < (int)order.size(); ++k) {
+      Cand& cd = cands[first + (size_t)order[(size_t)k]];
+      cd.run = (int32_t)run_tokens_.size();
+      run_tokens_.push_back(cd.token);
+      run_parent_.push_back(cd.parent_run);
+      run_depth_.push_back(d);
+      run_cum.push_back(cd.cum);
+      frontier.push_back(cd.run);
+      if (cd.greedy) greedy_run = cd.run;
+    }
+  }
+  tree_base_ = s;
+
+  // The greedy path first when it seeds the tree (by depth), then the most
+  // probable nodes, best first, up to the budget.  A child's cumulative
+  // log-probability never exceeds its parent's (log-softmax <= 0) and ties go
+  // to the shallower node, so each node's parent is already in the tree.
+  std::vector<int32_t> order(cands.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b2) {
+    const Cand &x = cands[(size_t)a], &y = cands[(size_t)b2];
+    if (x.greedy != y.greedy) return x.greedy;
+    if (x.greedy) return x.depth < y.depth;
+    return x.cum != y.cum ? x.cum > y.cum : x.depth < y.depth;
+  });
+  std::vector<int32_t> out_of_run(run_tokens_.size(), -1);
+  out_of_run[0] = 0;
+  for (int32_t ci : order) {
+    if (t.size() >= budget) break;
+    const Cand& cd = cands[(size_t)ci];
+    const int32_t parent = out_of_run[(size_t)cd.parent_run];
+    if (parent < 0) continue;  // its parent was not taken (cannot happen; kept safe)
+    t.tokens.push_back(cd.token);
+    t.depth.push_back(cd.depth);
+    t.parent.push_back(parent);
+    t.logp.push_back(cd.cum);
+    if (cd.run >= 0) out_of_run[(size_t)cd.run] = t.size();
+  }
+  return t;
 }
 
 }  // namespace dfl

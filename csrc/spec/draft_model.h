@@ -9,12 +9,20 @@
 // drafted tokens) and feeding the tokens it has not seen — then runs the root
 // and its own greedy chain one token at a time, keeping each depth's top-K
 // (one greedy path with per-depth alternatives: what the DDTree builder needs).
+//
+// Or it expands branches (propose_tree): depth by depth, the `width` most
+// probable nodes of the newest depth run as one tree batch (with every node
+// run before them: no per-branch state survives a forward), each giving its
+// own top-K children, so every node's probability is the draft's real
+// conditional, not the greedy path's.  The accepted path is then committed in
+// the draft context by gather (commit_path), as in the target.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "model/context.h"
+#include "spec/ddtree.h"
 
 namespace dfl {
 
@@ -32,6 +40,13 @@ class DraftModelProposer {
   // Writes ids/logp [L][K]: per depth 1..L the draft's top-K (log-softmax,
   // descending), its greedy token first.
   void propose_topk(const int32_t* hist, int32_t s, int32_t root, int L, int K, int32_t* ids, float* logp);
+  // Expanding branches: the `budget` most probable nodes (cumulative draft
+  // log-probability; a parent always before its children) of a tree grown L
+  // depths deep from the root, running `width` nodes per depth with K
+  // children each.  Costs L draft forwards of 1, 1 + width, ... nodes.
+  // chain_seed: the greedy path is always run and comes first in the tree.
+  DraftTree propose_tree(const int32_t* hist, int32_t s, int32_t root, int L, int budget, int width, int K,
+                         bool chain_seed);
   size_t state_bytes() const;
 
  private:
@@ -43,6 +58,10 @@ class DraftModelProposer {
   int n_snap_ = 0;
   std::vector<BackendBuf> snaps_;   // recurrent-state snapshots, one per drafted position
   std::vector<int32_t> pos_;
+  // The nodes the last propose_tree ran (root first; its per-node states are
+  // still in the context until the next forward): what sync commits by gather.
+  int32_t tree_base_ = -1;
+  std::vector<int32_t> run_tokens_, run_parent_, run_depth_;
 };
 
 }  // namespace dfl

@@ -32,6 +32,10 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
       fail("%s mode needs a drafter (none is attached)", is_auto ? "auto" : "ddtree");
     if (p.tree.budget < 0) fail("tree budget must be >= 0 (got %d)", p.tree.budget);
     if (p.tree.topk < 0) fail("top-K must be >= 0 (got %d)", p.tree.topk);
+    if (p.tree.expand < 0) fail("tree expansion width must be >= 0 (got %d)", p.tree.expand);
+    if (p.tree.expand > 0 && !draft_model_)
+      fail("expanding branches (tree expansion width %d) needs a draft model; 0 drafts the tree from one pass",
+           p.tree.expand);
     block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : draft_model_ ? kDraftModelBlock : 1;
     if (p.tree.budget + 1 > ctx_.params().n_batch)
       fail("tree budget %d exceeds the context's batch size %d (minus the root)", p.tree.budget, ctx_.params().n_batch);
@@ -231,13 +235,20 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   tp.budget = cap;
   if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
   const int K = ddtree_k(tp, n_vocab);
-  top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
-  if (topk_source_) topk_source_(s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
-  else if (draft_model_) draft_model_->propose_topk(hist_.data(), s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
-  else drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
-  rec.draft_s = since(t0);
-  t0 = Clock::now();
-  DraftTree t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
+  DraftTree t;
+  if (draft_model_ && tp.expand > 0) {  // expanding branches: the draft model builds the tree itself
+    t = draft_model_->propose_tree(hist_.data(), s, pending_, V - 1, cap, tp.expand, K, tp.chain_seed);
+    rec.draft_s = since(t0);
+    t0 = Clock::now();
+  } else {
+    top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
+    if (topk_source_) topk_source_(s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
+    else if (draft_model_) draft_model_->propose_topk(hist_.data(), s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
+    else drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
+    rec.draft_s = since(t0);
+    t0 = Clock::now();
+    t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
+  }
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.

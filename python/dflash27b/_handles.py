@@ -280,9 +280,10 @@ class Context:
                        block_size: int = 0, tree_budget: int = 22, tree_topk: int = 0,
                        chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0, seed: int = 0, n_keep: int = 0, n_logprobs: int = -1,
-                       penalties: tuple[float, float, float, int] = (1.0, 0.0, 0.0, 64)) -> None:
-        """penalties: (repeat, frequency, presence, repeat_last_n) as llama.cpp's."""
-        """n_keep: prompt tokens whose state the context already holds (restored from a prefix cache)."""
+                       penalties: tuple[float, float, float, int] = (1.0, 0.0, 0.0, 64), tree_expand: int = 0) -> None:
+        """penalties: (repeat, frequency, presence, repeat_last_n) as llama.cpp's.
+        n_keep: prompt tokens whose state the context already holds (restored from a prefix cache).
+        tree_expand: with a draft model, the branches run per depth (0 = the tree from one draft pass)."""
         ffi = self._ffi
         prompt = _i32(prompt)
         if len(prompt) == 0:
@@ -293,6 +294,7 @@ class Context:
         gp.n_eos, gp.eos_ids = len(self._eos), self._p(self._eos)
         gp.mode, gp.block_size = mode, block_size
         gp.tree_budget, gp.tree_topk, gp.chain_seed = tree_budget, tree_topk, 1 if chain_seed else 0
+        gp.tree_expand = tree_expand
         gp.temperature, gp.top_k, gp.top_p, gp.min_p = temperature, top_k, top_p, min_p
         gp.seed = seed & 0xFFFFFFFFFFFFFFFF
         gp.n_logprobs = n_logprobs

@@ -118,6 +118,9 @@ def main() -> None:
               help="ddtree: candidates per depth (0 = the budget)")
 @click.option("--chain-seed/--no-chain-seed", default=True, show_default=True,
               help="ddtree: insert the drafter's greedy chain before best-first expansion")
+@click.option("--tree-expand", type=click.IntRange(min=0), default=0, show_default=True,
+              help="ddtree/auto with a draft model (-md FILE.gguf): 0 = the tree from one draft pass (its greedy "
+              "path with per-depth alternatives); W = expanding branches, W nodes run per depth")
 @click.option("--temp", "temperature", type=float, default=0.0, show_default=True,
               help="sampling temperature (0 = greedy)")
 @click.option("--top-k", type=int, default=0, show_default=True, help="top-k filter (0 = off)")
@@ -149,7 +152,7 @@ def main() -> None:
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
-def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, temperature, top_k, top_p, min_p, seed,
+def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, tree_expand, temperature, top_k, top_p, min_p, seed,
              repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, draft_max, block_size, feature_ring, draft_type, state_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
              kv_type, device, threads, raw, as_json, compare):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
@@ -176,6 +179,8 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
             kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
                       chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       seed=seed)
+            if tree_expand:
+                kw["expand"] = tree_expand
             if (repeat_penalty, frequency_penalty, presence_penalty) != (1.0, 0.0, 0.0):
                 kw.update(repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                           frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
@@ -388,21 +393,18 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
     nodes = budget + 1
     if fit:
         p = fit_plan(model, dinfo, vram_b, max_ctx=ctx or model.info["n_ctx_train"], nodes=nodes,
-                     feature_ring=feature_ring, batch=batch, draft_type=draft_type, state_type=state_type)
+                     feature_ring=feature_ring, batch=batch, draft_type=draft_type, state_type=state_type,
+                     draft_model=draft_model)
         if p is None:
             smallest = plan_for(model, dinfo, ctx=4096, kv_type="q4_0", nodes=nodes, feature_ring=feature_ring,
-                                batch=batch, device="cuda", draft_type=draft_type, state_type=state_type)
+                                batch=batch, device="cuda", draft_type=draft_type, state_type=state_type,
+                                draft_model=draft_model)
             _fail(f"nothing fits in {vram:g} GiB: even 4096 tokens of q4_0 KV need "
                   f"{smallest.total / 2**30:.2f} GiB (weights {smallest.parts['weights'] / 2**30:.2f} GiB); use a "
                   "smaller quant or a smaller drafter")
     else:
         p = plan_for(model, dinfo, ctx=ctx or 4096, kv_type=kv_type, nodes=nodes, feature_ring=feature_ring,
-                     batch=batch, device=device, draft_type=draft_type, state_type=state_type)
-    if draft_model is not None:  # a draft model: its weights and its own context (KV, state, snapshots)
-        from .memory_plan import draft_model_parts
-        p.parts.update(draft_model_parts(draft_model, ctx=p.options["ctx"], kv_type=p.options["kv_type"], batch=batch,
-                                         device=device, state_type=state_type))
-        p.options["draft_type"] = "model"
+                     batch=batch, device=device, draft_type=draft_type, state_type=state_type, draft_model=draft_model)
     fits = None if vram_b is None else p.total <= vram_b
     if as_json:
         click.echo(json.dumps({"parts": p.parts, "total_bytes": p.total, "vram_bytes": vram_b, "fits": fits,

@@ -257,12 +257,7 @@ class Decoder:
             from .memory_plan import plan_for
             plan = plan_for(self._model, self._draft.info if self._draft is not None else None, ctx=ctx,
                             kv_type=kv_type, nodes=32, feature_ring=feature_ring, batch=batch,
-                            device=self.device, state_type=state_type).as_dict()
-            if self._draft_model is not None:
-                from .memory_plan import draft_model_parts
-                plan.update(draft_model_parts(self._draft_model, ctx=ctx, kv_type=kv_type, batch=batch,
-                                              device=self.device, state_type=state_type))
-                plan["total"] = sum(v for k, v in plan.items() if k != "total")
+                            device=self.device, state_type=state_type, draft_model=self._draft_model).as_dict()
             self.memory_plan = plan
             if on_memory_plan is not None:
                 on_memory_plan(dict(plan))
@@ -359,7 +354,8 @@ class Decoder:
                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                    seed: int | None = None, on_prefill=None, cache: bool = True,
                    logprobs: int | None = None, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
-                   presence_penalty: float = 0.0, repeat_last_n: int = 64) -> Iterator[list[int]]:
+                   presence_penalty: float = 0.0, repeat_last_n: int = 64,
+                   expand: int = 0) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
         `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
         cache: use (and feed) the prefix cache when the Decoder has one.  logprobs: None, or k in 0..20 to
@@ -367,8 +363,8 @@ class Decoder:
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
             raise DFlashError(f"logprobs must be an integer in 0..20 (got {logprobs!r})")
         mode, bs = self._resolve_mode(mode, block_size)
-        if budget < 0 or topk < 0:
-            raise DFlashError(f"budget and topk must be >= 0 (got {budget}, {topk})")
+        if budget < 0 or topk < 0 or expand < 0:
+            raise DFlashError(f"budget, topk and expand must be >= 0 (got {budget}, {topk}, {expand})")
         check_sampling(temperature, top_k, top_p, min_p)
         check_penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
         if seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
@@ -399,7 +395,8 @@ class Decoder:
                                      bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
                                      min_p, int(seed), n_keep=n_keep,
                                      n_logprobs=-1 if logprobs is None else logprobs,
-                                     penalties=(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n))
+                                     penalties=(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n),
+                                     tree_expand=expand)
             self._want_logprobs = logprobs is not None
         finally:
             if progress is not None:
@@ -437,7 +434,7 @@ class Decoder:
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  on_prefill=None, cache: bool = True, logprobs: int | None = None, repeat_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 repeat_last_n: int = 64) -> GenerateResult:
+                 repeat_last_n: int = 64, expand: int = 0) -> GenerateResult:
         """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a
         tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
         greedy chain, verified in one target forward) or "auto" (each step AR or the DDTree budget up to
@@ -460,7 +457,8 @@ class Decoder:
                                     temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                     on_prefill=on_prefill, cache=cache, logprobs=logprobs,
                                     repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                    presence_penalty=presence_penalty, repeat_last_n=repeat_last_n):
+                                    presence_penalty=presence_penalty, repeat_last_n=repeat_last_n,
+                                    expand=expand):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt),

@@ -27,8 +27,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise DFlashError("the HTTP front needs starlette and uvicorn: pip install 'dflash27b[serve]'") from e
 
-_EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "top_k", "min_p", "ignore_eos", "cache_prompt",
-          "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty")
+_EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "expand", "top_k", "min_p", "ignore_eos",
+          "cache_prompt", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty")
 
 # Every OpenAI request field is honoured, accepted as a no-op where it cannot change the answer, or refused
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.

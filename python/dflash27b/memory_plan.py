@@ -80,9 +80,10 @@ def draft_model_parts(draft_model: _handles.Model, *, ctx: int, kv_type: str, ba
 
 def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_type: str, nodes: int,
              feature_ring: int, batch: int, device: str, draft_type: str | None = None,
-             state_type: str = "f32") -> Plan:
-    """The plan for a loaded (mapped) target and an optional drafter's info (draft_type: the conversion
-    still to apply to the info's stored weights; None when the info is of the drafter as loaded)."""
+             state_type: str = "f32", draft_model: _handles.Model | None = None) -> Plan:
+    """The plan for a loaded (mapped) target and an optional DFlash drafter's info (draft_type: the conversion
+    still to apply to the info's stored weights; None when the info is of the drafter as loaded) or draft
+    model (a qwen35 GGUF: its weights and its own context of the same length and KV type)."""
     core = _handles.memory_plan(model, ctx, batch, TYPE_IDS[kv_type], 1 if device == "cuda" else 0, nodes,
                                 TYPE_IDS[state_type])
     parts = dict.fromkeys(PARTS, 0)
@@ -90,18 +91,24 @@ def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_typ
         parts[k] = core[k]
     if draft_info is not None:
         parts.update(drafter_parts(draft_info, feature_ring, draft_type))
+    if draft_model is not None:
+        parts.update(draft_model_parts(draft_model, ctx=ctx, kv_type=kv_type, batch=batch, device=device,
+                                       state_type=state_type))
     if device == "cuda":
         parts["cuda_context"] = CUDA_CONTEXT_RESERVE
     opts = {"ctx": ctx, "kv_type": kv_type, "verify_nodes": nodes, "feature_ring": feature_ring if draft_info else 0,
-            "batch": batch, "device": device, "draft_type": (draft_type or "stored") if draft_info else None,
+            "batch": batch, "device": device,
+            "draft_type": (draft_type or "stored") if draft_info else "model" if draft_model is not None else None,
             "state_type": state_type}
     return Plan(parts, opts)
 
 
 def fit(model: _handles.Model, draft_info: dict | None, vram: int, *, max_ctx: int, nodes: int, feature_ring: int,
-        batch: int, draft_type: str | None = None, state_type: str = "f32", min_ctx: int = 4096) -> Plan | None:
+        batch: int, draft_type: str | None = None, state_type: str = "f32", min_ctx: int = 4096,
+        draft_model: _handles.Model | None = None) -> Plan | None:
     """The largest context (powers of two from max_ctx down to min_ctx, max_ctx itself first) and, for it, the
-    largest KV type whose plan fits in vram bytes; None when nothing does."""
+    largest KV type whose plan fits in vram bytes (a draft model's context at the same length and type
+    counted); None when nothing does."""
     ctxs = [max_ctx]
     c = 1 << (max_ctx.bit_length() - 1)
     while c >= min_ctx:
@@ -111,7 +118,7 @@ def fit(model: _handles.Model, draft_info: dict | None, vram: int, *, max_ctx: i
     for ctx in ctxs:
         for kv in KV_BY_SIZE:
             p = plan_for(model, draft_info, ctx=ctx, kv_type=kv, nodes=nodes, feature_ring=feature_ring, batch=batch,
-                         device="cuda", draft_type=draft_type, state_type=state_type)
+                         device="cuda", draft_type=draft_type, state_type=state_type, draft_model=draft_model)
             if p.total <= vram:
                 return p
     return None

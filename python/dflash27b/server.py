@@ -58,6 +58,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "topk": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "block_size": (lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1"),
     "chain_seed": (lambda v: isinstance(v, bool), "must be true or false"),
+    # a draft model's tree: 0 = from one draft pass, w = expanding branches, w nodes run per depth
+    "expand": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "temperature": (lambda v: _is_num(v) and v >= 0, "must be a number >= 0"),
     "top_k": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "top_p": (lambda v: _is_num(v) and 0 < v <= 1, "must be a number in (0, 1]"),
@@ -114,7 +116,7 @@ class Job:
 
 
 def _decode_kwargs(p: dict) -> dict:
-    keys = ("mode", "budget", "topk", "block_size", "chain_seed", "temperature", "top_k", "top_p", "min_p",
+    keys = ("mode", "budget", "topk", "block_size", "chain_seed", "expand", "temperature", "top_k", "top_p", "min_p",
             "seed", "ignore_eos", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
     return {k: p[k] for k in keys if k in p}
 
