@@ -12,6 +12,7 @@
 // builds and runs it.  Prints one line per case, then "ALL OK" (exit 0) or
 // "FAIL" (exit 1).  Usage: dfl_backend_ops [max_batch]
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +28,9 @@
 
 namespace dfl {
 void set_last_error(const char*) {}  // api.cpp's, for the CUDA objects' C entry points
+namespace cuda {
+int mma_selftest(int M, int N, int K, uint32_t seed);  // cuda/mma.cuh: the int8 tensor-core instruction
+}
 }
 
 using namespace dfl;
@@ -484,6 +488,15 @@ int main(int argc, char** argv) {
   for (int n : {1, 2, 7, 16, 23, 64, 512})
     if (n <= max_batch) sizes.push_back(n);
   try {
+    // the int8 MMA the exact verify kernels build on, and its fragment maps, against the definition
+    for (auto [M, N, K] : {std::array<int, 3>{16, 8, 32}, {48, 40, 128}, {64, 64, 512}}) {
+      const int bad = cuda::mma_selftest(M, N, K, (uint32_t)(M * N + K));
+      std::printf("mma m16n8k32 s8 %dx%dx%d: %s\n", M, N, K, bad ? "MISMATCH" : "ok");
+      if (bad) {
+        std::printf("  %d of %d elements differ\n", bad, M * N);
+        ++failures;
+      }
+    }
     Qwen35Config tiny;
     tiny.n_embd = 256; tiny.n_ff = 512; tiny.n_head = 4; tiny.n_head_kv = 2; tiny.head_dim = 64; tiny.n_rot = 16;
     tiny.rope_base = 1e7f; tiny.rms_eps = 1e-6f; tiny.conv_kernel = 4; tiny.ssm_dk = 64; tiny.ssm_nk = 2;

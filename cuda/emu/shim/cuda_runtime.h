@@ -165,6 +165,7 @@ struct Cta {
   Barrier bar;
   std::vector<Barrier> warp_bar;
   float slot[2][32][32];
+  uint32_t mma[2][32][32][6];  // per warp, per lane: the A and B fragments of a warp-wide mma
   void* sched_sp = nullptr;
   const std::function<void()>* body = nullptr;
   dim3 block;
@@ -286,6 +287,35 @@ inline T __shfl_xor_sync(unsigned, T v, int o) {
   std::memcpy(&out, &slot[w % 32][lane ^ o], 4);
   return out;
 }
+
+namespace emu {
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (fragment maps in cuda/mma.cuh): every lane posts its A
+// and B registers (the buffer alternates as the shuffles' slots do, with the same counter), then computes
+// its own four D elements from the warp's assembled A and B, in exact integer arithmetic (int32 wrapping,
+// as the instruction without .satfinite).
+inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const int32_t (&c)[4]) {
+  Cta& cx = *cta;
+  const int me = cx.cur, lane = me & 31, w = me >> 5;
+  uint32_t (&buf)[32][6] = cx.mma[cx.fibers[me].shuffles++ & 1][w % 32];
+  for (int i = 0; i < 4; ++i) buf[lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) buf[lane][4 + i] = b[i];
+  barrier_wait(cx.warp_bar[w], &cx.warp_live[w]);
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    uint32_t acc = (uint32_t)c[i];
+    for (int k = 0; k < 32; ++k) {
+      // A[row][k]: lane 4 * row%8 + (k%16)/4, register (row >= 8) + 2 * (k >= 16), byte k % 4
+      const uint32_t ar = buf[4 * (row & 7) + ((k & 15) >> 2)][(row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0)];
+      // B[k][col]: lane 4 * col + (k%16)/4, register k >= 16, byte k % 4
+      const uint32_t br = buf[4 * col + ((k & 15) >> 2)][4 + (k >= 16 ? 1 : 0)];
+      const int8_t av = (int8_t)(ar >> (8 * (k & 3))), bv = (int8_t)(br >> (8 * (k & 3)));
+      acc += (uint32_t)((int32_t)av * (int32_t)bv);
+    }
+    d[i] = (int32_t)acc;
+  }
+}
+}  // namespace emu
 
 // ---- runtime API ----
 typedef int cudaError_t;

@@ -1,0 +1,86 @@
+// mma_selftest.cu — checks mma_m16n8k32_s8 and its fragment maps (mma.cuh)
+// against the definition, on the GPU and on the CPU emulator alike.
+#include <random>
+#include <vector>
+
+#include "launch.cuh"
+#include "mma.cuh"
+
+namespace dfl {
+namespace cuda {
+
+namespace {
+
+__device__ __forceinline__ uint32_t load_u32(const int8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// One warp per 16 x 8 tile of D; A row-major (M x K), B given as its transpose
+// (N x K, row-major: a column of B is contiguous), C and D row-major int32.
+__global__ void mma_tiles_kernel(const int8_t* A, const int8_t* Bt, const int32_t* C, int32_t* D, int M, int N,
+                                 int K) {
+  const int lane = threadIdx.x & 31, warp = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+  const int tiles_n = N / 8;
+  if (warp >= (M / 16) * tiles_n) return;  // whole warps only: every lane of a live warp takes part
+  const int m0 = warp / tiles_n * 16, n0 = warp % tiles_n * 8, g = lane >> 2, t = lane & 3;
+  int32_t acc[4] = {C[(m0 + g) * N + n0 + 2 * t], C[(m0 + g) * N + n0 + 2 * t + 1],
+                    C[(m0 + g + 8) * N + n0 + 2 * t], C[(m0 + g + 8) * N + n0 + 2 * t + 1]};
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    const uint32_t a[4] = {load_u32(A + (m0 + g) * K + k0 + 4 * t), load_u32(A + (m0 + g + 8) * K + k0 + 4 * t),
+                           load_u32(A + (m0 + g) * K + k0 + 16 + 4 * t),
+                           load_u32(A + (m0 + g + 8) * K + k0 + 16 + 4 * t)};
+    const uint32_t b[2] = {load_u32(Bt + (n0 + g) * K + k0 + 4 * t), load_u32(Bt + (n0 + g) * K + k0 + 16 + 4 * t)};
+    int32_t d[4];
+    mma_m16n8k32_s8(d, a, b, acc);
+    for (int i = 0; i < 4; ++i) acc[i] = d[i];
+  }
+  D[(m0 + g) * N + n0 + 2 * t] = acc[0];
+  D[(m0 + g) * N + n0 + 2 * t + 1] = acc[1];
+  D[(m0 + g + 8) * N + n0 + 2 * t] = acc[2];
+  D[(m0 + g + 8) * N + n0 + 2 * t + 1] = acc[3];
+}
+
+struct Buf {
+  void* p = nullptr;
+  explicit Buf(size_t bytes) { p = device_alloc(bytes); }
+  ~Buf() { device_free(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+};
+
+}  // namespace
+
+int mma_selftest(int M, int N, int K, uint32_t seed) {
+  if (M <= 0 || N <= 0 || K <= 0 || M % 16 || N % 8 || K % 32)
+    fail("mma_selftest: M %d, N %d, K %d must be positive multiples of 16, 8 and 32", M, N, K);
+  require_device();
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> i8(-128, 127), c32(-1000000, 1000000);
+  std::vector<int8_t> A((size_t)M * K), Bt((size_t)N * K);
+  std::vector<int32_t> C((size_t)M * N), D((size_t)M * N);
+  for (auto& v : A) v = (int8_t)i8(rng);
+  for (auto& v : Bt) v = (int8_t)i8(rng);
+  for (auto& v : C) v = c32(rng);
+  // the extremes too: -128 * -128 sums are where a wrong sign extension shows
+  A[0] = Bt[0] = -128;
+  A[1] = 127, Bt[1] = -128;
+  Buf dA(A.size()), dB(Bt.size()), dC(C.size() * 4), dD(D.size() * 4);
+  CUDA_CHECK(cudaMemcpy(dA.p, A.data(), A.size(), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dB.p, Bt.data(), Bt.size(), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dC.p, C.data(), C.size() * 4, cudaMemcpyHostToDevice));
+  const int warps = (M / 16) * (N / 8), per_cta = 4;
+  launch(mma_tiles_kernel, dim3((unsigned)((warps + per_cta - 1) / per_cta)), dim3(32 * per_cta), 0, nullptr,
+         static_cast<const int8_t*>(dA.p), static_cast<const int8_t*>(dB.p), static_cast<const int32_t*>(dC.p),
+         static_cast<int32_t*>(dD.p), M, N, K);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpy(D.data(), dD.p, D.size() * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      int64_t ref = C[(size_t)m * N + n];
+      for (int k = 0; k < K; ++k) ref += (int32_t)A[(size_t)m * K + k] * (int32_t)Bt[(size_t)n * K + k];
+      bad += D[(size_t)m * N + n] != (int32_t)ref;  // |ref| stays far inside int32 here
+    }
+  return bad;
+}
+
+}  // namespace cuda
+}  // namespace dfl
