@@ -148,7 +148,10 @@ def test_oracle_drafter_makes_auto_speculate(tiny_f32_gguf, ar_tokens):
         spec = [b for b in s.auto_budget if b > 0]
         # after the AR step and the probe that measure the costs, every step speculates and accepts it all
         assert len(spec) >= s.steps - 2 and s.mean_accept > 6
-        assert all(a == b + 1 for a, b in zip(s.accept_lengths[2:-1], s.auto_budget[2:-1]))
+        # the oracle's chain (15 deep at block 16) comes first in every tree; a budget past it adds nodes the
+        # oracle gives no chance (auto rarely picks one, on timing noise alone), so the accepted part is the chain
+        assert all(a == min(b, 15) + 1 for a, b in zip(s.accept_lengths[2:-1], s.auto_budget[2:-1])), \
+            (s.accept_lengths, s.auto_budget)
         d._ctx.set_topk_hook(None)
         with pytest.raises(DFlashError, match="needs a drafter"):
             d.generate(prompt, 4, mode="auto")
