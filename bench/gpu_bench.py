@@ -47,8 +47,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from spec_steps import NEAR_TIE, divergence  # noqa: E402  (where two backends part, and the logit margin)
+
 VERIFY_NODES = (2, 4, 8, 16, 23, 32)
-NEAR_TIE = 1e-3  # CPU logit margin under which two backends may pick different tokens (tests/test_cuda_forward.py)
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk("]
 
 
@@ -79,10 +81,9 @@ def part_exact(device: str, n_new: int, threads: int) -> dict:
             ids = cpu.tokenize(prompt)
             a = dev.generate(ids, n_new, ignore_eos=True, mode="ar").tokens
             b = cpu.generate(ids, n_new, ignore_eos=True, mode="ar").tokens
-            if a != b:
-                k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-                row = cpu.logits(ids + b[:k])[-1]
-                margin = abs(float(row[b[k]]) - float(row[a[k]]))
+            d = divergence(cpu, ids, a, b)
+            if d is not None:
+                k, margin = d
                 out["near_ties"].append({"prompt": prompt, "token": k, "margin": margin})
                 out["cuda_ar_eq_cpu_ar"] &= margin < NEAR_TIE
         ids = dev.tokenize(PROMPTS[1])

@@ -21,17 +21,6 @@ namespace dfl {
 namespace cuda {
 namespace {
 
-// Owns one device allocation, rounded up to 16 bytes (matmul's requirement).
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes) { p = device_alloc((bytes + 15) / 16 * 16 + 16); }
-  ~DevBuf() { device_free(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(p); }
-};
-
 struct Event {
   cudaEvent_t e = nullptr;
   Event() { CUDA_CHECK(cudaEventCreate(&e)); }

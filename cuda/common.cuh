@@ -87,6 +87,17 @@ inline void device_free(void* p) {
   c.live.erase(it);
 }
 
+// Owns one device allocation, rounded up to 16 bytes (matmul's requirement).
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(size_t bytes) { p = device_alloc((bytes + 15) / 16 * 16 + 16); }
+  ~DevBuf() { device_free(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
 // ---- block field offsets (bytes), checked against blocks.h ----
 constexpr int kQ4_0_d = 0, kQ4_0_qs = 2;
 constexpr int kQ8_0_d = 0, kQ8_0_qs = 2;

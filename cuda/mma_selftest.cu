@@ -38,14 +38,6 @@ __global__ void mma_tiles_kernel(const int8_t* A, const int8_t* Bt, const int32_
   D[(m0 + g + 8) * N + n0 + 2 * t + 1] = acc[3];
 }
 
-struct Buf {
-  void* p = nullptr;
-  explicit Buf(size_t bytes) { p = device_alloc(bytes); }
-  ~Buf() { device_free(p); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-};
-
 }  // namespace
 
 int mma_selftest(int M, int N, int K, uint32_t seed) {
@@ -62,14 +54,13 @@ int mma_selftest(int M, int N, int K, uint32_t seed) {
   // the extremes too: -128 * -128 sums are where a wrong sign extension shows
   A[0] = Bt[0] = -128;
   A[1] = 127, Bt[1] = -128;
-  Buf dA(A.size()), dB(Bt.size()), dC(C.size() * 4), dD(D.size() * 4);
+  DevBuf dA(A.size()), dB(Bt.size()), dC(C.size() * 4), dD(D.size() * 4);
   CUDA_CHECK(cudaMemcpy(dA.p, A.data(), A.size(), cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(dB.p, Bt.data(), Bt.size(), cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(dC.p, C.data(), C.size() * 4, cudaMemcpyHostToDevice));
   const int warps = (M / 16) * (N / 8), per_cta = 4;
   launch(mma_tiles_kernel, dim3((unsigned)((warps + per_cta - 1) / per_cta)), dim3(32 * per_cta), 0, nullptr,
-         static_cast<const int8_t*>(dA.p), static_cast<const int8_t*>(dB.p), static_cast<const int32_t*>(dC.p),
-         static_cast<int32_t*>(dD.p), M, N, K);
+         dA.as<const int8_t>(), dB.as<const int8_t>(), dC.as<const int32_t>(), dD.as<int32_t>(), M, N, K);
   CUDA_CHECK(cudaGetLastError());
   CUDA_CHECK(cudaMemcpy(D.data(), dD.p, D.size() * 4, cudaMemcpyDeviceToHost));
   int bad = 0;

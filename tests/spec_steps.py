@@ -1,5 +1,18 @@
-"""Test helper (not a test): drive a speculative generation step by step, checking each commit."""
+"""Test helpers (not tests): drive a speculative generation step by step, checking each commit; locate where
+two backends' decodes part and by how much the reference's logits separated the two choices there."""
 from __future__ import annotations
+
+NEAR_TIE = 1e-3  # reference logit margin below which two backends (different summation orders) may differ
+
+
+def divergence(ref_dec, ids: list[int], got: list[int], want: list[int]) -> tuple[int, float] | None:
+    """None when got == want; else (k, margin): the first differing token and |logit(want[k]) - logit(got[k])|
+    in ref_dec's row after ids + want[:k] (a near-tie when margin < NEAR_TIE)."""
+    if got == want:
+        return None
+    k = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
+    row = ref_dec.logits(ids + want[:k])[-1]
+    return k, abs(float(row[want[k]]) - float(row[got[k]]))
 
 
 def run_checking_state(ctx, ar_ctx, full: list[int]) -> tuple[list[int], set[int]]:

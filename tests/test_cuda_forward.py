@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from spec_steps import commit_and_chain_states
+from spec_steps import NEAR_TIE, commit_and_chain_states, divergence
 
 from dflash27b import DFlashError, Decoder
 from dflash27b.decoder import cuda_build
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.cuda
 EMULATED = cuda_build() == "emulator"
 N_NEW = 16 if EMULATED else 128
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(path):\n    for root, dirs, files in os.walk("]
-NEAR_TIE = 1e-3  # logit margin below which the two backends may legitimately pick different tokens
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +52,9 @@ def test_cuda_ar_equals_cpu_ar(cuda_dec, cpu_dec, prompt):
     ids = cpu_dec.tokenize(prompt)
     gpu = cuda_dec.generate(ids, N_NEW, ignore_eos=True, mode="ar").tokens
     cpu = cpu_dec.generate(ids, N_NEW, ignore_eos=True, mode="ar").tokens
-    if gpu != cpu:
-        k = next(i for i, (a, b) in enumerate(zip(gpu, cpu)) if a != b)
-        row = cpu_dec.logits(ids + cpu[:k])[-1]
-        margin = abs(float(row[cpu[k]]) - float(row[gpu[k]]))
+    d = divergence(cpu_dec, ids, gpu, cpu)
+    if d is not None:
+        k, margin = d
         assert margin < NEAR_TIE, f"CUDA and CPU AR differ at token {k} with a CPU logit margin of {margin:.2e}"
         pytest.xfail(f"diverged at token {k} of {N_NEW} at a near-tie (CPU logit margin {margin:.1e})")
 

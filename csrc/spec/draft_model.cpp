@@ -128,7 +128,7 @@ DraftTree DraftModelProposer::propose_tree(const int32_t* hist, int32_t s, int32
   std::vector<Cand> cands;
   run_tokens_.assign(1, root);
   run_parent_.assign(1, -1);
-  run_depth_.assign(1, 0);
+  std::vector<int32_t> run_depth(1, 0);
   std::vector<float> run_cum(1, 0.f);
   std::vector<int32_t> frontier{0}, ids;
   std::vector<float> logp;
@@ -136,7 +136,7 @@ DraftTree DraftModelProposer::propose_tree(const int32_t* hist, int32_t s, int32
   for (int d = 1; d <= L; ++d) {
     const int n = (int)run_tokens_.size();
     pos_.resize((size_t)n);
-    for (int i = 0; i < n; ++i) pos_[(size_t)i] = s + run_depth_[(size_t)i];
+    for (int i = 0; i < n; ++i) pos_[(size_t)i] = s + run_depth[(size_t)i];
     ids.resize(frontier.size() * (size_t)K), logp.resize(frontier.size() * (size_t)K);
     Batch b{n, run_tokens_.data(), pos_.data(), run_parent_.data()};
     ForwardOutputs o;
@@ -165,7 +165,7 @@ DraftTree DraftModelProposer::propose_tree(const int32_t* hist, int32_t s, int32
       cd.run = (int32_t)run_tokens_.size();
       run_tokens_.push_back(cd.token);
       run_parent_.push_back(cd.parent_run);
-      run_depth_.push_back(d);
+      run_depth.push_back(d);
       run_cum.push_back(cd.cum);
       frontier.push_back(cd.run);
       if (cd.greedy) greedy_run = cd.run;

@@ -61,7 +61,7 @@ class DraftModelProposer {
   // The nodes the last propose_tree ran (root first; its per-node states are
   // still in the context until the next forward): what sync commits by gather.
   int32_t tree_base_ = -1;
-  std::vector<int32_t> run_tokens_, run_parent_, run_depth_;
+  std::vector<int32_t> run_tokens_, run_parent_;
 };
 
 }  // namespace dfl

@@ -235,20 +235,20 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   tp.budget = cap;
   if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
   const int K = ddtree_k(tp, n_vocab);
+  // Expanding branches: the draft model builds the tree itself; else one draft pass, then the builder.
+  const bool expand = draft_model_ && tp.expand > 0;
   DraftTree t;
-  if (draft_model_ && tp.expand > 0) {  // expanding branches: the draft model builds the tree itself
+  if (expand) {
     t = draft_model_->propose_tree(hist_.data(), s, pending_, V - 1, cap, tp.expand, K, tp.chain_seed);
-    rec.draft_s = since(t0);
-    t0 = Clock::now();
   } else {
     top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
     if (topk_source_) topk_source_(s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
     else if (draft_model_) draft_model_->propose_topk(hist_.data(), s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
     else drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
-    rec.draft_s = since(t0);
-    t0 = Clock::now();
-    t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
   }
+  rec.draft_s = since(t0);
+  t0 = Clock::now();
+  if (!expand) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
