@@ -241,6 +241,10 @@ int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst); /* F32/
 /* y[t][r] = W[r] . x[t] for a rows x cols weight of `type` (row-major blocks) */
 int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
                int32_t n_threads);
+/* K-quant types only: the arithmetic dfl_matmul's kernels must reproduce bit for bit,
+ * computed one output at a time (tests) */
+int dfl_matmul_reference(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
+                         float* y);
 
 /* ==================== CUDA op entry points (tests and tools) ====================
  * Present in every build.  When the library was built without the CUDA

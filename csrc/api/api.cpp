@@ -558,5 +558,32 @@ int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const f
   });
 }
 
+int dfl_matmul_reference(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
+                         float* y) {
+  return guard([&] {
+    need(w, "w");
+    need(x, "x");
+    need(y, "y");
+    if (!dfl::gemm_kquant_supported((dfl::DType)type)) dfl::fail("dfl_matmul_reference: type %u is not a K-quant", type);
+    if (cols % dfl::QK_K) dfl::fail("cols must be a multiple of 256");
+    dfl::Weight W;
+    W.type = (dfl::DType)type;
+    W.data = (const uint8_t*)w;
+    W.rows = rows;
+    W.cols = cols;
+    W.row_bytes = dfl::row_bytes(W.type, cols);
+    dfl::ActScratch act;
+    act.reserve((int64_t)n * cols);
+    std::vector<dfl::ActRow> xr(n);
+    for (int t = 0; t < n; ++t) {
+      dfl::quantize_act_row(x + (int64_t)t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
+                            act.s.data() + t * (cols / 32), act.bsum.data() + t * (cols / 16), cols, dfl::QK_K);
+      xr[t] = dfl::ActRow{act.q.data() + t * cols, act.d.data() + t * (cols / 32), act.s.data() + t * (cols / 32),
+                          act.bsum.data() + t * (cols / 16)};
+    }
+    dfl::gemm_kquant_reference(W, 0, rows, xr.data(), n, y);
+  });
+}
+
 }  // extern "C"
 #pragma GCC visibility pop

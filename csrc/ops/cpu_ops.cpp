@@ -25,6 +25,13 @@ void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, 
       rows[t] = ActRow{act.q.data() + (int64_t)t * cols, act.d.data() + (int64_t)t * (cols / 32),
                        act.s.data() + (int64_t)t * (cols / 32), act.bsum.data() + (int64_t)t * (cols / 16)};
   }
+  if (gemm_kquant_supported(W.type)) {
+    // parts in whole 4-row panels
+    auto kbody = [&](int64_t r0, int64_t r1) { gemm_kquant(W, r0, r1, rows.data(), n, y); };
+    if ((int64_t)W.rows * cols * n < (1 << 16)) kbody(0, W.rows);
+    else pool.parallel_for(W.rows, 4, kbody);
+    return;
+  }
   // Rows in groups of 16 so a group's weights stay in L1 while every token of
   // the batch passes over them, up to kDotMaxTokens tokens per weight unpack.
   const int64_t group = 16;

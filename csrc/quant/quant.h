@@ -24,7 +24,7 @@ void quantize_act_row(const float* x, int8_t* q, float* d, float* s, int16_t* bs
 // KV-cache / generic writers (round to nearest, as ggml's reference quantizers).
 void quantize_row(DType t, const float* x, void* dst, int64_t n);  // F32, F16, BF16, Q8_0, Q4_0
 
-// Quantised weights: out[k] = w_row . x[k] for k < nt (1 <= nt <= 4).  The
+// Q8_0 / Q4_0 weights: out[k] = w_row . x[k] for k < nt (1 <= nt <= 4).  The
 // weight block is unpacked once for all nt tokens, but each token's result is
 // computed by the same sequence of operations whatever nt is (batch
 // invariance), so a token's value never depends on its neighbours.
@@ -38,6 +38,16 @@ void dot_f_multi(DType t, const void* w_row, const float* x, int64_t x_stride, i
 // out[i] += p * row[i] (a multiply then an add per element, never fused), row of
 // any type; `tmp` (n floats) is scratch for quantised rows.
 void axpy_row(DType t, const void* row, float p, float* out, int64_t n, float* tmp);
+
+// K-quant weights (Q4_K, Q5_K, Q6_K) against int8 activations (act_block 256):
+// y[t * W.rows + r] for rows [r0, r1) and every token t < n.  One arithmetic for
+// every batch size and tiling (gemm_kquant.cpp), so a token's row is bit-identical
+// alone or in any batch, on every build.
+struct Weight;
+bool gemm_kquant_supported(DType t);
+void gemm_kquant(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y);
+// The same arithmetic written one output at a time (the definition the kernels are tested against).
+void gemm_kquant_reference(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y);
 
 const char* simd_name();  // "avx2" or "scalar"
 

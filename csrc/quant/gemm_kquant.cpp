@@ -1,0 +1,498 @@
+// gemm_kquant.cpp — K-quant weights (Q4_K, Q5_K, Q6_K) times int8 activations.
+//
+// The arithmetic of one output, whatever the batch (`reference` below):
+//   for each super-block i (256 values), in order:
+//     isum = sum_v  scale(group(v)) * q(v) * xq(v)      exact int32
+//     msum = sum_g  m(g) * bsum(g)                      exact int32 (16-value groups g)
+//     acc  = fma(d_i  * xd_i, float(isum), acc)
+//     accm = fma(dm_i * xd_i, float(msum), accm)
+//   out = acc - accm
+// q are the weight's unsigned quants and scale its sub-block scales; (m, dm)
+// carry its offsets: Q4_K / Q5_K mins with dmin, Q6_K's -32 as m = 32 * scale
+// with dm = d.  Integer sums are exact in any order, so each kernel adds them
+// however is fastest, and the float steps are the same for every output: a
+// token's result is bit-identical alone, in a verify batch or in a prefill
+// chunk, and the AVX2 build computes the scalar reference's bits.
+//
+// Two kernels, one arithmetic:
+//  - few tokens (decode): `fused` unpacks each weight super-block into
+//    registers and uses it at once; 8 outputs' sums reduce together.
+//  - 4+ tokens (prefill, verify): 4 weight rows are unpacked once per block of
+//    tokens into an interleaved panel (`PanelSB`): one 32-byte vector holds 8
+//    values of each of the 4 rows, so a broadcast 8-byte activation piece
+//    multiplies all 4 rows, and the 4 pieces of a 32-value sub-block add up in
+//    int16 before the one scale multiply.  The multiply pipes are the limit on
+//    AVX2 (pmaddubsw and pmaddwd share them), and this takes 5 multiplies per
+//    128 products where one row at a time takes 8.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "model/qwen35.h"
+#include "quant/quant.h"
+#include "util/error.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define DFL_AVX2 1
+#endif
+
+namespace dfl {
+
+namespace {
+
+inline float f16(uint16_t h) {
+#ifdef DFL_AVX2
+  return _cvtsh_ss(h);
+#else
+  return f16_to_f32(h);
+#endif
+}
+
+// K-quant (scale, min) pairs of a Q4_K/Q5_K super-block as 8 + 8 bytes.
+inline void unpack_k_scales(const uint8_t* sc, uint8_t scales[8], uint8_t mins[8]) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, sc, 4);
+  std::memcpy(&w1, sc + 4, 4);
+  std::memcpy(&w2, sc + 8, 4);
+  uint32_t s_lo = w0 & 0x3f3f3f3f, m_lo = w1 & 0x3f3f3f3f;
+  uint32_t s_hi = (w2 & 0x0f0f0f0f) | (((w0 >> 6) & 0x03030303) << 4);
+  uint32_t m_hi = ((w2 >> 4) & 0x0f0f0f0f) | (((w1 >> 6) & 0x03030303) << 4);
+  std::memcpy(scales, &s_lo, 4);
+  std::memcpy(scales + 4, &s_hi, 4);
+  std::memcpy(mins, &m_lo, 4);
+  std::memcpy(mins + 4, &m_hi, 4);
+}
+
+size_t block_bytes(DType t) {
+  return t == DType::Q4_K ? sizeof(block_q4_K) : t == DType::Q5_K ? sizeof(block_q5_K) : sizeof(block_q6_K);
+}
+
+// ---- the one reading of each layout: a super-block in natural order ----------
+// q[v] for v < 256 (unsigned), sg[g] the scale and mg[g] the offset weight of
+// the 16-value group g, d / dm the float scales of isum / msum.
+//   Q4_K / Q5_K: value 64c + l is the low nibble of qs[32c + l], value 64c + 32 + l
+//   the high one (+16 from qh bit 2c / 2c+1 for Q5_K); sub-block j = v / 32 has
+//   scale sc[j] and min mn[j].
+//   Q6_K: value 128h + 32s + l has low bits from ql[64h + 32(s & 1) + l] (low
+//   nibble for s < 2, high for s >= 2) and high bits (qh[32h + l] >> 2s) & 3; the
+//   stored quant 0..63 is the value q - 32; group g has the signed scale scales[g].
+struct SuperBlock {
+  uint8_t q[256];
+  int16_t sg[16], mg[16];
+  float d, dm;
+};
+
+void read_super_block(DType t, const uint8_t* blk, SuperBlock& s) {
+  if (t == DType::Q6_K) {
+    const block_q6_K* b = (const block_q6_K*)blk;
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < 32; ++l) {
+          const int src = b->ql[64 * h + 32 * (k & 1) + l];
+          const int low = k < 2 ? (src & 15) : (src >> 4);
+          s.q[128 * h + 32 * k + l] = (uint8_t)(low | (((b->qh[32 * h + l] >> (2 * k)) & 3) << 4));
+        }
+    for (int g = 0; g < 16; ++g) {
+      s.sg[g] = b->scales[g];
+      s.mg[g] = (int16_t)(32 * b->scales[g]);
+    }
+    s.d = s.dm = f16(b->d);
+    return;
+  }
+  const bool q5 = t == DType::Q5_K;
+  const uint8_t* qs = blk + (q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+  const uint8_t* qh = blk + offsetof(block_q5_K, qh);
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      int a = qs[32 * c + l] & 15, b = qs[32 * c + l] >> 4;
+      if (q5) {
+        a |= ((qh[l] >> (2 * c)) & 1) << 4;
+        b |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      s.q[64 * c + l] = (uint8_t)a;
+      s.q[64 * c + 32 + l] = (uint8_t)b;
+    }
+  uint8_t s8[8], m8[8];
+  unpack_k_scales(blk + 4, s8, m8);
+  for (int g = 0; g < 16; ++g) {
+    s.sg[g] = s8[g / 2];
+    s.mg[g] = m8[g / 2];
+  }
+  uint16_t dh, mh;
+  std::memcpy(&dh, blk, 2);
+  std::memcpy(&mh, blk + 2, 2);
+  s.d = f16(dh);
+  s.dm = f16(mh);
+}
+
+// The definition, one output at a time.
+void reference(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  const int64_t nb = W.cols / QK_K;
+  const size_t bs = block_bytes(W.type);
+  SuperBlock s;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int t = 0; t < n; ++t) {
+      float acc = 0.f, accm = 0.f;
+      for (int64_t i = 0; i < nb; ++i) {
+        read_super_block(W.type, W.row(r) + i * bs, s);
+        const int8_t* xq = x[t].q + 256 * i;
+        int32_t isum = 0, msum = 0;
+        for (int v = 0; v < 256; ++v) isum += s.sg[v / 16] * s.q[v] * xq[v];
+        for (int g = 0; g < 16; ++g) msum += s.mg[g] * x[t].bsum[16 * i + g];
+        acc = std::fma(s.d * x[t].d[i], (float)isum, acc);
+        accm = std::fma(s.dm * x[t].d[i], (float)msum, accm);
+      }
+      y[(int64_t)t * W.rows + r] = acc - accm;
+    }
+}
+
+#ifdef DFL_AVX2
+// ---- AVX2 ------------------------------------------------------------------
+inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline __m256i bcast8(const void* p) {  // 8 bytes repeated 4 times
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm256_set1_epi64x(v);
+}
+// [sum(v0), ..., sum(v7)] as one int32 vector, v: 8 vectors of 8 int32 in a row.
+inline __m256i reduce8(const int32_t* v) {
+  auto V = [&](int k) { return load256(v + 8 * k); };
+  __m256i s01 = _mm256_hadd_epi32(V(0), V(1)), s23 = _mm256_hadd_epi32(V(2), V(3));
+  __m256i s45 = _mm256_hadd_epi32(V(4), V(5)), s67 = _mm256_hadd_epi32(V(6), V(7));
+  __m256i a = _mm256_hadd_epi32(s01, s23), b = _mm256_hadd_epi32(s45, s67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+// pshufb masks: within each 128-bit half, int16 element 2j in the low half's lanes
+// and 2j + 1 in the high half's (a 32-value chunk's two group scales).
+struct PairMasks {
+  __m256i m[4];
+  PairMasks() {
+    alignas(32) int8_t b[32];
+    for (int j = 0; j < 4; ++j) {
+      for (int i = 0; i < 32; ++i) b[i] = (int8_t)(4 * j + (i >= 16 ? 2 : 0) + (i & 1));
+      m[j] = _mm256_load_si256((const __m256i*)b);
+    }
+  }
+};
+const PairMasks kPair;
+
+// A super-block in registers: chunk j (values 32j..32j+31) of quants, the 16
+// group scales and offsets as int16 vectors, the float scales.  Same values as
+// read_super_block.
+struct SuperBlockRegs {
+  __m256i q[8], sg, mg;
+  float d, dm;
+};
+
+inline __m256i dup16(uint64_t eight_u8) {  // 8 bytes -> 16 int16, each twice
+  const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)eight_u8));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(w, w), _mm_unpacklo_epi16(w, w));
+}
+
+template <DType T>
+inline void load_super_block(const uint8_t* blk, SuperBlockRegs& s) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if constexpr (T == DType::Q6_K) {
+    const block_q6_K* b = (const block_q6_K*)blk;
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = load256(b->ql + 64 * h), ql1 = load256(b->ql + 64 * h + 32), qh = load256(b->qh + 32 * h);
+      s.q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+      s.q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+      s.q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+      s.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+    }
+    s.sg = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)b->scales));
+    s.mg = _mm256_slli_epi16(s.sg, 5);
+    s.d = s.dm = f16(b->d);
+  } else {
+    constexpr bool Q5 = T == DType::Q5_K;
+    const uint8_t* qs = blk + (Q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+    const __m256i qhv = Q5 ? load256(blk + offsetof(block_q5_K, qh)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = load256(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (Q5) {
+        const __m256i b16 = _mm256_set1_epi8(16);
+        const __m256i bl = _mm256_set1_epi8((char)(1 << (2 * c))), bh = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bl), bl), b16));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bh), bh), b16));
+      }
+      s.q[2 * c] = lo;
+      s.q[2 * c + 1] = hi;
+    }
+    uint8_t s8[8], m8[8];
+    unpack_k_scales(blk + 4, s8, m8);
+    uint64_t sv, mv;
+    std::memcpy(&sv, s8, 8);
+    std::memcpy(&mv, m8, 8);
+    s.sg = dup16(sv);
+    s.mg = dup16(mv);
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    s.d = f16(dh);
+    s.dm = f16(mh);
+  }
+}
+
+// ---- few tokens: R rows x NT tokens = 8 outputs, lane p = r * NT + t ----------
+// Each row is read start to end (one stream for the prefetcher); its per-super-block
+// integer sums wait in `sums` until all 8 outputs have theirs, then reduce together.
+struct FusedSums {
+  std::vector<int32_t> is, ms;  // [super-block][output][8]
+  std::vector<float> d, dm;     // [super-block][output]
+};
+
+template <DType T, int NT>
+void fused(const Weight& W, const int64_t* rows, const ActRow* x, int32_t* __restrict is, int32_t* __restrict ms,
+           float* __restrict dd, float* __restrict dmm, float* out) {
+  constexpr int R = 8 / NT;
+  const int64_t nb = W.cols / QK_K;
+  const size_t bs = block_bytes(T);
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* row = W.row(rows[r]);
+    for (int64_t i = 0; i < nb; ++i) {
+      SuperBlockRegs s;
+      load_super_block<T>(row + i * bs, s);
+      const __m256i glo = _mm256_permute2x128_si256(s.sg, s.sg, 0x00), ghi = _mm256_permute2x128_si256(s.sg, s.sg, 0x11);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xq = x[t].q + 256 * i;
+        __m256i a = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i sc = _mm256_shuffle_epi8(j < 4 ? glo : ghi, kPair.m[j & 3]);
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(s.q[j], load256(xq + 32 * j)), sc));
+        }
+        const int64_t k = i * 8 + r * NT + t;
+        _mm256_storeu_si256((__m256i*)(is + 8 * k), a);
+        _mm256_storeu_si256((__m256i*)(ms + 8 * k), _mm256_madd_epi16(s.mg, load256(x[t].bsum + 16 * i)));
+        dd[k] = s.d;
+        dmm[k] = s.dm;
+      }
+    }
+  }
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+#define DFL_XD(p) x[(p) % NT].d[i]
+    const __m256 xd = _mm256_setr_ps(DFL_XD(0), DFL_XD(1), DFL_XD(2), DFL_XD(3), DFL_XD(4), DFL_XD(5), DFL_XD(6), DFL_XD(7));
+#undef DFL_XD
+    const __m256 d = _mm256_loadu_ps(dd + i * 8), dm = _mm256_loadu_ps(dmm + i * 8);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), _mm256_cvtepi32_ps(reduce8(is + i * 64)), acc);
+    accm = _mm256_fmadd_ps(_mm256_mul_ps(dm, xd), _mm256_cvtepi32_ps(reduce8(ms + i * 64)), accm);
+  }
+  _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
+}
+
+// ---- 4+ tokens: the interleaved panel --------------------------------------
+// One super-block of 4 rows.  Row r's values 32j + 8p .. +7 are bytes 8r.. of
+// q[j][p]; sc[j][h] holds in int16 lanes 4r..4r+3 row r's scale of group 2j + h;
+// m[k] holds in lanes 4r + l row r's offset weight of group 4k + l; d, dm are in
+// the lane order of the kernel's outputs (rows 0 1 0 1 2 3 2 3).
+struct alignas(32) PanelSB {
+  uint8_t q[8][4][32];
+  int16_t sc[8][2][16];
+  int16_t m[4][16];
+  float d[8], dm[8];
+};
+
+template <DType T>
+void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
+  const int64_t nb = W.cols / QK_K;
+  const size_t bs = block_bytes(T);
+  for (int64_t i = 0; i < nb; ++i) {
+    PanelSB& b = P[i];
+    SuperBlockRegs s[4];
+    alignas(32) int16_t sg[4][16], mg[4][16];
+    for (int r = 0; r < 4; ++r) {
+      load_super_block<T>(W.row(rows[r]) + i * bs, s[r]);
+      _mm256_store_si256((__m256i*)sg[r], s[r].sg);
+      _mm256_store_si256((__m256i*)mg[r], s[r].mg);
+    }
+    // a 4x4 transpose of 8-byte pieces per chunk
+    for (int j = 0; j < 8; ++j) {
+      const __m256i ab_lo = _mm256_unpacklo_epi64(s[0].q[j], s[1].q[j]), ab_hi = _mm256_unpackhi_epi64(s[0].q[j], s[1].q[j]);
+      const __m256i cd_lo = _mm256_unpacklo_epi64(s[2].q[j], s[3].q[j]), cd_hi = _mm256_unpackhi_epi64(s[2].q[j], s[3].q[j]);
+      _mm256_store_si256((__m256i*)b.q[j][0], _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20));
+      _mm256_store_si256((__m256i*)b.q[j][1], _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20));
+      _mm256_store_si256((__m256i*)b.q[j][2], _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31));
+      _mm256_store_si256((__m256i*)b.q[j][3], _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31));
+    }
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < 4; ++r)
+          for (int l = 0; l < 4; ++l) b.sc[j][h][4 * r + l] = sg[r][2 * j + h];
+    for (int k = 0; k < 4; ++k)
+      for (int r = 0; r < 4; ++r)
+        for (int l = 0; l < 4; ++l) b.m[k][4 * r + l] = mg[r][4 * k + l];
+    static const int lane_row[8] = {0, 1, 0, 1, 2, 3, 2, 3};
+    for (int p = 0; p < 8; ++p) {
+      b.d[p] = s[lane_row[p]].d;
+      b.dm[p] = s[lane_row[p]].dm;
+    }
+  }
+}
+
+// 4 panel rows x 4 tokens.  xd2[2 * i + k] holds, for super-block i and token pair
+// k, the activation scales in output lane order (tokens 0 0 1 1 0 0 1 1 of the pair).
+// out[8k + lane]: lane order rows 0 1 0 1 2 3 2 3 / tokens 0 0 1 1 0 0 1 1 of pair k.
+template <bool G16>
+void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2, float* out) {
+  __m256 acc0 = _mm256_setzero_ps(), accm0 = acc0, acc1 = acc0, accm1 = acc0;
+  for (int64_t i = 0; i < nb; ++i) {
+    const PanelSB& b = P[i];
+    const int8_t* xq[4];
+    for (int t = 0; t < 4; ++t) xq[t] = x[t].q + 256 * i;
+    __m256i is[4];
+    for (int t = 0; t < 4; ++t) is[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i s16[4];
+      for (int p = 0; p < 4; ++p) {
+        const __m256i w = _mm256_load_si256((const __m256i*)b.q[j][p]);
+        for (int t = 0; t < 4; ++t) {
+          const __m256i prod = _mm256_maddubs_epi16(w, bcast8(xq[t] + 32 * j + 8 * p));
+          s16[t] = (p == 0 || (G16 && p == 2)) ? prod : _mm256_add_epi16(s16[t], prod);
+        }
+        if (G16 && p == 1)
+          for (int t = 0; t < 4; ++t)
+            is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(s16[t], _mm256_load_si256((const __m256i*)b.sc[j][0])));
+      }
+      const __m256i sc = _mm256_load_si256((const __m256i*)b.sc[j][G16 ? 1 : 0]);
+      for (int t = 0; t < 4; ++t) is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(s16[t], sc));
+    }
+    __m256i ms[4];
+    for (int t = 0; t < 4; ++t) {
+      const int16_t* bsum = x[t].bsum + 16 * i;
+      __m256i a = _mm256_madd_epi16(_mm256_load_si256((const __m256i*)b.m[0]), bcast8(bsum));
+      for (int k = 1; k < 4; ++k)
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)b.m[k]), bcast8(bsum + 4 * k)));
+      ms[t] = a;
+    }
+    const __m256 d = _mm256_load_ps(b.d), dm = _mm256_load_ps(b.dm);
+    const __m256 x0 = _mm256_loadu_ps(xd2 + 16 * i), x1 = _mm256_loadu_ps(xd2 + 16 * i + 8);
+    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d, x0), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is[0], is[1])), acc0);
+    accm0 = _mm256_fmadd_ps(_mm256_mul_ps(dm, x0), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms[0], ms[1])), accm0);
+    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is[2], is[3])), acc1);
+    accm1 = _mm256_fmadd_ps(_mm256_mul_ps(dm, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms[2], ms[3])), accm1);
+  }
+  _mm256_storeu_ps(out, _mm256_sub_ps(acc0, accm0));
+  _mm256_storeu_ps(out + 8, _mm256_sub_ps(acc1, accm1));
+}
+
+struct PanelScratch {
+  std::vector<PanelSB> panel;
+  std::vector<float> xd2;  // 8 floats per (token pair, super-block); a quad's two pairs by super-block
+  std::vector<ActRow> xs;
+};
+
+// From this many tokens the panel's unpacking pays for itself.
+constexpr int kPanelMinTokens = 4;
+// Tokens in blocks that stay in L2 while every panel of the row range passes over them.
+constexpr int kTokenBlock = 64;
+
+template <DType T>
+void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  thread_local PanelScratch S;
+  const int64_t nb = W.cols / QK_K;
+  if ((int64_t)S.panel.size() < nb) S.panel.resize(nb);
+  const int n4 = (n + 3) / 4 * 4;  // tokens padded to quads with copies of the last one
+  S.xs.resize(n4);
+  for (int t = 0; t < n4; ++t) S.xs[t] = x[std::min(t, n - 1)];
+  // token quad q's scales in the kernel's lane order: super-block i, pair k at [16 i + 8 k]
+  S.xd2.resize((size_t)(n4 / 4) * nb * 16);
+  for (int q = 0; q < n4 / 4; ++q)
+    for (int64_t i = 0; i < nb; ++i)
+      for (int k = 0; k < 2; ++k) {
+        const float a = S.xs[4 * q + 2 * k].d[i], b = S.xs[4 * q + 2 * k + 1].d[i];
+        const float lanes[8] = {a, a, b, b, a, a, b, b};
+        std::memcpy(&S.xd2[((size_t)q * nb + i) * 16 + 8 * k], lanes, sizeof lanes);
+      }
+  PanelSB* panel = S.panel.data();
+  const ActRow* xs = S.xs.data();
+  const float* xd2 = S.xd2.data();
+  float out[16];
+  for (int tb = 0; tb < n4; tb += kTokenBlock) {
+    const int te = std::min(n4, tb + kTokenBlock);
+    for (int64_t p0 = r0; p0 < r1; p0 += 4) {
+      int64_t rows[4];
+      for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
+      unpack_panel<T>(W, rows, panel);
+      for (int t0 = tb; t0 < te; t0 += 4) {
+        panel_tile<T == DType::Q6_K>(panel, nb, xs + t0, xd2 + (size_t)(t0 / 4) * nb * 16, out);
+        static const int lane_row[8] = {0, 1, 0, 1, 2, 3, 2, 3}, lane_tok[8] = {0, 0, 1, 1, 0, 0, 1, 1};
+        for (int k = 0; k < 2; ++k)
+          for (int l = 0; l < 8; ++l) {
+            const int64_t r = p0 + lane_row[l];
+            const int t = t0 + 2 * k + lane_tok[l];
+            if (r < r1 && t < n) y[(int64_t)t * W.rows + r] = out[8 * k + l];
+          }
+      }
+    }
+  }
+}
+
+template <DType T>
+void gemm_fused(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  thread_local FusedSums S;
+  const size_t need = (size_t)(W.cols / QK_K) * 8;
+  if (S.d.size() < need) {
+    S.is.resize(need * 8);
+    S.ms.resize(need * 8);
+    S.d.resize(need);
+    S.dm.resize(need);
+  }
+  int32_t *is = S.is.data(), *ms = S.ms.data();
+  float *dd = S.d.data(), *dm = S.dm.data();
+  float out[8];
+  for (int t0 = 0; t0 < n;) {
+    const int nt = n - t0 >= 2 ? 2 : 1;
+    const int R = 8 / nt;
+    for (int64_t p0 = r0; p0 < r1; p0 += R) {
+      int64_t rows[8];
+      for (int r = 0; r < R; ++r) rows[r] = std::min(p0 + r, r1 - 1);
+      if (nt == 2) fused<T, 2>(W, rows, x + t0, is, ms, dd, dm, out);
+      else fused<T, 1>(W, rows, x + t0, is, ms, dd, dm, out);
+      for (int p = 0; p < 8; ++p) {
+        const int64_t r = p0 + p / nt;
+        if (r < r1) y[(int64_t)(t0 + p % nt) * W.rows + r] = out[p];
+      }
+    }
+    t0 += nt;
+  }
+}
+
+template <DType T>
+void gemm_avx2(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  if (n >= kPanelMinTokens) gemm_panels<T>(W, r0, r1, x, n, y);
+  else gemm_fused<T>(W, r0, r1, x, n, y);
+}
+#endif
+
+}  // namespace
+
+bool gemm_kquant_supported(DType t) { return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K; }
+
+void gemm_kquant(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+#ifdef DFL_AVX2
+  switch (W.type) {
+    case DType::Q4_K: return gemm_avx2<DType::Q4_K>(W, r0, r1, x, n, y);
+    case DType::Q5_K: return gemm_avx2<DType::Q5_K>(W, r0, r1, x, n, y);
+    case DType::Q6_K: return gemm_avx2<DType::Q6_K>(W, r0, r1, x, n, y);
+    default: break;
+  }
+  fail("gemm_kquant: %s is not a K-quant", type_traits((uint32_t)W.type)->name);
+#else
+  if (!gemm_kquant_supported(W.type)) fail("gemm_kquant: %s is not a K-quant", type_traits((uint32_t)W.type)->name);
+  reference(W, r0, r1, x, n, y);
+#endif
+}
+
+void gemm_kquant_reference(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  if (!gemm_kquant_supported(W.type)) fail("gemm_kquant: %s is not a K-quant", type_traits((uint32_t)W.type)->name);
+  reference(W, r0, r1, x, n, y);
+}
+
+}  // namespace dfl
