@@ -160,67 +160,89 @@ class CpuBackend final : public Backend {
     const ChunkPlan& P = *p_;
     const GdnNodeLayout U(c_);
     const size_t es = row_bytes(L.state_type, 1), hs = (size_t)dk * dv;  // state element bytes, head size
-    for (int t = 0; t < P.n; ++t) {
-      float* win;  // (K-1) x Cconv, oldest first
-      uint8_t* S;  // nv x dk x dv of state_type
-      if (P.commit) {
-        win = L.conv;
-        S = static_cast<uint8_t*>(L.rec);
-      } else {
-        const int par = P.parent[t];
-        win = L.node_conv + (size_t)t * cs;
-        S = static_cast<uint8_t*>(L.node_rec) + (size_t)t * rs * es;
-        std::memcpy(win, par < 0 ? L.conv : L.node_conv + (size_t)par * cs, cs * 4);
-        std::memcpy(S, par < 0 ? L.rec : static_cast<const uint8_t*>(L.node_rec) + (size_t)par * rs * es, rs * es);
+    const int n = P.n;
+    // Each stage runs over all tokens with the pool split over channels, tokens or
+    // heads; a token's arithmetic is the same as when it runs alone.  In commit
+    // mode every token advances the layer's own window and state; in tree mode
+    // node t starts from a copy of its parent's (parents come before children).
+    auto upd_of = [&](int t) { return P.commit ? nullptr : L.node_upd + (size_t)t * U.stride; };
+    if (!P.commit)
+      for (int t = 0; t < n; ++t) std::memcpy(upd_of(t) + U.xin, mm + (size_t)t * Cconv, (size_t)Cconv * 4);
+    // causal conv + silu, in place: mm becomes the conv output
+    pool_.parallel_for(Cconv, 256, [&](int64_t c0, int64_t c1) {
+      for (int t = 0; t < n; ++t) {
+        float* win = P.commit ? L.conv : L.node_conv + (size_t)t * cs;  // (K-1) x Cconv, oldest first
+        if (!P.commit) {
+          const int par = P.parent[t];
+          const float* src = par < 0 ? L.conv : L.node_conv + (size_t)par * cs;
+          for (int tau = 0; tau < K - 1; ++tau)
+            std::memcpy(win + (size_t)tau * Cconv + c0, src + (size_t)tau * Cconv + c0, (size_t)(c1 - c0) * 4);
+        }
+        float* mt = mm + (size_t)t * Cconv;
+        for (int64_t ch = c0; ch < c1; ++ch) {
+          const float* wc = L.conv1d + (size_t)ch * K;
+          float acc = 0.f;
+          for (int tau = 0; tau < K - 1; ++tau) acc += wc[tau] * win[(size_t)tau * Cconv + ch];
+          acc += wc[K - 1] * mt[ch];
+          for (int tau = 0; tau < K - 2; ++tau) win[(size_t)tau * Cconv + ch] = win[(size_t)(tau + 1) * Cconv + ch];
+          win[(size_t)(K - 2) * Cconv + ch] = mt[ch];
+          mt[ch] = silu(acc);
+        }
       }
-      float* mt = mm + (size_t)t * Cconv;  // becomes the conv output in place
-      float* upd = P.commit ? nullptr : L.node_upd + (size_t)t * U.stride;
-      if (upd) std::memcpy(upd + U.xin, mt, (size_t)Cconv * 4);
-      for (int ch = 0; ch < Cconv; ++ch) {
-        const float* wc = L.conv1d + (size_t)ch * K;
-        float acc = 0.f;
-        for (int tau = 0; tau < K - 1; ++tau) acc += wc[tau] * win[(size_t)tau * Cconv + ch];
-        acc += wc[K - 1] * mt[ch];
-        for (int tau = 0; tau < K - 2; ++tau) win[(size_t)tau * Cconv + ch] = win[(size_t)(tau + 1) * Cconv + ch];
-        win[(size_t)(K - 2) * Cconv + ch] = mt[ch];
-        mt[ch] = silu(acc);
+    });
+    // q and k l2-normalised per key head, q scaled
+    pool_.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        float* q = mm + (size_t)t * Cconv;
+        float* k = q + Ck;
+        for (int h = 0; h < nk; ++h) {
+          l2norm(q + h * dk, dk, c_.rms_eps);
+          l2norm(k + h * dk, dk, c_.rms_eps);
+          for (int i = 0; i < dk; ++i) q[h * dk + i] *= qscale;
+        }
+        if (float* upd = upd_of((int)t)) std::memcpy(upd + U.k, k, (size_t)Ck * 4);
       }
-      float* q = mt;
-      float* k = mt + Ck;
-      float* v = mt + 2 * Ck;
-      for (int h = 0; h < nk; ++h) {
-        l2norm(q + h * dk, dk, c_.rms_eps);
-        l2norm(k + h * dk, dk, c_.rms_eps);
-        for (int i = 0; i < dk; ++i) q[h * dk + i] *= qscale;
-      }
-      if (upd) std::memcpy(upd + U.k, k, (size_t)Ck * 4);
-      const float* zt = z + (size_t)t * Cv;
-      float* yt = y + (size_t)t * Cv;
-      const float* bt = bb + (size_t)t * nv;
-      const float* at = aa + (size_t)t * nv;
-      pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
-        std::vector<float> tmp(L.state_type == DType::F32 ? 0 : hs);
-        for (int64_t h = h0; h < h1; ++h) {
-          const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
+    });
+    // the delta rule, per value head through all tokens
+    pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
+      std::vector<float> tmp(L.state_type == DType::F32 ? 0 : hs);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
+        for (int t = 0; t < n; ++t) {
+          uint8_t* S;  // this token's nv x dk x dv state of state_type
+          if (P.commit) {
+            S = static_cast<uint8_t*>(L.rec);
+          } else {
+            const int par = P.parent[t];
+            S = static_cast<uint8_t*>(L.node_rec) + (size_t)t * rs * es;
+            const uint8_t* src = par < 0 ? static_cast<const uint8_t*>(L.rec)
+                                         : static_cast<const uint8_t*>(L.node_rec) + (size_t)par * rs * es;
+            std::memcpy(S + (size_t)h * hs * es, src + (size_t)h * hs * es, hs * es);
+          }
+          const float* q = mm + (size_t)t * Cconv;
+          const float* k = q + Ck;
+          const float* v = q + 2 * Ck;
+          float* upd = upd_of(t);
           uint8_t* Sh = S + (size_t)h * hs * es;
           float* Sf = reinterpret_cast<float*>(Sh);
           if (!tmp.empty()) {  // a reduced state: computed in f32, rounded back after the token
             dequantize_row(L.state_type, Sh, tmp.data(), (int64_t)hs);
             Sf = tmp.data();
           }
-          const float beta = sigmoid(bt[h]);
-          const float g = L.ssm_a[h] * softplus(at[h] + L.dt_bias[h]);
-          float* oh = yt + h * dv;
+          const float beta = sigmoid(bb[(size_t)t * nv + h]);
+          const float g = L.ssm_a[h] * softplus(aa[(size_t)t * nv + h] + L.dt_bias[h]);
+          float* oh = y + (size_t)t * Cv + h * dv;
           const float decay = std::exp(g);
           delta_rule_step(Sf, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
                           upd ? upd + U.delta + (size_t)h * dv : nullptr);
           if (!tmp.empty()) quantize_row(L.state_type, tmp.data(), Sh, (int64_t)hs);
           if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
-          for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[h * dv + j]);
+          const float* zt = z + (size_t)t * Cv + h * dv;
+          for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[j]);
         }
-      });
-    }
+      }
+    });
   }
 
   void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,

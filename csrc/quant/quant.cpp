@@ -8,6 +8,11 @@
 
 #include <cmath>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DFL_AVX2 1
+#endif
+
 namespace dfl {
 
 const TypeTraits* type_traits(uint32_t type) {
@@ -130,13 +135,42 @@ void dequantize_row(DType t, const void* src, float* y, int64_t n) {
 
 int act_block(DType t) { return (t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K) ? 256 : 32; }
 
+// The scalar loop is the definition; the AVX2 one computes the same values
+// (max is exact, x * id is one rounding either way, cvtps rounds to nearest even
+// like nearbyint, integer sums are exact).
 void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int16_t* bsum, int64_t n, int block) {
   for (int64_t b = 0; b < n / block; ++b, x += block, q += block) {
+#ifdef DFL_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < block; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+#else
     float amax = 0.f;
     for (int j = 0; j < block; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+#endif
     const float d = amax / 127.f;
     const float id = d > 0.f ? 1.f / d : 0.f;
     for (int k = 0; k < block / 32; ++k) {
+#ifdef DFL_AVX2
+      const __m256 idv = _mm256_set1_ps(id);
+      __m256i v[4];
+      for (int c = 0; c < 4; ++c) v[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * k + 8 * c), idv));
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256((__m256i*)(q + 32 * k), packed);
+      auto sum8 = [](__m256i a) {
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+      };
+      const int half = sum8(_mm256_add_epi32(v[0], v[1]));
+      const int sum = half + sum8(_mm256_add_epi32(v[2], v[3]));
+#else
       int sum = 0;
       int half = 0;
       for (int j = 32 * k; j < 32 * k + 32; ++j) {
@@ -145,6 +179,7 @@ void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int16_t* 
         sum += v;
         if (j == 32 * k + 15) half = sum;
       }
+#endif
       if (bsum) {
         bsum[b * (block / 16) + 2 * k] = (int16_t)half;            // first 16 values
         bsum[b * (block / 16) + 2 * k + 1] = (int16_t)(sum - half);  // last 16
