@@ -209,33 +209,31 @@ class CpuBackend final : public Backend {
       for (int64_t h = h0; h < h1; ++h) {
         const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
         for (int t = 0; t < n; ++t) {
-          uint8_t* S;  // this token's nv x dk x dv state of state_type
-          if (P.commit) {
-            S = static_cast<uint8_t*>(L.rec);
-          } else {
-            const int par = P.parent[t];
-            S = static_cast<uint8_t*>(L.node_rec) + (size_t)t * rs * es;
-            const uint8_t* src = par < 0 ? static_cast<const uint8_t*>(L.rec)
-                                         : static_cast<const uint8_t*>(L.node_rec) + (size_t)par * rs * es;
-            std::memcpy(S + (size_t)h * hs * es, src + (size_t)h * hs * es, hs * es);
-          }
+          // this token's head state (of state_type) before and after the step: in commit mode the
+          // layer's own, in place; in tree mode the parent's (or the committed one) into the node's
+          const size_t hoff = (size_t)h * hs * es;
+          uint8_t* dst = P.commit ? static_cast<uint8_t*>(L.rec) + hoff
+                                  : static_cast<uint8_t*>(L.node_rec) + (size_t)t * rs * es + hoff;
+          const int par = P.commit ? -1 : P.parent[t];
+          const uint8_t* src = P.commit || par < 0 ? static_cast<const uint8_t*>(L.rec) + hoff
+                                                   : static_cast<const uint8_t*>(L.node_rec) + (size_t)par * rs * es + hoff;
           const float* q = mm + (size_t)t * Cconv;
           const float* k = q + Ck;
           const float* v = q + 2 * Ck;
           float* upd = upd_of(t);
-          uint8_t* Sh = S + (size_t)h * hs * es;
-          float* Sf = reinterpret_cast<float*>(Sh);
+          const float* Sin = reinterpret_cast<const float*>(src);
+          float* Sout = reinterpret_cast<float*>(dst);
           if (!tmp.empty()) {  // a reduced state: computed in f32, rounded back after the token
-            dequantize_row(L.state_type, Sh, tmp.data(), (int64_t)hs);
-            Sf = tmp.data();
+            dequantize_row(L.state_type, src, tmp.data(), (int64_t)hs);
+            Sin = Sout = tmp.data();
           }
           const float beta = sigmoid(bb[(size_t)t * nv + h]);
           const float g = L.ssm_a[h] * softplus(aa[(size_t)t * nv + h] + L.dt_bias[h]);
           float* oh = y + (size_t)t * Cv + h * dv;
           const float decay = std::exp(g);
-          delta_rule_step(Sf, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
+          delta_rule_step(Sin, Sout, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
                           upd ? upd + U.delta + (size_t)h * dv : nullptr);
-          if (!tmp.empty()) quantize_row(L.state_type, tmp.data(), Sh, (int64_t)hs);
+          if (!tmp.empty()) quantize_row(L.state_type, tmp.data(), dst, (int64_t)hs);
           if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
           const float* zt = z + (size_t)t * Cv + h * dv;

@@ -86,29 +86,29 @@ void embed_row(const Weight& W, int32_t token, float* out) {
   dequantize_row(W.type, W.row(token), out, W.cols);
 }
 
-void delta_rule_step(float* S, const float* k, const float* v, const float* q, float decay, float beta,
-                     int dk, int dv, float* out, float* delta_out) {
-  // u = S^T k after decay; delta = beta (v - u); S += k delta^T; out = S^T q.
+void delta_rule_step(const float* S_in, float* S_out, const float* k, const float* v, const float* q, float decay,
+                     float beta, int dk, int dv, float* out, float* delta_out) {
+  // u = (decay S)^T k; delta = beta (v - u); S' = decay S + k delta^T; out = S'^T q.
+  // decay * S is formed (one rounding) in both passes rather than stored between them.
   float u[512], delta[512];
   for (int j = 0; j < dv; ++j) u[j] = 0.f;
   for (int i = 0; i < dk; ++i) {
-    float* Si = S + (int64_t)i * dv;
+    const float* Si = S_in + (int64_t)i * dv;
     const float ki = k[i];
-    for (int j = 0; j < dv; ++j) {
-      Si[j] *= decay;
-      u[j] += Si[j] * ki;
-    }
+    for (int j = 0; j < dv; ++j) u[j] += (Si[j] * decay) * ki;
   }
   for (int j = 0; j < dv; ++j) {
     delta[j] = beta * (v[j] - u[j]);
     out[j] = 0.f;
   }
   for (int i = 0; i < dk; ++i) {
-    float* Si = S + (int64_t)i * dv;
+    const float* Si = S_in + (int64_t)i * dv;
+    float* So = S_out + (int64_t)i * dv;
     const float ki = k[i], qi = q[i];
     for (int j = 0; j < dv; ++j) {
-      Si[j] += ki * delta[j];
-      out[j] += Si[j] * qi;
+      const float s = Si[j] * decay + ki * delta[j];
+      So[j] = s;
+      out[j] += s * qi;
     }
   }
   if (delta_out)

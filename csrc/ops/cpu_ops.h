@@ -47,10 +47,12 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 void embed_row(const Weight& W, int32_t token, float* out);
 
 // out[j] = sum_i S[i][j] * q[i]  etc.: one gated delta-rule step on one head.
-// S is dk x dv row-major (key dim outer).  Updates S in place; delta_out (may
-// be null) receives the rank-one update's delta row.
-void delta_rule_step(float* S, const float* k, const float* v, const float* q, float decay, float beta,
-                     int dk, int dv, float* out, float* delta_out = nullptr);
+// The state before the step is read from S_in, the state after it written to
+// S_out (dk x dv row-major, key dim outer); they may be the same buffer (in
+// place), or a tree node may step from its parent's state straight into its
+// own.  delta_out (may be null) receives the rank-one update's delta row.
+void delta_rule_step(const float* S_in, float* S_out, const float* k, const float* v, const float* q, float decay,
+                     float beta, int dk, int dv, float* out, float* delta_out = nullptr);
 // The state part of delta_rule_step alone, for a known update:
 // S = S * decay; S += k delta^T — the same operations in the same order.
 void delta_rule_apply(float* S, const float* k, const float* delta, float decay, int dk, int dv);

@@ -299,35 +299,47 @@ struct alignas(32) PanelSB {
   float d[8], dm[8];
 };
 
+// A 4x4 transpose of 8-byte pieces: out[p] = [a.p, b.p, c.p, d.p].
+inline void transpose_pieces(__m256i a, __m256i b, __m256i c, __m256i d, void* out0, void* out1, void* out2,
+                             void* out3) {
+  const __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b);
+  const __m256i cd_lo = _mm256_unpacklo_epi64(c, d), cd_hi = _mm256_unpackhi_epi64(c, d);
+  _mm256_store_si256((__m256i*)out0, _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20));
+  _mm256_store_si256((__m256i*)out1, _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20));
+  _mm256_store_si256((__m256i*)out2, _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31));
+  _mm256_store_si256((__m256i*)out3, _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31));
+}
+
 template <DType T>
 void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
   const int64_t nb = W.cols / QK_K;
   const size_t bs = block_bytes(T);
+  // pshufb mask: from a group's 4 row scales (one 8-byte piece in each half), row r's in lanes 4r..4r+3
+  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,  //
+                                          4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
   for (int64_t i = 0; i < nb; ++i) {
     PanelSB& b = P[i];
     SuperBlockRegs s[4];
-    alignas(32) int16_t sg[4][16], mg[4][16];
-    for (int r = 0; r < 4; ++r) {
-      load_super_block<T>(W.row(rows[r]) + i * bs, s[r]);
-      _mm256_store_si256((__m256i*)sg[r], s[r].sg);
-      _mm256_store_si256((__m256i*)mg[r], s[r].mg);
-    }
-    // a 4x4 transpose of 8-byte pieces per chunk
-    for (int j = 0; j < 8; ++j) {
-      const __m256i ab_lo = _mm256_unpacklo_epi64(s[0].q[j], s[1].q[j]), ab_hi = _mm256_unpackhi_epi64(s[0].q[j], s[1].q[j]);
-      const __m256i cd_lo = _mm256_unpacklo_epi64(s[2].q[j], s[3].q[j]), cd_hi = _mm256_unpackhi_epi64(s[2].q[j], s[3].q[j]);
-      _mm256_store_si256((__m256i*)b.q[j][0], _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20));
-      _mm256_store_si256((__m256i*)b.q[j][1], _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20));
-      _mm256_store_si256((__m256i*)b.q[j][2], _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31));
-      _mm256_store_si256((__m256i*)b.q[j][3], _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31));
-    }
-    for (int j = 0; j < 8; ++j)
-      for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < 4; ++r)
-          for (int l = 0; l < 4; ++l) b.sc[j][h][4 * r + l] = sg[r][2 * j + h];
-    for (int k = 0; k < 4; ++k)
-      for (int r = 0; r < 4; ++r)
-        for (int l = 0; l < 4; ++l) b.m[k][4 * r + l] = mg[r][4 * k + l];
+    for (int r = 0; r < 4; ++r) load_super_block<T>(W.row(rows[r]) + i * bs, s[r]);
+    for (int j = 0; j < 8; ++j) transpose_pieces(s[0].q[j], s[1].q[j], s[2].q[j], s[3].q[j], b.q[j][0], b.q[j][1], b.q[j][2], b.q[j][3]);
+    // offsets: piece k of each row's 16 group offsets is groups 4k..4k+3
+    transpose_pieces(s[0].mg, s[1].mg, s[2].mg, s[3].mg, b.m[0], b.m[1], b.m[2], b.m[3]);
+    // scales: gather each group's 4 row scales into one 8-byte piece, then spread them
+    const __m256i a = _mm256_unpacklo_epi16(s[0].sg, s[1].sg), c = _mm256_unpackhi_epi16(s[0].sg, s[1].sg);
+    const __m256i bb = _mm256_unpacklo_epi16(s[2].sg, s[3].sg), d = _mm256_unpackhi_epi16(s[2].sg, s[3].sg);
+    // e[k]: pieces of groups 2k, 2k+1 (low half) and 8+2k, 9+2k (high half)
+    const __m256i e[4] = {_mm256_unpacklo_epi32(a, bb), _mm256_unpackhi_epi32(a, bb), _mm256_unpacklo_epi32(c, d),
+                          _mm256_unpackhi_epi32(c, d)};
+    int16_t(*sc)[16] = &b.sc[0][0];  // [group][lane]
+#define DFL_GROUP(g, imm)                                                                                   \
+  _mm256_store_si256((__m256i*)sc[g],                                                                       \
+                     _mm256_shuffle_epi8(_mm256_permute4x64_epi64(e[((g) % 8) / 2], imm), spread))
+    // permute4x64 by q * 0x55 puts qword q first in both halves
+    DFL_GROUP(0, 0x00); DFL_GROUP(1, 0x55); DFL_GROUP(2, 0x00); DFL_GROUP(3, 0x55);
+    DFL_GROUP(4, 0x00); DFL_GROUP(5, 0x55); DFL_GROUP(6, 0x00); DFL_GROUP(7, 0x55);
+    DFL_GROUP(8, 0xaa); DFL_GROUP(9, 0xff); DFL_GROUP(10, 0xaa); DFL_GROUP(11, 0xff);
+    DFL_GROUP(12, 0xaa); DFL_GROUP(13, 0xff); DFL_GROUP(14, 0xaa); DFL_GROUP(15, 0xff);
+#undef DFL_GROUP
     static const int lane_row[8] = {0, 1, 0, 1, 2, 3, 2, 3};
     for (int p = 0; p < 8; ++p) {
       b.d[p] = s[lane_row[p]].d;
