@@ -1,15 +1,19 @@
-"""CPU autoregressive decode benchmark on a synthetic Qwen3.5-0.8B-shaped Q4_K_M.
+"""CPU autoregressive decode, prefill and verify cost on a synthetic Qwen3.5-0.8B-shaped Q4_K_M.
 
-Prints prefill and decode tok/s with the thread count, bytes read per token,
-the machine's measured read bandwidth and the fraction of the bandwidth floor
-reached; if llama-cpp-python is installed, times llama.cpp on the same file in
-the same run and prints the ratio.
+Prints prefill and decode tok/s (medians of --reps runs) with the thread count,
+bytes read per token, the machine's measured read bandwidth and the fraction of
+the bandwidth floor reached; the verify-cost curve: one target forward of n
+draft tokens (every row's logits, nothing committed, as speculation verifies)
+in AR steps (one committed token with its logits), n = 1..32, after a 512-token
+context; if llama-cpp-python is installed, times llama.cpp's prefill and decode
+on the same file in the same run and prints the ratios.
 
-    python bench/ar.py [--model PATH] [--threads 2] [--prefill 512] [--decode 64]
+    python bench/ar.py [--model PATH] [--threads 2] [--prefill 512] [--decode 64] [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import time
@@ -18,7 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from dflash27b import Decoder
+from dflash27b._handles import Context, Model
 from dflash27b._lib import load
+
+VERIFY_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def cpu_name() -> str:
@@ -40,16 +47,46 @@ def ensure_model(path: Path, shape: str) -> Path:
     return path
 
 
-def bench_ours(model: Path, threads: int, prompt: list[int], n_decode: int) -> dict:
+def bench_ours(model: Path, threads: int, prompt: list[int], n_decode: int, reps: int) -> dict:
     with Decoder(model, threads=threads, ctx=len(prompt) + n_decode + 8, kv_type="f16") as d:
         d.generate(prompt[:8], 4, ignore_eos=True)  # warm-up: page in the weights
-        r = d.generate(prompt, n_decode, ignore_eos=True)
-        s = r.stats
-        return {"prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s, "weight_bytes": d.info["weight_bytes"],
-                "tokens": r.tokens}
+        runs = [d.generate(prompt, n_decode, ignore_eos=True) for _ in range(reps)]
+        return {"prefill_tok_s": float(np.median([r.stats.prefill_tok_s for r in runs])),
+                "decode_tok_s": float(np.median([r.stats.decode_tok_s for r in runs])),
+                "weight_bytes": d.info["weight_bytes"], "tokens": runs[0].tokens}
 
 
-def bench_llama_cpp(model: Path, threads: int, prompt: list[int], n_decode: int) -> dict | None:
+def median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def verify_curve(model: Path, threads: int, prompt: list[int], reps: int) -> dict:
+    """ms of one AR step and of one n-token verify after the prompt, and their ratio."""
+    m = Model(str(model))
+    ctx = Context(m, n_ctx=len(prompt) + 64, n_batch=512, n_threads=threads, kv_type=1)  # f16 KV
+    ctx.forward(prompt, logit_rows=[len(prompt) - 1])
+    rng = np.random.default_rng(1)
+    past = ctx.n_past
+
+    def ar_step():
+        ctx.forward([int(rng.integers(0, 240000))], logit_rows=[0])
+        ctx.set_n_past(past)  # the same position every time (its KV row is rewritten)
+    ar_step()
+    ar = median_time(ar_step, 5 * reps)
+    out = {"ar_step_ms": ar * 1e3, "context": len(prompt), "verify": []}
+    for n in VERIFY_SIZES:
+        toks = rng.integers(0, 240000, size=n).tolist()
+        v = median_time(lambda: ctx.forward(toks, logit_rows=list(range(n)), commit=False), 2 * reps + 1)
+        out["verify"].append({"n": n, "ms": v * 1e3, "ar_steps": v / ar})
+    return out
+
+
+def bench_llama_cpp(model: Path, threads: int, prompt: list[int], n_decode: int, reps: int) -> dict | None:
     try:
         import llama_cpp
     except ImportError:
@@ -63,10 +100,12 @@ def bench_llama_cpp(model: Path, threads: int, prompt: list[int], n_decode: int)
         return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
 
     llm.eval(prompt[:8])  # warm-up
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
+    prefill = []
+    for _ in range(reps):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill.append(len(prompt) / (time.perf_counter() - t0))
     tok = last_argmax()
     toks = [tok]
     t2 = time.perf_counter()
@@ -75,7 +114,7 @@ def bench_llama_cpp(model: Path, threads: int, prompt: list[int], n_decode: int)
         tok = last_argmax()
         toks.append(tok)
     t3 = time.perf_counter()
-    return {"prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": (n_decode - 1) / (t3 - t2), "tokens": toks}
+    return {"prefill_tok_s": float(np.median(prefill)), "decode_tok_s": (n_decode - 1) / (t3 - t2), "tokens": toks}
 
 
 def main() -> None:
@@ -85,16 +124,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3, help="runs per measurement (medians)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama.cpp even if installed")
+    ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     a = ap.parse_args()
     model = a.model or ensure_model(Path("/tmp/dflash27b-bench") / f"qwen35-{a.shape}-q4_k_m.gguf", a.shape)
     ffi, lib = load()
     bw = lib.dfl_measure_read_bandwidth(1 << 30, a.threads)
     prompt = np.random.default_rng(0).integers(0, 240000, size=a.prefill).tolist()
 
-    ours = bench_ours(model, a.threads, prompt, a.decode)
+    ours = bench_ours(model, a.threads, prompt, a.decode, a.reps)
     floor = bw * 1e9 / ours["weight_bytes"]
-    peer = None if a.no_peer else bench_llama_cpp(model, a.threads, prompt, a.decode)
+    curve = verify_curve(model, a.threads, prompt, a.reps)
+    peer = None if a.no_peer else bench_llama_cpp(model, a.threads, prompt, a.decode, a.reps)
 
     print(f"\nmachine: {cpu_name()}, {os.cpu_count()} cores; build: {ffi.string(lib.dfl_build_info()).decode()}")
     print(f"model: {model.name} ({model.stat().st_size / 1e9:.3f} GB file)")
@@ -114,6 +156,23 @@ def main() -> None:
               f"(random synthetic weights make a chaotic net: activation-quantisation noise flips argmaxes; see tests/test_oracle_hf.py for exactness)")
     else:
         print("llama.cpp: not installed (pip install llama-cpp-python) — no peer row")
+    print(f"\nverify cost after {curve['context']} tokens (one forward of n tokens, every row's logits, "
+          f"in AR steps of {curve['ar_step_ms']:.1f} ms):")
+    print("  n  " + " ".join(f"{v['n']:>5d}" for v in curve["verify"]))
+    print("  ms " + " ".join(f"{v['ms']:5.0f}" for v in curve["verify"]))
+    print("  AR " + " ".join(f"{v['ar_steps']:5.2f}" for v in curve["verify"]))
+    if a.json:
+        rec = {"machine": cpu_name(), "cores": os.cpu_count(), "build": ffi.string(lib.dfl_build_info()).decode(),
+               "model": model.name, "threads": a.threads, "prefill_tokens": a.prefill, "decode_tokens": a.decode,
+               "reps": a.reps, "read_bandwidth_gb_s": bw, "floor_tok_s": floor,
+               "dflash27b": {k: v for k, v in ours.items() if k != "tokens"}, "verify_curve": curve,
+               "llama_cpp": None if not peer else {k: v for k, v in peer.items() if k != "tokens"}}
+        if peer:
+            rec["ratio_prefill"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
+            rec["ratio_decode"] = ours["decode_tok_s"] / peer["decode_tok_s"]
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(rec, indent=1) + "\n")
+        print(f"wrote {a.json}")
 
 
 if __name__ == "__main__":

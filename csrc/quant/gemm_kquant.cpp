@@ -361,19 +361,20 @@ void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2,
     __m256i is[4];
     for (int t = 0; t < 4; ++t) is[t] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
-      __m256i s16[4];
-      for (int p = 0; p < 4; ++p) {
-        const __m256i w = _mm256_load_si256((const __m256i*)b.q[j][p]);
-        for (int t = 0; t < 4; ++t) {
-          const __m256i prod = _mm256_maddubs_epi16(w, bcast8(xq[t] + 32 * j + 8 * p));
-          s16[t] = (p == 0 || (G16 && p == 2)) ? prod : _mm256_add_epi16(s16[t], prod);
-        }
-        if (G16 && p == 1)
-          for (int t = 0; t < 4; ++t)
-            is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(s16[t], _mm256_load_si256((const __m256i*)b.sc[j][0])));
+      // the chunk's 4 pieces stay in registers while each token passes over them
+      __m256i w[4];
+      for (int p = 0; p < 4; ++p) w[p] = _mm256_load_si256((const __m256i*)b.q[j][p]);
+      const __m256i sc0 = _mm256_load_si256((const __m256i*)b.sc[j][0]);
+      const __m256i sc1 = G16 ? _mm256_load_si256((const __m256i*)b.sc[j][1]) : sc0;
+      for (int t = 0; t < 4; ++t) {
+        const int8_t* xp = xq[t] + 32 * j;
+        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast8(xp)), _mm256_maddubs_epi16(w[1], bcast8(xp + 8)));
+        const __m256i c = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast8(xp + 16)), _mm256_maddubs_epi16(w[3], bcast8(xp + 24)));
+        if (G16)  // a group of 16 values per scale: pieces 0-1 and 2-3
+          is[t] = _mm256_add_epi32(is[t], _mm256_add_epi32(_mm256_madd_epi16(a, sc0), _mm256_madd_epi16(c, sc1)));
+        else
+          is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(_mm256_add_epi16(a, c), sc0));
       }
-      const __m256i sc = _mm256_load_si256((const __m256i*)b.sc[j][G16 ? 1 : 0]);
-      for (int t = 0; t < 4; ++t) is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(s16[t], sc));
     }
     __m256i ms[4];
     for (int t = 0; t < 4; ++t) {
