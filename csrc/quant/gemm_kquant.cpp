@@ -310,40 +310,154 @@ inline void transpose_pieces(__m256i a, __m256i b, __m256i c, __m256i d, void* o
   _mm256_store_si256((__m256i*)out3, _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31));
 }
 
+template <int N>
+struct ByteMasks {  // pshufb masks built once
+  __m256i m[N];
+};
+// scales: chunk j's int16 lanes 4r..4r+3 <- byte 8r + j of [row0 row1 | row2 row3] (8 bytes each)
+const ByteMasks<8> kChunkScale = [] {
+  ByteMasks<8> M;
+  alignas(32) int8_t b[32];
+  for (int j = 0; j < 8; ++j) {
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 8; ++k) {
+        b[16 * h + 2 * k] = (int8_t)(8 * (k / 4) + j);
+        b[16 * h + 2 * k + 1] = (int8_t)0x80;
+      }
+    M.m[j] = _mm256_load_si256((const __m256i*)b);
+  }
+  return M;
+}();
+// mins: offsets piece k's lanes 4r + l <- byte 8r + (4k + l) / 2 (a min covers two 16-value groups)
+const ByteMasks<4> kGroupMin = [] {
+  ByteMasks<4> M;
+  alignas(32) int8_t b[32];
+  for (int k = 0; k < 4; ++k) {
+    for (int h = 0; h < 2; ++h)
+      for (int q = 0; q < 8; ++q) {
+        b[16 * h + 2 * q] = (int8_t)(8 * (q / 4) + (4 * k + q % 4) / 2);
+        b[16 * h + 2 * q + 1] = (int8_t)0x80;
+      }
+    M.m[k] = _mm256_load_si256((const __m256i*)b);
+  }
+  return M;
+}();
+
+// The 4 rows' f16 scales as 8 floats in the kernel's output lane order (rows 0 1 0 1 2 3 2 3).
+inline void store_lane_scales(uint16_t h0, uint16_t h1, uint16_t h2, uint16_t h3, float* dst) {
+  const __m128 v = _mm_cvtph_ps(_mm_setr_epi16((short)h0, (short)h1, (short)h2, (short)h3, 0, 0, 0, 0));
+  _mm256_store_ps(dst, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3)));
+}
+
+// Straight from the 4 rows' blocks into the panel: the packed bytes are transposed
+// in 8-byte pieces first (the bit operations that make quants are bytewise, so
+// they commute with it), and nothing waits in memory between the steps.
 template <DType T>
 void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
   const int64_t nb = W.cols / QK_K;
   const size_t bs = block_bytes(T);
-  // pshufb mask: from a group's 4 row scales (one 8-byte piece in each half), row r's in lanes 4r..4r+3
-  const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,  //
-                                          4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+  const __m256i m4 = _mm256_set1_epi8(15);
   for (int64_t i = 0; i < nb; ++i) {
     PanelSB& b = P[i];
-    SuperBlockRegs s[4];
-    for (int r = 0; r < 4; ++r) load_super_block<T>(W.row(rows[r]) + i * bs, s[r]);
-    for (int j = 0; j < 8; ++j) transpose_pieces(s[0].q[j], s[1].q[j], s[2].q[j], s[3].q[j], b.q[j][0], b.q[j][1], b.q[j][2], b.q[j][3]);
-    // offsets: piece k of each row's 16 group offsets is groups 4k..4k+3
-    transpose_pieces(s[0].mg, s[1].mg, s[2].mg, s[3].mg, b.m[0], b.m[1], b.m[2], b.m[3]);
-    // scales: gather each group's 4 row scales into one 8-byte piece, then spread them
-    const __m256i a = _mm256_unpacklo_epi16(s[0].sg, s[1].sg), c = _mm256_unpackhi_epi16(s[0].sg, s[1].sg);
-    const __m256i bb = _mm256_unpacklo_epi16(s[2].sg, s[3].sg), d = _mm256_unpackhi_epi16(s[2].sg, s[3].sg);
-    // e[k]: pieces of groups 2k, 2k+1 (low half) and 8+2k, 9+2k (high half)
-    const __m256i e[4] = {_mm256_unpacklo_epi32(a, bb), _mm256_unpackhi_epi32(a, bb), _mm256_unpacklo_epi32(c, d),
-                          _mm256_unpackhi_epi32(c, d)};
-    int16_t(*sc)[16] = &b.sc[0][0];  // [group][lane]
-#define DFL_GROUP(g, imm)                                                                                   \
-  _mm256_store_si256((__m256i*)sc[g],                                                                       \
-                     _mm256_shuffle_epi8(_mm256_permute4x64_epi64(e[((g) % 8) / 2], imm), spread))
-    // permute4x64 by q * 0x55 puts qword q first in both halves
-    DFL_GROUP(0, 0x00); DFL_GROUP(1, 0x55); DFL_GROUP(2, 0x00); DFL_GROUP(3, 0x55);
-    DFL_GROUP(4, 0x00); DFL_GROUP(5, 0x55); DFL_GROUP(6, 0x00); DFL_GROUP(7, 0x55);
-    DFL_GROUP(8, 0xaa); DFL_GROUP(9, 0xff); DFL_GROUP(10, 0xaa); DFL_GROUP(11, 0xff);
-    DFL_GROUP(12, 0xaa); DFL_GROUP(13, 0xff); DFL_GROUP(14, 0xaa); DFL_GROUP(15, 0xff);
+    const uint8_t* blk[4];
+    for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
+    auto transposed = [&](size_t off, __m256i out[4]) {  // out[p] = piece p of the 4 rows' 32 bytes at off
+      const __m256i a = load256(blk[0] + off), bb = load256(blk[1] + off), c = load256(blk[2] + off),
+                    d = load256(blk[3] + off);
+      const __m256i ab_lo = _mm256_unpacklo_epi64(a, bb), ab_hi = _mm256_unpackhi_epi64(a, bb);
+      const __m256i cd_lo = _mm256_unpacklo_epi64(c, d), cd_hi = _mm256_unpackhi_epi64(c, d);
+      out[0] = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20);
+      out[1] = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20);
+      out[2] = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31);
+      out[3] = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31);
+    };
+    if constexpr (T == DType::Q6_K) {
+      const __m256i m2 = _mm256_set1_epi8(3);
+      for (int h = 0; h < 2; ++h) {
+        __m256i l0[4], l1[4], hh[4];
+        transposed(offsetof(block_q6_K, ql) + 64 * h, l0);
+        transposed(offsetof(block_q6_K, ql) + 64 * h + 32, l1);
+        transposed(offsetof(block_q6_K, qh) + 32 * h, hh);
+        for (int p = 0; p < 4; ++p) {
+          const __m256i q = hh[p];
+          _mm256_store_si256((__m256i*)b.q[4 * h + 0][p],
+                             _mm256_or_si256(_mm256_and_si256(l0[p], m4), _mm256_slli_epi16(_mm256_and_si256(q, m2), 4)));
+          _mm256_store_si256((__m256i*)b.q[4 * h + 1][p],
+                             _mm256_or_si256(_mm256_and_si256(l1[p], m4),
+                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 2), m2), 4)));
+          _mm256_store_si256((__m256i*)b.q[4 * h + 2][p],
+                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0[p], 4), m4),
+                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), m2), 4)));
+          _mm256_store_si256((__m256i*)b.q[4 * h + 3][p],
+                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1[p], 4), m4),
+                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 6), m2), 4)));
+        }
+      }
+      // group scales (signed) of each row as int16; offsets m = 32 * scale in pieces of 4 groups
+      __m256i sg[4];
+      for (int r = 0; r < 4; ++r)
+        sg[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk[r] + offsetof(block_q6_K, scales))));
+      transpose_pieces(_mm256_slli_epi16(sg[0], 5), _mm256_slli_epi16(sg[1], 5), _mm256_slli_epi16(sg[2], 5),
+                       _mm256_slli_epi16(sg[3], 5), b.m[0], b.m[1], b.m[2], b.m[3]);
+      const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,  //
+                                              4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+      const __m256i a = _mm256_unpacklo_epi16(sg[0], sg[1]), c = _mm256_unpackhi_epi16(sg[0], sg[1]);
+      const __m256i bb = _mm256_unpacklo_epi16(sg[2], sg[3]), d = _mm256_unpackhi_epi16(sg[2], sg[3]);
+      // e[k]: pieces of groups 2k, 2k+1 (low half) and 8+2k, 9+2k (high half)
+      const __m256i e[4] = {_mm256_unpacklo_epi32(a, bb), _mm256_unpackhi_epi32(a, bb), _mm256_unpacklo_epi32(c, d),
+                            _mm256_unpackhi_epi32(c, d)};
+      int16_t(*sc)[16] = &b.sc[0][0];  // [group][lane]
+      // permute4x64 by q * 0x55 puts qword q first in both halves
+#define DFL_GROUP(g, imm) \
+  _mm256_store_si256((__m256i*)sc[g], _mm256_shuffle_epi8(_mm256_permute4x64_epi64(e[((g) % 8) / 2], imm), spread))
+      DFL_GROUP(0, 0x00); DFL_GROUP(1, 0x55); DFL_GROUP(2, 0x00); DFL_GROUP(3, 0x55);
+      DFL_GROUP(4, 0x00); DFL_GROUP(5, 0x55); DFL_GROUP(6, 0x00); DFL_GROUP(7, 0x55);
+      DFL_GROUP(8, 0xaa); DFL_GROUP(9, 0xff); DFL_GROUP(10, 0xaa); DFL_GROUP(11, 0xff);
+      DFL_GROUP(12, 0xaa); DFL_GROUP(13, 0xff); DFL_GROUP(14, 0xaa); DFL_GROUP(15, 0xff);
 #undef DFL_GROUP
-    static const int lane_row[8] = {0, 1, 0, 1, 2, 3, 2, 3};
-    for (int p = 0; p < 8; ++p) {
-      b.d[p] = s[lane_row[p]].d;
-      b.dm[p] = s[lane_row[p]].dm;
+      uint16_t dh[4];
+      for (int r = 0; r < 4; ++r) std::memcpy(&dh[r], blk[r] + offsetof(block_q6_K, d), 2);
+      store_lane_scales(dh[0], dh[1], dh[2], dh[3], b.d);
+      store_lane_scales(dh[0], dh[1], dh[2], dh[3], b.dm);
+    } else {
+      constexpr bool Q5 = T == DType::Q5_K;
+      const size_t qs_off = Q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs);
+      __m256i qh[4];
+      if (Q5) transposed(offsetof(block_q5_K, qh), qh);
+      const __m256i b16 = _mm256_set1_epi8(16);
+      for (int c = 0; c < 4; ++c) {
+        __m256i v[4];
+        transposed(qs_off + 32 * c, v);
+        const __m256i bl = _mm256_set1_epi8((char)(1 << (2 * c))), bh = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+        for (int p = 0; p < 4; ++p) {
+          __m256i lo = _mm256_and_si256(v[p], m4), hi = _mm256_and_si256(_mm256_srli_epi16(v[p], 4), m4);
+          if (Q5) {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[p], bl), bl), b16));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[p], bh), bh), b16));
+          }
+          _mm256_store_si256((__m256i*)b.q[2 * c][p], lo);
+          _mm256_store_si256((__m256i*)b.q[2 * c + 1][p], hi);
+        }
+      }
+      // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3]
+      uint8_t s8[4][8], m8[4][8];
+      for (int r = 0; r < 4; ++r) unpack_k_scales(blk[r] + 4, s8[r], m8[r]);
+      int64_t sv[4], mv[4];
+      for (int r = 0; r < 4; ++r) {
+        std::memcpy(&sv[r], s8[r], 8);
+        std::memcpy(&mv[r], m8[r], 8);
+      }
+      const __m256i S = _mm256_setr_epi64x(sv[0], sv[1], sv[2], sv[3]), M = _mm256_setr_epi64x(mv[0], mv[1], mv[2], mv[3]);
+      for (int j = 0; j < 8; ++j)  // one scale per chunk: the kernel reads sc[j][0] only
+        _mm256_store_si256((__m256i*)b.sc[j][0], _mm256_shuffle_epi8(S, kChunkScale.m[j]));
+      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], _mm256_shuffle_epi8(M, kGroupMin.m[k]));
+      uint16_t dh[4], mh[4];
+      for (int r = 0; r < 4; ++r) {
+        std::memcpy(&dh[r], blk[r], 2);
+        std::memcpy(&mh[r], blk[r] + 2, 2);
+      }
+      store_lane_scales(dh[0], dh[1], dh[2], dh[3], b.d);
+      store_lane_scales(mh[0], mh[1], mh[2], mh[3], b.dm);
     }
   }
 }
@@ -433,6 +547,13 @@ void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
       int64_t rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
       unpack_panel<T>(W, rows, panel);
+      // the next panel's rows are contiguous with this one's: ask for them now so the
+      // memory reads overlap this panel's arithmetic
+      if (p0 + 4 < r1) {
+        const char* nxt = (const char*)W.row(p0 + 4);
+        const size_t bytes = (size_t)std::min<int64_t>(4, r1 - p0 - 4) * W.row_bytes;
+        for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
+      }
       for (int t0 = tb; t0 < te; t0 += 4) {
         panel_tile<T == DType::Q6_K>(panel, nb, xs + t0, xd2 + (size_t)(t0 / 4) * nb * 16, out);
         static const int lane_row[8] = {0, 1, 0, 1, 2, 3, 2, 3}, lane_tok[8] = {0, 0, 1, 1, 0, 0, 1, 1};
