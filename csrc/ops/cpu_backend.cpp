@@ -206,6 +206,10 @@ class CpuBackend final : public Backend {
     // the delta rule, per value head through all tokens
     pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
       std::vector<float> tmp(L.state_type == DType::F32 ? 0 : hs);
+      // f32 tree nodes step in a cached working state; each node's state is then streamed out to
+      // node_rec (written without being read first), and a node whose parent is the one just
+      // stepped reads the working state instead of memory
+      std::vector<float> work(L.state_type == DType::F32 && !P.commit ? hs : 0);
       for (int64_t h = h0; h < h1; ++h) {
         const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
         for (int t = 0; t < n; ++t) {
@@ -226,6 +230,9 @@ class CpuBackend final : public Backend {
           if (!tmp.empty()) {  // a reduced state: computed in f32, rounded back after the token
             dequantize_row(L.state_type, src, tmp.data(), (int64_t)hs);
             Sin = Sout = tmp.data();
+          } else if (!work.empty()) {
+            if (t > 0 && par == t - 1) Sin = work.data();
+            Sout = work.data();
           }
           const float beta = sigmoid(bb[(size_t)t * nv + h]);
           const float g = L.ssm_a[h] * softplus(aa[(size_t)t * nv + h] + L.dt_bias[h]);
@@ -234,12 +241,14 @@ class CpuBackend final : public Backend {
           delta_rule_step(Sin, Sout, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
                           upd ? upd + U.delta + (size_t)h * dv : nullptr);
           if (!tmp.empty()) quantize_row(L.state_type, tmp.data(), dst, (int64_t)hs);
+          else if (!work.empty()) stream_copy(reinterpret_cast<float*>(dst), work.data(), hs);
           if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
           const float* zt = z + (size_t)t * Cv + h * dv;
           for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[j]);
         }
       }
+      stream_fence();
     });
   }
 

@@ -2,7 +2,12 @@
 #include "ops/cpu_ops.h"
 
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "quant/quant.h"
 
@@ -90,22 +95,72 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
                      float beta, int dk, int dv, float* out, float* delta_out) {
   // u = (decay S)^T k; delta = beta (v - u); S' = decay S + k delta^T; out = S'^T q.
   // decay * S is formed (one rounding) in both passes rather than stored between them.
+  // Every u[j] and out[j] accumulates over i in order, a multiply and an add apiece;
+  // the AVX2 loops do exactly that on 8 columns at a time.
   float u[512], delta[512];
-  for (int j = 0; j < dv; ++j) u[j] = 0.f;
+  int j0 = 0;
+#if defined(__AVX2__)
+  const __m256 dec = _mm256_set1_ps(decay);
+  for (; j0 + 32 <= dv; j0 += 32) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < dk; ++i) {
+      const float* Si = S_in + (int64_t)i * dv + j0;
+      const __m256 ki = _mm256_set1_ps(k[i]);
+      a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si), dec), ki));
+      a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 8), dec), ki));
+      a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 16), dec), ki));
+      a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 24), dec), ki));
+    }
+    _mm256_storeu_ps(u + j0, a0);
+    _mm256_storeu_ps(u + j0 + 8, a1);
+    _mm256_storeu_ps(u + j0 + 16, a2);
+    _mm256_storeu_ps(u + j0 + 24, a3);
+  }
+#endif
+  for (int j = j0; j < dv; ++j) u[j] = 0.f;
   for (int i = 0; i < dk; ++i) {
     const float* Si = S_in + (int64_t)i * dv;
     const float ki = k[i];
-    for (int j = 0; j < dv; ++j) u[j] += (Si[j] * decay) * ki;
+    for (int j = j0; j < dv; ++j) u[j] += (Si[j] * decay) * ki;
   }
   for (int j = 0; j < dv; ++j) {
     delta[j] = beta * (v[j] - u[j]);
     out[j] = 0.f;
   }
+  j0 = 0;
+#if defined(__AVX2__)
+  for (; j0 + 32 <= dv; j0 += 32) {
+    const __m256 d0 = _mm256_loadu_ps(delta + j0), d1 = _mm256_loadu_ps(delta + j0 + 8);
+    const __m256 d2 = _mm256_loadu_ps(delta + j0 + 16), d3 = _mm256_loadu_ps(delta + j0 + 24);
+    __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+    for (int i = 0; i < dk; ++i) {
+      const float* Si = S_in + (int64_t)i * dv + j0;
+      float* So = S_out + (int64_t)i * dv + j0;
+      const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+      const __m256 s0 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Si), dec), _mm256_mul_ps(ki, d0));
+      const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 8), dec), _mm256_mul_ps(ki, d1));
+      const __m256 s2 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 16), dec), _mm256_mul_ps(ki, d2));
+      const __m256 s3 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 24), dec), _mm256_mul_ps(ki, d3));
+      _mm256_storeu_ps(So, s0);
+      _mm256_storeu_ps(So + 8, s1);
+      _mm256_storeu_ps(So + 16, s2);
+      _mm256_storeu_ps(So + 24, s3);
+      o0 = _mm256_add_ps(o0, _mm256_mul_ps(s0, qi));
+      o1 = _mm256_add_ps(o1, _mm256_mul_ps(s1, qi));
+      o2 = _mm256_add_ps(o2, _mm256_mul_ps(s2, qi));
+      o3 = _mm256_add_ps(o3, _mm256_mul_ps(s3, qi));
+    }
+    _mm256_storeu_ps(out + j0, o0);
+    _mm256_storeu_ps(out + j0 + 8, o1);
+    _mm256_storeu_ps(out + j0 + 16, o2);
+    _mm256_storeu_ps(out + j0 + 24, o3);
+  }
+#endif
   for (int i = 0; i < dk; ++i) {
     const float* Si = S_in + (int64_t)i * dv;
     float* So = S_out + (int64_t)i * dv;
     const float ki = k[i], qi = q[i];
-    for (int j = 0; j < dv; ++j) {
+    for (int j = j0; j < dv; ++j) {
       const float s = Si[j] * decay + ki * delta[j];
       So[j] = s;
       out[j] += s * qi;
@@ -113,6 +168,24 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
   }
   if (delta_out)
     for (int j = 0; j < dv; ++j) delta_out[j] = delta[j];
+}
+
+void stream_copy(float* dst, const float* src, size_t n) {
+#if defined(__AVX2__)
+  if (((uintptr_t)dst & 31) == 0) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    for (; i < n; ++i) dst[i] = src[i];
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+void stream_fence() {
+#if defined(__AVX2__)
+  _mm_sfence();
+#endif
 }
 
 void delta_rule_apply(float* S, const float* k, const float* delta, float decay, int dk, int dv) {

@@ -53,6 +53,11 @@ void embed_row(const Weight& W, int32_t token, float* out);
 // own.  delta_out (may be null) receives the rank-one update's delta row.
 void delta_rule_step(const float* S_in, float* S_out, const float* k, const float* v, const float* q, float decay,
                      float beta, int dk, int dv, float* out, float* delta_out = nullptr);
+// dst[i] = src[i] with stores that bypass the cache (no read of dst first): for
+// data written now and read much later.  dst 32-byte aligned.  Call stream_fence()
+// before another thread may read it.
+void stream_copy(float* dst, const float* src, size_t n);
+void stream_fence();
 // The state part of delta_rule_step alone, for a known update:
 // S = S * decay; S += k delta^T — the same operations in the same order.
 void delta_rule_apply(float* S, const float* k, const float* delta, float decay, int dk, int dv);
