@@ -63,7 +63,10 @@ class CpuBackend final : public Backend {
     for (int t = 0; t < p_->n; ++t) embed_row(table, p_->tokens[t], x + (size_t)t * table.cols);
   }
   void rmsnorm(const float* x, const float* w, int n, int dim, float eps, float* y) override {
-    rmsnorm_rows(x, w, n, dim, eps, y);
+    if (n < 4) return rmsnorm_rows(x, w, n, dim, eps, y);
+    pool_.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
+      rmsnorm_rows(x + t0 * dim, w, (int)(t1 - t0), dim, eps, y + t0 * dim);
+    });
   }
   void matmul(const Weight& W, const float* x, int n, float* y) override { dfl::matmul(pool_, W, x, n, y, act_); }
   void add(float* x, const float* y, size_t count) override {
@@ -73,7 +76,11 @@ class CpuBackend final : public Backend {
     for (size_t i = 0; i < count; ++i) x[i] *= s;
   }
   void swiglu(float* g, const float* u, size_t count) override {
-    for (size_t i = 0; i < count; ++i) g[i] = silu(g[i]) * u[i];
+    auto part = [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) g[i] = silu(g[i]) * u[i];
+    };
+    if (count < 16384) part(0, (int64_t)count);  // an AR step's: not worth waking the workers
+    else pool_.parallel_for((int64_t)count, 4096, part);
   }
 
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
