@@ -516,7 +516,7 @@ struct PanelScratch {
 };
 
 // From this many tokens the panel's unpacking pays for itself.
-constexpr int kPanelMinTokens = 4;
+constexpr int kPanelMinTokens = 3;
 // Tokens in blocks that stay in L2 while every panel of the row range passes over them.
 constexpr int kTokenBlock = 64;
 
