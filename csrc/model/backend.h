@@ -81,6 +81,9 @@ struct GdnLayer {
   // verify only (null when committing): every chunk token's window and state
   // after it — scratch, shared by all layers, read by the token's children —
   // and its update [n][GdnNodeLayout::stride], kept per layer for commit.
+  // node_rec must hold at least the states of the last node and of every node a
+  // child other than the next node starts from (`node_rec_kept`); a backend may
+  // leave the others unwritten (the CPU keeps a chain's states in cache).
   float* node_conv;
   void* node_rec;       // [n][nv][dk][dv] of state_type
   float* node_upd;
@@ -88,6 +91,16 @@ struct GdnLayer {
   // tree alike), computed in f32.
   DType state_type;
 };
+
+// The verify nodes whose states GdnLayer::node_rec must hold: the last node and
+// every node a child other than the next node starts from.
+inline std::vector<uint8_t> node_rec_kept(const int32_t* parent, int n) {
+  std::vector<uint8_t> keep(n, 0);
+  if (n > 0) keep[n - 1] = 1;
+  for (int u = 0; u < n; ++u)
+    if (parent[u] >= 0 && parent[u] != u - 1) keep[parent[u]] = 1;
+  return keep;
+}
 
 class Backend {
  public:

@@ -210,12 +210,14 @@ class CpuBackend final : public Backend {
         if (float* upd = upd_of((int)t)) std::memcpy(upd + U.k, k, (size_t)Ck * 4);
       }
     });
+    // which node states node_rec must hold (GdnLayer::node_rec)
+    const std::vector<uint8_t> keep = P.commit ? std::vector<uint8_t>() : node_rec_kept(P.parent.data(), n);
     // the delta rule, per value head through all tokens
     pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
       std::vector<float> tmp(L.state_type == DType::F32 ? 0 : hs);
-      // f32 tree nodes step in a cached working state; each node's state is then streamed out to
-      // node_rec (written without being read first), and a node whose parent is the one just
-      // stepped reads the working state instead of memory
+      // f32 tree nodes step in a cached working state: a node whose parent is the one just stepped
+      // reads it instead of memory, and only the states node_rec must hold are streamed out to it
+      // (written without being read first)
       std::vector<float> work(L.state_type == DType::F32 && !P.commit ? hs : 0);
       for (int64_t h = h0; h < h1; ++h) {
         const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
@@ -248,7 +250,7 @@ class CpuBackend final : public Backend {
           delta_rule_step(Sin, Sout, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
                           upd ? upd + U.delta + (size_t)h * dv : nullptr);
           if (!tmp.empty()) quantize_row(L.state_type, tmp.data(), dst, (int64_t)hs);
-          else if (!work.empty()) stream_copy(reinterpret_cast<float*>(dst), work.data(), hs);
+          else if (!work.empty() && keep[t]) stream_copy(reinterpret_cast<float*>(dst), work.data(), hs);
           if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
           const float* zt = z + (size_t)t * Cv + h * dv;

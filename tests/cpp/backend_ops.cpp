@@ -440,7 +440,17 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         continue;
       }
       check(label("gdn", form + " node conv states", n), ncb.get(n * cs), nca.get(n * cs), 0.0);
-      check(label("gdn", form + " node recurrent states", n), sget(nrb, n * rs), sget(nra, n * rs), stol);
+      {  // the states a backend must keep (the CPU leaves a chain's others in cache)
+        const auto kept = node_rec_kept(P.parent.data(), n);
+        const auto sa = sget(nra, n * rs), sb = sget(nrb, n * rs);
+        std::vector<float> ka, kb;
+        for (int t = 0; t < n; ++t)
+          if (kept[t]) {
+            ka.insert(ka.end(), sa.begin() + (size_t)t * rs, sa.begin() + (size_t)(t + 1) * rs);
+            kb.insert(kb.end(), sb.begin() + (size_t)t * rs, sb.begin() + (size_t)(t + 1) * rs);
+          }
+        check(label("gdn", form + " node recurrent states (kept)", n), kb, ka, stol);
+      }
       check(label("gdn", form + " committed state untouched", n), sget(rb, rs), rec, 0.0);
       // each node's update: conv inputs exactly, keys / deltas / decays as the states
       const auto ua = nua.get(n * U.stride), ub = nub.get(n * U.stride);
