@@ -537,6 +537,23 @@ int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst) {
   });
 }
 
+}  // extern "C"
+
+namespace {
+// A caller's rows x cols matrix of `type` blocks as a Weight.
+dfl::Weight weight_view(uint32_t type, const void* w, int64_t rows, int64_t cols) {
+  dfl::Weight W;
+  W.type = (dfl::DType)type;
+  W.data = (const uint8_t*)w;
+  W.rows = rows;
+  W.cols = cols;
+  W.row_bytes = dfl::row_bytes(W.type, cols);
+  return W;
+}
+}  // namespace
+
+extern "C" {
+
 int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
                int32_t n_threads) {
   return guard([&] {
@@ -546,12 +563,7 @@ int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const f
     const dfl::TypeTraits* t = dfl::type_traits(type);
     if (!t) dfl::fail("unsupported tensor type %u", type);
     if (cols % 32 || cols % t->block_elems) dfl::fail("cols must be a multiple of 32 and of the block size");
-    dfl::Weight W;
-    W.type = (dfl::DType)type;
-    W.data = (const uint8_t*)w;
-    W.rows = rows;
-    W.cols = cols;
-    W.row_bytes = dfl::row_bytes(W.type, cols);
+    const dfl::Weight W = weight_view(type, w, rows, cols);
     dfl::ThreadPool pool(n_threads > 0 ? n_threads : 1);
     dfl::ActScratch act;
     dfl::matmul(pool, W, x, n, y, act);
@@ -566,12 +578,7 @@ int dfl_matmul_reference(uint32_t type, const void* w, int64_t rows, int64_t col
     need(y, "y");
     if (!dfl::gemm_kquant_supported((dfl::DType)type)) dfl::fail("dfl_matmul_reference: type %u is not a K-quant", type);
     if (cols % dfl::QK_K) dfl::fail("cols must be a multiple of 256");
-    dfl::Weight W;
-    W.type = (dfl::DType)type;
-    W.data = (const uint8_t*)w;
-    W.rows = rows;
-    W.cols = cols;
-    W.row_bytes = dfl::row_bytes(W.type, cols);
+    const dfl::Weight W = weight_view(type, w, rows, cols);
     dfl::ActScratch act;
     act.reserve((int64_t)n * cols);
     std::vector<dfl::ActRow> xr(n);

@@ -310,38 +310,32 @@ inline void transpose_pieces(__m256i a, __m256i b, __m256i c, __m256i d, void* o
   _mm256_store_si256((__m256i*)out3, _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31));
 }
 
+// pshufb masks that spread bytes of [row0 row1 | row2 row3] (8 bytes a row) to int16
+// lanes: mask k's lane 4r + l (r the row within its 128-bit half) takes byte
+// 8r + src(k, l), zero-extended.
 template <int N>
-struct ByteMasks {  // pshufb masks built once
+struct Masks {
   __m256i m[N];
+  __m256i operator[](int k) const { return m[k]; }
 };
-// scales: chunk j's int16 lanes 4r..4r+3 <- byte 8r + j of [row0 row1 | row2 row3] (8 bytes each)
-const ByteMasks<8> kChunkScale = [] {
-  ByteMasks<8> M;
+template <int N, typename Src>
+Masks<N> spread_masks(Src src) {
+  Masks<N> m;
   alignas(32) int8_t b[32];
-  for (int j = 0; j < 8; ++j) {
-    for (int h = 0; h < 2; ++h)
-      for (int k = 0; k < 8; ++k) {
-        b[16 * h + 2 * k] = (int8_t)(8 * (k / 4) + j);
-        b[16 * h + 2 * k + 1] = (int8_t)0x80;
-      }
-    M.m[j] = _mm256_load_si256((const __m256i*)b);
-  }
-  return M;
-}();
-// mins: offsets piece k's lanes 4r + l <- byte 8r + (4k + l) / 2 (a min covers two 16-value groups)
-const ByteMasks<4> kGroupMin = [] {
-  ByteMasks<4> M;
-  alignas(32) int8_t b[32];
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < N; ++k) {
     for (int h = 0; h < 2; ++h)
       for (int q = 0; q < 8; ++q) {
-        b[16 * h + 2 * q] = (int8_t)(8 * (q / 4) + (4 * k + q % 4) / 2);
+        b[16 * h + 2 * q] = (int8_t)(8 * (q / 4) + src(k, q % 4));
         b[16 * h + 2 * q + 1] = (int8_t)0x80;
       }
-    M.m[k] = _mm256_load_si256((const __m256i*)b);
+    m.m[k] = _mm256_load_si256((const __m256i*)b);
   }
-  return M;
-}();
+  return m;
+}
+// scales: chunk j's lanes take each row's scale j
+const auto kChunkScale = spread_masks<8>([](int j, int) { return j; });
+// mins: offsets piece k's lane 4r + l takes the row's min of group 4k + l (a min covers two groups)
+const auto kGroupMin = spread_masks<4>([](int k, int l) { return (4 * k + l) / 2; });
 
 // The 4 rows' f16 scales as 8 floats in the kernel's output lane order (rows 0 1 0 1 2 3 2 3).
 inline void store_lane_scales(uint16_t h0, uint16_t h1, uint16_t h2, uint16_t h3, float* dst) {
@@ -449,8 +443,8 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
       }
       const __m256i S = _mm256_setr_epi64x(sv[0], sv[1], sv[2], sv[3]), M = _mm256_setr_epi64x(mv[0], mv[1], mv[2], mv[3]);
       for (int j = 0; j < 8; ++j)  // one scale per chunk: the kernel reads sc[j][0] only
-        _mm256_store_si256((__m256i*)b.sc[j][0], _mm256_shuffle_epi8(S, kChunkScale.m[j]));
-      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], _mm256_shuffle_epi8(M, kGroupMin.m[k]));
+        _mm256_store_si256((__m256i*)b.sc[j][0], _mm256_shuffle_epi8(S, kChunkScale[j]));
+      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], _mm256_shuffle_epi8(M, kGroupMin[k]));
       uint16_t dh[4], mh[4];
       for (int r = 0; r < 4; ++r) {
         std::memcpy(&dh[r], blk[r], 2);
