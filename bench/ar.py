@@ -68,19 +68,20 @@ def median_time(fn, reps: int) -> float:
 def verify_curve(model: Path, threads: int, prompt: list[int], reps: int) -> dict:
     """ms of one AR step and of one n-token verify after the prompt, and their ratio."""
     m = Model(str(model))
+    vocab = min(m.info["n_vocab"], 240000)
     ctx = Context(m, n_ctx=len(prompt) + 64, n_batch=512, n_threads=threads, kv_type=1)  # f16 KV
     ctx.forward(prompt, logit_rows=[len(prompt) - 1])
     rng = np.random.default_rng(1)
     past = ctx.n_past
 
     def ar_step():
-        ctx.forward([int(rng.integers(0, 240000))], logit_rows=[0])
+        ctx.forward([int(rng.integers(0, vocab))], logit_rows=[0])
         ctx.set_n_past(past)  # the same position every time (its KV row is rewritten)
     ar_step()
     ar = median_time(ar_step, 5 * reps)
     out = {"ar_step_ms": ar * 1e3, "context": len(prompt), "verify": []}
     for n in VERIFY_SIZES:
-        toks = rng.integers(0, 240000, size=n).tolist()
+        toks = rng.integers(0, vocab, size=n).tolist()
         v = median_time(lambda: ctx.forward(toks, logit_rows=list(range(n)), commit=False), 2 * reps + 1)
         out["verify"].append({"n": n, "ms": v * 1e3, "ar_steps": v / ar})
     return out
@@ -131,7 +132,8 @@ def main() -> None:
     model = a.model or ensure_model(Path("/tmp/dflash27b-bench") / f"qwen35-{a.shape}-q4_k_m.gguf", a.shape)
     ffi, lib = load()
     bw = lib.dfl_measure_read_bandwidth(1 << 30, a.threads)
-    prompt = np.random.default_rng(0).integers(0, 240000, size=a.prefill).tolist()
+    n_vocab = Model(str(model)).info["n_vocab"]
+    prompt = np.random.default_rng(0).integers(0, min(n_vocab, 240000), size=a.prefill).tolist()
 
     ours = bench_ours(model, a.threads, prompt, a.decode, a.reps)
     floor = bw * 1e9 / ours["weight_bytes"]

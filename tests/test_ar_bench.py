@@ -1,0 +1,34 @@
+"""`bench/ar.py` on the tiny model: a complete record (prefill, decode, the whole verify-cost curve,
+no peer), every time positive and every ratio the quotient of its times; bad numbers would show here
+before they reach bench/RESULTS.md. Speed itself is measured by the script, never asserted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dflash27b
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ar_bench_writes_the_verify_curve(tiny_f32_gguf, tmp_path):
+    out = tmp_path / "ar.json"
+    # the package this test imported (in CI the installed one, with its library), not the source tree's
+    pkg_root = Path(dflash27b.__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg_root), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "ar.py"), "--model", str(tiny_f32_gguf), "--threads", "1",
+                        "--prefill", "40", "--decode", "6", "--reps", "1", "--no-peer", "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "verify cost after 40 tokens" in r.stdout
+    rec = json.loads(out.read_text())
+    assert rec["threads"] == 1 and rec["prefill_tokens"] == 40 and rec["llama_cpp"] is None
+    assert rec["dflash27b"]["prefill_tok_s"] > 0 and rec["dflash27b"]["decode_tok_s"] > 0
+    curve = rec["verify_curve"]
+    assert curve["context"] == 40 and curve["ar_step_ms"] > 0
+    assert [v["n"] for v in curve["verify"]] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    for v in curve["verify"]:
+        assert v["ms"] > 0 and abs(v["ar_steps"] - v["ms"] / curve["ar_step_ms"]) < 1e-9 * v["ar_steps"] + 1e-12
