@@ -579,15 +579,9 @@ int dfl_matmul_reference(uint32_t type, const void* w, int64_t rows, int64_t col
     if (!dfl::gemm_kquant_supported((dfl::DType)type)) dfl::fail("dfl_matmul_reference: type %u is not a K-quant", type);
     if (cols % dfl::QK_K) dfl::fail("cols must be a multiple of 256");
     const dfl::Weight W = weight_view(type, w, rows, cols);
+    dfl::ThreadPool pool(1);
     dfl::ActScratch act;
-    act.reserve((int64_t)n * cols);
-    std::vector<dfl::ActRow> xr(n);
-    for (int t = 0; t < n; ++t) {
-      dfl::quantize_act_row(x + (int64_t)t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
-                            act.s.data() + t * (cols / 32), act.bsum.data() + t * (cols / 16), cols, dfl::QK_K);
-      xr[t] = dfl::ActRow{act.q.data() + t * cols, act.d.data() + t * (cols / 32), act.s.data() + t * (cols / 32),
-                          act.bsum.data() + t * (cols / 16)};
-    }
+    const std::vector<dfl::ActRow> xr = dfl::quantize_activations(pool, x, n, cols, dfl::QK_K, act);
     dfl::gemm_kquant_reference(W, 0, rows, xr.data(), n, y);
   });
 }

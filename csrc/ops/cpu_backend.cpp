@@ -171,7 +171,7 @@ class CpuBackend final : public Backend {
     // Each stage runs over all tokens with the pool split over channels, tokens or
     // heads; a token's arithmetic is the same as when it runs alone.  In commit
     // mode every token advances the layer's own window and state; in tree mode
-    // node t starts from a copy of its parent's (parents come before children).
+    // node t starts from its parent's (parents come before children).
     auto upd_of = [&](int t) { return P.commit ? nullptr : L.node_upd + (size_t)t * U.stride; };
     if (!P.commit)
       for (int t = 0; t < n; ++t) std::memcpy(upd_of(t) + U.xin, mm + (size_t)t * Cconv, (size_t)Cconv * 4);

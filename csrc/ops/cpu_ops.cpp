@@ -13,23 +13,26 @@
 
 namespace dfl {
 
+std::vector<ActRow> quantize_activations(ThreadPool& pool, const float* x, int n, int64_t cols, int block,
+                                         ActScratch& act) {
+  act.reserve((int64_t)n * cols);
+  pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      quantize_act_row(x + t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
+                       act.s.data() + t * (cols / 32), act.bsum.data() + t * (cols / 16), cols, block);
+  });
+  std::vector<ActRow> rows(n);
+  for (int t = 0; t < n; ++t)
+    rows[t] = ActRow{act.q.data() + (int64_t)t * cols, act.d.data() + (int64_t)t * (cols / 32),
+                     act.s.data() + (int64_t)t * (cols / 32), act.bsum.data() + (int64_t)t * (cols / 16)};
+  return rows;
+}
+
 void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, ActScratch& act) {
   const bool q = dtype_is_quantized(W.type);
   const int64_t cols = W.cols;
   std::vector<ActRow> rows;
-  if (q) {
-    act.reserve((int64_t)n * cols);
-    const int blk = act_block(W.type);
-    pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        quantize_act_row(x + t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
-                         act.s.data() + t * (cols / 32), act.bsum.data() + t * (cols / 16), cols, blk);
-    });
-    rows.resize(n);
-    for (int t = 0; t < n; ++t)
-      rows[t] = ActRow{act.q.data() + (int64_t)t * cols, act.d.data() + (int64_t)t * (cols / 32),
-                       act.s.data() + (int64_t)t * (cols / 32), act.bsum.data() + (int64_t)t * (cols / 16)};
-  }
+  if (q) rows = quantize_activations(pool, x, n, cols, act_block(W.type), act);
   if (gemm_kquant_supported(W.type)) {
     // parts in whole 4-row panels
     auto kbody = [&](int64_t r0, int64_t r1) { gemm_kquant(W, r0, r1, rows.data(), n, y); };

@@ -32,6 +32,9 @@ struct ActScratch {
 
 // y[t][r] = sum_i W[r][i] x[t][i] for t < n.
 void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, ActScratch& act);
+// n rows of x quantised to int8 for weights whose activation block is `block` (act_block), into act.
+std::vector<ActRow> quantize_activations(ThreadPool& pool, const float* x, int n, int64_t cols, int block,
+                                         ActScratch& act);
 
 // y = x / sqrt(mean(x^2) + eps) * w   (w may be null), over `n` rows of `dim`.
 void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, float* y);

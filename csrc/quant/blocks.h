@@ -152,4 +152,21 @@ inline void kquant_scale_min(const uint8_t* sc, int s, uint8_t* scale, uint8_t* 
   }
 }
 
+// All 8 (scale, min) pairs at once: the same bits as kquant_scale_min for s = 0..7
+// (the kernels' form; tests/test_quant.py checks the kernels against the reference,
+// which reads the pairs with kquant_scale_min).
+inline void kquant_scales_mins(const uint8_t* sc, uint8_t scales[8], uint8_t mins[8]) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, sc, 4);
+  std::memcpy(&w1, sc + 4, 4);
+  std::memcpy(&w2, sc + 8, 4);
+  const uint32_t s_lo = w0 & 0x3f3f3f3f, m_lo = w1 & 0x3f3f3f3f;
+  const uint32_t s_hi = (w2 & 0x0f0f0f0f) | (((w0 >> 6) & 0x03030303) << 4);
+  const uint32_t m_hi = ((w2 >> 4) & 0x0f0f0f0f) | (((w1 >> 6) & 0x03030303) << 4);
+  std::memcpy(scales, &s_lo, 4);
+  std::memcpy(scales + 4, &s_hi, 4);
+  std::memcpy(mins, &m_lo, 4);
+  std::memcpy(mins + 4, &m_hi, 4);
+}
+
 }  // namespace dfl

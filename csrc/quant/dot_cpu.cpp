@@ -11,12 +11,9 @@
 #include <cmath>
 
 #include "quant/quant.h"
+#include "quant/simd.h"
 #include "util/error.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define DFL_AVX2 1
-#endif
 
 namespace dfl {
 
@@ -28,12 +25,6 @@ const char* simd_name() {
 #endif
 }
 
-#ifdef DFL_AVX2
-// Hardware f16 -> f32 (F16C); exact, like the scalar f16_to_f32.
-static inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
-#else
-static inline float fp16(uint16_t h) { return f16_to_f32(h); }
-#endif
 
 #ifdef DFL_AVX2
 static inline float hsum(__m256 v) {
@@ -49,7 +40,6 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 static inline __m256i dot_s8s8(__m256i a, __m256i b) {
   return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
-static inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 #endif
 
 // ---- Q8_0 and Q4_0 ----------------------------------------------------------

@@ -17,7 +17,7 @@
 // Two kernels, one arithmetic:
 //  - few tokens (decode): `fused` unpacks each weight super-block into
 //    registers and uses it at once; 8 outputs' sums reduce together.
-//  - 4+ tokens (prefill, verify): 4 weight rows are unpacked once per block of
+//  - 3+ tokens (prefill, verify): 4 weight rows are unpacked once per block of
 //    tokens into an interleaved panel (`PanelSB`): one 32-byte vector holds 8
 //    values of each of the 4 rows, so a broadcast 8-byte activation piece
 //    multiplies all 4 rows, and the 4 pieces of a 32-value sub-block add up in
@@ -30,39 +30,13 @@
 
 #include "model/qwen35.h"
 #include "quant/quant.h"
+#include "quant/simd.h"
 #include "util/error.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define DFL_AVX2 1
-#endif
 
 namespace dfl {
 
 namespace {
-
-inline float f16(uint16_t h) {
-#ifdef DFL_AVX2
-  return _cvtsh_ss(h);
-#else
-  return f16_to_f32(h);
-#endif
-}
-
-// K-quant (scale, min) pairs of a Q4_K/Q5_K super-block as 8 + 8 bytes.
-inline void unpack_k_scales(const uint8_t* sc, uint8_t scales[8], uint8_t mins[8]) {
-  uint32_t w0, w1, w2;
-  std::memcpy(&w0, sc, 4);
-  std::memcpy(&w1, sc + 4, 4);
-  std::memcpy(&w2, sc + 8, 4);
-  uint32_t s_lo = w0 & 0x3f3f3f3f, m_lo = w1 & 0x3f3f3f3f;
-  uint32_t s_hi = (w2 & 0x0f0f0f0f) | (((w0 >> 6) & 0x03030303) << 4);
-  uint32_t m_hi = ((w2 >> 4) & 0x0f0f0f0f) | (((w1 >> 6) & 0x03030303) << 4);
-  std::memcpy(scales, &s_lo, 4);
-  std::memcpy(scales + 4, &s_hi, 4);
-  std::memcpy(mins, &m_lo, 4);
-  std::memcpy(mins + 4, &m_hi, 4);
-}
 
 size_t block_bytes(DType t) {
   return t == DType::Q4_K ? sizeof(block_q4_K) : t == DType::Q5_K ? sizeof(block_q5_K) : sizeof(block_q6_K);
@@ -97,7 +71,7 @@ void read_super_block(DType t, const uint8_t* blk, SuperBlock& s) {
       s.sg[g] = b->scales[g];
       s.mg[g] = (int16_t)(32 * b->scales[g]);
     }
-    s.d = s.dm = f16(b->d);
+    s.d = s.dm = fp16(b->d);
     return;
   }
   const bool q5 = t == DType::Q5_K;
@@ -113,17 +87,17 @@ void read_super_block(DType t, const uint8_t* blk, SuperBlock& s) {
       s.q[64 * c + l] = (uint8_t)a;
       s.q[64 * c + 32 + l] = (uint8_t)b;
     }
-  uint8_t s8[8], m8[8];
-  unpack_k_scales(blk + 4, s8, m8);
   for (int g = 0; g < 16; ++g) {
-    s.sg[g] = s8[g / 2];
-    s.mg[g] = m8[g / 2];
+    uint8_t sc, mn;
+    kquant_scale_min(blk + 4, g / 2, &sc, &mn);
+    s.sg[g] = sc;
+    s.mg[g] = mn;
   }
   uint16_t dh, mh;
   std::memcpy(&dh, blk, 2);
   std::memcpy(&mh, blk + 2, 2);
-  s.d = f16(dh);
-  s.dm = f16(mh);
+  s.d = fp16(dh);
+  s.dm = fp16(mh);
 }
 
 // The definition, one output at a time.
@@ -149,7 +123,6 @@ void reference(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, 
 
 #ifdef DFL_AVX2
 // ---- AVX2 ------------------------------------------------------------------
-inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline __m256i bcast8(const void* p) {  // 8 bytes repeated 4 times
   int64_t v;
   std::memcpy(&v, p, 8);
@@ -208,7 +181,7 @@ inline void load_super_block(const uint8_t* blk, SuperBlockRegs& s) {
     }
     s.sg = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)b->scales));
     s.mg = _mm256_slli_epi16(s.sg, 5);
-    s.d = s.dm = f16(b->d);
+    s.d = s.dm = fp16(b->d);
   } else {
     constexpr bool Q5 = T == DType::Q5_K;
     const uint8_t* qs = blk + (Q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
@@ -226,7 +199,7 @@ inline void load_super_block(const uint8_t* blk, SuperBlockRegs& s) {
       s.q[2 * c + 1] = hi;
     }
     uint8_t s8[8], m8[8];
-    unpack_k_scales(blk + 4, s8, m8);
+    kquant_scales_mins(blk + 4, s8, m8);
     uint64_t sv, mv;
     std::memcpy(&sv, s8, 8);
     std::memcpy(&mv, m8, 8);
@@ -235,14 +208,14 @@ inline void load_super_block(const uint8_t* blk, SuperBlockRegs& s) {
     uint16_t dh, mh;
     std::memcpy(&dh, blk, 2);
     std::memcpy(&mh, blk + 2, 2);
-    s.d = f16(dh);
-    s.dm = f16(mh);
+    s.d = fp16(dh);
+    s.dm = fp16(mh);
   }
 }
 
 // ---- few tokens: R rows x NT tokens = 8 outputs, lane p = r * NT + t ----------
 // Each row is read start to end (one stream for the prefetcher); its per-super-block
-// integer sums wait in `sums` until all 8 outputs have theirs, then reduce together.
+// integer sums wait in FusedSums until all 8 outputs have theirs, then reduce together.
 struct FusedSums {
   std::vector<int32_t> is, ms;  // [super-block][output][8]
   std::vector<float> d, dm;     // [super-block][output]
@@ -287,7 +260,7 @@ void fused(const Weight& W, const int64_t* rows, const ActRow* x, int32_t* __res
   _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
 
-// ---- 4+ tokens: the interleaved panel --------------------------------------
+// ---- 3+ tokens: the interleaved panel --------------------------------------
 // One super-block of 4 rows.  Row r's values 32j + 8p .. +7 are bytes 8r.. of
 // q[j][p]; sc[j][h] holds in int16 lanes 4r..4r+3 row r's scale of group 2j + h;
 // m[k] holds in lanes 4r + l row r's offset weight of group 4k + l; d, dm are in
@@ -300,14 +273,13 @@ struct alignas(32) PanelSB {
 };
 
 // A 4x4 transpose of 8-byte pieces: out[p] = [a.p, b.p, c.p, d.p].
-inline void transpose_pieces(__m256i a, __m256i b, __m256i c, __m256i d, void* out0, void* out1, void* out2,
-                             void* out3) {
+inline void transpose_pieces(__m256i a, __m256i b, __m256i c, __m256i d, __m256i out[4]) {
   const __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b);
   const __m256i cd_lo = _mm256_unpacklo_epi64(c, d), cd_hi = _mm256_unpackhi_epi64(c, d);
-  _mm256_store_si256((__m256i*)out0, _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20));
-  _mm256_store_si256((__m256i*)out1, _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20));
-  _mm256_store_si256((__m256i*)out2, _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31));
-  _mm256_store_si256((__m256i*)out3, _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31));
+  out[0] = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20);
+  out[1] = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20);
+  out[2] = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31);
+  out[3] = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31);
 }
 
 // pshufb masks that spread bytes of [row0 row1 | row2 row3] (8 bytes a row) to int16
@@ -356,14 +328,7 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
     const uint8_t* blk[4];
     for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
     auto transposed = [&](size_t off, __m256i out[4]) {  // out[p] = piece p of the 4 rows' 32 bytes at off
-      const __m256i a = load256(blk[0] + off), bb = load256(blk[1] + off), c = load256(blk[2] + off),
-                    d = load256(blk[3] + off);
-      const __m256i ab_lo = _mm256_unpacklo_epi64(a, bb), ab_hi = _mm256_unpackhi_epi64(a, bb);
-      const __m256i cd_lo = _mm256_unpacklo_epi64(c, d), cd_hi = _mm256_unpackhi_epi64(c, d);
-      out[0] = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x20);
-      out[1] = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x20);
-      out[2] = _mm256_permute2x128_si256(ab_lo, cd_lo, 0x31);
-      out[3] = _mm256_permute2x128_si256(ab_hi, cd_hi, 0x31);
+      transpose_pieces(load256(blk[0] + off), load256(blk[1] + off), load256(blk[2] + off), load256(blk[3] + off), out);
     };
     if constexpr (T == DType::Q6_K) {
       const __m256i m2 = _mm256_set1_epi8(3);
@@ -391,8 +356,10 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
       __m256i sg[4];
       for (int r = 0; r < 4; ++r)
         sg[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk[r] + offsetof(block_q6_K, scales))));
+      __m256i m[4];
       transpose_pieces(_mm256_slli_epi16(sg[0], 5), _mm256_slli_epi16(sg[1], 5), _mm256_slli_epi16(sg[2], 5),
-                       _mm256_slli_epi16(sg[3], 5), b.m[0], b.m[1], b.m[2], b.m[3]);
+                       _mm256_slli_epi16(sg[3], 5), m);
+      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], m[k]);
       const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,  //
                                               4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
       const __m256i a = _mm256_unpacklo_epi16(sg[0], sg[1]), c = _mm256_unpackhi_epi16(sg[0], sg[1]);
@@ -435,7 +402,7 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
       }
       // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3]
       uint8_t s8[4][8], m8[4][8];
-      for (int r = 0; r < 4; ++r) unpack_k_scales(blk[r] + 4, s8[r], m8[r]);
+      for (int r = 0; r < 4; ++r) kquant_scales_mins(blk[r] + 4, s8[r], m8[r]);
       int64_t sv[4], mv[4];
       for (int r = 0; r < 4; ++r) {
         std::memcpy(&sv[r], s8[r], 8);
@@ -456,8 +423,8 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
   }
 }
 
-// 4 panel rows x 4 tokens.  xd2[2 * i + k] holds, for super-block i and token pair
-// k, the activation scales in output lane order (tokens 0 0 1 1 0 0 1 1 of the pair).
+// 4 panel rows x 4 tokens.  xd2[16 i + 8 k ..] holds, for super-block i and token
+// pair k, the activation scales in output lane order (tokens 0 0 1 1 0 0 1 1 of the pair).
 // out[8k + lane]: lane order rows 0 1 0 1 2 3 2 3 / tokens 0 0 1 1 0 0 1 1 of pair k.
 template <bool G16>
 void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2, float* out) {

@@ -5,13 +5,10 @@
 // dot_cpu.cpp, CUDA later) is tested against, and are checked bit-exactly
 // against gguf-py's dequantize in tests/test_quant.py.
 #include "quant/quant.h"
+#include "quant/simd.h"
 
 #include <cmath>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define DFL_AVX2 1
-#endif
 
 namespace dfl {
 

@@ -440,16 +440,27 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         continue;
       }
       check(label("gdn", form + " node conv states", n), ncb.get(n * cs), nca.get(n * cs), 0.0);
-      {  // the states a backend must keep (the CPU leaves a chain's others in cache)
+      {  // every node's state on the CPU, by replaying its path's updates (gdn_commit on a copy of the committed
+         // state): bit-identical to the states the CPU kept (node_rec_kept; it leaves a chain's others in
+         // cache), and the reference for all of CUDA's node states
         const auto kept = node_rec_kept(P.parent.data(), n);
-        const auto sa = sget(nra, n * rs), sb = sget(nrb, n * rs);
-        std::vector<float> ka, kb;
-        for (int t = 0; t < n; ++t)
+        const auto sa = sget(nra, n * rs);
+        std::vector<float> replayed, kept_direct, kept_replayed;
+        Buf cw(*cpu, cs * 4), rw(*cpu, rs * es);
+        for (int t = 0; t < n; ++t) {
+          std::vector<int32_t> path;
+          for (int a = t; a >= 0; a = P.parent[a]) path.insert(path.begin(), a);
+          cw.put(conv), rw.put(rec_bytes.data(), rec_bytes.size());
+          cpu->gdn_commit(cw.f(), rw.p, st, nua.f(), path.data(), (int)path.size());
+          const auto r = sget(rw, rs);
+          replayed.insert(replayed.end(), r.begin(), r.end());
           if (kept[t]) {
-            ka.insert(ka.end(), sa.begin() + (size_t)t * rs, sa.begin() + (size_t)(t + 1) * rs);
-            kb.insert(kb.end(), sb.begin() + (size_t)t * rs, sb.begin() + (size_t)(t + 1) * rs);
+            kept_direct.insert(kept_direct.end(), sa.begin() + (size_t)t * rs, sa.begin() + (size_t)(t + 1) * rs);
+            kept_replayed.insert(kept_replayed.end(), r.begin(), r.end());
           }
-        check(label("gdn", form + " node recurrent states (kept)", n), kb, ka, stol);
+        }
+        check(label("gdn", form + " cpu kept node states == replay (bitwise)", n), kept_direct, kept_replayed, 0.0);
+        check(label("gdn", form + " node recurrent states", n), sget(nrb, n * rs), replayed, stol);
       }
       check(label("gdn", form + " committed state untouched", n), sget(rb, rs), rec, 0.0);
       // each node's update: conv inputs exactly, keys / deltas / decays as the states
