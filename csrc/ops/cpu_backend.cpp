@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_map>
 
 #include "model/backend.h"
 #include "ops/cpu_ops.h"
@@ -77,7 +78,7 @@ class CpuBackend final : public Backend {
   }
   void swiglu(float* g, const float* u, size_t count) override {
     auto part = [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) g[i] = silu(g[i]) * u[i];
+      silu_rows(g + i0, u + i0, g + i0, i1 - i0);
     };
     if (count < 16384) part(0, (int64_t)count);  // an AR step's: not worth waking the workers
     else pool_.parallel_for((int64_t)count, 4096, part);
@@ -160,9 +161,9 @@ class CpuBackend final : public Backend {
   }
 
   void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
-    const int Cconv = c_.conv_channels(), Cv = c_.ssm_inner(), K = c_.conv_kernel;
+    const int Cconv = c_.conv_channels(), Cv = c_.ssm_inner();
     const int nk = c_.ssm_nk, nv = c_.ssm_nv, dk = c_.ssm_dk, dv = c_.ssm_dv, Ck = nk * dk;
-    const size_t cs = (size_t)(K - 1) * Cconv, rs = (size_t)nv * dk * dv;
+    const size_t rs = (size_t)nv * dk * dv;
     const float qscale = 1.f / std::sqrt((float)dk);
     const ChunkPlan& P = *p_;
     const GdnNodeLayout U(c_);
@@ -175,28 +176,7 @@ class CpuBackend final : public Backend {
     auto upd_of = [&](int t) { return P.commit ? nullptr : L.node_upd + (size_t)t * U.stride; };
     if (!P.commit)
       for (int t = 0; t < n; ++t) std::memcpy(upd_of(t) + U.xin, mm + (size_t)t * Cconv, (size_t)Cconv * 4);
-    // causal conv + silu, in place: mm becomes the conv output
-    pool_.parallel_for(Cconv, 256, [&](int64_t c0, int64_t c1) {
-      for (int t = 0; t < n; ++t) {
-        float* win = P.commit ? L.conv : L.node_conv + (size_t)t * cs;  // (K-1) x Cconv, oldest first
-        if (!P.commit) {
-          const int par = P.parent[t];
-          const float* src = par < 0 ? L.conv : L.node_conv + (size_t)par * cs;
-          for (int tau = 0; tau < K - 1; ++tau)
-            std::memcpy(win + (size_t)tau * Cconv + c0, src + (size_t)tau * Cconv + c0, (size_t)(c1 - c0) * 4);
-        }
-        float* mt = mm + (size_t)t * Cconv;
-        for (int64_t ch = c0; ch < c1; ++ch) {
-          const float* wc = L.conv1d + (size_t)ch * K;
-          float acc = 0.f;
-          for (int tau = 0; tau < K - 1; ++tau) acc += wc[tau] * win[(size_t)tau * Cconv + ch];
-          acc += wc[K - 1] * mt[ch];
-          for (int tau = 0; tau < K - 2; ++tau) win[(size_t)tau * Cconv + ch] = win[(size_t)(tau + 1) * Cconv + ch];
-          win[(size_t)(K - 2) * Cconv + ch] = mt[ch];
-          mt[ch] = silu(acc);
-        }
-      }
-    });
+    causal_conv(mm, L);
     // q and k l2-normalised per key head, q scaled
     pool_.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -254,10 +234,76 @@ class CpuBackend final : public Backend {
           if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
           const float* zt = z + (size_t)t * Cv + h * dv;
-          for (int j = 0; j < dv; ++j) oh[j] *= silu(zt[j]);
+          silu_rows(zt, oh, oh, dv);  // oh[j] * silu(z[j])
         }
       }
       stream_fence();
+    });
+  }
+
+  // The conv taps of a layer tap-major, [K][Cconv], so a block of channels reads
+  // each tap contiguously (made once per layer; the model's vectors outlive us).
+  const float* conv_taps(const float* conv1d) {
+    const int C = c_.conv_channels(), K = c_.conv_kernel;
+    std::vector<float>& v = conv_taps_[conv1d];
+    if (v.empty()) {
+      v.resize((size_t)K * C);
+      for (int ch = 0; ch < C; ++ch)
+        for (int tau = 0; tau < K; ++tau) v[(size_t)tau * C + ch] = conv1d[(size_t)ch * K + tau];
+    }
+    return v.data();
+  }
+
+  // Causal conv + silu over the chunk, in place: mm becomes the conv output.  A
+  // token's window is the inputs of its K-1 nearest ancestors (its parent, the
+  // parent's parent, ...; in commit mode the previous tokens), oldest first,
+  // continued by the committed window where the path runs out.  Per channel:
+  // acc = 0, then acc += w[tau] * window[tau] for each tap in order, then the
+  // token's own input.  Tokens run last to first, so each reads its ancestors'
+  // inputs before they are overwritten (ancestors come first); a verify's
+  // inputs are kept in node_upd for commit, a commit's last K-1 become the window.
+  void causal_conv(float* mm, const GdnLayer& L) {
+    const ChunkPlan& P = *p_;
+    const int C = c_.conv_channels(), K = c_.conv_kernel, W = K - 1, n = P.n;
+    const float* taps = conv_taps(L.conv1d);
+    // src[t * W + tau]: row tau of token t's window; token n's is the committed window after the chunk
+    std::vector<const float*> src((size_t)(n + 1) * W);
+    for (int t = 0; t < n + (P.commit ? 1 : 0); ++t) {
+      int a = t, m = 0;
+      for (; m < W; ++m) {  // m = 0: the nearest ancestor, window row W - 1
+        a = P.commit ? a - 1 : P.parent[a];
+        if (a < 0) break;
+        src[(size_t)t * W + (W - 1 - m)] = mm + (size_t)a * C;
+      }
+      for (int k = m; k < W; ++k) src[(size_t)t * W + (W - 1 - k)] = L.conv + (size_t)(W - 1 - (k - m)) * C;
+    }
+    pool_.parallel_for(C, 256, [&](int64_t c0, int64_t c1) {
+      constexpr int kBlock = 64;
+      thread_local std::vector<float> next;  // the commit's new window for these channels
+      const int64_t w = c1 - c0;
+      if (P.commit) {
+        next.resize((size_t)W * w);
+        for (int r = 0; r < W; ++r) std::memcpy(next.data() + (size_t)r * w, src[(size_t)n * W + r] + c0, (size_t)w * 4);
+      }
+      for (int t = n - 1; t >= 0; --t) {
+        const float* const* win = src.data() + (size_t)t * W;
+        float* x = mm + (size_t)t * C;
+        for (int64_t b0 = c0; b0 < c1; b0 += kBlock) {
+          const int bn = (int)std::min<int64_t>(kBlock, c1 - b0);
+          float acc[kBlock];
+          for (int i = 0; i < bn; ++i) acc[i] = 0.f;
+          for (int tau = 0; tau < W; ++tau) {
+            const float* wt = taps + (size_t)tau * C + b0;
+            const float* xs = win[tau] + b0;
+            for (int i = 0; i < bn; ++i) acc[i] += wt[i] * xs[i];
+          }
+          const float* wl = taps + (size_t)W * C + b0;
+          for (int i = 0; i < bn; ++i) acc[i] += wl[i] * x[b0 + i];
+          silu_rows(acc, nullptr, x + b0, bn);
+        }
+      }
+      if (P.commit)
+        for (int r = 0; r < W; ++r) std::memcpy(L.conv + (size_t)r * C + c0, next.data() + (size_t)r * w, (size_t)w * 4);
     });
   }
 
@@ -305,6 +351,7 @@ class CpuBackend final : public Backend {
   ThreadPool& pool_;
   const ChunkPlan* p_ = nullptr;
   ActScratch act_;
+  std::unordered_map<const float*, std::vector<float>> conv_taps_;
 };
 
 }  // namespace

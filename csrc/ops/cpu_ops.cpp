@@ -94,6 +94,41 @@ void embed_row(const Weight& W, int32_t token, float* out) {
   dequantize_row(W.type, W.row(token), out, W.cols);
 }
 
+#if defined(__AVX2__)
+// exp_poly on 8 lanes, the same operations in the same order.
+static inline __m256 exp_poly8(__m256 x) {
+  using namespace exp_poly_c;
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  x = _mm256_max_ps(_mm256_set1_ps(kLo), x);  // (lo > x) ? lo : x, a NaN x kept
+  x = _mm256_min_ps(_mm256_set1_ps(kHi), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Hi)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Lo)));
+  __m256 p = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP[i]));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
+  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p, f1), f2), x, nan);
+}
+#endif
+
+void silu_rows(const float* a, const float* b, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 one = _mm256_set1_ps(1.f), neg0 = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(a + i);
+    __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp_poly8(_mm256_xor_ps(x, neg0))));
+    if (b) s = _mm256_mul_ps(s, _mm256_loadu_ps(b + i));
+    _mm256_storeu_ps(out + i, s);
+  }
+#endif
+  for (; i < n; ++i) out[i] = b ? silu(a[i]) * b[i] : silu(a[i]);
+}
+
 void delta_rule_step(const float* S_in, float* S_out, const float* k, const float* v, const float* q, float decay,
                      float beta, int dk, int dv, float* out, float* delta_out) {
   // u = (decay S)^T k; delta = beta (v - u); S' = decay S + k delta^T; out = S'^T q.

@@ -7,6 +7,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "model/qwen35.h"
@@ -42,8 +43,40 @@ void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, flo
 // NeoX rotation of the first r.n_rot dims of one head vector at position pos.
 void rope_neox(float* v, const RopeSpec& r, int64_t pos);
 
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+// exp(x) as the gates use it: Cody-Waite range reduction (x = n ln2 + r) and
+// Cephes' degree-6 polynomial for exp(r), within 2 ulp of the true value for
+// finite results; inf above 88.73, 0 below -104, NaN through.  Every step is
+// one IEEE float operation (no fused multiply-add), so silu_rows' AVX2 lanes
+// and this scalar code give the same bits.
+namespace exp_poly_c {
+constexpr float kLo = -104.f, kHi = 88.75f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_poly_c
+inline float exp_poly(float x) {
+  using namespace exp_poly_c;
+  if (x != x) return x;
+  x = kLo > x ? kLo : x;
+  x = kHi < x ? kHi : x;
+  const float n = std::nearbyint(x * kLog2e);
+  float r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = kP[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kP[i];
+  p = p * (r * r) + r + 1.f;
+  // 2^n in two factors, so that n from -150 to 128 stays in the exponent's range
+  const int ni = (int)n, n1 = ni >> 1, n2 = ni - n1;
+  const uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+  float f1, f2;
+  std::memcpy(&f1, &b1, 4);
+  std::memcpy(&f2, &b2, 4);
+  return p * f1 * f2;
+}
+inline float silu(float x) { return x / (1.f + exp_poly(-x)); }
+inline float sigmoid(float x) { return 1.f / (1.f + exp_poly(-x)); }
+// out[i] = silu(a[i]) * b[i] (b null: silu(a[i])), AVX2 where built; out may alias a or b.
+void silu_rows(const float* a, const float* b, float* out, int64_t n);
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 // Row of the embedding table (any weight type) as f32.
