@@ -40,7 +40,14 @@ class CpuBackend final : public Backend {
   }
   void release(void* p) override { std::free(p); }
   void upload(void* dst, const void* host, size_t bytes) override { std::memcpy(dst, host, bytes); }
-  void download(void* host, const void* src, size_t bytes) override { std::memcpy(host, src, bytes); }
+  void download(void* host, const void* src, size_t bytes) override {
+    // a verify's logits are megabytes: the pool copies them rather than one thread
+    constexpr size_t kGrain = 1 << 20;
+    if (bytes < 2 * kGrain) return (void)std::memcpy(host, src, bytes);
+    pool_.parallel_for((int64_t)bytes, kGrain, [&](int64_t b, int64_t e) {
+      std::memcpy(static_cast<uint8_t*>(host) + b, static_cast<const uint8_t*>(src) + b, (size_t)(e - b));
+    });
+  }
   void download_rows(void* host, size_t host_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                      size_t rows) override {
     for (size_t r = 0; r < rows; ++r)

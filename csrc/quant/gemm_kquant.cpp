@@ -331,7 +331,9 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
       transpose_pieces(load256(blk[0] + off), load256(blk[1] + off), load256(blk[2] + off), load256(blk[3] + off), out);
     };
     if constexpr (T == DType::Q6_K) {
-      const __m256i m2 = _mm256_set1_epi8(3);
+      // high bits 2k, 2k+1 of qh land on bits 4, 5 of chunk k's bytes: a 16-bit
+      // shift is bytewise once masked to 0x30 (bits crossing a byte edge are cleared)
+      const __m256i m30 = _mm256_set1_epi8(0x30);
       for (int h = 0; h < 2; ++h) {
         __m256i l0[4], l1[4], hh[4];
         transposed(offsetof(block_q6_K, ql) + 64 * h, l0);
@@ -340,16 +342,14 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
         for (int p = 0; p < 4; ++p) {
           const __m256i q = hh[p];
           _mm256_store_si256((__m256i*)b.q[4 * h + 0][p],
-                             _mm256_or_si256(_mm256_and_si256(l0[p], m4), _mm256_slli_epi16(_mm256_and_si256(q, m2), 4)));
+                             _mm256_or_si256(_mm256_and_si256(l0[p], m4), _mm256_and_si256(_mm256_slli_epi16(q, 4), m30)));
           _mm256_store_si256((__m256i*)b.q[4 * h + 1][p],
-                             _mm256_or_si256(_mm256_and_si256(l1[p], m4),
-                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 2), m2), 4)));
+                             _mm256_or_si256(_mm256_and_si256(l1[p], m4), _mm256_and_si256(_mm256_slli_epi16(q, 2), m30)));
           _mm256_store_si256((__m256i*)b.q[4 * h + 2][p],
-                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0[p], 4), m4),
-                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), m2), 4)));
+                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0[p], 4), m4), _mm256_and_si256(q, m30)));
           _mm256_store_si256((__m256i*)b.q[4 * h + 3][p],
                              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1[p], 4), m4),
-                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 6), m2), 4)));
+                                             _mm256_and_si256(_mm256_srli_epi16(q, 2), m30)));
         }
       }
       // group scales (signed) of each row as int16; offsets m = 32 * scale in pieces of 4 groups

@@ -79,6 +79,20 @@ class ThreadPool {
     }
   }
 
+  // First chunk of part p of a job cut into `parts`: part sizes halve every n_
+  // parts down to the last two rounds (weights 4 4 2 2 1 1 1 1 for 2 threads), so
+  // the parts taken last are small and a job's threads finish close together.
+  int64_t part_begin(uint32_t p, uint32_t parts) const {
+    const uint32_t rounds = (parts + n_ - 1) / n_;
+    auto weight = [&](uint32_t q) -> int64_t { return int64_t(1) << std::max<int>(0, (int)rounds - 2 - (int)(q / n_)); };
+    int64_t before = 0, total = 0;
+    for (uint32_t q = 0; q < parts; ++q) {
+      if (q < p) before += weight(q);
+      total += weight(q);
+    }
+    return job_chunks_ * before / total;
+  }
+
   // Claims and runs parts of job g until none is left (or the job is gone).
   // The part count travels in the ticket itself: a ticket of a finished job
   // (next == parts) can never be claimed, even while the caller is already
@@ -91,7 +105,7 @@ class ThreadPool {
       if (p >= parts) return;
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       // Part p of job g is ours: the job's fields stay put until every part is done.
-      const int64_t c0 = job_chunks_ * p / parts, c1 = job_chunks_ * (p + 1) / parts;
+      const int64_t c0 = part_begin(p, parts), c1 = part_begin(p + 1, parts);
       const int64_t b = c0 * job_grain_, e = std::min(job_n_, c1 * job_grain_);
       if (b < e) (*job_)(b, e);
       done_.fetch_add(1, std::memory_order_acq_rel);
