@@ -66,7 +66,11 @@ def median_time(fn, reps: int) -> float:
 
 
 def verify_curve(model: Path, threads: int, prompt: list[int], reps: int) -> dict:
-    """ms of one AR step and of one n-token verify after the prompt, and their ratio."""
+    """ms of one AR step and of one n-token verify after the prompt, and their ratio.
+
+    Each verify size is timed alternately with AR steps, and its ratio uses the AR
+    steps timed beside it: a shared machine's speed drifts over a run, and a ratio
+    of times taken minutes apart would measure the drift."""
     m = Model(str(model))
     vocab = min(m.info["n_vocab"], 240000)
     ctx = Context(m, n_ctx=len(prompt) + 64, n_batch=512, n_threads=threads, kv_type=1)  # f16 KV
@@ -78,12 +82,19 @@ def verify_curve(model: Path, threads: int, prompt: list[int], reps: int) -> dic
         ctx.forward([int(rng.integers(0, vocab))], logit_rows=[0])
         ctx.set_n_past(past)  # the same position every time (its KV row is rewritten)
     ar_step()
-    ar = median_time(ar_step, 5 * reps)
-    out = {"ar_step_ms": ar * 1e3, "context": len(prompt), "verify": []}
+    out = {"context": len(prompt), "verify": []}
+    all_ar = []
     for n in VERIFY_SIZES:
         toks = rng.integers(0, vocab, size=n).tolist()
-        v = median_time(lambda: ctx.forward(toks, logit_rows=list(range(n)), commit=False), 2 * reps + 1)
-        out["verify"].append({"n": n, "ms": v * 1e3, "ar_steps": v / ar})
+        ctx.forward(toks, logit_rows=list(range(n)), commit=False)  # warm-up at this size
+        ar, ver = [], []
+        for _ in range(2 * reps + 1):
+            ar.append(median_time(ar_step, 1))
+            ver.append(median_time(lambda: ctx.forward(toks, logit_rows=list(range(n)), commit=False), 1))
+        a, v = float(np.median(ar)), float(np.median(ver))
+        all_ar += ar
+        out["verify"].append({"n": n, "ms": v * 1e3, "ar_ms": a * 1e3, "ar_steps": v / a})
+    out["ar_step_ms"] = float(np.median(all_ar)) * 1e3
     return out
 
 
@@ -159,10 +170,11 @@ def main() -> None:
     else:
         print("llama.cpp: not installed (pip install llama-cpp-python) — no peer row")
     print(f"\nverify cost after {curve['context']} tokens (one forward of n tokens, every row's logits, "
-          f"in AR steps of {curve['ar_step_ms']:.1f} ms):")
-    print("  n  " + " ".join(f"{v['n']:>5d}" for v in curve["verify"]))
-    print("  ms " + " ".join(f"{v['ms']:5.0f}" for v in curve["verify"]))
-    print("  AR " + " ".join(f"{v['ar_steps']:5.2f}" for v in curve["verify"]))
+          f"in AR steps timed alternately with it; median AR step {curve['ar_step_ms']:.1f} ms):")
+    print("  n        " + " ".join(f"{v['n']:>5d}" for v in curve["verify"]))
+    print("  ms       " + " ".join(f"{v['ms']:5.0f}" for v in curve["verify"]))
+    print("  AR ms    " + " ".join(f"{v['ar_ms']:5.1f}" for v in curve["verify"]))
+    print("  AR steps " + " ".join(f"{v['ar_steps']:5.2f}" for v in curve["verify"]))
     if a.json:
         rec = {"machine": cpu_name(), "cores": os.cpu_count(), "build": ffi.string(lib.dfl_build_info()).decode(),
                "model": model.name, "threads": a.threads, "prefill_tokens": a.prefill, "decode_tokens": a.decode,
