@@ -84,6 +84,8 @@ struct GdnLayer {
   // node_rec must hold at least the states of the last node and of every node a
   // child other than the next node starts from (`node_rec_kept`); a backend may
   // leave the others unwritten (the CPU keeps a chain's states in cache).
+  // node_conv is scratch a backend may use for the windows (the CPU reads each
+  // token's window from its ancestors' inputs instead and leaves it untouched).
   float* node_conv;
   void* node_rec;       // [n][nv][dk][dv] of state_type
   float* node_upd;

@@ -138,7 +138,10 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
   float u[512], delta[512];
   int j0 = 0;
 #if defined(__AVX2__)
-  const __m256 dec = _mm256_set1_ps(decay);
+  // Column j of the new state and out[j] depend on column j of S alone, so both
+  // passes run on one block of 32 columns (16 KB for dk = 128) before the next:
+  // the second pass finds its block in L1.
+  const __m256 dec = _mm256_set1_ps(decay), vbeta = _mm256_set1_ps(beta);
   for (; j0 + 32 <= dv; j0 += 32) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int i = 0; i < dk; ++i) {
@@ -149,27 +152,15 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
       a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 16), dec), ki));
       a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 24), dec), ki));
     }
-    _mm256_storeu_ps(u + j0, a0);
-    _mm256_storeu_ps(u + j0 + 8, a1);
-    _mm256_storeu_ps(u + j0 + 16, a2);
-    _mm256_storeu_ps(u + j0 + 24, a3);
-  }
-#endif
-  for (int j = j0; j < dv; ++j) u[j] = 0.f;
-  for (int i = 0; i < dk; ++i) {
-    const float* Si = S_in + (int64_t)i * dv;
-    const float ki = k[i];
-    for (int j = j0; j < dv; ++j) u[j] += (Si[j] * decay) * ki;
-  }
-  for (int j = 0; j < dv; ++j) {
-    delta[j] = beta * (v[j] - u[j]);
-    out[j] = 0.f;
-  }
-  j0 = 0;
-#if defined(__AVX2__)
-  for (; j0 + 32 <= dv; j0 += 32) {
-    const __m256 d0 = _mm256_loadu_ps(delta + j0), d1 = _mm256_loadu_ps(delta + j0 + 8);
-    const __m256 d2 = _mm256_loadu_ps(delta + j0 + 16), d3 = _mm256_loadu_ps(delta + j0 + 24);
+    // delta = beta (v - u), as the scalar loop below
+    const __m256 d0 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0), a0));
+    const __m256 d1 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 8), a1));
+    const __m256 d2 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 16), a2));
+    const __m256 d3 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 24), a3));
+    _mm256_storeu_ps(delta + j0, d0);
+    _mm256_storeu_ps(delta + j0 + 8, d1);
+    _mm256_storeu_ps(delta + j0 + 16, d2);
+    _mm256_storeu_ps(delta + j0 + 24, d3);
     __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
     for (int i = 0; i < dk; ++i) {
       const float* Si = S_in + (int64_t)i * dv + j0;
@@ -194,6 +185,17 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
     _mm256_storeu_ps(out + j0 + 24, o3);
   }
 #endif
+  // the columns left (all of them without AVX2)
+  for (int j = j0; j < dv; ++j) u[j] = 0.f;
+  for (int i = 0; i < dk; ++i) {
+    const float* Si = S_in + (int64_t)i * dv;
+    const float ki = k[i];
+    for (int j = j0; j < dv; ++j) u[j] += (Si[j] * decay) * ki;
+  }
+  for (int j = j0; j < dv; ++j) {
+    delta[j] = beta * (v[j] - u[j]);
+    out[j] = 0.f;
+  }
   for (int i = 0; i < dk; ++i) {
     const float* Si = S_in + (int64_t)i * dv;
     float* So = S_out + (int64_t)i * dv;
