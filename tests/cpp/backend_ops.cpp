@@ -439,10 +439,12 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         check(label("gdn", form + " recurrent state", n), sget(rb, rs), sget(ra, rs), stol);
         continue;
       }
-      check(label("gdn", form + " node conv states", n), ncb.get(n * cs), nca.get(n * cs), 0.0);
-      {  // every node's state on the CPU, by replaying its path's updates (gdn_commit on a copy of the committed
-         // state): bit-identical to the states the CPU kept (node_rec_kept; it leaves a chain's others in
-         // cache), and the reference for all of CUDA's node states
+      // every node's conv window and state on the CPU, by replaying its path's updates (gdn_commit on a copy
+      // of the committed state): the states bit-identical to those the CPU kept (node_rec_kept; it leaves a
+      // chain's others in cache), and the reference for all of CUDA's node windows and states (the CPU
+      // reads windows in place and never writes node_conv)
+      std::vector<float> replayed_win;
+      {
         const auto kept = node_rec_kept(P.parent.data(), n);
         const auto sa = sget(nra, n * rs);
         std::vector<float> replayed, kept_direct, kept_replayed;
@@ -454,6 +456,8 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
           cpu->gdn_commit(cw.f(), rw.p, st, nua.f(), path.data(), (int)path.size());
           const auto r = sget(rw, rs);
           replayed.insert(replayed.end(), r.begin(), r.end());
+          const auto wv = cw.get(cs);
+          replayed_win.insert(replayed_win.end(), wv.begin(), wv.end());
           if (kept[t]) {
             kept_direct.insert(kept_direct.end(), sa.begin() + (size_t)t * rs, sa.begin() + (size_t)(t + 1) * rs);
             kept_replayed.insert(kept_replayed.end(), r.begin(), r.end());
@@ -461,6 +465,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         }
         check(label("gdn", form + " cpu kept node states == replay (bitwise)", n), kept_direct, kept_replayed, 0.0);
         check(label("gdn", form + " node recurrent states", n), sget(nrb, n * rs), replayed, stol);
+        check(label("gdn", form + " node conv states", n), ncb.get(n * cs), replayed_win, 0.0);
       }
       check(label("gdn", form + " committed state untouched", n), sget(rb, rs), rec, 0.0);
       // each node's update: conv inputs exactly, keys / deltas / decays as the states
@@ -485,12 +490,11 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         Buf& cw = on_cpu ? ca : cb;
         Buf& r = on_cpu ? ra : rb;
         Buf& nu = on_cpu ? nua : nub;
-        Buf& nc = on_cpu ? nca : ncb;
         Buf& nr = on_cpu ? nra : nrb;
         be->gdn_commit(cw.f(), r.p, st, nu.f(), path.data(), (int)path.size());
         const std::string who = on_cpu ? "cpu " : "cuda ";
-        const auto node_win = nc.get(n * cs);
-        check(label("gdn", who + form + " commit conv == node window (bitwise)", n), cw.get(cs),
+        const auto node_win = ncb.get(n * cs);  // CUDA's (checked against the CPU's replays above)
+        check(label("gdn", who + form + " commit conv == cuda node window (bitwise)", n), cw.get(cs),
               std::vector<float>(node_win.begin() + (size_t)path.back() * cs,
                                  node_win.begin() + (size_t)(path.back() + 1) * cs), 0.0);
         check(label("gdn", who + form + " commit == node state (bitwise)", n), sget(r, rs),
