@@ -201,11 +201,14 @@ class CpuBackend final : public Backend {
     const std::vector<uint8_t> keep = P.commit ? std::vector<uint8_t>() : node_rec_kept(P.parent.data(), n);
     // the delta rule, per value head through all tokens
     pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<float> tmp(L.state_type == DType::F32 ? 0 : hs);
-      // f32 tree nodes step in a cached working state: a node whose parent is the one just stepped
-      // reads it instead of memory, and only the states node_rec must hold are streamed out to it
-      // (written without being read first)
-      std::vector<float> work(L.state_type == DType::F32 && !P.commit ? hs : 0);
+      // a reduced state is computed in f32 in `tmp`; f32 tree nodes step in a cached working state
+      // (`work`): a node whose parent is the one just stepped reads it instead of memory, and only the
+      // states node_rec must hold are streamed out to it (written without being read first).  Both are
+      // per-thread buffers kept across calls (allocating them per part cost a verify ~1 ms).
+      const bool reduced = L.state_type != DType::F32, use_work = !reduced && !P.commit;
+      thread_local std::vector<float> tmp, work;
+      if (reduced && tmp.size() < hs) tmp.resize(hs);
+      if (use_work && work.size() < hs) work.resize(hs);
       for (int64_t h = h0; h < h1; ++h) {
         const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
         for (int t = 0; t < n; ++t) {
@@ -223,10 +226,10 @@ class CpuBackend final : public Backend {
           float* upd = upd_of(t);
           const float* Sin = reinterpret_cast<const float*>(src);
           float* Sout = reinterpret_cast<float*>(dst);
-          if (!tmp.empty()) {  // a reduced state: computed in f32, rounded back after the token
+          if (reduced) {  // a reduced state: computed in f32, rounded back after the token
             dequantize_row(L.state_type, src, tmp.data(), (int64_t)hs);
             Sin = Sout = tmp.data();
-          } else if (!work.empty()) {
+          } else if (use_work) {
             if (t > 0 && par == t - 1) Sin = work.data();
             Sout = work.data();
           }
@@ -236,8 +239,8 @@ class CpuBackend final : public Backend {
           const float decay = std::exp(g);
           delta_rule_step(Sin, Sout, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
                           upd ? upd + U.delta + (size_t)h * dv : nullptr);
-          if (!tmp.empty()) quantize_row(L.state_type, tmp.data(), dst, (int64_t)hs);
-          else if (!work.empty() && keep[t]) stream_copy(reinterpret_cast<float*>(dst), work.data(), hs);
+          if (reduced) quantize_row(L.state_type, tmp.data(), dst, (int64_t)hs);
+          else if (use_work && keep[t]) stream_copy(reinterpret_cast<float*>(dst), work.data(), hs);
           if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
           const float* zt = z + (size_t)t * Cv + h * dv;
