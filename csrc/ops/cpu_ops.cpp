@@ -95,36 +95,59 @@ void embed_row(const Weight& W, int32_t token, float* out) {
 }
 
 #if defined(__AVX2__)
-// exp_poly on 8 lanes, the same operations in the same order.
-static inline __m256 exp_poly8(__m256 x) {
+// exp_poly on N vectors of 8 lanes, the same operations in the same order.  The
+// steps are interleaved across the N vectors: one vector's chain of dependent
+// operations is long, and N independent chains keep the pipes busy.
+template <int N>
+static inline void exp_poly8(__m256 (&x)[N]) {
   using namespace exp_poly_c;
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  x = _mm256_max_ps(_mm256_set1_ps(kLo), x);  // (lo > x) ? lo : x, a NaN x kept
-  x = _mm256_min_ps(_mm256_set1_ps(kHi), x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Hi)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Lo)));
-  __m256 p = _mm256_set1_ps(kP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP[i]));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
-  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  __m256 nan[N], n[N], r[N], p[N];
+  for (int v = 0; v < N; ++v) {
+    nan[v] = _mm256_cmp_ps(x[v], x[v], _CMP_UNORD_Q);
+    x[v] = _mm256_max_ps(_mm256_set1_ps(kLo), x[v]);  // (lo > x) ? lo : x, a NaN x kept
+    x[v] = _mm256_min_ps(_mm256_set1_ps(kHi), x[v]);
+    n[v] = _mm256_round_ps(_mm256_mul_ps(x[v], _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  for (int v = 0; v < N; ++v) {
+    r[v] = _mm256_sub_ps(x[v], _mm256_mul_ps(n[v], _mm256_set1_ps(kLn2Hi)));
+    r[v] = _mm256_sub_ps(r[v], _mm256_mul_ps(n[v], _mm256_set1_ps(kLn2Lo)));
+    p[v] = _mm256_set1_ps(kP[0]);
+  }
+  for (int i = 1; i < 6; ++i)
+    for (int v = 0; v < N; ++v) p[v] = _mm256_add_ps(_mm256_mul_ps(p[v], r[v]), _mm256_set1_ps(kP[i]));
   const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-  return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p, f1), f2), x, nan);
+  for (int v = 0; v < N; ++v) {
+    p[v] = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p[v], _mm256_mul_ps(r[v], r[v])), r[v]), _mm256_set1_ps(1.f));
+    const __m256i ni = _mm256_cvtps_epi32(n[v]), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    x[v] = _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p[v], f1), f2), x[v], nan[v]);
+  }
+}
+
+// silu_rows on N vectors at a + i (and b + i).
+template <int N>
+static inline void silu8(const float* a, const float* b, float* out, int64_t i) {
+  const __m256 one = _mm256_set1_ps(1.f), neg0 = _mm256_set1_ps(-0.f);
+  __m256 x[N], e[N];
+  for (int v = 0; v < N; ++v) {
+    x[v] = _mm256_loadu_ps(a + i + 8 * v);
+    e[v] = _mm256_xor_ps(x[v], neg0);
+  }
+  exp_poly8<N>(e);
+  for (int v = 0; v < N; ++v) {
+    __m256 s = _mm256_div_ps(x[v], _mm256_add_ps(one, e[v]));
+    if (b) s = _mm256_mul_ps(s, _mm256_loadu_ps(b + i + 8 * v));
+    _mm256_storeu_ps(out + i + 8 * v, s);
+  }
 }
 #endif
 
 void silu_rows(const float* a, const float* b, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__)
-  const __m256 one = _mm256_set1_ps(1.f), neg0 = _mm256_set1_ps(-0.f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(a + i);
-    __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp_poly8(_mm256_xor_ps(x, neg0))));
-    if (b) s = _mm256_mul_ps(s, _mm256_loadu_ps(b + i));
-    _mm256_storeu_ps(out + i, s);
-  }
+  for (; i + 32 <= n; i += 32) silu8<4>(a, b, out, i);
+  for (; i + 8 <= n; i += 8) silu8<1>(a, b, out, i);
 #endif
   for (; i < n; ++i) out[i] = b ? silu(a[i]) * b[i] : silu(a[i]);
 }
