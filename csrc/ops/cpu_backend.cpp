@@ -123,45 +123,59 @@ class CpuBackend final : public Backend {
     const size_t head_bytes = (size_t)(hd / tt->block_elems) * tt->block_bytes;
     const float scale = 1.f / std::sqrt((float)hd);
     const ChunkPlan& P = *p_;
-    pool_.parallel_for((int64_t)P.n * n_head, 1, [&](int64_t w0, int64_t w1) {
-      thread_local std::vector<float> sc, tmp;
-      tmp.resize(hd);
+    // One work item per (token, KV head): each K and V row is widened to f32 once
+    // and used by every query head of its group.  Per query head the operations are
+    // those of dot_f / axpy_row on the row's own type (they widen exactly), in slot
+    // order, so the result does not depend on the grouping.
+    const int n_kv = a.n_head_kv;
+    pool_.parallel_for((int64_t)P.n * n_kv, 1, [&](int64_t w0, int64_t w1) {
+      thread_local std::vector<float> sc, row;
+      row.resize(hd);
       for (int64_t wi = w0; wi < w1; ++wi) {
-        const int t = (int)(wi / n_head), j = (int)(wi % n_head), m = j / group;
+        const int t = (int)(wi / n_kv), m = (int)(wi % n_kv);
         const size_t n_prefix = (size_t)P.n_prefix[t];
         const size_t n_vis = n_prefix + (size_t)P.extra_count[t];
         const int32_t* extra = P.extra_slots.data() + P.extra_begin[t];
         auto slot = [&](size_t s) -> size_t { return s < n_prefix ? s : (size_t)extra[s - n_prefix]; };
-        const float* q = qg + (size_t)t * n_head * qs + (size_t)j * qs;
-        sc.resize(n_vis);
-        float mx = -INFINITY;
+        // row s of the cache (K or V) for this KV head, as f32
+        auto widened = [&](const uint8_t* cache, size_t s) -> const float* {
+          const uint8_t* r = cache + slot(s) * kv_row + m * head_bytes;
+          if (kvt == DType::F32) return reinterpret_cast<const float*>(r);
+          widen_row(kvt, r, row.data(), hd);
+          return row.data();
+        };
+        const float* q0 = qg + (size_t)t * n_head * qs + (size_t)m * group * qs;
+        sc.resize((size_t)group * n_vis);
         for (size_t s = 0; s < n_vis; ++s) {
-          const uint8_t* kr = L.k_cache + slot(s) * kv_row + m * head_bytes;
-          float d;
-          if (dtype_is_quantized(kvt)) {
-            dequantize_row(kvt, kr, tmp.data(), hd);
-            d = dot_f(DType::F32, tmp.data(), q, hd);
-          } else {
-            d = dot_f(kvt, kr, q, hd);
+          const float* k = widened(L.k_cache, s);
+          for (int g = 0; g < group; ++g) sc[(size_t)g * n_vis + s] = dot_f(DType::F32, k, q0 + (size_t)g * qs, hd) * scale;
+        }
+        float* o0 = o + ((size_t)t * n_head + (size_t)m * group) * hd;
+        std::vector<float> inv(group);
+        for (int g = 0; g < group; ++g) {
+          float* e = sc.data() + (size_t)g * n_vis;
+          float mx = -INFINITY;
+          for (size_t s = 0; s < n_vis; ++s) mx = std::max(mx, e[s]);
+          float sum = 0.f;
+          for (size_t s = 0; s < n_vis; ++s) {
+            e[s] = std::exp(e[s] - mx);
+            sum += e[s];
           }
-          sc[s] = d * scale;
-          mx = std::max(mx, sc[s]);
+          inv[g] = 1.f / sum;
+          for (int d = 0; d < hd; ++d) o0[(size_t)g * hd + d] = 0.f;
         }
-        float sum = 0.f;
         for (size_t s = 0; s < n_vis; ++s) {
-          sc[s] = std::exp(sc[s] - mx);
-          sum += sc[s];
+          const float* v = widened(L.v_cache, s);
+          for (int g = 0; g < group; ++g) axpy_row(DType::F32, v, sc[(size_t)g * n_vis + s], o0 + (size_t)g * hd, hd, nullptr);
         }
-        float* ot = o + ((size_t)t * n_head + j) * hd;
-        for (int d = 0; d < hd; ++d) ot[d] = 0.f;
-        for (size_t s = 0; s < n_vis; ++s)
-          axpy_row(kvt, L.v_cache + slot(s) * kv_row + m * head_bytes, sc[s], ot, hd, tmp.data());
-        const float inv = 1.f / sum;
-        if (a.gated) {
-          const float* gate = q + hd;
-          for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv * sigmoid(gate[d]);
-        } else {
-          for (int d = 0; d < hd; ++d) ot[d] *= inv;
+        for (int g = 0; g < group; ++g) {
+          float* ot = o0 + (size_t)g * hd;
+          if (a.gated) {
+            const float* gate = q0 + (size_t)g * qs + hd;
+            for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv[g] * sigmoid(gate[d]);
+          } else {
+            for (int d = 0; d < hd; ++d) ot[d] *= inv[g];
+          }
         }
       }
     });

@@ -146,6 +146,17 @@ static inline __m256 load_f8(DType t, const void* wv, int64_t k) {
 }
 #endif
 
+void widen_row(DType t, const void* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef DFL_AVX2
+  if (t == DType::F32 || t == DType::F16 || t == DType::BF16)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f8(t, src, i));
+#endif
+  if (i == 0) return dequantize_row(t, src, dst, n);
+  const size_t es = t == DType::F32 ? 4 : 2;
+  if (i < n) dequantize_row(t, static_cast<const uint8_t*>(src) + i * es, dst + i, n - i);
+}
+
 float dot_f(DType t, const void* wv, const float* x, int64_t n) {
   int64_t i = 0;
 #ifdef DFL_AVX2

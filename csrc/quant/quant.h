@@ -30,6 +30,8 @@ void quantize_row(DType t, const float* x, void* dst, int64_t n);  // F32, F16, 
 // invariance), so a token's value never depends on its neighbours.
 void dot_row_q(DType t, const void* w_row, const ActRow* x, int nt, int64_t n, float* out);
 constexpr int kDotMaxTokens = 4;
+// dequantize_row's values (exactly), with F16C / AVX2 for the float types where built.
+void widen_row(DType t, const void* src, float* dst, int64_t n);
 // Float weights (F32/F16/BF16) against f32 activations.
 float dot_f(DType t, const void* w_row, const float* x, int64_t n);
 // out[k] = w_row . x[k * x_stride ..] for k < nt, each exactly equal to dot_f's result (the weight
