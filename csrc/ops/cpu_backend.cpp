@@ -125,12 +125,13 @@ class CpuBackend final : public Backend {
     const ChunkPlan& P = *p_;
     // One work item per (token, KV head): each K and V row is widened to f32 once
     // and used by every query head of its group.  Per query head the operations are
-    // those of dot_f / axpy_row on the row's own type (they widen exactly), in slot
-    // order, so the result does not depend on the grouping.
+    // dot_f and axpy_row on the widened row (widening is exact), in slot order, so
+    // the result does not depend on the grouping.
     const int n_kv = a.n_head_kv;
     pool_.parallel_for((int64_t)P.n * n_kv, 1, [&](int64_t w0, int64_t w1) {
-      thread_local std::vector<float> sc, row;
+      thread_local std::vector<float> sc, row, inv;
       row.resize(hd);
+      inv.resize(group);
       for (int64_t wi = w0; wi < w1; ++wi) {
         const int t = (int)(wi / n_kv), m = (int)(wi % n_kv);
         const size_t n_prefix = (size_t)P.n_prefix[t];
@@ -151,7 +152,6 @@ class CpuBackend final : public Backend {
           for (int g = 0; g < group; ++g) sc[(size_t)g * n_vis + s] = dot_f(DType::F32, k, q0 + (size_t)g * qs, hd) * scale;
         }
         float* o0 = o + ((size_t)t * n_head + (size_t)m * group) * hd;
-        std::vector<float> inv(group);
         for (int g = 0; g < group; ++g) {
           float* e = sc.data() + (size_t)g * n_vis;
           float mx = -INFINITY;
@@ -166,7 +166,7 @@ class CpuBackend final : public Backend {
         }
         for (size_t s = 0; s < n_vis; ++s) {
           const float* v = widened(L.v_cache, s);
-          for (int g = 0; g < group; ++g) axpy_row(DType::F32, v, sc[(size_t)g * n_vis + s], o0 + (size_t)g * hd, hd, nullptr);
+          for (int g = 0; g < group; ++g) axpy_row(v, sc[(size_t)g * n_vis + s], o0 + (size_t)g * hd, hd);
         }
         for (int g = 0; g < group; ++g) {
           float* ot = o0 + (size_t)g * hd;

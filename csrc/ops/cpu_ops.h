@@ -44,7 +44,7 @@ void rmsnorm_rows(const float* x, const float* w, int n, int dim, float eps, flo
 void rope_neox(float* v, const RopeSpec& r, int64_t pos);
 
 // exp(x) as the gates use it: Cody-Waite range reduction (x = n ln2 + r) and
-// Cephes' degree-6 polynomial for exp(r), within 2 ulp of the true value for
+// Cephes' degree-6 polynomial for exp(r), within 1 ulp of the true value for
 // finite results; inf above 88.73, 0 below -104, NaN through.  Every step is
 // one IEEE float operation (no fused multiply-add), so silu_rows' AVX2 lanes
 // and this scalar code give the same bits.

@@ -147,14 +147,16 @@ static inline __m256 load_f8(DType t, const void* wv, int64_t k) {
 #endif
 
 void widen_row(DType t, const void* src, float* dst, int64_t n) {
-  int64_t i = 0;
 #ifdef DFL_AVX2
-  if (t == DType::F32 || t == DType::F16 || t == DType::BF16)
+  if (t == DType::F32 || t == DType::F16 || t == DType::BF16) {
+    int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_f8(t, src, i));
+    const size_t es = t == DType::F32 ? 4 : 2;
+    if (i < n) dequantize_row(t, static_cast<const uint8_t*>(src) + i * es, dst + i, n - i);
+    return;
+  }
 #endif
-  if (i == 0) return dequantize_row(t, src, dst, n);
-  const size_t es = t == DType::F32 ? 4 : 2;
-  if (i < n) dequantize_row(t, static_cast<const uint8_t*>(src) + i * es, dst + i, n - i);
+  dequantize_row(t, src, dst, n);
 }
 
 float dot_f(DType t, const void* wv, const float* x, int64_t n) {
@@ -203,23 +205,7 @@ void dot_f_multi(DType t, const void* wv, const float* x, int64_t x_stride, int 
   for (; k < nt; ++k) out[k] = dot_f(t, wv, x + (int64_t)k * x_stride, n);
 }
 
-void axpy_row(DType t, const void* row, float p, float* out, int64_t n, float* tmp) {
-  const float* v = (const float*)row;
-  if (t != DType::F32) {
-#ifdef DFL_AVX2
-    if (t == DType::F16 && n % 8 == 0) {  // convert on the fly: same values as dequantize_row
-      const uint16_t* h = (const uint16_t*)row;
-      const __m256 pv = _mm256_set1_ps(p);
-      for (int64_t i = 0; i < n; i += 8) {
-        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i)));
-        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(pv, w)));
-      }
-      return;
-    }
-#endif
-    dequantize_row(t, row, tmp, n);
-    v = tmp;
-  }
+void axpy_row(const float* v, float p, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
 }
 

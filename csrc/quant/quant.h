@@ -37,9 +37,9 @@ float dot_f(DType t, const void* w_row, const float* x, int64_t n);
 // out[k] = w_row . x[k * x_stride ..] for k < nt, each exactly equal to dot_f's result (the weight
 // row is read once per pair of tokens).
 void dot_f_multi(DType t, const void* w_row, const float* x, int64_t x_stride, int nt, int64_t n, float* out);
-// out[i] += p * row[i] (a multiply then an add per element, never fused), row of
-// any type; `tmp` (n floats) is scratch for quantised rows.
-void axpy_row(DType t, const void* row, float p, float* out, int64_t n, float* tmp);
+// out[i] += p * v[i] (a multiply then an add per element, never fused); rows of
+// other types are widened first (widen_row).
+void axpy_row(const float* v, float p, float* out, int64_t n);
 
 // K-quant weights (Q4_K, Q5_K, Q6_K) against int8 activations (act_block 256):
 // y[t * W.rows + r] for rows [r0, r1) and every token t < n.  One arithmetic for
