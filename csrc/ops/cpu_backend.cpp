@@ -123,60 +123,91 @@ class CpuBackend final : public Backend {
     const size_t head_bytes = (size_t)(hd / tt->block_elems) * tt->block_bytes;
     const float scale = 1.f / std::sqrt((float)hd);
     const ChunkPlan& P = *p_;
-    // One work item per (token, KV head): each K and V row is widened to f32 once
-    // and used by every query head of its group.  Per query head the operations are
-    // dot_f and axpy_row on the widened row (widening is exact), in slot order, so
-    // the result does not depend on the grouping.
-    const int n_kv = a.n_head_kv;
-    pool_.parallel_for((int64_t)P.n * n_kv, 1, [&](int64_t w0, int64_t w1) {
-      thread_local std::vector<float> sc, row, inv;
+    // One work item per (KV head, block of tokens).  A K or V row of the committed
+    // prefix is widened to f32 once per item, in blocks of kKeyBlock rows, and used by
+    // every query head of the group for every token of the block that sees it; a
+    // token's extra slots (its tree ancestors) are widened for it alone.  Per query
+    // head the operations are dot_f and axpy_row on the widened row (widening is
+    // exact), over the token's visible slots in order, so the result does not depend
+    // on the grouping or on the other tokens.
+    constexpr int kKeyBlock = 32;
+    const int n_kv = a.n_head_kv, n = P.n;
+    // tokens per item: enough items for every thread to get about four
+    const int tb = std::clamp((n * n_kv + 4 * pool_.size() - 1) / (4 * pool_.size()), 1, 16);
+    const int n_blocks = (n + tb - 1) / tb;
+    pool_.parallel_for((int64_t)n_blocks * n_kv, 1, [&](int64_t w0, int64_t w1) {
+      thread_local std::vector<float> sc, rows, row, inv, dots;
       row.resize(hd);
-      inv.resize(group);
+      dots.resize(group);
+      inv.resize((size_t)tb * group);
+      rows.resize((size_t)kKeyBlock * hd);
       for (int64_t wi = w0; wi < w1; ++wi) {
-        const int t = (int)(wi / n_kv), m = (int)(wi % n_kv);
-        const size_t n_prefix = (size_t)P.n_prefix[t];
-        const size_t n_vis = n_prefix + (size_t)P.extra_count[t];
-        const int32_t* extra = P.extra_slots.data() + P.extra_begin[t];
-        auto slot = [&](size_t s) -> size_t { return s < n_prefix ? s : (size_t)extra[s - n_prefix]; };
-        // row s of the cache (K or V) for this KV head, as f32
-        auto widened = [&](const uint8_t* cache, size_t s) -> const float* {
-          const uint8_t* r = cache + slot(s) * kv_row + m * head_bytes;
+        const int m = (int)(wi % n_kv), t0 = (int)(wi / n_kv) * tb, t1 = std::min(n, t0 + tb);
+        size_t max_prefix = 0, max_vis = 0;
+        for (int t = t0; t < t1; ++t) {
+          max_prefix = std::max(max_prefix, (size_t)P.n_prefix[t]);
+          max_vis = std::max(max_vis, (size_t)P.n_prefix[t] + (size_t)P.extra_count[t]);
+        }
+        sc.resize((size_t)(t1 - t0) * group * max_vis);
+        // row `slot` of the cache (K or V) for this KV head, as f32 in dst (F32: in place)
+        auto widened = [&](const uint8_t* cache, size_t slot, float* dst) -> const float* {
+          const uint8_t* r = cache + slot * kv_row + m * head_bytes;
           if (kvt == DType::F32) return reinterpret_cast<const float*>(r);
-          widen_row(kvt, r, row.data(), hd);
-          return row.data();
+          widen_row(kvt, r, dst, hd);
+          return dst;
         };
-        const float* q0 = qg + (size_t)t * n_head * qs + (size_t)m * group * qs;
-        sc.resize((size_t)group * n_vis);
-        for (size_t s = 0; s < n_vis; ++s) {
-          const float* k = widened(L.k_cache, s);
-          for (int g = 0; g < group; ++g) sc[(size_t)g * n_vis + s] = dot_f(DType::F32, k, q0 + (size_t)g * qs, hd) * scale;
-        }
-        float* o0 = o + ((size_t)t * n_head + (size_t)m * group) * hd;
-        for (int g = 0; g < group; ++g) {
-          float* e = sc.data() + (size_t)g * n_vis;
-          float mx = -INFINITY;
-          for (size_t s = 0; s < n_vis; ++s) mx = std::max(mx, e[s]);
-          float sum = 0.f;
-          for (size_t s = 0; s < n_vis; ++s) {
-            e[s] = std::exp(e[s] - mx);
-            sum += e[s];
+        // fn(t, s, row) for each token of the block and each visible slot s, in slot order per
+        // token: the prefix a block of rows at a time, then each token's extra slots
+        auto each_visible = [&](const uint8_t* cache, auto&& fn) {
+          for (size_t s0 = 0; s0 < max_prefix; s0 += kKeyBlock) {
+            const size_t s1 = std::min(max_prefix, s0 + kKeyBlock);
+            const float* blk[kKeyBlock];
+            for (size_t s = s0; s < s1; ++s) blk[s - s0] = widened(cache, s, rows.data() + (s - s0) * hd);
+            for (int t = t0; t < t1; ++t)
+              for (size_t s = s0; s < std::min(s1, (size_t)P.n_prefix[t]); ++s) fn(t, s, blk[s - s0]);
           }
-          inv[g] = 1.f / sum;
-          for (int d = 0; d < hd; ++d) o0[(size_t)g * hd + d] = 0.f;
-        }
-        for (size_t s = 0; s < n_vis; ++s) {
-          const float* v = widened(L.v_cache, s);
-          for (int g = 0; g < group; ++g) axpy_row(v, sc[(size_t)g * n_vis + s], o0 + (size_t)g * hd, hd);
-        }
-        for (int g = 0; g < group; ++g) {
-          float* ot = o0 + (size_t)g * hd;
-          if (a.gated) {
-            const float* gate = q0 + (size_t)g * qs + hd;
-            for (int d = 0; d < hd; ++d) ot[d] = ot[d] * inv[g] * sigmoid(gate[d]);
-          } else {
-            for (int d = 0; d < hd; ++d) ot[d] *= inv[g];
+          for (int t = t0; t < t1; ++t) {
+            const size_t n_prefix = (size_t)P.n_prefix[t];
+            const int32_t* extra = P.extra_slots.data() + P.extra_begin[t];
+            for (int e = 0; e < P.extra_count[t]; ++e) fn(t, n_prefix + e, widened(cache, (size_t)extra[e], row.data()));
           }
+        };
+        auto q_of = [&](int t) { return qg + (size_t)t * n_head * qs + (size_t)m * group * qs; };
+        auto o_of = [&](int t) { return o + ((size_t)t * n_head + (size_t)m * group) * hd; };
+        auto sc_of = [&](int t, int g) { return sc.data() + ((size_t)(t - t0) * group + g) * max_vis; };
+        each_visible(L.k_cache, [&](int t, size_t s, const float* k) {
+          dot_f_multi(DType::F32, k, q_of(t), qs, group, hd, dots.data());
+          for (int g = 0; g < group; ++g) sc_of(t, g)[s] = dots[g] * scale;
+        });
+        for (int t = t0; t < t1; ++t) {
+          const size_t n_vis = (size_t)P.n_prefix[t] + (size_t)P.extra_count[t];
+          for (int g = 0; g < group; ++g) {
+            float* e = sc_of(t, g);
+            float mx = -INFINITY;
+            for (size_t s = 0; s < n_vis; ++s) mx = std::max(mx, e[s]);
+            float sum = 0.f;
+            for (size_t s = 0; s < n_vis; ++s) {
+              e[s] = std::exp(e[s] - mx);
+              sum += e[s];
+            }
+            inv[(size_t)(t - t0) * group + g] = 1.f / sum;
+          }
+          std::fill(o_of(t), o_of(t) + (size_t)group * hd, 0.f);
         }
+        each_visible(L.v_cache, [&](int t, size_t s, const float* v) {
+          float* o0 = o_of(t);
+          for (int g = 0; g < group; ++g) axpy_row(v, sc_of(t, g)[s], o0 + (size_t)g * hd, hd);
+        });
+        for (int t = t0; t < t1; ++t)
+          for (int g = 0; g < group; ++g) {
+            float* ot = o_of(t) + (size_t)g * hd;
+            const float iv = inv[(size_t)(t - t0) * group + g];
+            if (a.gated) {
+              gate_rows(ot, iv, q_of(t) + (size_t)g * qs + hd, ot, hd);
+            } else {
+              for (int d = 0; d < hd; ++d) ot[d] *= iv;
+            }
+          }
       }
     });
   }
@@ -215,50 +246,92 @@ class CpuBackend final : public Backend {
     const std::vector<uint8_t> keep = P.commit ? std::vector<uint8_t>() : node_rec_kept(P.parent.data(), n);
     // the delta rule, per value head through all tokens
     pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
-      // a reduced state is computed in f32 in `tmp`; f32 tree nodes step in a cached working state
-      // (`work`): a node whose parent is the one just stepped reads it instead of memory, and only the
-      // states node_rec must hold are streamed out to it (written without being read first).  Both are
-      // per-thread buffers kept across calls (allocating them per part cost a verify ~1 ms).
-      const bool reduced = L.state_type != DType::F32, use_work = !reduced && !P.commit;
-      thread_local std::vector<float> tmp, work;
+      // Per-thread buffers kept across calls (allocating them per part cost a verify ~1 ms):
+      // `tmp` a reduced state in f32, `work` one column block of the f32 state being stepped,
+      // `gate` each token's beta and decay.
+      const bool reduced = L.state_type != DType::F32;
+      thread_local std::vector<float> tmp, work, gate;
       if (reduced && tmp.size() < hs) tmp.resize(hs);
-      if (use_work && work.size() < hs) work.resize(hs);
+      if (work.size() < (size_t)dk * kDeltaCols) work.resize((size_t)dk * kDeltaCols);
+      if (gate.size() < 2 * (size_t)n) gate.resize(2 * (size_t)n);
       for (int64_t h = h0; h < h1; ++h) {
         const int kh = (int)(h % nk);  // GGUF (tiled) value-head order
+        const size_t hoff = (size_t)h * hs;  // the head's first element in a state
+        float* beta = gate.data();
+        float* decay = beta + n;
         for (int t = 0; t < n; ++t) {
-          // this token's head state (of state_type) before and after the step: in commit mode the
-          // layer's own, in place; in tree mode the parent's (or the committed one) into the node's
-          const size_t hoff = (size_t)h * hs * es;
-          uint8_t* dst = P.commit ? static_cast<uint8_t*>(L.rec) + hoff
-                                  : static_cast<uint8_t*>(L.node_rec) + (size_t)t * rs * es + hoff;
-          const int par = P.commit ? -1 : P.parent[t];
-          const uint8_t* src = P.commit || par < 0 ? static_cast<const uint8_t*>(L.rec) + hoff
-                                                   : static_cast<const uint8_t*>(L.node_rec) + (size_t)par * rs * es + hoff;
-          const float* q = mm + (size_t)t * Cconv;
-          const float* k = q + Ck;
-          const float* v = q + 2 * Ck;
+          beta[t] = sigmoid(bb[(size_t)t * nv + h]);
+          decay[t] = std::exp(L.ssm_a[h] * softplus(aa[(size_t)t * nv + h] + L.dt_bias[h]));
+        }
+        // token t's q, k, v, its output row and its update (verify) of this head
+        auto step_args = [&](int t, const float*& q, const float*& k, const float*& v, float*& o, float*& delta) {
+          q = mm + (size_t)t * Cconv + kh * dk;
+          k = q + Ck;
+          v = mm + (size_t)t * Cconv + 2 * Ck + h * dv;
+          o = y + (size_t)t * Cv + h * dv;
           float* upd = upd_of(t);
-          const float* Sin = reinterpret_cast<const float*>(src);
-          float* Sout = reinterpret_cast<float*>(dst);
-          if (reduced) {  // a reduced state: computed in f32, rounded back after the token
+          delta = upd ? upd + U.delta + (size_t)h * dv : nullptr;
+        };
+        if (reduced) {
+          // a reduced state: each token's step computed in f32 from the state of state_type and
+          // rounded back after it (commit: the layer's own, in place; verify: parent -> node)
+          for (int t = 0; t < n; ++t) {
+            const int par = P.commit ? -1 : P.parent[t];
+            const uint8_t* src = P.commit || par < 0 ? static_cast<const uint8_t*>(L.rec) + hoff * es
+                                                     : static_cast<const uint8_t*>(L.node_rec) + ((size_t)par * rs + hoff) * es;
+            uint8_t* dst = P.commit ? static_cast<uint8_t*>(L.rec) + hoff * es
+                                    : static_cast<uint8_t*>(L.node_rec) + ((size_t)t * rs + hoff) * es;
+            const float *q, *k, *v;
+            float *o, *delta;
+            step_args(t, q, k, v, o, delta);
             dequantize_row(L.state_type, src, tmp.data(), (int64_t)hs);
-            Sin = Sout = tmp.data();
-          } else if (use_work) {
-            if (t > 0 && par == t - 1) Sin = work.data();
-            Sout = work.data();
+            delta_rule_step(tmp.data(), tmp.data(), k, v, q, decay[t], beta[t], dk, dv, o, delta);
+            quantize_row(L.state_type, tmp.data(), dst, (int64_t)hs);
           }
-          const float beta = sigmoid(bb[(size_t)t * nv + h]);
-          const float g = L.ssm_a[h] * softplus(aa[(size_t)t * nv + h] + L.dt_bias[h]);
+        } else {
+          // f32: the tokens step one block of columns at a time (columns are independent), the
+          // block in `work` (dk x nb, contiguous: it stays in L1 through all tokens).  A token
+          // whose parent is the token before reads `work`; one that starts from the committed
+          // state or an earlier node reads that state's block.  In commit mode the layer's state
+          // is the start and receives the block after the last token (a single token steps it in
+          // place); in verify mode only the node states node_rec must hold are written
+          // (streamed: they are read again much later, by a branch or the next chunk).
+          float* rec = static_cast<float*>(L.rec) + hoff;
+          float* node_rec = static_cast<float*>(L.node_rec);
+          const std::vector<uint8_t>& kept = keep;
+          for (int j0 = 0; j0 < dv; j0 += kDeltaCols) {
+            const int nb = std::min(kDeltaCols, dv - j0);
+            for (int t = 0; t < n; ++t) {
+              const float *Sin = work.data(), *q, *k, *v;
+              int64_t in_stride = nb;
+              float *Sout = work.data(), *o, *delta;
+              int64_t out_stride = nb;
+              if (P.commit) {
+                if (n == 1) Sout = rec + j0, out_stride = dv;
+                if (t == 0) Sin = rec + j0, in_stride = dv;
+              } else {
+                const int par = P.parent[t];
+                if (par < 0) Sin = rec + j0, in_stride = dv;
+                else if (par != t - 1) Sin = node_rec + (size_t)par * rs + hoff + j0, in_stride = dv;
+              }
+              step_args(t, q, k, v, o, delta);
+              delta_rule_cols(Sin, in_stride, Sout, out_stride, k, v + j0, q, decay[t], beta[t], dk, nb, o + j0,
+                              delta ? delta + j0 : nullptr);
+              if (!P.commit && kept[t]) {
+                float* dst = node_rec + (size_t)t * rs + hoff + j0;
+                for (int i = 0; i < dk; ++i) stream_copy(dst + (size_t)i * dv, work.data() + (size_t)i * nb, nb);
+              }
+            }
+            if (P.commit && n > 1)
+              for (int i = 0; i < dk; ++i)
+                std::memcpy(rec + (size_t)i * dv + j0, work.data() + (size_t)i * nb, (size_t)nb * 4);
+          }
+        }
+        for (int t = 0; t < n; ++t) {
+          if (float* upd = upd_of(t)) upd[U.decay + h] = decay[t];
           float* oh = y + (size_t)t * Cv + h * dv;
-          const float decay = std::exp(g);
-          delta_rule_step(Sin, Sout, k + kh * dk, v + h * dv, q + kh * dk, decay, beta, dk, dv, oh,
-                          upd ? upd + U.delta + (size_t)h * dv : nullptr);
-          if (reduced) quantize_row(L.state_type, tmp.data(), dst, (int64_t)hs);
-          else if (use_work && keep[t]) stream_copy(reinterpret_cast<float*>(dst), work.data(), hs);
-          if (upd) upd[U.decay + h] = decay;
           rmsnorm_rows(oh, L.ssm_norm, 1, dv, c_.rms_eps, oh);
-          const float* zt = z + (size_t)t * Cv + h * dv;
-          silu_rows(zt, oh, oh, dv);  // oh[j] * silu(z[j])
+          silu_rows(z + (size_t)t * Cv + h * dv, oh, oh, dv);  // oh[j] * silu(z[j])
         }
       }
       stream_fence();

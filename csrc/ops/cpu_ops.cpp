@@ -1,6 +1,7 @@
 // cpu_ops.cpp — CPU implementations of the row ops used by the forward.
 #include "ops/cpu_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -143,6 +144,30 @@ static inline void silu8(const float* a, const float* b, float* out, int64_t i) 
 }
 #endif
 
+#if defined(__AVX2__)
+// gate_rows on N vectors at i
+template <int N>
+static inline void gate8(const float* x, float s, const float* g, float* out, int64_t i) {
+  const __m256 one = _mm256_set1_ps(1.f), neg0 = _mm256_set1_ps(-0.f), vs = _mm256_set1_ps(s);
+  __m256 e[N];
+  for (int v = 0; v < N; ++v) e[v] = _mm256_xor_ps(_mm256_loadu_ps(g + i + 8 * v), neg0);
+  exp_poly8<N>(e);
+  for (int v = 0; v < N; ++v) {
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e[v]));
+    _mm256_storeu_ps(out + i + 8 * v, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * v), vs), sig));
+  }
+}
+#endif
+
+void gate_rows(const float* x, float s, const float* g, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 32 <= n; i += 32) gate8<4>(x, s, g, out, i);
+  for (; i + 8 <= n; i += 8) gate8<1>(x, s, g, out, i);
+#endif
+  for (; i < n; ++i) out[i] = x[i] * s * sigmoid(g[i]);
+}
+
 void silu_rows(const float* a, const float* b, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -152,23 +177,19 @@ void silu_rows(const float* a, const float* b, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = b ? silu(a[i]) * b[i] : silu(a[i]);
 }
 
-void delta_rule_step(const float* S_in, float* S_out, const float* k, const float* v, const float* q, float decay,
-                     float beta, int dk, int dv, float* out, float* delta_out) {
+void delta_rule_cols(const float* S_in, int64_t in_stride, float* S_out, int64_t out_stride, const float* k,
+                     const float* v, const float* q, float decay, float beta, int dk, int nb, float* out,
+                     float* delta_out) {
   // u = (decay S)^T k; delta = beta (v - u); S' = decay S + k delta^T; out = S'^T q.
   // decay * S is formed (one rounding) in both passes rather than stored between them.
   // Every u[j] and out[j] accumulates over i in order, a multiply and an add apiece;
   // the AVX2 loops do exactly that on 8 columns at a time.
-  float u[512], delta[512];
-  int j0 = 0;
 #if defined(__AVX2__)
-  // Column j of the new state and out[j] depend on column j of S alone, so both
-  // passes run on one block of 32 columns (16 KB for dk = 128) before the next:
-  // the second pass finds its block in L1.
-  const __m256 dec = _mm256_set1_ps(decay), vbeta = _mm256_set1_ps(beta);
-  for (; j0 + 32 <= dv; j0 += 32) {
+  if (nb == kDeltaCols) {
+    const __m256 dec = _mm256_set1_ps(decay), vbeta = _mm256_set1_ps(beta);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int i = 0; i < dk; ++i) {
-      const float* Si = S_in + (int64_t)i * dv + j0;
+      const float* Si = S_in + (int64_t)i * in_stride;
       const __m256 ki = _mm256_set1_ps(k[i]);
       a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si), dec), ki));
       a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 8), dec), ki));
@@ -176,18 +197,20 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
       a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 24), dec), ki));
     }
     // delta = beta (v - u), as the scalar loop below
-    const __m256 d0 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0), a0));
-    const __m256 d1 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 8), a1));
-    const __m256 d2 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 16), a2));
-    const __m256 d3 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + j0 + 24), a3));
-    _mm256_storeu_ps(delta + j0, d0);
-    _mm256_storeu_ps(delta + j0 + 8, d1);
-    _mm256_storeu_ps(delta + j0 + 16, d2);
-    _mm256_storeu_ps(delta + j0 + 24, d3);
+    const __m256 d0 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v), a0));
+    const __m256 d1 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + 8), a1));
+    const __m256 d2 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + 16), a2));
+    const __m256 d3 = _mm256_mul_ps(vbeta, _mm256_sub_ps(_mm256_loadu_ps(v + 24), a3));
+    if (delta_out) {
+      _mm256_storeu_ps(delta_out, d0);
+      _mm256_storeu_ps(delta_out + 8, d1);
+      _mm256_storeu_ps(delta_out + 16, d2);
+      _mm256_storeu_ps(delta_out + 24, d3);
+    }
     __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
     for (int i = 0; i < dk; ++i) {
-      const float* Si = S_in + (int64_t)i * dv + j0;
-      float* So = S_out + (int64_t)i * dv + j0;
+      const float* Si = S_in + (int64_t)i * in_stride;
+      float* So = S_out + (int64_t)i * out_stride;
       const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
       const __m256 s0 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Si), dec), _mm256_mul_ps(ki, d0));
       const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Si + 8), dec), _mm256_mul_ps(ki, d1));
@@ -202,35 +225,43 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
       o2 = _mm256_add_ps(o2, _mm256_mul_ps(s2, qi));
       o3 = _mm256_add_ps(o3, _mm256_mul_ps(s3, qi));
     }
-    _mm256_storeu_ps(out + j0, o0);
-    _mm256_storeu_ps(out + j0 + 8, o1);
-    _mm256_storeu_ps(out + j0 + 16, o2);
-    _mm256_storeu_ps(out + j0 + 24, o3);
+    _mm256_storeu_ps(out, o0);
+    _mm256_storeu_ps(out + 8, o1);
+    _mm256_storeu_ps(out + 16, o2);
+    _mm256_storeu_ps(out + 24, o3);
+    return;
   }
 #endif
-  // the columns left (all of them without AVX2)
-  for (int j = j0; j < dv; ++j) u[j] = 0.f;
+  float u[kDeltaCols], delta[kDeltaCols];
+  for (int j = 0; j < nb; ++j) u[j] = 0.f;
   for (int i = 0; i < dk; ++i) {
-    const float* Si = S_in + (int64_t)i * dv;
+    const float* Si = S_in + (int64_t)i * in_stride;
     const float ki = k[i];
-    for (int j = j0; j < dv; ++j) u[j] += (Si[j] * decay) * ki;
+    for (int j = 0; j < nb; ++j) u[j] += (Si[j] * decay) * ki;
   }
-  for (int j = j0; j < dv; ++j) {
+  for (int j = 0; j < nb; ++j) {
     delta[j] = beta * (v[j] - u[j]);
     out[j] = 0.f;
   }
   for (int i = 0; i < dk; ++i) {
-    const float* Si = S_in + (int64_t)i * dv;
-    float* So = S_out + (int64_t)i * dv;
+    const float* Si = S_in + (int64_t)i * in_stride;
+    float* So = S_out + (int64_t)i * out_stride;
     const float ki = k[i], qi = q[i];
-    for (int j = j0; j < dv; ++j) {
+    for (int j = 0; j < nb; ++j) {
       const float s = Si[j] * decay + ki * delta[j];
       So[j] = s;
       out[j] += s * qi;
     }
   }
   if (delta_out)
-    for (int j = 0; j < dv; ++j) delta_out[j] = delta[j];
+    for (int j = 0; j < nb; ++j) delta_out[j] = delta[j];
+}
+
+void delta_rule_step(const float* S_in, float* S_out, const float* k, const float* v, const float* q, float decay,
+                     float beta, int dk, int dv, float* out, float* delta_out) {
+  for (int j0 = 0; j0 < dv; j0 += kDeltaCols)
+    delta_rule_cols(S_in + j0, dv, S_out + j0, dv, k, v + j0, q, decay, beta, dk, std::min(kDeltaCols, dv - j0),
+                    out + j0, delta_out ? delta_out + j0 : nullptr);
 }
 
 void stream_copy(float* dst, const float* src, size_t n) {

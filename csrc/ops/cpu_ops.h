@@ -77,6 +77,8 @@ inline float silu(float x) { return x / (1.f + exp_poly(-x)); }
 inline float sigmoid(float x) { return 1.f / (1.f + exp_poly(-x)); }
 // out[i] = silu(a[i]) * b[i] (b null: silu(a[i])), AVX2 where built; out may alias a or b.
 void silu_rows(const float* a, const float* b, float* out, int64_t n);
+// out[i] = x[i] * s * sigmoid(g[i]) (attention's output gate), AVX2 where built; out may alias x.
+void gate_rows(const float* x, float s, const float* g, float* out, int64_t n);
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 // Row of the embedding table (any weight type) as f32.
@@ -89,6 +91,15 @@ void embed_row(const Weight& W, int32_t token, float* out);
 // own.  delta_out (may be null) receives the rank-one update's delta row.
 void delta_rule_step(const float* S_in, float* S_out, const float* k, const float* v, const float* q, float decay,
                      float beta, int dk, int dv, float* out, float* delta_out = nullptr);
+// The same step on one block of nb <= kDeltaCols columns: column j of the new
+// state, delta[j] and out[j] depend on column j of S alone, so a run of tokens
+// can step one block at a time with the block in L1 (CpuBackend::gdn).  v, out
+// and delta_out point at the block's first column; S_in / S_out have row strides
+// in floats (the same buffer for in place).  delta_rule_step is this per block.
+constexpr int kDeltaCols = 32;
+void delta_rule_cols(const float* S_in, int64_t in_stride, float* S_out, int64_t out_stride, const float* k,
+                     const float* v, const float* q, float decay, float beta, int dk, int nb, float* out,
+                     float* delta_out);
 // dst[i] = src[i] with stores that bypass the cache (no read of dst first): for
 // data written now and read much later.  dst 32-byte aligned.  Call stream_fence()
 // before another thread may read it.
