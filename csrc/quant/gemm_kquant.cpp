@@ -510,12 +510,14 @@ void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
       unpack_panel<T>(W, rows, panel);
       // the next panel's rows are contiguous with this one's: ask for them now so the
       // memory reads overlap this panel's arithmetic
-      if (p0 + 4 < r1) {
-        const char* nxt = (const char*)W.row(p0 + 4);
-        const size_t bytes = (size_t)std::min<int64_t>(4, r1 - p0 - 4) * W.row_bytes;
-        for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
-      }
+      // (spread over the panel's tiles: a burst of requests stalls more than a trickle)
+      const char* nxt = p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr;
+      const size_t bytes = nxt ? (size_t)std::min<int64_t>(4, r1 - p0 - 4) * W.row_bytes : 0;
+      const int n_tiles = (te - tb) / 4;
       for (int t0 = tb; t0 < te; t0 += 4) {
+        const int k = (t0 - tb) / 4;
+        const size_t lo = bytes * k / n_tiles / 64 * 64, hi = bytes * (k + 1) / n_tiles;
+        for (size_t off = lo; off < hi; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
         panel_tile<T == DType::Q6_K>(panel, nb, xs + t0, xd2 + (size_t)(t0 / 4) * nb * 16, out);
         static const int lane_row[8] = {0, 1, 0, 1, 2, 3, 2, 3}, lane_tok[8] = {0, 0, 1, 1, 0, 0, 1, 1};
         for (int k = 0; k < 2; ++k)
