@@ -400,15 +400,26 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
           _mm256_store_si256((__m256i*)b.q[2 * c + 1][p], hi);
         }
       }
-      // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3]
-      uint8_t s8[4][8], m8[4][8];
-      for (int r = 0; r < 4; ++r) kquant_scales_mins(blk[r] + 4, s8[r], m8[r]);
-      int64_t sv[4], mv[4];
-      for (int r = 0; r < 4; ++r) {
-        std::memcpy(&sv[r], s8[r], 8);
-        std::memcpy(&mv[r], m8[r], 8);
+      // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3] (S, M), decoded
+      // as kquant_scales_mins does, in vector registers: building them from bytes stored on the
+      // stack stalled on store forwarding
+      __m256i S, M;
+      {
+        // the 12 scale bytes of each row (16 loaded, inside the block), transposed to words
+        const __m128i r0 = _mm_loadu_si128((const __m128i*)(blk[0] + 4)), r1 = _mm_loadu_si128((const __m128i*)(blk[1] + 4));
+        const __m128i r2 = _mm_loadu_si128((const __m128i*)(blk[2] + 4)), r3 = _mm_loadu_si128((const __m128i*)(blk[3] + 4));
+        const __m128i a = _mm_unpacklo_epi32(r0, r1), b = _mm_unpacklo_epi32(r2, r3);
+        const __m128i c = _mm_unpackhi_epi32(r0, r1), d = _mm_unpackhi_epi32(r2, r3);
+        const __m128i w0 = _mm_unpacklo_epi64(a, b), w1 = _mm_unpackhi_epi64(a, b), w2 = _mm_unpacklo_epi64(c, d);
+        const __m128i k3f = _mm_set1_epi8(0x3f), k0f = _mm_set1_epi8(0x0f), k03 = _mm_set1_epi8(0x03);
+        const __m128i s_lo = _mm_and_si128(w0, k3f), m_lo = _mm_and_si128(w1, k3f);
+        const __m128i s_hi = _mm_or_si128(_mm_and_si128(w2, k0f),
+                                          _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(w0, 6), k03), 4));
+        const __m128i m_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(w2, 4), k0f),
+                                          _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(w1, 6), k03), 4));
+        S = _mm256_set_m128i(_mm_unpackhi_epi32(s_lo, s_hi), _mm_unpacklo_epi32(s_lo, s_hi));
+        M = _mm256_set_m128i(_mm_unpackhi_epi32(m_lo, m_hi), _mm_unpacklo_epi32(m_lo, m_hi));
       }
-      const __m256i S = _mm256_setr_epi64x(sv[0], sv[1], sv[2], sv[3]), M = _mm256_setr_epi64x(mv[0], mv[1], mv[2], mv[3]);
       for (int j = 0; j < 8; ++j)  // one scale per chunk: the kernel reads sc[j][0] only
         _mm256_store_si256((__m256i*)b.sc[j][0], _mm256_shuffle_epi8(S, kChunkScale[j]));
       for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], _mm256_shuffle_epi8(M, kGroupMin[k]));
