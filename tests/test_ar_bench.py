@@ -33,3 +33,21 @@ def test_ar_bench_writes_the_verify_curve(tiny_f32_gguf, tmp_path):
     for v in curve["verify"]:
         assert v["ms"] > 0 and v["ar_ms"] > 0
         assert abs(v["ar_steps"] - v["ms"] / v["ar_ms"]) < 1e-9 * v["ar_steps"] + 1e-12
+
+
+def test_cpu_name_names_the_microarchitecture(tmp_path):
+    """A VM's model name alone ("AMD EPYC") spans Zen 1 to Zen 4; records carry family, model and SIMD flags."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from ar import cpu_name
+    finally:
+        sys.path.pop(0)
+    info = tmp_path / "cpuinfo"
+    block = ("processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+             "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma f16c bmi2\n\n")
+    info.write_text(block.format(i=0) + block.format(i=1))
+    assert cpu_name(str(info)) == "AMD EPYC (family 25, model 1; avx2 fma f16c)"
+    info.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC 9654\n"
+                    "flags\t\t: avx2 fma avx512f avx512_vnni\n\n")
+    assert cpu_name(str(info)) == "AMD EPYC 9654 (family 25, model 17; avx2 fma avx512f avx512_vnni)"
+    assert cpu_name(str(tmp_path / "missing"))  # no /proc/cpuinfo: still a name
