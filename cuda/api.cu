@@ -15,6 +15,7 @@
 #include "launch.cuh"
 #include "dflash27b.h"
 #include "matmul.cuh"
+#include "matmul_exact.cuh"
 #include "quant/quant.h"
 
 namespace dfl {
@@ -116,6 +117,26 @@ int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, co
     CUDA_CHECK(cudaMemcpy(dw.p, w, wbytes, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dx.p, x, (size_t)n * cols * sizeof(float), cudaMemcpyHostToDevice));
     matmul((dfl::DType)type, dw.p, rows, cols, dx.as<float>(), n, dy.as<float>(), 0);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(y, dy.p, (size_t)n * rows * sizeof(float), cudaMemcpyDeviceToHost));
+  });
+}
+
+int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
+                          float* y) {
+  using namespace dfl::cuda;
+  return dfl::api_guard([&] {
+    if (!w || !x || !y) dfl::fail("w, x and y must not be NULL");
+    const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
+    if (!matmul_exact_supported((dfl::DType)type)) dfl::fail("the exact matmul takes Q4_K, Q5_K or Q6_K, not %s", t.name);
+    require_device();
+    const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
+    DevBuf dw(wbytes), dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
+    DevBuf scratch(matmul_exact_scratch_bytes(cols, n));
+    CUDA_CHECK(cudaMemcpy(dw.p, w, wbytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dx.p, x, (size_t)n * cols * sizeof(float), cudaMemcpyHostToDevice));
+    matmul_exact((dfl::DType)type, dw.p, rows, cols, dx.as<float>(), n, dy.as<float>(), scratch.p, 0);
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaMemcpy(y, dy.p, (size_t)n * rows * sizeof(float), cudaMemcpyDeviceToHost));

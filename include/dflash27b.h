@@ -256,6 +256,11 @@ int dfl_cuda_device_count(void);
 /* dfl_matmul on the GPU (device 0), host pointers: uploads w and x, runs,
  * downloads y.  Activations stay f32 (no int8 quantisation, unlike the CPU). */
 int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y);
+/* The exact K-quant matmul (Q4_K/Q5_K/Q6_K) on the int8 tensor cores, host pointers:
+ * activations quantised as the CPU quantises them, the CPU's integer sums and float
+ * steps, so y is bit-identical to dfl_matmul's, for every n. */
+int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
+                          float* y);
 /* Milliseconds per call of the CUDA matmul on random device-resident weights
  * and activations (CUDA events, no host transfers timed); -1 on error. */
 double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters);

@@ -139,6 +139,44 @@ def test_cuda_matmul_batch_invariance(name):
     assert np.array_equal(y23[:16], y16)
 
 
+def cuda_matmul_exact(tid: int, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    ffi, lib = load()
+    n = x.shape[0]
+    y = np.full((n, rows), np.nan, np.float32)
+    x = np.ascontiguousarray(x, np.float32)
+    rc = lib.dfl_cuda_matmul_exact(tid, ffi.cast("void*", raw.ctypes.data), rows, cols,
+                                   ffi.cast("float*", x.ctypes.data), n, ffi.cast("float*", y.ctypes.data))
+    assert rc == 0, last_error()
+    return y
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_cuda_matmul_exact_equals_cpu(name):
+    """The tensor-core K-quant matmul (cuda/matmul_exact.cu) is the CPU's arithmetic: == dfl_matmul for
+    every n (a decode, a verify of 2..64 tokens, more than one 64-token weight pass), hence batch-invariant."""
+    tid, raw, wf, x = make_case(name, 70, seed=11)
+    cols = wf.shape[1]
+    x[3] *= 1e-3  # a small-scale token and an all-zero one (scale 0) as well
+    x[4] = 0.0
+    for n in (1, 2, 3, 8, 16, 23, 64, 70):
+        y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
+        assert np.array_equal(y, cpu_matmul(tid, raw, ROWS, cols, x[:n])), f"{name} n={n}"
+    alone = cuda_matmul_exact(tid, raw, ROWS, cols, x[-1:])
+    assert np.array_equal(alone[0], y[-1])
+
+
+@pytest.mark.cuda
+def test_cuda_matmul_exact_refuses_other_formats():
+    ffi, lib = load()
+    w = np.zeros(2 * 34, np.uint8)
+    x = np.zeros(32, np.float32)
+    y = np.zeros(2, np.float32)
+    rc = lib.dfl_cuda_matmul_exact(int(T.Q8_0), ffi.cast("void*", w.ctypes.data), 2, 32,
+                                   ffi.cast("float*", x.ctypes.data), 1, ffi.cast("float*", y.ctypes.data))
+    assert rc == -1 and "Q4_K, Q5_K or Q6_K" in last_error()
+
+
 @pytest.mark.cuda
 def test_cuda_matmul_shapes_and_misaligned_rows():
     """Odd row counts and rows that start at every 2-byte misalignment (Q8_0, 34-byte blocks)."""
@@ -216,6 +254,10 @@ def test_cuda_entry_points_without_gpu():
         assert msg.startswith("no usable CUDA device"), msg
     else:
         assert msg == "CUDA backend not built", msg
+    wk, xk = np.zeros(2 * 144, np.uint8), np.ones(256, np.float32)
+    assert lib.dfl_cuda_matmul_exact(int(T.Q4_K), ffi.cast("void*", wk.ctypes.data), 2, 256,
+                                     ffi.cast("float*", xk.ctypes.data), 1, ffi.cast("float*", y.ctypes.data)) == -1
+    assert last_error() == msg
     assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 16, 32, 1, 1) == -1.0
     assert lib.dfl_cuda_bench_copy(1 << 20, 1) == -1.0
     assert lib.dfl_cuda_memory_stats(ffi.new("dfl_cuda_memory*"), 0) == -1

@@ -68,6 +68,15 @@ inline float __fmul_rn(float a, float b) {
   return r;
 }
 
+inline float __fdiv_rn(float a, float b) {
+  volatile float r = a / b;
+  return r;
+}
+inline float __fsub_rn(float a, float b) {
+  volatile float r = a - b;
+  return r;
+}
+
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   const uint64_t v = (uint64_t)y << 32 | x;
   uint32_t r = 0;

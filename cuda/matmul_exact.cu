@@ -1,0 +1,267 @@
+// matmul_exact.cu — K-quant weights (Q4_K, Q5_K, Q6_K) times int8 activations on
+// the int8 tensor cores (mma.m16n8k32, mma.cuh), in the CPU's arithmetic bit for
+// bit (csrc/quant/gemm_kquant.cpp, `reference`):
+//   activations: the CPU's quantize_act_row with 256-value blocks (scale
+//                amax / 127, q = rint(x / scale), 16-value sums);
+//   per super-block i, in k order, for each output:
+//     isum = sum_j scale_j * (q . xq over sub-block j)   exact int32 (the mma's sums)
+//     msum = sum_g m_g * bsum_g                          exact int32
+//     acc  = fma(d_i * xd_i, float(isum), acc);  accm = fma(dm_i * xd_i, float(msum), accm)
+//   out = acc - accm.
+// Integer sums are exact in any order, so the instruction's internal order cannot
+// change a result, and each output's float steps run in one lane in k order:
+// a token's result is the same for every n (AR, verify, prefill) and the same as
+// the CPU backend's.  One warp owns 16 rows x up to 64 tokens (8 tiles of 8), so a
+// verify of up to 64 tokens reads each weight once.
+//
+// Issue 19's first slice: correct and exact, run on the emulator; its speed
+// (coalesced weight loads through shared memory, the CUDA forward switching to
+// it) is measured and tuned on the first GPU.
+#include "launch.cuh"
+#include "matmul_exact.cuh"
+#include "mma.cuh"
+
+namespace dfl {
+namespace cuda {
+
+namespace {
+
+constexpr int kQK = 256;
+constexpr int kWarpsPerCta = 4;
+constexpr int kTokTiles = 8;  // token tiles of 8 per warp: 64 tokens per weight pass
+
+// 4 bytes from any address (Q6_K's 210-byte blocks leave rows 2-byte aligned).
+__device__ __forceinline__ uint32_t ld_u32_any(const uint8_t* p) {
+  return ld_u8(p) | ld_u8(p + 1) << 8 | ld_u8(p + 2) << 16 | ld_u8(p + 3) << 24;
+}
+__device__ __forceinline__ uint32_t ld_u32_act(const int8_t* p) {  // activations: 4-byte aligned
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// The CPU's quantize_act_row (block 256): one warp per (token, block), 8 values a lane.
+__global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
+                                    float* __restrict__ d, int16_t* __restrict__ bsum) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nb = cols / kQK;
+  const int64_t item = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (item >= (int64_t)n * nb) return;  // whole warps only
+  const int64_t tok = item / nb, b = item % nb;
+  const float* xp = x + tok * cols + b * kQK + 8 * lane;
+  float v[8], amax = 0.f;
+  for (int k = 0; k < 8; ++k) {
+    v[k] = xp[k];
+    amax = fmaxf(amax, fabsf(v[k]));
+  }
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float dv = __fdiv_rn(amax, 127.f);
+  const float id = dv > 0.f ? __fdiv_rn(1.f, dv) : 0.f;
+  int sum = 0;
+  int8_t* qp = q + tok * cols + b * kQK + 8 * lane;
+  for (int k = 0; k < 8; ++k) {
+    const int qi = (int)rintf(__fmul_rn(v[k], id));
+    qp[k] = (int8_t)qi;
+    sum += qi;
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // lanes 2m, 2m+1 hold group m's 16 values
+  if ((lane & 1) == 0) bsum[tok * (cols / 16) + b * 16 + lane / 2] = (int16_t)sum;
+  if (lane == 0) d[tok * nb + b] = dv;
+}
+
+// One row's super-block as the kernel needs it: sub-block scales (Q6_K: its 16
+// group scales), the offsets' weights per 16-value group, the float scales.
+template <DType T>
+struct SuperBlockScales {
+  int sc[T == DType::Q6_K ? 16 : 8];
+  int m[16];
+  float d, dm;
+  __device__ __forceinline__ void load(const uint8_t* blk) {
+    if constexpr (T == DType::Q6_K) {
+      for (int g = 0; g < 16; ++g) {
+        sc[g] = (int)(int8_t)ld_u8(blk + kQ6_K_scales + g);
+        m[g] = 32 * sc[g];
+      }
+      d = dm = ld_f16(blk + kQ6_K_d);
+    } else {  // blocks.h kquant_scales_mins, in registers
+      const uint32_t w0 = ld_u32_any(blk + 4), w1 = ld_u32_any(blk + 8), w2 = ld_u32_any(blk + 12);
+      const uint32_t s_lo = w0 & 0x3f3f3f3fu, m_lo = w1 & 0x3f3f3f3fu;
+      const uint32_t s_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+      const uint32_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+      for (int j = 0; j < 4; ++j) {
+        sc[j] = (s_lo >> (8 * j)) & 0xff;
+        sc[4 + j] = (s_hi >> (8 * j)) & 0xff;
+        const int mn_lo = (m_lo >> (8 * j)) & 0xff, mn_hi = (m_hi >> (8 * j)) & 0xff;
+        m[2 * j] = m[2 * j + 1] = mn_lo;  // a min covers its sub-block's two groups
+        m[8 + 2 * j] = m[8 + 2 * j + 1] = mn_hi;
+      }
+      d = ld_f16(blk);
+      dm = ld_f16(blk + 2);
+    }
+  }
+};
+
+// Quants 4l..4l+3 of sub-block j (values 32j..32j+31) of one super-block, packed
+// as 4 int8 (unsigned values, all < 64, so the s8 instruction reads them right).
+template <DType T>
+__device__ __forceinline__ uint32_t quants4(const uint8_t* blk, int j, int l) {
+  if constexpr (T == DType::Q6_K) {
+    // value 128h + 32s + l: low bits from ql[64h + 32(s & 1) + l] (high nibble for s >= 2),
+    // high bits (qh[32h + l] >> 2s) & 3
+    const int h = j >> 2, s = j & 3;
+    const uint32_t ql = ld_u32_any(blk + kQ6_K_ql + 64 * h + 32 * (s & 1) + 4 * l);
+    const uint32_t qh = ld_u32_any(blk + kQ6_K_qh + 32 * h + 4 * l);
+    return ((ql >> (s >= 2 ? 4 : 0)) & 0x0f0f0f0fu) | (((qh >> (2 * s)) & 0x03030303u) << 4);
+  } else {
+    // value 64c + 32h + l is nibble h of qs[32c + l] (+16 from qh bit 2c + h for Q5_K)
+    constexpr bool Q5 = T == DType::Q5_K;
+    const int c = j >> 1, h = j & 1;
+    const uint32_t qs = ld_u32_any(blk + (Q5 ? kQ5_K_qs : kQ4_K_qs) + 32 * c + 4 * l);
+    uint32_t v = (qs >> (4 * h)) & 0x0f0f0f0fu;
+    if (Q5) v |= ((ld_u32_any(blk + kQ5_K_qh + 4 * l) >> j) & 0x01010101u) << 4;
+    return v;
+  }
+}
+
+// y[t][r] for rows [16 w, 16 w + 16) and tokens [tok0, tok0 + 64) of the warp w.
+// Lane (g, t4) = (lane / 4, lane % 4) owns rows 16w + g and 16w + g + 8 times
+// tokens 2 t4 and 2 t4 + 1 of each 8-token tile (the mma's C fragment).
+template <DType T>
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+    kquant_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                      const int8_t* __restrict__ xq, const float* __restrict__ xd, const int16_t* __restrict__ xbsum,
+                      int n, float* __restrict__ y) {
+  constexpr int BS = T == DType::Q4_K ? 144 : T == DType::Q5_K ? 176 : 210;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t m0 = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * 16;
+  if (m0 >= rows) return;  // whole warps only
+  const int tok0 = blockIdx.y * 8 * kTokTiles;
+  const int tiles = min(kTokTiles, (n - tok0 + 7) / 8);
+  const int64_t nb = cols / kQK;
+  // rows and tokens past the end are read (as the last one), never written
+  const int64_t ra = min(m0 + g, rows - 1), rb = min(m0 + g + 8, rows - 1);
+  int tokB[kTokTiles], tokC[kTokTiles][2];  // the lane's B-fragment token; its two output tokens
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt) {
+    tokB[tt] = min(tok0 + 8 * tt + g, n - 1);
+    tokC[tt][0] = min(tok0 + 8 * tt + 2 * t4, n - 1);
+    tokC[tt][1] = min(tok0 + 8 * tt + 2 * t4 + 1, n - 1);
+  }
+  float acc[kTokTiles][4], accm[kTokTiles][4];
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[tt][e] = accm[tt][e] = 0.f;
+
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk_a = w + ra * row_bytes + i * BS;
+    const uint8_t* blk_b = w + rb * row_bytes + i * BS;
+    SuperBlockScales<T> sa, sb;
+    sa.load(blk_a);
+    sb.load(blk_b);
+    int isum[kTokTiles][4];
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) isum[tt][e] = 0;
+    for (int j = 0; j < 8; ++j) {
+      // A fragment: rows g / g + 8, values 4 t4.. and 16 + 4 t4.. of sub-block j
+      const uint32_t a0 = quants4<T>(blk_a, j, t4), a1 = quants4<T>(blk_b, j, t4);
+      const uint32_t a2 = quants4<T>(blk_a, j, 4 + t4), a3 = quants4<T>(blk_b, j, 4 + t4);
+      const int32_t zero[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int tt = 0; tt < kTokTiles; ++tt) {
+        if (tt >= tiles) break;
+        const int8_t* xp = xq + (int64_t)tokB[tt] * cols + i * kQK + 32 * j + 4 * t4;
+        const uint32_t b[2] = {ld_u32_act(xp), ld_u32_act(xp + 16)};
+        int32_t c[4];
+        if constexpr (T == DType::Q6_K) {  // a scale per 16 values: the two halves of k apart
+          const uint32_t lo[4] = {a0, a1, 0u, 0u}, hi[4] = {0u, 0u, a2, a3};
+          int32_t c2[4];
+          mma_m16n8k32_s8(c, lo, b, zero);
+          mma_m16n8k32_s8(c2, hi, b, zero);
+          isum[tt][0] += sa.sc[2 * j] * c[0] + sa.sc[2 * j + 1] * c2[0];
+          isum[tt][1] += sa.sc[2 * j] * c[1] + sa.sc[2 * j + 1] * c2[1];
+          isum[tt][2] += sb.sc[2 * j] * c[2] + sb.sc[2 * j + 1] * c2[2];
+          isum[tt][3] += sb.sc[2 * j] * c[3] + sb.sc[2 * j + 1] * c2[3];
+        } else {
+          const uint32_t a[4] = {a0, a1, a2, a3};
+          mma_m16n8k32_s8(c, a, b, zero);
+          isum[tt][0] += sa.sc[j] * c[0];
+          isum[tt][1] += sa.sc[j] * c[1];
+          isum[tt][2] += sb.sc[j] * c[2];
+          isum[tt][3] += sb.sc[j] * c[3];
+        }
+      }
+    }
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt) {
+      if (tt >= tiles) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const SuperBlockScales<T>& s = e < 2 ? sa : sb;
+        const int tok = tokC[tt][e & 1];
+        const int16_t* bs = xbsum + (int64_t)tok * (cols / 16) + 16 * i;
+        int msum = 0;
+        for (int q = 0; q < 16; ++q) msum += s.m[q] * (int)bs[q];
+        const float xdi = xd[(int64_t)tok * nb + i];
+        acc[tt][e] = fmaf(__fmul_rn(s.d, xdi), (float)isum[tt][e], acc[tt][e]);
+        accm[tt][e] = fmaf(__fmul_rn(s.dm, xdi), (float)msum, accm[tt][e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt) {
+    if (tt >= tiles) break;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t r = m0 + g + (e < 2 ? 0 : 8);
+      const int t = tok0 + 8 * tt + 2 * t4 + (e & 1);
+      if (r < rows && t < n) y[(int64_t)t * rows + r] = __fsub_rn(acc[tt][e], accm[tt][e]);
+    }
+  }
+}
+
+}  // namespace
+
+bool matmul_exact_supported(DType t) { return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K; }
+
+size_t matmul_exact_scratch_bytes(int64_t cols, int n) {
+  const size_t q = (size_t)n * cols, d = (size_t)n * (cols / kQK) * sizeof(float);
+  const size_t bs = (size_t)n * (cols / 16) * sizeof(int16_t);
+  return (q + 15) / 16 * 16 + (d + 15) / 16 * 16 + bs;
+}
+
+void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
+                  void* scratch, cudaStream_t stream) {
+  if (!matmul_exact_supported(t)) fail("matmul_exact: not a K-quant weight");
+  if (rows <= 0 || n <= 0 || cols <= 0 || cols % kQK)
+    fail("matmul_exact: rows %lld, cols %lld (a multiple of 256), n %d must be positive", (long long)rows,
+         (long long)cols, n);
+  int8_t* xq = static_cast<int8_t*>(scratch);
+  float* xd = reinterpret_cast<float*>(static_cast<char*>(scratch) + ((size_t)n * cols + 15) / 16 * 16);
+  int16_t* xbsum = reinterpret_cast<int16_t*>(reinterpret_cast<char*>(xd) +
+                                              ((size_t)n * (cols / kQK) * sizeof(float) + 15) / 16 * 16);
+  const int64_t items = (int64_t)n * (cols / kQK);
+  launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xbsum);
+  const int64_t bs = t == DType::Q4_K ? 144 : t == DType::Q5_K ? 176 : 210;
+  const int64_t row_bytes = cols / kQK * bs;
+  const dim3 grid((unsigned)((rows + 16 * kWarpsPerCta - 1) / (16 * kWarpsPerCta)),
+                  (unsigned)((n + 8 * kTokTiles - 1) / (8 * kTokTiles)));
+  const auto* wb = static_cast<const uint8_t*>(w);
+  switch (t) {
+    case DType::Q4_K:
+      launch(kquant_mma_kernel<DType::Q4_K>, grid, dim3(32 * kWarpsPerCta), 0, stream, wb, rows, cols, row_bytes, xq,
+             xd, xbsum, n, y);
+      break;
+    case DType::Q5_K:
+      launch(kquant_mma_kernel<DType::Q5_K>, grid, dim3(32 * kWarpsPerCta), 0, stream, wb, rows, cols, row_bytes, xq,
+             xd, xbsum, n, y);
+      break;
+    default:
+      launch(kquant_mma_kernel<DType::Q6_K>, grid, dim3(32 * kWarpsPerCta), 0, stream, wb, rows, cols, row_bytes, xq,
+             xd, xbsum, n, y);
+      break;
+  }
+}
+
+}  // namespace cuda
+}  // namespace dfl
