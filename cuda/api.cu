@@ -40,6 +40,21 @@ const TypeTraits& check_matmul_args(uint32_t type, int64_t rows, int64_t cols, i
   return *t;
 }
 
+// A matmul entry point's host arrays through the device: uploads w and x, runs
+// run(dw, dx, dy) on the default stream, downloads y (the caller has checked the device).
+template <class Run>
+void matmul_on_host_arrays(const TypeTraits& t, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
+                           float* y, Run run) {
+  const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
+  DevBuf dw(wbytes), dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
+  CUDA_CHECK(cudaMemcpy(dw.p, w, wbytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dx.p, x, (size_t)n * cols * sizeof(float), cudaMemcpyHostToDevice));
+  run(static_cast<const void*>(dw.p), dx.as<const float>(), dy.as<float>());
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaMemcpy(y, dy.p, (size_t)n * rows * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
 // Random weights of any format, made on the device: random bytes, then
 // finite f16 scales (|d| <= 0.05) or finite float values, so no NaN reaches
 // the timed kernels.
@@ -112,14 +127,9 @@ int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, co
     if (!w || !x || !y) dfl::fail("w, x and y must not be NULL");
     const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
     require_device();
-    const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
-    DevBuf dw(wbytes), dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
-    CUDA_CHECK(cudaMemcpy(dw.p, w, wbytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(dx.p, x, (size_t)n * cols * sizeof(float), cudaMemcpyHostToDevice));
-    matmul((dfl::DType)type, dw.p, rows, cols, dx.as<float>(), n, dy.as<float>(), 0);
-    CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(y, dy.p, (size_t)n * rows * sizeof(float), cudaMemcpyDeviceToHost));
+    matmul_on_host_arrays(t, w, rows, cols, x, n, y, [&](const void* dw, const float* dx, float* dy) {
+      matmul((dfl::DType)type, dw, rows, cols, dx, n, dy, 0);
+    });
   });
 }
 
@@ -131,15 +141,10 @@ int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t co
     const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
     if (!matmul_exact_supported((dfl::DType)type)) dfl::fail("the exact matmul takes Q4_K, Q5_K or Q6_K, not %s", t.name);
     require_device();
-    const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
-    DevBuf dw(wbytes), dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
     DevBuf scratch(matmul_exact_scratch_bytes(cols, n));
-    CUDA_CHECK(cudaMemcpy(dw.p, w, wbytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(dx.p, x, (size_t)n * cols * sizeof(float), cudaMemcpyHostToDevice));
-    matmul_exact((dfl::DType)type, dw.p, rows, cols, dx.as<float>(), n, dy.as<float>(), scratch.p, 0);
-    CUDA_CHECK(cudaGetLastError());
-    CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(y, dy.p, (size_t)n * rows * sizeof(float), cudaMemcpyDeviceToHost));
+    matmul_on_host_arrays(t, w, rows, cols, x, n, y, [&](const void* dw, const float* dx, float* dy) {
+      matmul_exact((dfl::DType)type, dw, rows, cols, dx, n, dy, scratch.p, 0);
+    });
   });
 }
 

@@ -115,8 +115,8 @@ __device__ __forceinline__ uint32_t kq_byte(const uint4& hdr, int k) {  // scale
   const uint32_t w = k < 4 ? hdr.y : (k < 8 ? hdr.z : hdr.w);
   return (w >> (8 * (k & 3))) & 0xffu;
 }
-__device__ __forceinline__ void kq_scale_min(const uint4& hdr, int s, float d, float dmin, float& ds, float& dm) {
-  uint32_t sc, mn;
+// Sub-block s's 6-bit scale and min (blocks.h kquant_scale_min).
+__device__ __forceinline__ void kq_scale_min_bits(const uint4& hdr, int s, uint32_t& sc, uint32_t& mn) {
   if (s < 4) {
     sc = kq_byte(hdr, s) & 63u;
     mn = kq_byte(hdr, s + 4) & 63u;
@@ -124,6 +124,10 @@ __device__ __forceinline__ void kq_scale_min(const uint4& hdr, int s, float d, f
     sc = (kq_byte(hdr, s + 4) & 15u) | ((kq_byte(hdr, s - 4) >> 6) << 4);
     mn = (kq_byte(hdr, s + 4) >> 4) | ((kq_byte(hdr, s) >> 6) << 4);
   }
+}
+__device__ __forceinline__ void kq_scale_min(const uint4& hdr, int s, float d, float dmin, float& ds, float& dm) {
+  uint32_t sc, mn;
+  kq_scale_min_bits(hdr, s, sc, mn);
   ds = d * (float)sc;
   dm = dmin * (float)mn;
 }

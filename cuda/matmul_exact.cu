@@ -17,6 +17,7 @@
 // Issue 19's first slice: correct and exact, run on the emulator; its speed
 // (coalesced weight loads through shared memory, the CUDA forward switching to
 // it) is measured and tuned on the first GPU.
+#include "formats.cuh"
 #include "launch.cuh"
 #include "matmul_exact.cuh"
 #include "mma.cuh"
@@ -29,6 +30,22 @@ namespace {
 constexpr int kQK = 256;
 constexpr int kWarpsPerCta = 4;
 constexpr int kTokTiles = 8;  // token tiles of 8 per warp: 64 tokens per weight pass
+template <DType T>
+constexpr int kBlockBytes = T == DType::Q4_K ? (int)sizeof(block_q4_K)
+                            : T == DType::Q5_K ? (int)sizeof(block_q5_K) : (int)sizeof(block_q6_K);
+
+// The quantised activations in the caller's scratch: q (n x cols int8), d (one
+// float per 256 values), bsum (one int16 per 16 values), each 16-byte aligned.
+struct ActScratch {
+  size_t q, d, bsum, total;  // byte offsets, size
+  ActScratch(int64_t cols, int n) {
+    auto up = [](size_t b) { return (b + 15) / 16 * 16; };
+    q = 0;
+    d = up((size_t)n * cols);
+    bsum = d + up((size_t)n * (cols / kQK) * sizeof(float));
+    total = bsum + (size_t)n * (cols / 16) * sizeof(int16_t);
+  }
+};
 
 // 4 bytes from any address (Q6_K's 210-byte blocks leave rows 2-byte aligned).
 __device__ __forceinline__ uint32_t ld_u32_any(const uint8_t* p) {
@@ -81,17 +98,13 @@ struct SuperBlockScales {
         m[g] = 32 * sc[g];
       }
       d = dm = ld_f16(blk + kQ6_K_d);
-    } else {  // blocks.h kquant_scales_mins, in registers
-      const uint32_t w0 = ld_u32_any(blk + 4), w1 = ld_u32_any(blk + 8), w2 = ld_u32_any(blk + 12);
-      const uint32_t s_lo = w0 & 0x3f3f3f3fu, m_lo = w1 & 0x3f3f3f3fu;
-      const uint32_t s_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-      const uint32_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-      for (int j = 0; j < 4; ++j) {
-        sc[j] = (s_lo >> (8 * j)) & 0xff;
-        sc[4 + j] = (s_hi >> (8 * j)) & 0xff;
-        const int mn_lo = (m_lo >> (8 * j)) & 0xff, mn_hi = (m_hi >> (8 * j)) & 0xff;
-        m[2 * j] = m[2 * j + 1] = mn_lo;  // a min covers its sub-block's two groups
-        m[8 + 2 * j] = m[8 + 2 * j + 1] = mn_hi;
+    } else {  // d, dmin, scales[12]: a 16-byte aligned header (144- and 176-byte blocks)
+      const uint4 hdr = ld16(blk);
+      for (int j = 0; j < 8; ++j) {
+        uint32_t s, mn;
+        kq_scale_min_bits(hdr, j, s, mn);
+        sc[j] = (int)s;
+        m[2 * j] = m[2 * j + 1] = (int)mn;  // a min covers its sub-block's two groups
       }
       d = ld_f16(blk);
       dm = ld_f16(blk + 2);
@@ -129,7 +142,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     kquant_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                       const int8_t* __restrict__ xq, const float* __restrict__ xd, const int16_t* __restrict__ xbsum,
                       int n, float* __restrict__ y) {
-  constexpr int BS = T == DType::Q4_K ? 144 : T == DType::Q5_K ? 176 : 210;
+  constexpr int BS = kBlockBytes<T>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int64_t m0 = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * 16;
   if (m0 >= rows) return;  // whole warps only
@@ -224,11 +237,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 
 bool matmul_exact_supported(DType t) { return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K; }
 
-size_t matmul_exact_scratch_bytes(int64_t cols, int n) {
-  const size_t q = (size_t)n * cols, d = (size_t)n * (cols / kQK) * sizeof(float);
-  const size_t bs = (size_t)n * (cols / 16) * sizeof(int16_t);
-  return (q + 15) / 16 * 16 + (d + 15) / 16 * 16 + bs;
-}
+size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return ActScratch(cols, n).total; }
 
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                   void* scratch, cudaStream_t stream) {
@@ -236,13 +245,15 @@ void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const floa
   if (rows <= 0 || n <= 0 || cols <= 0 || cols % kQK)
     fail("matmul_exact: rows %lld, cols %lld (a multiple of 256), n %d must be positive", (long long)rows,
          (long long)cols, n);
-  int8_t* xq = static_cast<int8_t*>(scratch);
-  float* xd = reinterpret_cast<float*>(static_cast<char*>(scratch) + ((size_t)n * cols + 15) / 16 * 16);
-  int16_t* xbsum = reinterpret_cast<int16_t*>(reinterpret_cast<char*>(xd) +
-                                              ((size_t)n * (cols / kQK) * sizeof(float) + 15) / 16 * 16);
+  const ActScratch lay(cols, n);
+  char* base = static_cast<char*>(scratch);
+  int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
+  float* xd = reinterpret_cast<float*>(base + lay.d);
+  int16_t* xbsum = reinterpret_cast<int16_t*>(base + lay.bsum);
   const int64_t items = (int64_t)n * (cols / kQK);
   launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xbsum);
-  const int64_t bs = t == DType::Q4_K ? 144 : t == DType::Q5_K ? 176 : 210;
+  const int64_t bs = t == DType::Q4_K ? kBlockBytes<DType::Q4_K> : t == DType::Q5_K ? kBlockBytes<DType::Q5_K>
+                                                                                    : kBlockBytes<DType::Q6_K>;
   const int64_t row_bytes = cols / kQK * bs;
   const dim3 grid((unsigned)((rows + 16 * kWarpsPerCta - 1) / (16 * kWarpsPerCta)),
                   (unsigned)((n + 8 * kTokTiles - 1) / (8 * kTokTiles)));
