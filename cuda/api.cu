@@ -148,12 +148,14 @@ int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t co
   });
 }
 
-double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters) {
+double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters, int32_t exact) {
   using namespace dfl::cuda;
   double ms = -1.0;
   dfl::api_guard([&] {
     const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
     if (iters <= 0) dfl::fail("iters must be positive (got %d)", iters);
+    if (exact && !matmul_exact_supported((dfl::DType)type))
+      dfl::fail("the exact matmul takes Q4_K, Q5_K or Q6_K, not %s", t.name);
     require_device();
     const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
     // Enough copies of the weights to stream >= 256 MiB per round, so that
@@ -166,9 +168,13 @@ double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t 
       fill_weights((dfl::DType)type, ws.back()->as<uint8_t>(), rows, cols, 1234u + c);
     }
     DevBuf dx((size_t)n * cols * sizeof(float)), dy((size_t)n * rows * sizeof(float));
+    DevBuf scratch(exact ? matmul_exact_scratch_bytes(cols, n) : 16);
     fill_weights(dfl::DType::F32, dx.as<uint8_t>(), n, cols, 99u);
-    auto run = [&](int i) {
-      matmul((dfl::DType)type, ws[i % copies]->p, rows, cols, dx.as<float>(), n, dy.as<float>(), 0);
+    auto run = [&](int i) {  // the exact path's time includes quantising the activations, as in the forward
+      if (exact)
+        matmul_exact((dfl::DType)type, ws[i % copies]->p, rows, cols, dx.as<float>(), n, dy.as<float>(), scratch.p, 0);
+      else
+        matmul((dfl::DType)type, ws[i % copies]->p, rows, cols, dx.as<float>(), n, dy.as<float>(), 0);
     };
     for (int i = 0; i < 3; ++i) run(i);
     CUDA_CHECK(cudaGetLastError());

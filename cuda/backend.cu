@@ -9,6 +9,7 @@
 // waits for the stream.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -19,6 +20,7 @@
 #include "forward_kernels.cuh"
 #include "launch.cuh"
 #include "matmul.cuh"
+#include "matmul_exact.cuh"
 #include "model/backend.h"
 #include "quant/quant.h"
 
@@ -147,6 +149,14 @@ void launch_embed(const uint8_t* table, int64_t row_bytes, int64_t cols, const i
   launch(fwd::embed_kernel<F>, dim3((unsigned)n), dim3(128), 0, s, table, row_bytes, cols, tokens, x);
 }
 
+// DFLASH27B_CUDA_MATMUL: exact (the default) or float (see CudaBackend::matmul).
+bool exact_matmul_chosen() {
+  const char* v = std::getenv("DFLASH27B_CUDA_MATMUL");
+  if (!v || !*v || !std::strcmp(v, "exact")) return true;
+  if (!std::strcmp(v, "float")) return false;
+  fail("DFLASH27B_CUDA_MATMUL=%s: use exact or float", v);
+}
+
 unsigned elementwise_grid(size_t n) { return (unsigned)std::min<size_t>((n + 255) / 256, 4096); }
 
 class CudaBackend final : public Backend {
@@ -161,9 +171,11 @@ class CudaBackend final : public Backend {
     weights_ = weights_for(m, plan);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));
+    exact_matmul_ = exact_matmul_chosen();
   }
   ~CudaBackend() override {
     part_.reset();
+    act_q_.reset();
     device_free(plan_buf_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -268,13 +280,21 @@ class CudaBackend final : public Backend {
     launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
   }
 
-  // A verify batch runs the matvec kernel in groups of up to 8 tokens, whose
-  // per-token result is bit-identical to an AR step's (n = 1), so every node's
-  // logits are exactly what AR would compute there: lossless even at logit
-  // near-ties.  The tiled kernel (another summation order) serves prefill
-  // chunks, which every mode shares.
+  // K-quant weights (every matmul of a K-quant target) take the exact kernels
+  // (matmul_exact.cu): the CPU's integer arithmetic, so a token's result is the
+  // same for every batch size: an AR step, a verify of any tree and a prefill
+  // chunk of any length agree bit for bit, with one weight pass per 64 tokens.
+  // Other formats (and every format with DFLASH27B_CUDA_MATMUL=float, kept to
+  // compare the two on a GPU) take the float kernels: a verify batch runs the
+  // matvec kernel in groups of up to 8 tokens, whose per-token result is
+  // bit-identical to an AR step's, and prefill chunks the tiled kernel.
   void matmul(const Weight& W, const float* x, int n, float* y) override {
     const void* w = weight(W);
+    if (exact_matmul_ && matmul_exact_supported(W.type)) {
+      const size_t need = matmul_exact_scratch_bytes(W.cols, n);
+      if (act_q_.bytes < need) act_q_ = BackendBuf(*this, need);  // once, at the first widest batch
+      return matmul_exact(W.type, w, W.rows, W.cols, x, n, y, act_q_.p, stream_);
+    }
     if (commit_ || n <= kMatvecMaxTokens) return cuda::matmul(W.type, w, W.rows, W.cols, x, n, y, stream_);
     for (int g = 0; g < n; g += kMatvecMaxTokens)
       cuda::matmul(W.type, w, W.rows, W.cols, x + (int64_t)g * W.cols, std::min(kMatvecMaxTokens, n - g),
@@ -389,6 +409,8 @@ class CudaBackend final : public Backend {
   bool commit_ = true;
   int max_visible_ = 0;
   BackendBuf part_;  // attention partials
+  BackendBuf act_q_;  // the exact matmul's quantised activations
+  bool exact_matmul_ = true;
   static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;
   std::vector<int32_t> host_plan_;
   int32_t* plan_buf_ = nullptr;

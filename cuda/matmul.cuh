@@ -1,4 +1,6 @@
-// matmul.cuh — the CUDA backend's weight x activation product.
+// matmul.cuh — the CUDA backend's float weight x activation product (every
+// format, activations in f32).  K-quant weights in the forward take the exact
+// kernels instead (matmul_exact.cuh).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -11,12 +11,18 @@
 // Integer sums are exact in any order, so the instruction's internal order cannot
 // change a result, and each output's float steps run in one lane in k order:
 // a token's result is the same for every n (AR, verify, prefill) and the same as
-// the CPU backend's.  One warp owns 16 rows x up to 64 tokens (8 tiles of 8), so a
-// verify of up to 64 tokens reads each weight once.
+// the CPU backend's.  Two kernels share that arithmetic:
+//   n <= 8:  kquant_dp4a_kernel, a matvec (8 lanes per row, dp4a) that streams
+//            the weights once for AR steps and small verifies;
+//   n > 8:   kquant_mma_kernel, one warp = 16 rows x up to 64 tokens (8 tiles of
+//            8) on the tensor cores, so a verify of up to 64 tokens reads each
+//            weight once.
+// The CUDA backend takes them for every K-quant matmul (backend.cu).
 //
-// Issue 19's first slice: correct and exact, run on the emulator; its speed
-// (coalesced weight loads through shared memory, the CUDA forward switching to
-// it) is measured and tuned on the first GPU.
+// Speed is still to be measured and tuned on the first GPU (issue 19): the
+// tensor-core kernel's weight loads are not yet staged through shared memory.
+#include <type_traits>
+
 #include "formats.cuh"
 #include "launch.cuh"
 #include "matmul_exact.cuh"
@@ -33,19 +39,6 @@ constexpr int kTokTiles = 8;  // token tiles of 8 per warp: 64 tokens per weight
 template <DType T>
 constexpr int kBlockBytes = T == DType::Q4_K ? (int)sizeof(block_q4_K)
                             : T == DType::Q5_K ? (int)sizeof(block_q5_K) : (int)sizeof(block_q6_K);
-
-// The quantised activations in the caller's scratch: q (n x cols int8), d (one
-// float per 256 values), bsum (one int16 per 16 values), each 16-byte aligned.
-struct ActScratch {
-  size_t q, d, bsum, total;  // byte offsets, size
-  ActScratch(int64_t cols, int n) {
-    auto up = [](size_t b) { return (b + 15) / 16 * 16; };
-    q = 0;
-    d = up((size_t)n * cols);
-    bsum = d + up((size_t)n * (cols / kQK) * sizeof(float));
-    total = bsum + (size_t)n * (cols / 16) * sizeof(int16_t);
-  }
-};
 
 // 4 bytes from any address (Q6_K's 210-byte blocks leave rows 2-byte aligned).
 __device__ __forceinline__ uint32_t ld_u32_any(const uint8_t* p) {
@@ -233,11 +226,146 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   }
 }
 
+// ---------------------------------------------------------------- n <= 8: dp4a
+// The same arithmetic for AR and small verify batches, at the weight-streaming
+// rate: a group of 8 lanes owns a row, lane j decodes task j of each super-block
+// (formats.cuh's task layout: one 16-byte quant load, two runs of 16 values with
+// one integer scale each) and dots it with the activations by dp4a; a butterfly
+// over the 8 lanes gives the super-block's exact isum and msum to every lane of
+// the group, and each lane then takes the float steps in k order exactly as the
+// tensor-core kernel does.  So its results are bit-identical to that kernel's
+// (and the CPU's) for every token: which kernel serves a batch never shows.
+template <DType T>
+using ExactFmt = std::conditional_t<T == DType::Q4_K, FmtQ4_K, std::conditional_t<T == DType::Q5_K, FmtQ5_K, FmtQ6_K>>;
+
+// Task j of one super-block: its values as int8 (unsigned, < 64) in two runs of
+// 16 (lo = the task's values 0..15, hi = 16..31), their integer scales, the
+// offsets' weights of the 16-value groups 2j and 2j+1, and the float scales.
+template <DType T>
+struct ExactTask {
+  uint32_t lo[4], hi[4];
+  int sc_lo, sc_hi, m0, m1;
+  float d, dm;
+  __device__ __forceinline__ void load(const uint8_t* blk, int j) {
+    if constexpr (T == DType::Q6_K) {
+      const int h = j >> 2, k = j & 3, up = k >> 1, kk = k & 1;  // FmtQ6_K's task j
+      const uint4 ql = ld16_u(blk + kQ6_K_ql + 64 * h + 16 * k);
+      const uint4 qh = ld16_u(blk + kQ6_K_qh + 32 * h + 16 * kk);
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t l = u4_word(ql, w), b = u4_word(qh, w) >> (2 * up);
+        lo[w] = (l & 0x0f0f0f0fu) | ((b << 4) & 0x30303030u);
+        hi[w] = ((l >> 4) & 0x0f0f0f0fu) | (b & 0x30303030u);
+      }
+      sc_lo = (int)(int8_t)ld_u8(blk + kQ6_K_scales + 8 * h + kk + 2 * up);
+      sc_hi = (int)(int8_t)ld_u8(blk + kQ6_K_scales + 8 * h + kk + 4 + 2 * up);
+      m0 = 32 * (int)(int8_t)ld_u8(blk + kQ6_K_scales + 2 * j);
+      m1 = 32 * (int)(int8_t)ld_u8(blk + kQ6_K_scales + 2 * j + 1);
+      d = dm = ld_f16(blk + kQ6_K_d);
+    } else {  // FmtQ4_K / FmtQ5_K's task j: sub-blocks 2c (low nibbles) and 2c+1 (high)
+      const int c = j >> 1;
+      const uint4 hdr = ld16(blk);
+      const uint4 qs = ld16(blk + (T == DType::Q5_K ? kQ5_K_qs : kQ4_K_qs) + 16 * j);
+      uint4 qh{0u, 0u, 0u, 0u};
+      if constexpr (T == DType::Q5_K) qh = ld16(blk + kQ5_K_qh + 16 * (j & 1));
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t q = u4_word(qs, w), b = u4_word(qh, w) >> (2 * c);
+        lo[w] = (q & 0x0f0f0f0fu) | ((b << 4) & 0x10101010u);
+        hi[w] = ((q >> 4) & 0x0f0f0f0fu) | ((b << 3) & 0x10101010u);
+      }
+      uint32_t s, mn;
+      kq_scale_min_bits(hdr, 2 * c, s, mn);
+      sc_lo = (int)s;
+      kq_scale_min_bits(hdr, 2 * c + 1, s, mn);
+      sc_hi = (int)s;
+      kq_scale_min_bits(hdr, j, s, mn);  // groups 2j and 2j+1 are sub-block j
+      m0 = m1 = (int)mn;
+      d = f16_bits_to_f32(hdr.x);
+      dm = f16_bits_to_f32(hdr.x >> 16);
+    }
+  }
+};
+
+constexpr int kDp4aMaxTokens = 8;
+constexpr int kRowsPerDp4aWarp = 4;  // a group of 8 lanes per row
+
+template <DType T, int NT>
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+    kquant_dp4a_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                       const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                       const int16_t* __restrict__ xbsum, int n, float* __restrict__ y) {
+  using F = ExactFmt<T>;
+  constexpr int BS = kBlockBytes<T>;
+  const int lane = threadIdx.x & 31, j = lane & 7;
+  const int64_t r = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * kRowsPerDp4aWarp + (lane >> 3);
+  const uint8_t* row = w + min(r, rows - 1) * row_bytes;  // past the end: read the last row, write nothing
+  const int64_t nb = cols / kQK;
+  const int e_lo = F::elem(j, 0), e_hi = F::elem(j, 16);  // the runs' first elements (multiples of 16)
+  float acc[NT], accm[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = accm[t] = 0.f;
+#pragma unroll 2
+  for (int64_t i = 0; i < nb; ++i) {
+    ExactTask<T> q;
+    q.load(row + i * BS, j);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int64_t tok = min(t, n - 1);
+      const uint8_t* xp = reinterpret_cast<const uint8_t*>(xq + tok * cols + i * kQK);
+      const uint4 xl = ld16(xp + e_lo), xh = ld16(xp + e_hi);
+      int dl = 0, dh = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        dl = __dp4a((int)q.lo[k], (int)u4_word(xl, k), dl);
+        dh = __dp4a((int)q.hi[k], (int)u4_word(xh, k), dh);
+      }
+      const int16_t* bs = xbsum + tok * (cols / 16) + 16 * i + 2 * j;
+      int isum = q.sc_lo * dl + q.sc_hi * dh;
+      int msum = q.m0 * (int)bs[0] + q.m1 * (int)bs[1];
+#pragma unroll
+      for (int o = 4; o > 0; o >>= 1) {  // within the row's 8 lanes; exact in any order
+        isum += __shfl_xor_sync(0xffffffffu, isum, o);
+        msum += __shfl_xor_sync(0xffffffffu, msum, o);
+      }
+      const float xdi = xd[tok * nb + i];
+      acc[t] = fmaf(__fmul_rn(q.d, xdi), (float)isum, acc[t]);
+      accm[t] = fmaf(__fmul_rn(q.dm, xdi), (float)msum, accm[t]);
+    }
+  }
+  if (r >= rows) return;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    if (t == j && t < n) y[(int64_t)t * rows + r] = __fsub_rn(acc[t], accm[t]);
+}
+
+template <DType T, int NT>
+void launch_dp4a(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq, const float* xd,
+                 const int16_t* xbsum, int n, float* y, cudaStream_t stream) {
+  const int64_t per_cta = (int64_t)kWarpsPerCta * kRowsPerDp4aWarp;
+  launch(kquant_dp4a_kernel<T, NT>, dim3((unsigned)((rows + per_cta - 1) / per_cta)), dim3(32 * kWarpsPerCta), 0,
+         stream, w, rows, cols, row_bytes, xq, xd, xbsum, n, y);
+}
+
+template <DType T>
+void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd,
+                  const int16_t* xbsum, int n, float* y, cudaStream_t stream) {
+  const int64_t row_bytes = cols / kQK * kBlockBytes<T>;
+  if (n <= kDp4aMaxTokens) {
+    if (n == 1) return launch_dp4a<T, 1>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    if (n == 2) return launch_dp4a<T, 2>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    if (n <= 4) return launch_dp4a<T, 4>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    return launch_dp4a<T, 8>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+  }
+  const dim3 grid((unsigned)((rows + 16 * kWarpsPerCta - 1) / (16 * kWarpsPerCta)),
+                  (unsigned)((n + 8 * kTokTiles - 1) / (8 * kTokTiles)));
+  launch(kquant_mma_kernel<T>, grid, dim3(32 * kWarpsPerCta), 0, stream, w, rows, cols, row_bytes, xq, xd, xbsum, n,
+         y);
+}
+
 }  // namespace
 
 bool matmul_exact_supported(DType t) { return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K; }
 
-size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return ActScratch(cols, n).total; }
+size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return KQuantActLayout(cols, n).total; }
 
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                   void* scratch, cudaStream_t stream) {
@@ -245,32 +373,18 @@ void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const floa
   if (rows <= 0 || n <= 0 || cols <= 0 || cols % kQK)
     fail("matmul_exact: rows %lld, cols %lld (a multiple of 256), n %d must be positive", (long long)rows,
          (long long)cols, n);
-  const ActScratch lay(cols, n);
+  const KQuantActLayout lay(cols, n);
   char* base = static_cast<char*>(scratch);
   int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
   float* xd = reinterpret_cast<float*>(base + lay.d);
   int16_t* xbsum = reinterpret_cast<int16_t*>(base + lay.bsum);
   const int64_t items = (int64_t)n * (cols / kQK);
   launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xbsum);
-  const int64_t bs = t == DType::Q4_K ? kBlockBytes<DType::Q4_K> : t == DType::Q5_K ? kBlockBytes<DType::Q5_K>
-                                                                                    : kBlockBytes<DType::Q6_K>;
-  const int64_t row_bytes = cols / kQK * bs;
-  const dim3 grid((unsigned)((rows + 16 * kWarpsPerCta - 1) / (16 * kWarpsPerCta)),
-                  (unsigned)((n + 8 * kTokTiles - 1) / (8 * kTokTiles)));
   const auto* wb = static_cast<const uint8_t*>(w);
   switch (t) {
-    case DType::Q4_K:
-      launch(kquant_mma_kernel<DType::Q4_K>, grid, dim3(32 * kWarpsPerCta), 0, stream, wb, rows, cols, row_bytes, xq,
-             xd, xbsum, n, y);
-      break;
-    case DType::Q5_K:
-      launch(kquant_mma_kernel<DType::Q5_K>, grid, dim3(32 * kWarpsPerCta), 0, stream, wb, rows, cols, row_bytes, xq,
-             xd, xbsum, n, y);
-      break;
-    default:
-      launch(kquant_mma_kernel<DType::Q6_K>, grid, dim3(32 * kWarpsPerCta), 0, stream, wb, rows, cols, row_bytes, xq,
-             xd, xbsum, n, y);
-      break;
+    case DType::Q4_K: return launch_exact<DType::Q4_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
+    case DType::Q5_K: return launch_exact<DType::Q5_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
+    default: return launch_exact<DType::Q6_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
   }
 }
 

@@ -262,8 +262,10 @@ int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, co
 int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
                           float* y);
 /* Milliseconds per call of the CUDA matmul on random device-resident weights
- * and activations (CUDA events, no host transfers timed); -1 on error. */
-double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters);
+ * and activations (CUDA events, no host transfers timed); -1 on error.
+ * exact != 0: the exact K-quant kernels the forward uses for Q4_K/Q5_K/Q6_K
+ * (activation quantisation included); 0: the float kernels. */
+double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters, int32_t exact);
 /* Device-to-device copy bandwidth of a `bytes` buffer, GB/s counting bytes
  * read + written (the bandwidth floor the GPU record compares with); -1 on error. */
 double dfl_cuda_bench_copy(int64_t bytes, int32_t iters);

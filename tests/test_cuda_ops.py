@@ -153,13 +153,14 @@ def cuda_matmul_exact(tid: int, raw: np.ndarray, rows: int, cols: int, x: np.nda
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_cuda_matmul_exact_equals_cpu(name):
-    """The tensor-core K-quant matmul (cuda/matmul_exact.cu) is the CPU's arithmetic: == dfl_matmul for
-    every n (a decode, a verify of 2..64 tokens, more than one 64-token weight pass), hence batch-invariant."""
+    """The exact K-quant matmul (cuda/matmul_exact.cu: the dp4a matvec for n <= 8, the tensor-core kernel
+    above) is the CPU's arithmetic: == dfl_matmul for every n (a decode, each matvec width, a verify of
+    9..64 tokens, more than one 64-token weight pass), hence batch-invariant across both kernels."""
     tid, raw, wf, x = make_case(name, 70, seed=11)
     cols = wf.shape[1]
     x[3] *= 1e-3  # a small-scale token and an all-zero one (scale 0) as well
     x[4] = 0.0
-    for n in (1, 2, 3, 8, 16, 23, 64, 70):
+    for n in (1, 2, 3, 4, 5, 8, 9, 16, 23, 64, 70):
         y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
         assert np.array_equal(y, cpu_matmul(tid, raw, ROWS, cols, x[:n])), f"{name} n={n}"
     alone = cuda_matmul_exact(tid, raw, ROWS, cols, x[-1:])
@@ -207,7 +208,10 @@ def test_cuda_matmul_bad_arguments():
     assert "n must be positive" in last_error()
     assert lib.dfl_cuda_matmul(0, ffi.NULL, 2, 32, xp, 1, yp) == -1
     assert "NULL" in last_error()
-    assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 1, 3) > 0, last_error()
+    assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 1, 3, 0) > 0, last_error()
+    assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 9, 3, 1) > 0, last_error()
+    assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 64, 256, 1, 3, 1) == -1.0
+    assert "exact matmul takes Q4_K, Q5_K or Q6_K, not Q8_0" in last_error()
 
 
 @pytest.mark.cuda
@@ -258,7 +262,7 @@ def test_cuda_entry_points_without_gpu():
     assert lib.dfl_cuda_matmul_exact(int(T.Q4_K), ffi.cast("void*", wk.ctypes.data), 2, 256,
                                      ffi.cast("float*", xk.ctypes.data), 1, ffi.cast("float*", y.ctypes.data)) == -1
     assert last_error() == msg
-    assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 16, 32, 1, 1) == -1.0
+    assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 16, 32, 1, 1, 0) == -1.0
     assert lib.dfl_cuda_bench_copy(1 << 20, 1) == -1.0
     assert lib.dfl_cuda_memory_stats(ffi.new("dfl_cuda_memory*"), 0) == -1
     assert np.isnan(y).all()  # y untouched

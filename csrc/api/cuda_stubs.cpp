@@ -22,7 +22,7 @@ int dfl_cuda_matmul_exact(uint32_t, const void*, int64_t, int64_t, const float*,
   return DFL_ERROR;
 }
 
-double dfl_cuda_bench_matmul(uint32_t, int64_t, int64_t, int32_t, int32_t) {
+double dfl_cuda_bench_matmul(uint32_t, int64_t, int64_t, int32_t, int32_t, int32_t) {
   dfl::set_last_error("CUDA backend not built");
   return -1.0;
 }

@@ -87,7 +87,9 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
   const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
   mp.workspace = (3 * nb * c.n_embd + 3 * nb * widest + 2 * nb * std::max(c.ssm_nv, 1)) * 4 +
                  (size_t)std::min(kLogitGroup, p.n_batch) * c.n_vocab * 4 +
-                 (p.device == Device::CUDA ? (size_t)64 << 20 : 0);  // attention split partials
+                 (p.device == Device::CUDA ? ((size_t)64 << 20)  // attention split partials
+                                               + KQuantActLayout((int64_t)widest, (int)nb).total  // exact matmul
+                                           : 0);
   return mp;
 }
 

@@ -73,6 +73,21 @@ struct ActRow {
   const int16_t* bsum;  // n / 16 integer sums of q (K-quant layout only; Q6_K's offset)
 };
 
+// n activation rows of `cols` values (a multiple of 256) quantised for K-quant
+// weights as one buffer (the CUDA exact matmul's scratch): q (n x cols int8),
+// then d (one f32 per 256 values), then bsum (one int16 per 16), each part
+// 16-byte aligned.  Byte offsets and the total size.
+struct KQuantActLayout {
+  size_t q, d, bsum, total;
+  KQuantActLayout(int64_t cols, int n) {
+    auto up = [](size_t b) { return (b + 15) / 16 * 16; };
+    q = 0;
+    d = up((size_t)n * (size_t)cols);
+    bsum = d + up((size_t)n * (size_t)(cols / 256) * sizeof(float));
+    total = bsum + up((size_t)n * (size_t)(cols / 16) * sizeof(int16_t));
+  }
+};
+
 struct TypeTraits {
   const char* name;
   int block_elems;   // elements per block

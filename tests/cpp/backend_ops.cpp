@@ -227,7 +227,8 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       cud->rmsnorm(xb.f(), cud->vec(M.layers[0].attn_norm), n, H, c.rms_eps, xb.f());
       check(label("rmsnorm", "in place", n), xb.get(x.size()), xa.get(x.size()), 2e-6);
     }
-    // matmul, every format (the CPU quantises activations to int8 for quantised weights)
+    // matmul, every format (the CPU quantises activations to int8 for quantised weights; K-quants on
+    // CUDA take the exact kernels, which do the same: bit for bit the CPU's result)
     for (int i = 0; i < 8; ++i) {
       const Weight& W = M.layers[i].ffn_gate;
       auto x = randn((size_t)n * H);
@@ -236,7 +237,8 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       xa.put(x), xb.put(x), yb.poison();
       cpu->matmul(W, xa.f(), n, ya.f());
       cud->matmul(W, xb.f(), n, yb.f());
-      const double tol = dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
+      const bool kquant = W.type == DType::Q4_K || W.type == DType::Q5_K || W.type == DType::Q6_K;
+      const double tol = kquant ? 0.0 : dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
       check(label("matmul", tname(W.type), n), yb.get((size_t)n * W.rows), ya.get((size_t)n * W.rows), tol);
     }
     // a verify batch's matmul gives each token exactly its n = 1 (AR step) result
@@ -245,10 +247,18 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       auto x = randn((size_t)n * H);
       Buf xb(*cud, x.size() * 4), yb(*cud, (size_t)n * W.rows * 4), y1(*cud, (size_t)W.rows * 4);
       xb.put(x), yb.poison();
-      ChunkPlan T = make_plan(n, false, 3, 50), one = make_plan(1, true, 3, 50);
+      ChunkPlan T = make_plan(n, false, 3, 50), one = make_plan(1, true, 3, 50), pre = make_plan(n, true, 3, 50);
       cud->begin_chunk(T);
       cud->matmul(W, xb.f(), n, yb.f());
       auto batch = yb.get((size_t)n * W.rows);
+      std::vector<float> prefill;  // K-quants: a prefill chunk too (the exact kernels serve every n)
+      const bool kquant = W.type == DType::Q4_K || W.type == DType::Q5_K || W.type == DType::Q6_K;
+      if (kquant) {
+        yb.poison();
+        cud->begin_chunk(pre);
+        cud->matmul(W, xb.f(), n, yb.f());
+        prefill = yb.get((size_t)n * W.rows);
+      }
       cud->begin_chunk(one);
       std::vector<float> alone((size_t)n * W.rows);
       for (int t = 0; t < n; ++t) {
@@ -257,6 +267,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         std::copy(r.begin(), r.end(), alone.begin() + (size_t)t * W.rows);
       }
       check(label("matmul", std::string(tname(W.type)) + " verify == AR steps", n), batch, alone, 0.0);
+      if (kquant) check(label("matmul", std::string(tname(W.type)) + " prefill == AR steps", n), prefill, alone, 0.0);
       cud->begin_chunk(P);
     }
     // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse)

@@ -77,6 +77,11 @@ inline float __fsub_rn(float a, float b) {
   return r;
 }
 
+// Four signed int8 products of a and b added to c (the GPU's dp4a.s32.s32).
+inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+  return c;
+}
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   const uint64_t v = (uint64_t)y << 32 | x;
   uint32_t r = 0;
