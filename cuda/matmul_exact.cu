@@ -35,18 +35,22 @@ namespace {
 
 constexpr int kQK = 256;
 constexpr int kWarpsPerCta = 4;
-constexpr int kTokTiles = 8;  // token tiles of 8 per warp: 64 tokens per weight pass
+constexpr int kMaxTokTiles = 8;  // token tiles of 8 per warp: up to 64 tokens per weight pass
 template <DType T>
 constexpr int kBlockBytes = T == DType::Q4_K ? (int)sizeof(block_q4_K)
                             : T == DType::Q5_K ? (int)sizeof(block_q5_K) : (int)sizeof(block_q6_K);
 
-// 4 bytes from any address (Q6_K's 210-byte blocks leave rows 2-byte aligned).
-__device__ __forceinline__ uint32_t ld_u32_any(const uint8_t* p) {
-  return ld_u8(p) | ld_u8(p + 1) << 8 | ld_u8(p + 2) << 16 | ld_u8(p + 3) << 24;
+// 4 bytes of a row: Q4_K/Q5_K blocks (144, 176 bytes) keep rows 16-byte aligned,
+// Q6_K's 210-byte blocks only 2-byte aligned (two 2-byte loads).
+template <DType T>
+__device__ __forceinline__ uint32_t ld_u32_row(const uint8_t* p) {
+  if constexpr (T == DType::Q6_K) return ld_u16(p) | ld_u16(p + 2) << 16;
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
 }
 __device__ __forceinline__ uint32_t ld_u32_act(const int8_t* p) {  // activations: 4-byte aligned
   return *reinterpret_cast<const uint32_t*>(p);
 }
+__device__ __forceinline__ uint32_t bcast4(int v) { return (uint32_t)(uint8_t)v * 0x01010101u; }
 
 // The CPU's quantize_act_row (block 256): one warp per (token, block), 8 values a lane.
 __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
@@ -77,30 +81,31 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, i
   if (lane == 0) d[tok * nb + b] = dv;
 }
 
-// One row's super-block as the kernel needs it: sub-block scales (Q6_K: its 16
-// group scales), the offsets' weights per 16-value group, the float scales.
+// One row's super-block as the tensor-core kernel needs it: the integer scales
+// (Q4_K/Q5_K: one per 32-value sub-block; Q6_K: one per 16-value group), the
+// offsets' integer weights (Q4_K/Q5_K: a min per sub-block; Q6_K: the group
+// scale again, its offset being 32 * scale), and the float scales.
 template <DType T>
 struct SuperBlockScales {
   int sc[T == DType::Q6_K ? 16 : 8];
-  int m[16];
+  int mn[8];  // Q4_K/Q5_K only
   float d, dm;
   __device__ __forceinline__ void load(const uint8_t* blk) {
     if constexpr (T == DType::Q6_K) {
-      for (int g = 0; g < 16; ++g) {
-        sc[g] = (int)(int8_t)ld_u8(blk + kQ6_K_scales + g);
-        m[g] = 32 * sc[g];
-      }
+#pragma unroll
+      for (int g = 0; g < 16; ++g) sc[g] = (int)(int8_t)ld_u8(blk + kQ6_K_scales + g);
       d = dm = ld_f16(blk + kQ6_K_d);
-    } else {  // d, dmin, scales[12]: a 16-byte aligned header (144- and 176-byte blocks)
+    } else {  // d, dmin, scales[12]: a 16-byte aligned header
       const uint4 hdr = ld16(blk);
+#pragma unroll
       for (int j = 0; j < 8; ++j) {
-        uint32_t s, mn;
-        kq_scale_min_bits(hdr, j, s, mn);
+        uint32_t s, m;
+        kq_scale_min_bits(hdr, j, s, m);
         sc[j] = (int)s;
-        m[2 * j] = m[2 * j + 1] = (int)mn;  // a min covers its sub-block's two groups
+        mn[j] = (int)m;
       }
-      d = ld_f16(blk);
-      dm = ld_f16(blk + 2);
+      d = f16_bits_to_f32(hdr.x);
+      dm = f16_bits_to_f32(hdr.x >> 16);
     }
   }
 };
@@ -113,16 +118,16 @@ __device__ __forceinline__ uint32_t quants4(const uint8_t* blk, int j, int l) {
     // value 128h + 32s + l: low bits from ql[64h + 32(s & 1) + l] (high nibble for s >= 2),
     // high bits (qh[32h + l] >> 2s) & 3
     const int h = j >> 2, s = j & 3;
-    const uint32_t ql = ld_u32_any(blk + kQ6_K_ql + 64 * h + 32 * (s & 1) + 4 * l);
-    const uint32_t qh = ld_u32_any(blk + kQ6_K_qh + 32 * h + 4 * l);
+    const uint32_t ql = ld_u32_row<T>(blk + kQ6_K_ql + 64 * h + 32 * (s & 1) + 4 * l);
+    const uint32_t qh = ld_u32_row<T>(blk + kQ6_K_qh + 32 * h + 4 * l);
     return ((ql >> (s >= 2 ? 4 : 0)) & 0x0f0f0f0fu) | (((qh >> (2 * s)) & 0x03030303u) << 4);
   } else {
     // value 64c + 32h + l is nibble h of qs[32c + l] (+16 from qh bit 2c + h for Q5_K)
     constexpr bool Q5 = T == DType::Q5_K;
     const int c = j >> 1, h = j & 1;
-    const uint32_t qs = ld_u32_any(blk + (Q5 ? kQ5_K_qs : kQ4_K_qs) + 32 * c + 4 * l);
+    const uint32_t qs = ld_u32_row<T>(blk + (Q5 ? kQ5_K_qs : kQ4_K_qs) + 32 * c + 4 * l);
     uint32_t v = (qs >> (4 * h)) & 0x0f0f0f0fu;
-    if (Q5) v |= ((ld_u32_any(blk + kQ5_K_qh + 4 * l) >> j) & 0x01010101u) << 4;
+    if (Q5) v |= ((ld_u32_row<T>(blk + kQ5_K_qh + 4 * l) >> j) & 0x01010101u) << 4;
     return v;
   }
 }
@@ -130,11 +135,15 @@ __device__ __forceinline__ uint32_t quants4(const uint8_t* blk, int j, int l) {
 // y[t][r] for rows [16 w, 16 w + 16) and tokens [tok0, tok0 + 64) of the warp w.
 // Lane (g, t4) = (lane / 4, lane % 4) owns rows 16w + g and 16w + g + 8 times
 // tokens 2 t4 and 2 t4 + 1 of each 8-token tile (the mma's C fragment).
-template <DType T>
+// Per sub-block and tile: the quants' mma (Q6_K: two, one per 16-value group
+// with the other half of k zeroed) scaled into isum in integers, and a second
+// mma whose A holds each row's offset weight broadcast over the sub-block's k,
+// chained in C across the sub-blocks: msum = sum_k m(k) * xq(k), the CPU's
+// sum_g m_g * bsum_g term for term, with no per-output loop.
+template <DType T, int kTokTiles>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
     kquant_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
-                      const int8_t* __restrict__ xq, const float* __restrict__ xd, const int16_t* __restrict__ xbsum,
-                      int n, float* __restrict__ y) {
+                      const int8_t* __restrict__ xq, const float* __restrict__ xd, int n, float* __restrict__ y) {
   constexpr int BS = kBlockBytes<T>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int64_t m0 = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * 16;
@@ -163,15 +172,24 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     SuperBlockScales<T> sa, sb;
     sa.load(blk_a);
     sb.load(blk_b);
-    int isum[kTokTiles][4];
+    int isum[kTokTiles][4], msum[kTokTiles][4];
 #pragma unroll
     for (int tt = 0; tt < kTokTiles; ++tt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) isum[tt][e] = 0;
+      for (int e = 0; e < 4; ++e) isum[tt][e] = msum[tt][e] = 0;
+#pragma unroll
     for (int j = 0; j < 8; ++j) {
       // A fragment: rows g / g + 8, values 4 t4.. and 16 + 4 t4.. of sub-block j
       const uint32_t a0 = quants4<T>(blk_a, j, t4), a1 = quants4<T>(blk_b, j, t4);
       const uint32_t a2 = quants4<T>(blk_a, j, 4 + t4), a3 = quants4<T>(blk_b, j, 4 + t4);
+      uint32_t am[4];  // the offsets' A: each row's weight over the sub-block's 32 (or 2 x 16) values
+      if constexpr (T == DType::Q6_K) {
+        am[0] = bcast4(sa.sc[2 * j]), am[1] = bcast4(sb.sc[2 * j]);
+        am[2] = bcast4(sa.sc[2 * j + 1]), am[3] = bcast4(sb.sc[2 * j + 1]);
+      } else {
+        am[0] = am[2] = bcast4(sa.mn[j]);
+        am[1] = am[3] = bcast4(sb.mn[j]);
+      }
       const int32_t zero[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int tt = 0; tt < kTokTiles; ++tt) {
@@ -196,6 +214,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
           isum[tt][2] += sb.sc[j] * c[2];
           isum[tt][3] += sb.sc[j] * c[3];
         }
+        mma_m16n8k32_s8(msum[tt], am, b, msum[tt]);
       }
     }
 #pragma unroll
@@ -203,14 +222,11 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
       if (tt >= tiles) break;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const SuperBlockScales<T>& s = e < 2 ? sa : sb;
-        const int tok = tokC[tt][e & 1];
-        const int16_t* bs = xbsum + (int64_t)tok * (cols / 16) + 16 * i;
-        int msum = 0;
-        for (int q = 0; q < 16; ++q) msum += s.m[q] * (int)bs[q];
-        const float xdi = xd[(int64_t)tok * nb + i];
-        acc[tt][e] = fmaf(__fmul_rn(s.d, xdi), (float)isum[tt][e], acc[tt][e]);
-        accm[tt][e] = fmaf(__fmul_rn(s.dm, xdi), (float)msum, accm[tt][e]);
+        const float xdi = xd[(int64_t)tokC[tt][e & 1] * nb + i];
+        const float d = e < 2 ? sa.d : sb.d, dm = e < 2 ? sa.dm : sb.dm;
+        const int ms = T == DType::Q6_K ? 32 * msum[tt][e] : msum[tt][e];
+        acc[tt][e] = fmaf(__fmul_rn(d, xdi), (float)isum[tt][e], acc[tt][e]);
+        accm[tt][e] = fmaf(__fmul_rn(dm, xdi), (float)ms, accm[tt][e]);
       }
     }
   }
@@ -355,10 +371,14 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
     if (n <= 4) return launch_dp4a<T, 4>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
     return launch_dp4a<T, 8>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
   }
+  // the tiles per warp fit the batch (registers grow with them): 9..16 tokens 2, ..32 4, more 8
+  const int tiles = n <= 16 ? 2 : n <= 32 ? 4 : kMaxTokTiles;
   const dim3 grid((unsigned)((rows + 16 * kWarpsPerCta - 1) / (16 * kWarpsPerCta)),
-                  (unsigned)((n + 8 * kTokTiles - 1) / (8 * kTokTiles)));
-  launch(kquant_mma_kernel<T>, grid, dim3(32 * kWarpsPerCta), 0, stream, w, rows, cols, row_bytes, xq, xd, xbsum, n,
-         y);
+                  (unsigned)((n + 8 * tiles - 1) / (8 * tiles)));
+  const dim3 block(32 * kWarpsPerCta);
+  if (tiles == 2) return launch(kquant_mma_kernel<T, 2>, grid, block, 0, stream, w, rows, cols, row_bytes, xq, xd, n, y);
+  if (tiles == 4) return launch(kquant_mma_kernel<T, 4>, grid, block, 0, stream, w, rows, cols, row_bytes, xq, xd, n, y);
+  launch(kquant_mma_kernel<T, kMaxTokTiles>, grid, block, 0, stream, w, rows, cols, row_bytes, xq, xd, n, y);
 }
 
 }  // namespace

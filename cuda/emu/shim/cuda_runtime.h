@@ -60,6 +60,10 @@ inline unsigned short __ldg(const unsigned short* p) {
   if ((uintptr_t)p & 1) std::abort();
   return *p;
 }
+inline unsigned int __ldg(const unsigned int* p) {
+  if ((uintptr_t)p & 3) std::abort();
+  return *p;
+}
 inline uint8_t __ldg(const uint8_t* p) { return *p; }
 inline float __ldg(const float* p) { return *p; }
 // IEEE round-to-nearest multiply: one rounding, never fused (as on the GPU).
