@@ -132,9 +132,16 @@ __device__ __forceinline__ uint32_t quants4(const uint8_t* blk, int j, int l) {
   }
 }
 
-// y[t][r] for rows [16 w, 16 w + 16) and tokens [tok0, tok0 + 64) of the warp w.
-// Lane (g, t4) = (lane / 4, lane % 4) owns rows 16w + g and 16w + g + 8 times
-// tokens 2 t4 and 2 t4 + 1 of each 8-token tile (the mma's C fragment).
+// y[t][r] for the CTA's 16 rows and 8 kTokTiles tokens.  Its warps split K: in
+// round r, warp w takes super-block W r + w and computes that super-block's exact
+// integer sums for every (row, token); they meet in shared memory, and each
+// output's float steps then run in one thread over the round's super-blocks in
+// k order.  So the K order of the float work is the CPU's whatever the split,
+// and a 5120-row weight still gives 320 CTAs of 4 warps (a warp per 16 rows
+// and the whole K would leave an H100 with 2-3 warps an SM for it).
+// A warp's lane (g, t4) = (lane / 4, lane % 4) holds rows g and g + 8 times
+// tokens 2 t4 and 2 t4 + 1 of each 8-token tile (the mma's C fragment); the
+// chain thread (warp w, lane) takes those elements of tiles w, w + W, ...
 // Per sub-block and tile: the quants' mma (Q6_K: two, one per 16-value group
 // with the other half of k zeroed) scaled into isum in integers, and a second
 // mma whose A holds each row's offset weight broadcast over the sub-block's k,
@@ -144,100 +151,121 @@ template <DType T, int kTokTiles>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
     kquant_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                       const int8_t* __restrict__ xq, const float* __restrict__ xd, int n, float* __restrict__ y) {
-  constexpr int BS = kBlockBytes<T>;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int64_t m0 = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * 16;
-  if (m0 >= rows) return;  // whole warps only
+  constexpr int BS = kBlockBytes<T>, W = kWarpsPerCta;
+  constexpr int CT = (kTokTiles + W - 1) / W;  // tiles per chain thread
+  __shared__ int part_isum[W][kTokTiles][4][32], part_msum[W][kTokTiles][4][32];
+  __shared__ float part_d[W][16], part_dm[W][16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t m0 = (int64_t)blockIdx.x * 16;
   const int tok0 = blockIdx.y * 8 * kTokTiles;
   const int tiles = min(kTokTiles, (n - tok0 + 7) / 8);
   const int64_t nb = cols / kQK;
   // rows and tokens past the end are read (as the last one), never written
   const int64_t ra = min(m0 + g, rows - 1), rb = min(m0 + g + 8, rows - 1);
-  int tokB[kTokTiles], tokC[kTokTiles][2];  // the lane's B-fragment token; its two output tokens
+  int tokB[kTokTiles];  // the lane's B-fragment token per tile
 #pragma unroll
-  for (int tt = 0; tt < kTokTiles; ++tt) {
-    tokB[tt] = min(tok0 + 8 * tt + g, n - 1);
-    tokC[tt][0] = min(tok0 + 8 * tt + 2 * t4, n - 1);
-    tokC[tt][1] = min(tok0 + 8 * tt + 2 * t4 + 1, n - 1);
-  }
-  float acc[kTokTiles][4], accm[kTokTiles][4];
+  for (int tt = 0; tt < kTokTiles; ++tt) tokB[tt] = min(tok0 + 8 * tt + g, n - 1);
+  float acc[CT][4], accm[CT][4];
 #pragma unroll
-  for (int tt = 0; tt < kTokTiles; ++tt)
+  for (int c = 0; c < CT; ++c)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[tt][e] = accm[tt][e] = 0.f;
+    for (int e = 0; e < 4; ++e) acc[c][e] = accm[c][e] = 0.f;
 
-  for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* blk_a = w + ra * row_bytes + i * BS;
-    const uint8_t* blk_b = w + rb * row_bytes + i * BS;
-    SuperBlockScales<T> sa, sb;
-    sa.load(blk_a);
-    sb.load(blk_b);
-    int isum[kTokTiles][4], msum[kTokTiles][4];
+  for (int64_t i0 = 0; i0 < nb; i0 += W) {
+    const int64_t i = i0 + warp;
+    if (i < nb) {  // this warp's super-block: integer sums only
+      const uint8_t* blk_a = w + ra * row_bytes + i * BS;
+      const uint8_t* blk_b = w + rb * row_bytes + i * BS;
+      SuperBlockScales<T> sa, sb;
+      sa.load(blk_a);
+      sb.load(blk_b);
+      int isum[kTokTiles][4], msum[kTokTiles][4];
 #pragma unroll
-    for (int tt = 0; tt < kTokTiles; ++tt)
+      for (int tt = 0; tt < kTokTiles; ++tt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) isum[tt][e] = msum[tt][e] = 0;
+        for (int e = 0; e < 4; ++e) isum[tt][e] = msum[tt][e] = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      // A fragment: rows g / g + 8, values 4 t4.. and 16 + 4 t4.. of sub-block j
-      const uint32_t a0 = quants4<T>(blk_a, j, t4), a1 = quants4<T>(blk_b, j, t4);
-      const uint32_t a2 = quants4<T>(blk_a, j, 4 + t4), a3 = quants4<T>(blk_b, j, 4 + t4);
-      uint32_t am[4];  // the offsets' A: each row's weight over the sub-block's 32 (or 2 x 16) values
-      if constexpr (T == DType::Q6_K) {
-        am[0] = bcast4(sa.sc[2 * j]), am[1] = bcast4(sb.sc[2 * j]);
-        am[2] = bcast4(sa.sc[2 * j + 1]), am[3] = bcast4(sb.sc[2 * j + 1]);
-      } else {
-        am[0] = am[2] = bcast4(sa.mn[j]);
-        am[1] = am[3] = bcast4(sb.mn[j]);
+      for (int j = 0; j < 8; ++j) {
+        // A fragment: rows g / g + 8, values 4 t4.. and 16 + 4 t4.. of sub-block j
+        const uint32_t a0 = quants4<T>(blk_a, j, t4), a1 = quants4<T>(blk_b, j, t4);
+        const uint32_t a2 = quants4<T>(blk_a, j, 4 + t4), a3 = quants4<T>(blk_b, j, 4 + t4);
+        uint32_t am[4];  // the offsets' A: each row's weight over the sub-block's 32 (or 2 x 16) values
+        if constexpr (T == DType::Q6_K) {
+          am[0] = bcast4(sa.sc[2 * j]), am[1] = bcast4(sb.sc[2 * j]);
+          am[2] = bcast4(sa.sc[2 * j + 1]), am[3] = bcast4(sb.sc[2 * j + 1]);
+        } else {
+          am[0] = am[2] = bcast4(sa.mn[j]);
+          am[1] = am[3] = bcast4(sb.mn[j]);
+        }
+        const int32_t zero[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int tt = 0; tt < kTokTiles; ++tt) {
+          if (tt >= tiles) break;
+          const int8_t* xp = xq + (int64_t)tokB[tt] * cols + i * kQK + 32 * j + 4 * t4;
+          const uint32_t b[2] = {ld_u32_act(xp), ld_u32_act(xp + 16)};
+          int32_t c[4];
+          if constexpr (T == DType::Q6_K) {  // a scale per 16 values: the two halves of k apart
+            const uint32_t lo[4] = {a0, a1, 0u, 0u}, hi[4] = {0u, 0u, a2, a3};
+            int32_t c2[4];
+            mma_m16n8k32_s8(c, lo, b, zero);
+            mma_m16n8k32_s8(c2, hi, b, zero);
+            isum[tt][0] += sa.sc[2 * j] * c[0] + sa.sc[2 * j + 1] * c2[0];
+            isum[tt][1] += sa.sc[2 * j] * c[1] + sa.sc[2 * j + 1] * c2[1];
+            isum[tt][2] += sb.sc[2 * j] * c[2] + sb.sc[2 * j + 1] * c2[2];
+            isum[tt][3] += sb.sc[2 * j] * c[3] + sb.sc[2 * j + 1] * c2[3];
+          } else {
+            const uint32_t a[4] = {a0, a1, a2, a3};
+            mma_m16n8k32_s8(c, a, b, zero);
+            isum[tt][0] += sa.sc[j] * c[0];
+            isum[tt][1] += sa.sc[j] * c[1];
+            isum[tt][2] += sb.sc[j] * c[2];
+            isum[tt][3] += sb.sc[j] * c[3];
+          }
+          mma_m16n8k32_s8(msum[tt], am, b, msum[tt]);
+        }
       }
-      const int32_t zero[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int tt = 0; tt < kTokTiles; ++tt) {
         if (tt >= tiles) break;
-        const int8_t* xp = xq + (int64_t)tokB[tt] * cols + i * kQK + 32 * j + 4 * t4;
-        const uint32_t b[2] = {ld_u32_act(xp), ld_u32_act(xp + 16)};
-        int32_t c[4];
-        if constexpr (T == DType::Q6_K) {  // a scale per 16 values: the two halves of k apart
-          const uint32_t lo[4] = {a0, a1, 0u, 0u}, hi[4] = {0u, 0u, a2, a3};
-          int32_t c2[4];
-          mma_m16n8k32_s8(c, lo, b, zero);
-          mma_m16n8k32_s8(c2, hi, b, zero);
-          isum[tt][0] += sa.sc[2 * j] * c[0] + sa.sc[2 * j + 1] * c2[0];
-          isum[tt][1] += sa.sc[2 * j] * c[1] + sa.sc[2 * j + 1] * c2[1];
-          isum[tt][2] += sb.sc[2 * j] * c[2] + sb.sc[2 * j + 1] * c2[2];
-          isum[tt][3] += sb.sc[2 * j] * c[3] + sb.sc[2 * j + 1] * c2[3];
-        } else {
-          const uint32_t a[4] = {a0, a1, a2, a3};
-          mma_m16n8k32_s8(c, a, b, zero);
-          isum[tt][0] += sa.sc[j] * c[0];
-          isum[tt][1] += sa.sc[j] * c[1];
-          isum[tt][2] += sb.sc[j] * c[2];
-          isum[tt][3] += sb.sc[j] * c[3];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          part_isum[warp][tt][e][lane] = isum[tt][e];
+          part_msum[warp][tt][e][lane] = T == DType::Q6_K ? 32 * msum[tt][e] : msum[tt][e];
         }
-        mma_m16n8k32_s8(msum[tt], am, b, msum[tt]);
+      }
+      if (t4 == 0) {
+        part_d[warp][g] = sa.d, part_d[warp][g + 8] = sb.d;
+        part_dm[warp][g] = sa.dm, part_dm[warp][g + 8] = sb.dm;
       }
     }
+    __syncthreads();
+    // the float steps of this thread's outputs over the round's super-blocks, in k order
+    const int steps = (int)min((int64_t)W, nb - i0);
 #pragma unroll
-    for (int tt = 0; tt < kTokTiles; ++tt) {
+    for (int c = 0; c < CT; ++c) {
+      const int tt = warp + W * c;
       if (tt >= tiles) break;
+      for (int s = 0; s < steps; ++s) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float xdi = xd[(int64_t)tokC[tt][e & 1] * nb + i];
-        const float d = e < 2 ? sa.d : sb.d, dm = e < 2 ? sa.dm : sb.dm;
-        const int ms = T == DType::Q6_K ? 32 * msum[tt][e] : msum[tt][e];
-        acc[tt][e] = fmaf(__fmul_rn(d, xdi), (float)isum[tt][e], acc[tt][e]);
-        accm[tt][e] = fmaf(__fmul_rn(dm, xdi), (float)ms, accm[tt][e]);
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + (e < 2 ? 0 : 8), tok = min(tok0 + 8 * tt + 2 * t4 + (e & 1), n - 1);
+          const float xdi = xd[(int64_t)tok * nb + i0 + s];
+          acc[c][e] = fmaf(__fmul_rn(part_d[s][r], xdi), (float)part_isum[s][tt][e][lane], acc[c][e]);
+          accm[c][e] = fmaf(__fmul_rn(part_dm[s][r], xdi), (float)part_msum[s][tt][e][lane], accm[c][e]);
+        }
       }
     }
+    __syncthreads();
   }
 #pragma unroll
-  for (int tt = 0; tt < kTokTiles; ++tt) {
+  for (int c = 0; c < CT; ++c) {
+    const int tt = warp + W * c;
     if (tt >= tiles) break;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t r = m0 + g + (e < 2 ? 0 : 8);
       const int t = tok0 + 8 * tt + 2 * t4 + (e & 1);
-      if (r < rows && t < n) y[(int64_t)t * rows + r] = __fsub_rn(acc[tt][e], accm[tt][e]);
+      if (r < rows && t < n) y[(int64_t)t * rows + r] = __fsub_rn(acc[c][e], accm[c][e]);
     }
   }
 }
@@ -373,8 +401,7 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
   }
   // the tiles per warp fit the batch (registers grow with them): 9..16 tokens 2, ..32 4, more 8
   const int tiles = n <= 16 ? 2 : n <= 32 ? 4 : kMaxTokTiles;
-  const dim3 grid((unsigned)((rows + 16 * kWarpsPerCta - 1) / (16 * kWarpsPerCta)),
-                  (unsigned)((n + 8 * tiles - 1) / (8 * tiles)));
+  const dim3 grid((unsigned)((rows + 15) / 16), (unsigned)((n + 8 * tiles - 1) / (8 * tiles)));
   const dim3 block(32 * kWarpsPerCta);
   if (tiles == 2) return launch(kquant_mma_kernel<T, 2>, grid, block, 0, stream, w, rows, cols, row_bytes, xq, xd, n, y);
   if (tiles == 4) return launch(kquant_mma_kernel<T, 4>, grid, block, 0, stream, w, rows, cols, row_bytes, xq, xd, n, y);
