@@ -149,15 +149,18 @@ with Decoder(device='cuda', ctx=512, threads=4) as d:
     assert dd == ar, (dd, ar)
 print('decode ok')"
       local t=tests/test_cuda_ops.py
-      run 120 "compute-sanitizer memcheck: matmul shapes + a DDTree decode" bash -c "
+      run 150 "compute-sanitizer memcheck: matmul shapes, the exact matmul, DDTree on a K-quant target + a DDTree decode" bash -c "
         '$SAN' --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider -m cuda \
           '$t::test_cuda_matmul_shapes_and_misaligned_rows' '$t::test_cuda_matmul_vs_numpy_and_cpu[Q6_K-23]' \
+          '$t::test_cuda_matmul_exact_equals_cpu' 'tests/test_cuda_forward.py::test_cuda_kquant_target_spec_equals_ar' \
           > build/memcheck-matmul.log 2>&1; a=\$?
         '$SAN' --tool memcheck --error-exitcode 99 python3 -c \"$decode\" > build/memcheck-decode.log 2>&1; b=\$?
         tail -3 build/memcheck-matmul.log build/memcheck-decode.log; [ \$a = 0 ] && [ \$b = 0 ]"
-      run 150 "compute-sanitizer racecheck: a DDTree decode" bash -c "
-        '$SAN' --tool racecheck --error-exitcode 99 python3 -c \"$decode\" > build/racecheck-decode.log 2>&1; a=\$?
-        tail -3 build/racecheck-decode.log; exit \$a"
+      run 150 "compute-sanitizer racecheck: the exact matmul's shared-memory rounds + a DDTree decode" bash -c "
+        '$SAN' --tool racecheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider -m cuda \
+          '$t::test_cuda_matmul_exact_equals_cpu' > build/racecheck-matmul.log 2>&1; a=\$?
+        '$SAN' --tool racecheck --error-exitcode 99 python3 -c \"$decode\" > build/racecheck-decode.log 2>&1; b=\$?
+        tail -3 build/racecheck-matmul.log build/racecheck-decode.log; [ \$a = 0 ] && [ \$b = 0 ]"
     else
       echo "compute-sanitizer not found: sanitizer not run"
     fi
@@ -168,7 +171,7 @@ print('decode ok')"
 checks_summary() {
   local san=()
   [ -f build/memcheck-decode.log ] && san+=(--memcheck build/memcheck-matmul.log --memcheck build/memcheck-decode.log)
-  [ -f build/racecheck-decode.log ] && san+=(--racecheck build/racecheck-decode.log)
+  [ -f build/racecheck-decode.log ] && san+=(--racecheck build/racecheck-matmul.log --racecheck build/racecheck-decode.log)
   run 30 "test and sanitizer summary" python3 bench/gpu_bench.py checks --junit build/gpu-pytest.xml \
     --backend-ops build/backend_ops.log "${san[@]}" --out "$PARTS/checks.json"
 }
@@ -234,7 +237,7 @@ part3() {
   run 90 "draft model: a 0.8B-shaped qwen35 drafting for the 27B (chain / DDTree, block 5 and 9)" \
     python3 bench/gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf \
     --out "$PARTS/draftmodel.json"
-  run 45 "matmul table (every format, n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
+  run 60 "matmul table (every format, K-quants exact and float, n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
 }
 
 record() {
