@@ -282,49 +282,75 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 template <DType T>
 using ExactFmt = std::conditional_t<T == DType::Q4_K, FmtQ4_K, std::conditional_t<T == DType::Q5_K, FmtQ5_K, FmtQ6_K>>;
 
+// Byte k (0..15, may vary by lane) of a 16-byte value, without indexing registers.
+__device__ __forceinline__ int byte_of(const uint4& v, int k) {
+  const uint32_t w = k < 4 ? v.x : k < 8 ? v.y : k < 12 ? v.z : v.w;
+  return (int)((w >> (8 * (k & 3))) & 0xffu);
+}
+
 // Task j of one super-block: its values as int8 (unsigned, < 64) in two runs of
 // 16 (lo = the task's values 0..15, hi = 16..31), their integer scales, the
 // offsets' weights of the 16-value groups 2j and 2j+1, and the float scales.
+// `fetch` issues the task's loads and `decode` unpacks them, so the matvec can
+// have the next super-block's loads in flight while it works on this one.
 template <DType T>
 struct ExactTask {
+  struct Raw {
+    uint4 q, qh, hdr;  // Q4_K/Q5_K: qs chunk, qh (Q5_K), header; Q6_K: ql chunk, qh chunk, scales[16]
+    uint32_t d6;       // Q6_K: d
+  };
   uint32_t lo[4], hi[4];
   int sc_lo, sc_hi, m0, m1;
   float d, dm;
-  __device__ __forceinline__ void load(const uint8_t* blk, int j) {
+
+  __device__ __forceinline__ static Raw fetch(const uint8_t* blk, int j) {
+    Raw r;
     if constexpr (T == DType::Q6_K) {
-      const int h = j >> 2, k = j & 3, up = k >> 1, kk = k & 1;  // FmtQ6_K's task j
-      const uint4 ql = ld16_u(blk + kQ6_K_ql + 64 * h + 16 * k);
-      const uint4 qh = ld16_u(blk + kQ6_K_qh + 32 * h + 16 * kk);
+      const int h = j >> 2, k = j & 3, kk = k & 1;  // FmtQ6_K's task j
+      r.q = ld16_u(blk + kQ6_K_ql + 64 * h + 16 * k);
+      r.qh = ld16_u(blk + kQ6_K_qh + 32 * h + 16 * kk);
+      r.hdr = ld16_u(blk + kQ6_K_scales);
+      r.d6 = ld_u16(blk + kQ6_K_d);
+    } else {
+      r.hdr = ld16(blk);  // d, dmin, scales[12]: 16-byte aligned (144- and 176-byte blocks)
+      r.q = ld16(blk + (T == DType::Q5_K ? kQ5_K_qs : kQ4_K_qs) + 16 * j);
+      r.qh = T == DType::Q5_K ? ld16(blk + kQ5_K_qh + 16 * (j & 1)) : make_uint4(0u, 0u, 0u, 0u);
+      r.d6 = 0u;
+    }
+    return r;
+  }
+
+  __device__ __forceinline__ void decode(const Raw& r, int j) {
+    if constexpr (T == DType::Q6_K) {
+      const int h = j >> 2, k = j & 3, up = k >> 1, kk = k & 1;
+#pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const uint32_t l = u4_word(ql, w), b = u4_word(qh, w) >> (2 * up);
+        const uint32_t l = u4_word(r.q, w), b = u4_word(r.qh, w) >> (2 * up);
         lo[w] = (l & 0x0f0f0f0fu) | ((b << 4) & 0x30303030u);
         hi[w] = ((l >> 4) & 0x0f0f0f0fu) | (b & 0x30303030u);
       }
-      sc_lo = (int)(int8_t)ld_u8(blk + kQ6_K_scales + 8 * h + kk + 2 * up);
-      sc_hi = (int)(int8_t)ld_u8(blk + kQ6_K_scales + 8 * h + kk + 4 + 2 * up);
-      m0 = 32 * (int)(int8_t)ld_u8(blk + kQ6_K_scales + 2 * j);
-      m1 = 32 * (int)(int8_t)ld_u8(blk + kQ6_K_scales + 2 * j + 1);
-      d = dm = ld_f16(blk + kQ6_K_d);
+      sc_lo = (int)(int8_t)byte_of(r.hdr, 8 * h + kk + 2 * up);
+      sc_hi = (int)(int8_t)byte_of(r.hdr, 8 * h + kk + 4 + 2 * up);
+      m0 = 32 * (int)(int8_t)byte_of(r.hdr, 2 * j);
+      m1 = 32 * (int)(int8_t)byte_of(r.hdr, 2 * j + 1);
+      d = dm = f16_bits_to_f32(r.d6);
     } else {  // FmtQ4_K / FmtQ5_K's task j: sub-blocks 2c (low nibbles) and 2c+1 (high)
       const int c = j >> 1;
-      const uint4 hdr = ld16(blk);
-      const uint4 qs = ld16(blk + (T == DType::Q5_K ? kQ5_K_qs : kQ4_K_qs) + 16 * j);
-      uint4 qh{0u, 0u, 0u, 0u};
-      if constexpr (T == DType::Q5_K) qh = ld16(blk + kQ5_K_qh + 16 * (j & 1));
+#pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const uint32_t q = u4_word(qs, w), b = u4_word(qh, w) >> (2 * c);
+        const uint32_t q = u4_word(r.q, w), b = u4_word(r.qh, w) >> (2 * c);
         lo[w] = (q & 0x0f0f0f0fu) | ((b << 4) & 0x10101010u);
         hi[w] = ((q >> 4) & 0x0f0f0f0fu) | ((b << 3) & 0x10101010u);
       }
       uint32_t s, mn;
-      kq_scale_min_bits(hdr, 2 * c, s, mn);
+      kq_scale_min_bits(r.hdr, 2 * c, s, mn);
       sc_lo = (int)s;
-      kq_scale_min_bits(hdr, 2 * c + 1, s, mn);
+      kq_scale_min_bits(r.hdr, 2 * c + 1, s, mn);
       sc_hi = (int)s;
-      kq_scale_min_bits(hdr, j, s, mn);  // groups 2j and 2j+1 are sub-block j
+      kq_scale_min_bits(r.hdr, j, s, mn);  // groups 2j and 2j+1 are sub-block j
       m0 = m1 = (int)mn;
-      d = f16_bits_to_f32(hdr.x);
-      dm = f16_bits_to_f32(hdr.x >> 16);
+      d = f16_bits_to_f32(r.hdr.x);
+      dm = f16_bits_to_f32(r.hdr.x >> 16);
     }
   }
 };
@@ -347,10 +373,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   float acc[NT], accm[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = accm[t] = 0.f;
-#pragma unroll 2
+  typename ExactTask<T>::Raw raw = ExactTask<T>::fetch(row, j);
   for (int64_t i = 0; i < nb; ++i) {
+    // the next super-block's loads go out before this one's math (the last is fetched again, unused)
+    const typename ExactTask<T>::Raw next = ExactTask<T>::fetch(row + min(i + 1, nb - 1) * BS, j);
     ExactTask<T> q;
-    q.load(row + i * BS, j);
+    q.decode(raw, j);
+    raw = next;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int64_t tok = min(t, n - 1);
