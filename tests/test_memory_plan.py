@@ -141,3 +141,21 @@ def test_fit_counts_a_draft_models_context(sparse27, tmp_path):
         dm.close()
     rc, j = plan_json("-m", str(t), "-md", str(d), "--vram", str(vram / GIB), "--fit", "-c", "131072")
     assert rc == 0 and j["options"]["ctx"] == 65536 and j["options"]["draft_type"] == "model"
+
+
+def test_cuda_workspace_counts_the_exact_matmuls_activations(sparse27):
+    """On CUDA the workspace also holds the attention split partials (64 MiB) and the K-quant activations
+    quantised for the exact matmul at the widest row (the 27B's FFN, 17408) times n_batch: int8 values,
+    an f32 scale per 256 and an int16 sum per 16."""
+    from dflash27b import _handles
+    from dflash27b._lib import TYPE_IDS
+    m = _handles.Model(str(sparse27[0]))
+    try:
+        plan = {dev: _handles.memory_plan(m, 4096, 512, TYPE_IDS["q4_0"], dev, 23) for dev in (0, 1)}
+    finally:
+        m.close()
+    nb, widest = 512, 17408
+    act = nb * widest + nb * (widest // 256) * 4 + nb * (widest // 16) * 2
+    assert plan[1]["workspace"] - plan[0]["workspace"] == (64 << 20) + act
+    assert {k: v for k, v in plan[1].items() if k not in ("workspace", "total")} == \
+        {k: v for k, v in plan[0].items() if k not in ("workspace", "total")}
