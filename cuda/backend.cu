@@ -165,7 +165,8 @@ class CudaBackend final : public Backend {
     require_device();
     CUDA_CHECK(cudaSetDevice(0));
     if (c_.conv_kernel > fwd::kMaxConvK) fail("conv kernel %d exceeds the CUDA limit %d", c_.conv_kernel, fwd::kMaxConvK);
-    if (c_.ssm_dv % 32 || c_.ssm_dv > fwd::kMaxBlock) fail("delta-net value head dim %d is not a multiple of 32 <= 1024", c_.ssm_dv);
+    if (c_.ssm_dv % fwd::kDeltaCols)
+      fail("delta-net value head dim %d is not a multiple of %d", c_.ssm_dv, fwd::kDeltaCols);
     if (c_.ssm_dk != 32 && c_.ssm_dk != 64 && c_.ssm_dk != 128 && c_.ssm_dk != 256)
       fail("delta-net key head dim %d: the CUDA kernel is built for 32, 64, 128 and 256", c_.ssm_dk);
     weights_ = weights_for(m, plan);
@@ -232,14 +233,18 @@ class CudaBackend final : public Backend {
     n_ = p.n;
     commit_ = p.commit;
     max_visible_ = p.max_visible;
-    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | extra_slots.
-    const size_t words = 6 * (size_t)p.n + p.extra_slots.size();
+    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | extra_slots.
+    const size_t words = 7 * (size_t)p.n + p.extra_slots.size();
     host_plan_.resize(words);
     int32_t* h = host_plan_.data();
     for (const std::vector<int32_t>* v : {&p.tokens, &p.pos, &p.n_prefix, &p.extra_begin, &p.extra_count, &p.parent}) {
       std::copy(v->begin(), v->end(), h);
       h += p.n;
     }
+    // which verify nodes' delta-net states node_rec must hold (none when committing)
+    const std::vector<uint8_t> keep = p.commit ? std::vector<uint8_t>(p.n, 0) : node_rec_kept(p.parent.data(), p.n);
+    std::copy(keep.begin(), keep.end(), h);
+    h += p.n;
     std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
     if (words > plan_cap_) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -256,6 +261,7 @@ class CudaBackend final : public Backend {
     extra_begin_ = d; d += p.n;
     extra_count_ = d; d += p.n;
     parent_ = d; d += p.n;
+    keep_ = d; d += p.n;
     extra_slots_ = d;
   }
 
@@ -346,16 +352,18 @@ class CudaBackend final : public Backend {
     fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, L.node_upd, parent_, n_, C, c_.conv_kernel,
                      (int64_t)U.stride};
     launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
-    fwd::DeltaArgs da{mm, z, bb, aa, L.dt_bias, L.ssm_a, L.ssm_norm, L.rec, L.node_rec, L.node_upd, parent_, y, n_,
+    fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, y, n_,
                       c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
                       (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
-    const dim3 grid((unsigned)c_.ssm_nv), block((unsigned)c_.ssm_dv);
+    const dim3 grid((unsigned)c_.ssm_nv, (unsigned)(c_.ssm_dv / fwd::kDeltaCols)), block(fwd::kDeltaThreads);
     switch (c_.ssm_dk) {
-      case 32: return launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da);
-      case 64: return launch(fwd::delta_kernel<64>, grid, block, 0, stream_, da);
-      case 128: return launch(fwd::delta_kernel<128>, grid, block, 0, stream_, da);
-      default: return launch(fwd::delta_kernel<256>, grid, block, 0, stream_, da);
+      case 32: launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da); break;
+      case 64: launch(fwd::delta_kernel<64>, grid, block, 0, stream_, da); break;
+      case 128: launch(fwd::delta_kernel<128>, grid, block, 0, stream_, da); break;
+      default: launch(fwd::delta_kernel<256>, grid, block, 0, stream_, da); break;
     }
+    launch(fwd::gated_norm_kernel, dim3((unsigned)n_, (unsigned)c_.ssm_nv), dim3(32), 0, stream_, y, z, L.ssm_norm,
+           c_.ssm_nv, c_.ssm_dv, c_.rms_eps);
   }
 
   void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
@@ -416,7 +424,7 @@ class CudaBackend final : public Backend {
   int32_t* plan_buf_ = nullptr;
   size_t plan_cap_ = 0;
   const int32_t *tokens_ = nullptr, *pos_ = nullptr, *n_prefix_ = nullptr, *extra_begin_ = nullptr,
-                *extra_count_ = nullptr, *parent_ = nullptr, *extra_slots_ = nullptr;
+                *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *extra_slots_ = nullptr;
 };
 
 }  // namespace

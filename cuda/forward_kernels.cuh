@@ -471,15 +471,31 @@ __global__ void conv_kernel(ConvArgs a) {
 }
 
 // ---------------------------------------------------------------- delta-net: rule
-// grid nv (value heads), blockDim = dv.  Thread j keeps column j of the head's
-// state S (dk x dv) in registers and walks the chunk's tokens in order,
-// starting each from its parent's state as conv_kernel does.  Per token: the
-// key head's q and k are L2-normalised (q also scaled by 1/sqrt(dk)), then
+// Per token, for each value head (its key head's q and k L2-normalised, q also
+// scaled by 1/sqrt(dk)):
 //   S *= exp(g);  u = S^T k;  S += k (beta (v - u))^T;  out = S^T q
-// and out gets the gated RMSNorm (ssm_norm, silu(z)).  The state update is
-// written with explicit roundings (S = S * decay, then S = fma(k, delta, S)) so
-// that delta_commit_kernel, replaying a node's stored (k, delta, decay),
-// reproduces it bit for bit whatever the compiler would contract.
+// then out gets the gated RMSNorm (ssm_norm, silu(z)).
+//
+// delta_kernel: grid (nv value heads, dv / 32 column blocks), 128 threads.  A
+// CTA owns 32 columns of one head's state S (dk x dv), 4 threads a column:
+// thread r holds rows r, r + 4, r + 8, ... in registers for the whole chunk and
+// walks its tokens in order, each from its parent's state (the committed state
+// for -1; node_rec of the parent when that is not the previous token).  Only
+// the state update is serial.  What a token needs that does not depend on the
+// state -- normalised q and k, beta, the decay, its v -- is computed ahead, a
+// window of 16 tokens at a time, by the CTA's warps into shared memory, and
+// the gated RMSNorm runs after the chunk (gated_norm_kernel, one warp per
+// token and head).  So a token's step is its FMAs and two 4-lane butterflies,
+// with no barrier.  Every sum has one order, fixed by the shapes alone (a
+// thread's rows in order, then the butterfly; a warp's lanes in a butterfly),
+// so a token's result does not depend on n.
+//
+// The state update is written with explicit roundings (S = S * decay, then
+// S = fma(k, delta, S)) so that delta_commit_kernel, replaying a node's stored
+// (k, delta, decay), reproduces it bit for bit whatever the compiler would
+// contract.  In verify mode a node's state goes to node_rec only when `keep`
+// says a later node or the commit needs it (node_rec_kept): a chain writes one
+// state per layer, not one per node.
 // The recurrent state's storage: f32, or bf16 / f16 rounded to nearest even
 // (DType ids; the state is computed in f32 and rounded after every token).
 __device__ __forceinline__ uint32_t f32_to_bf16_bits_rn(float f) {
@@ -502,96 +518,131 @@ __device__ __forceinline__ float round_state(float v, int type) {
   return v;
 }
 
+constexpr int kDeltaCols = 32, kDeltaSplit = 4, kDeltaWindow = 16;
+constexpr int kDeltaThreads = kDeltaCols * kDeltaSplit;
+
 struct DeltaArgs {
   const float* mm;       // [n][Cconv] conv outputs: q (nk*dk) | k (nk*dk) | v (nv*dv)
-  const float* z;        // [n][nv*dv]
   const float* beta;     // [n][nv]
   const float* alpha;    // [n][nv]
-  const float* dt_bias, *ssm_a, *ssm_norm;
+  const float* dt_bias, *ssm_a;
   void* rec;             // [nv][dk][dv] committed, of state_type
   void* node_rec;        // [n][nv][dk][dv] of state_type, or null (commit)
+  const int32_t* keep;   // [n]: nonzero when node_rec must hold the node's state (verify)
   float* node_upd;       // [n][upd_stride]: k at k_off, delta at delta_off, decay at decay_off; null (commit)
   const int32_t* parent;
-  float* y;              // [n][nv*dv]
+  float* y;              // [n][nv*dv]: out, before gated_norm_kernel
   int n, nk, nv, dv, Cconv;
   float eps;
   int64_t upd_stride, k_off, delta_off, decay_off;
   int state_type;        // DType id: F32, BF16 or F16
 };
 
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 template <int DK>
-__global__ void delta_kernel(DeltaArgs a) {
-  __shared__ float red[32];
-  __shared__ float qs[DK], ks[DK];
-  const int h = blockIdx.x, j = threadIdx.x, dv = a.dv, kh = h % a.nk;
+__global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
+  constexpr int R = kDeltaSplit, RPT = DK / R, W = kDeltaWindow, kWarps = kDeltaThreads / 32;
+  __shared__ float qn[W][DK], kn[W][DK], vw[W][kDeltaCols], beta_w[W], decay_w[W];
+  const int h = blockIdx.x, kh = h % a.nk, dv = a.dv, col0 = blockIdx.y * kDeltaCols;
+  const int r = threadIdx.x % R, jl = threadIdx.x / R, j = col0 + jl;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t rs = (int64_t)a.nv * DK * dv, hoff = (int64_t)h * DK * dv;
   const float qscale = 1.f / sqrtf((float)DK);
-  float s[DK];
+  float s[RPT];
 #pragma unroll
-  for (int i = 0; i < DK; ++i) s[i] = ld_state(a.rec, hoff + (int64_t)i * dv + j, a.state_type);
-  for (int t = 0; t < a.n; ++t) {
-    const int par = a.parent[t];
-    if (par != t - 1) {
-      const void* src = par < 0 ? a.rec : a.node_rec;
-      const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
+  for (int m = 0; m < RPT; ++m) s[m] = ld_state(a.rec, hoff + (int64_t)(r + R * m) * dv + j, a.state_type);
+  for (int t0 = 0; t0 < a.n; t0 += W) {
+    const int nw = a.n - t0 < W ? a.n - t0 : W;
+    __syncthreads();  // the previous window's values are read no more
+    for (int tl = warp; tl < nw; tl += kWarps) {
+      const int t = t0 + tl;
+      const float* mt = a.mm + (int64_t)t * a.Cconv;
+      float sq = 0.f, sk = 0.f;
+      for (int i = lane; i < DK; i += 32) {
+        const float qv = mt[kh * DK + i], kv = mt[a.nk * DK + kh * DK + i];
+        qn[tl][i] = qv;
+        kn[tl][i] = kv;
+        sq += qv * qv;
+        sk += kv * kv;
+      }
+      sq = warp_sum(sq);
+      sk = warp_sum(sk);
+      const float iq = 1.f / fmaxf(sqrtf(sq), a.eps), ik = 1.f / fmaxf(sqrtf(sk), a.eps);
+      float* upd = a.node_upd ? a.node_upd + t * a.upd_stride : nullptr;
+      for (int i = lane; i < DK; i += 32) {  // the lane's own values: no barrier
+        qn[tl][i] = qn[tl][i] * iq * qscale;
+        kn[tl][i] = kn[tl][i] * ik;
+        if (upd && h < a.nk && blockIdx.y == 0) upd[a.k_off + kh * DK + i] = kn[tl][i];
+      }
+      vw[tl][lane] = mt[2 * a.nk * DK + h * dv + col0 + lane];
+      if (lane == 0) {
+        beta_w[tl] = sigmoid_f(a.beta[(int64_t)t * a.nv + h]);
+        decay_w[tl] = expf(a.ssm_a[h] * softplus_f(a.alpha[(int64_t)t * a.nv + h] + a.dt_bias[h]));
+        if (upd && blockIdx.y == 0) upd[a.decay_off + h] = decay_w[tl];
+      }
+    }
+    __syncthreads();
+    for (int tl = 0; tl < nw; ++tl) {
+      const int t = t0 + tl, par = a.parent[t];
+      if (par != t - 1) {
+        const void* src = par < 0 ? a.rec : a.node_rec;
+        const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
 #pragma unroll
-      for (int i = 0; i < DK; ++i) s[i] = ld_state(src, base + (int64_t)i * dv + j, a.state_type);
-    }
-    const float* mt = a.mm + (int64_t)t * a.Cconv;
-    const float* qsrc = mt + kh * DK;
-    const float* ksrc = mt + a.nk * DK + kh * DK;
-    float sq = 0.f, sk = 0.f;
-    for (int i = j; i < DK; i += blockDim.x) {
-      const float qv = qsrc[i], kv = ksrc[i];
-      qs[i] = qv;
-      ks[i] = kv;
-      sq += qv * qv;
-      sk += kv * kv;
-    }
-    sq = block_sum(sq, red);
-    sk = block_sum(sk, red);
-    const float iq = 1.f / fmaxf(sqrtf(sq), a.eps), ik = 1.f / fmaxf(sqrtf(sk), a.eps);
-    const float beta = sigmoid_f(a.beta[(int64_t)t * a.nv + h]);
-    const float g = a.ssm_a[h] * softplus_f(a.alpha[(int64_t)t * a.nv + h] + a.dt_bias[h]);
-    const float decay = expf(g);
-    const float v = mt[2 * a.nk * DK + h * dv + j];
-    float u = 0.f;
+        for (int m = 0; m < RPT; ++m) s[m] = ld_state(src, base + (int64_t)(r + R * m) * dv + j, a.state_type);
+      }
+      const float decay = decay_w[tl];
+      float u = 0.f;
 #pragma unroll
-    for (int i = 0; i < DK; ++i) {
-      s[i] = __fmul_rn(s[i], decay);
-      u += s[i] * (ks[i] * ik);
-    }
-    const float delta = beta * (v - u);
-    float out = 0.f;
+      for (int m = 0; m < RPT; ++m) {
+        s[m] = __fmul_rn(s[m], decay);
+        u += s[m] * kn[tl][r + R * m];
+      }
+      u += __shfl_xor_sync(0xffffffffu, u, 1);
+      u += __shfl_xor_sync(0xffffffffu, u, 2);
+      const float delta = beta_w[tl] * (vw[tl][jl] - u);
+      float out = 0.f;
 #pragma unroll
-    for (int i = 0; i < DK; ++i) {
-      s[i] = fmaf(ks[i] * ik, delta, s[i]);
-      out += s[i] * (qs[i] * iq * qscale);
-    }
-    if (a.node_upd) {
-      float* upd = a.node_upd + t * a.upd_stride;
-      upd[a.delta_off + h * dv + j] = delta;
-      if (j == 0) upd[a.decay_off + h] = decay;
-      if (h < a.nk)  // one CTA per key head stores its normalised keys
-        for (int i = j; i < DK; i += blockDim.x) upd[a.k_off + kh * DK + i] = ks[i] * ik;
-    }
-    if (a.state_type != (int)DType::F32) {
+      for (int m = 0; m < RPT; ++m) {
+        s[m] = fmaf(kn[tl][r + R * m], delta, s[m]);
+        out += s[m] * qn[tl][r + R * m];
+      }
+      out += __shfl_xor_sync(0xffffffffu, out, 1);
+      out += __shfl_xor_sync(0xffffffffu, out, 2);
+      if (r == 0) {
+        a.y[(int64_t)t * a.nv * dv + h * dv + j] = out;
+        if (a.node_upd) a.node_upd[t * a.upd_stride + a.delta_off + h * dv + j] = delta;
+      }
+      if (a.state_type != (int)DType::F32) {
 #pragma unroll
-      for (int i = 0; i < DK; ++i) s[i] = round_state(s[i], a.state_type);
-    }
-    const float ss = block_sum(out * out, red);
-    const float scale = 1.f / sqrtf(ss / (float)dv + a.eps);
-    const int64_t yi = (int64_t)t * a.nv * dv + h * dv + j;
-    a.y[yi] = out * scale * a.ssm_norm[j] * silu_f(a.z[yi]);
-    if (a.node_rec) {
+        for (int m = 0; m < RPT; ++m) s[m] = round_state(s[m], a.state_type);
+      }
+      if (a.node_rec && a.keep[t]) {
 #pragma unroll
-      for (int i = 0; i < DK; ++i) st_state(a.node_rec, t * rs + hoff + (int64_t)i * dv + j, s[i], a.state_type);
+        for (int m = 0; m < RPT; ++m)
+          st_state(a.node_rec, t * rs + hoff + (int64_t)(r + R * m) * dv + j, s[m], a.state_type);
+      }
     }
   }
   if (!a.node_rec) {
 #pragma unroll
-    for (int i = 0; i < DK; ++i) st_state(a.rec, hoff + (int64_t)i * dv + j, s[i], a.state_type);
+    for (int m = 0; m < RPT; ++m) st_state(a.rec, hoff + (int64_t)(r + R * m) * dv + j, s[m], a.state_type);
   }
+}
+
+// y[t][h] <- RMSNorm(y[t][h]) * ssm_norm * silu(z[t][h]); grid (n, nv), one warp each.
+__global__ void gated_norm_kernel(float* y, const float* __restrict__ z, const float* __restrict__ w, int nv, int dv,
+                                  float eps) {
+  const int64_t base = ((int64_t)blockIdx.x * nv + blockIdx.y) * dv;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dv; i += 32) ss += y[base + i] * y[base + i];
+  ss = warp_sum(ss);
+  const float scale = 1.f / sqrtf(ss / (float)dv + eps);
+  for (int i = threadIdx.x; i < dv; i += 32) y[base + i] = y[base + i] * scale * w[i] * silu_f(z[base + i]);
 }
 
 // ---------------------------------------------------------------- delta-net: commit
