@@ -14,7 +14,8 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
             every layer on the GPU), or its JSON output parsed
   ours      on the target (and drafter): AR decode and prefill, one AR step, verify by node count (chain
             and tree shapes), the drafter's block step, a whole DDTree-22 step, commit, tok/s with the
-            oracle drafter at accept length ~8, the memory plan against the device peak, copy bandwidth
+            oracle drafter at accept length ~8, the memory plan against the device peak, copy bandwidth,
+            and on CUDA each op's GPU time per AR and DDTree-22 step (dfl_cuda_profile)
   draftmodel  classic draft-model speculation: a 0.8B-shaped qwen35 GGUF drafting for the 27B, step costs
   prefix    the prefix cache: turn 2 of an 8K-token conversation (turn 1 + reply + 24 tokens) vs turn 1,
             time to first token, == a cold decode
@@ -29,7 +30,8 @@ sampled_ddtree_eq_ar}, ar {decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s},
 {decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s, build}, steps {ar_ms, verify_ms {nodes: ms},
 verify_tree_ms {nodes: ms}, draft_ms, tree_ms, ddtree22_step_ms, commit_ms}, oracle {accept_length, tok_s,
 speedup}, memory {plan_bytes, peak_bytes, plan}, copy_gb_s, vram24 {ctx, peak_bytes, plan_bytes, cap_bytes,
-exact}; plus matmul, target, draft and notes.
+exact}, profile {ar, ddtree22: {steps, ms_per_step, ops [{op, ms_per_step, calls_per_step, gb_s}]}}; plus
+matmul, target, draft and notes.
 """
 from __future__ import annotations
 
@@ -240,6 +242,44 @@ def _cuda_memory(lib, ffi, reset: bool = False) -> dict | None:
             "device_total": int(m.device_total)}
 
 
+def cuda_op_profile(lib, ffi, run) -> dict[str, dict]:
+    """Per-op GPU time of what run() does on CUDA contexts (dfl_cuda_profile): {op: {calls, ms, bytes}}."""
+    from dflash27b._lib import check
+    check(lib.dfl_cuda_profile(1))
+    try:
+        run()
+    finally:
+        check(lib.dfl_cuda_profile(0))
+    need = ffi.new("int64_t*")
+    lib.dfl_cuda_profile_report(ffi.NULL, 0, need)  # fails, saying the length
+    buf = ffi.new("char[]", need[0] + 1)
+    check(lib.dfl_cuda_profile_report(buf, need[0] + 1, need))
+    return {r["op"]: {"calls": r["calls"], "ms": r["ms"], "bytes": r["bytes"]}
+            for r in json.loads(ffi.string(buf).decode())["ops"]}
+
+
+def step_profile(lib, ffi, gen, n_short: int, n_long: int) -> dict:
+    """Each op's GPU time per decode step: the profile of a long decode minus a short one (the same prompt, so
+    the prefill cancels), over the difference in steps.  gen(n) decodes n tokens and returns its stats."""
+    runs = []
+    for n in (n_short, n_long):
+        box = {}
+        prof = cuda_op_profile(lib, ffi, lambda n=n: box.update(st=gen(n)))
+        runs.append((prof, box["st"].steps))
+    (a, sa), (b, sb) = runs
+    steps = sb - sa
+    ops = []
+    for op, r in b.items():
+        q = a.get(op, {"calls": 0, "ms": 0.0, "bytes": 0.0})
+        calls, ms, nbytes = r["calls"] - q["calls"], r["ms"] - q["ms"], r["bytes"] - q["bytes"]
+        if calls <= 0 or steps <= 0:
+            continue
+        ops.append({"op": op, "ms_per_step": ms / steps, "calls_per_step": calls / steps,
+                    "gb_s": nbytes / (ms * 1e-3) / 1e9 if nbytes > 0 and ms > 0 else None})
+    ops.sort(key=lambda o: -o["ms_per_step"])
+    return {"steps": steps, "ms_per_step": sum(o["ms_per_step"] for o in ops), "ops": ops}
+
+
 def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_type: str, threads: int,
               n_decode: int, prefills: list[int], nodes: list[int], repeats: int, steps_tokens: int,
               oracle_block: int, seed: int) -> dict:
@@ -315,6 +355,16 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
                                 ddtree22_step_ms=_median(_step_ms(st)), ddtree22_accept=st.mean_accept)
         else:
             out["notes"].append("no drafter: draft / DDTree-22 step not measured")
+
+        # where a step's GPU time goes, op by op: AR and DDTree-22 (events around each op; their sum is a
+        # little above the step's GPU time, launch gaps and host time are not in it)
+        if cuda:
+            out["profile"] = {"ar": step_profile(lib, ffi, lambda n: _gen(dec, prompt, n, mode="ar")[1],
+                                                 steps_tokens // 2, steps_tokens)}
+            if dec.draft_info is not None:
+                out["profile"]["ddtree22"] = step_profile(
+                    lib, ffi, lambda n: _gen(dec, prompt, n, mode="ddtree", budget=22)[1], steps_tokens // 2,
+                    steps_tokens)
 
         # the oracle drafter (the target's own continuation ranked first): accept length ~ the block
         attach_oracle(dec, prompt, ar_tokens)
@@ -536,6 +586,7 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "prefix": {k: pf.get(k) for k in ("history", "turn1_ttft_s", "turn2_ttft_s", "ratio", "cached_tokens",
                                           "exact")} if pf else None,
         "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
+        "profile": ours.get("profile"),
         "notes": [n for p in (ex, ck, lc, ours, mm, v24, pf, dm) for n in (p.get("notes") or [])] +
                  ([f"vram24: {v24['error']}"] if v24.get("error") else []),
     }
@@ -608,6 +659,12 @@ def markdown(rec: dict) -> str:
             lines.append(f"| {k} | {_f(v['accept_length'], '.2f')} | {_f(v['draft_ms'], '.2f')} | "
                          f"{_f(v['verify_ms'], '.2f')} | {_f(v['step_in_ar'], '.2f')} | {_f(v['speedup'], '.2f')} | "
                          f"{v['eq_ar']} |")
+    for name, prof in (rec.get("profile") or {}).items():
+        lines += ["", f"| {name} step, op by op ({_f(prof.get('ms_per_step'), '.3f')} ms of GPU time a step) | ms a "
+                      "step | calls a step | GB/s |", "|---|---:|---:|---:|"]
+        for o in prof["ops"][:16]:
+            lines.append(f"| {o['op']} | {_f(o['ms_per_step'], '.3f')} | {_f(o['calls_per_step'], '.1f')} | "
+                         f"{_f(o['gb_s'], '.0f')} |")
     for shape, table in (rec.get("matmul") or {}).items():
         ns = list(next(iter(table.values())).keys()) if table else []
         lines += ["", f"matmul {shape}: GB/s of weights read (copy bandwidth {_f(rec.get('copy_gb_s'), '.0f')} GB/s)",

@@ -1,13 +1,16 @@
 // api.cu — the CUDA backend's C entry points for tests and tools.
 //
 // Host-pointer wrappers around dfl::cuda::matmul (upload, run, download) and
-// a timing entry point.  Every failure, a CUDA runtime error included, is
+// timing entry points (one matmul, copy bandwidth, the per-op profile).  Every failure, a CUDA runtime error included, is
 // DFL_ERROR plus a message for dfl_last_error(), through api_guard; nothing
 // aborts, and a machine without a driver or GPU just reports 0 devices.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "api/last_error.h"
@@ -16,6 +19,7 @@
 #include "dflash27b.h"
 #include "matmul.cuh"
 #include "matmul_exact.cuh"
+#include "profile.cuh"
 #include "quant/quant.h"
 
 namespace dfl {
@@ -227,6 +231,44 @@ int dfl_cuda_memory_stats(dfl_cuda_memory* out, int32_t reset_peak) {
     std::lock_guard<std::mutex> lock(c.mu);
     *out = dfl_cuda_memory{c.now, c.peak, free_b, total_b};
     if (reset_peak) c.peak = c.now;
+  });
+}
+
+int dfl_cuda_profile(int32_t on) {
+  using namespace dfl::cuda;
+  return dfl::api_guard([&] {
+    OpProfileTable& t = op_profile();
+    std::lock_guard<std::mutex> lock(t.mu);
+    if (on) t.rows.clear();
+    t.on.store(on != 0);
+  });
+}
+
+int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len) {
+  using namespace dfl::cuda;
+  return dfl::api_guard([&] {
+    if (!len) dfl::fail("len is NULL");
+    std::vector<std::pair<std::string, OpProfileRow>> rows;
+    {
+      OpProfileTable& t = op_profile();
+      std::lock_guard<std::mutex> lock(t.mu);
+      rows.assign(t.rows.begin(), t.rows.end());
+    }
+    std::stable_sort(rows.begin(), rows.end(), [](auto& a, auto& b) { return a.second.ms > b.second.ms; });
+    std::string out = "{\"ops\": [";
+    char item[256];
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::snprintf(item, sizeof item, "%s{\"op\": \"%s\", \"calls\": %lld, \"ms\": %.6f, \"bytes\": %.0f}",
+                    i ? ", " : "", rows[i].first.c_str(), (long long)rows[i].second.calls, rows[i].second.ms,
+                    rows[i].second.bytes);
+      out += item;
+    }
+    out += "]}";
+    *len = (int64_t)out.size();
+    if (!buf || cap <= *len)
+      dfl::fail("the profile report needs %lld bytes, the buffer has %lld", (long long)out.size() + 1,
+                (long long)(buf ? cap : 0));
+    std::memcpy(buf, out.c_str(), out.size() + 1);
   });
 }
 

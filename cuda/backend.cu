@@ -21,6 +21,7 @@
 #include "launch.cuh"
 #include "matmul.cuh"
 #include "matmul_exact.cuh"
+#include "profile.cuh"
 #include "model/backend.h"
 #include "quant/quant.h"
 
@@ -192,32 +193,44 @@ class CudaBackend final : public Backend {
   }
   void release(void* p) override {
     cudaStreamSynchronize(stream_);
+    prof_.resolve();
     device_free(p);
   }
   void upload(void* dst, const void* host, size_t bytes) override {
     CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused as soon as we return
+    prof_.resolve();
   }
   void download(void* host, const void* src, size_t bytes) override {
     CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    prof_.resolve();
   }
   void download_rows(void* host, size_t host_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                      size_t rows) override {
     if (!rows) return;
     CUDA_CHECK(cudaMemcpy2DAsync(host, host_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    prof_.resolve();
   }
   void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                  size_t rows) override {
-    if (rows)
-      CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToDevice, stream_));
+    if (!rows) return;
+    const OpScope op(*this, "copy", (double)rows * row_bytes);
+    CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToDevice, stream_));
   }
   void copy(void* dst, const void* src, size_t bytes) override {
+    const OpScope op(*this, "copy", (double)bytes);
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
-  void fill_zero(void* dst, size_t bytes) override { CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_)); }
-  void sync() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void fill_zero(void* dst, size_t bytes) override {
+    const OpScope op(*this, "fill_zero");
+    CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_));
+  }
+  void sync() override {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    prof_.resolve();
+  }
 
   const void* weight(const Weight& w) override { return find(w.data); }
   const float* vec(const std::vector<float>& v) override {
@@ -266,6 +279,7 @@ class CudaBackend final : public Backend {
   }
 
   void embed(const Weight& table, float* x) override {
+    const OpScope op(*this, "embed");
     const uint8_t* w = static_cast<const uint8_t*>(weight(table));
     const int64_t rb = (int64_t)table.row_bytes, cols = table.cols;
     if (cols % 8) fail("embedding width %lld is not a multiple of 8", (long long)cols);
@@ -283,6 +297,7 @@ class CudaBackend final : public Backend {
   }
 
   void rmsnorm(const float* x, const float* w, int n, int dim, float eps, float* y) override {
+    const OpScope op(*this, "rmsnorm");
     launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
   }
 
@@ -296,7 +311,15 @@ class CudaBackend final : public Backend {
   // bit-identical to an AR step's, and prefill chunks the tiled kernel.
   void matmul(const Weight& W, const float* x, int n, float* y) override {
     const void* w = weight(W);
-    if (exact_matmul_ && matmul_exact_supported(W.type)) {
+    const bool exact = exact_matmul_ && matmul_exact_supported(W.type);
+    OpScope op(*this, "matmul", (double)W.rows * W.row_bytes);
+    if (op.on) {  // one row per format, shape and token count
+      char label[96];
+      std::snprintf(label, sizeof label, "matmul %s %lldx%lld n=%d%s", type_traits((uint32_t)W.type)->name,
+                    (long long)W.rows, (long long)W.cols, n, exact ? "" : " (float kernels)");
+      op.label = label;
+    }
+    if (exact) {
       const size_t need = matmul_exact_scratch_bytes(W.cols, n);
       if (act_q_.bytes < need) act_q_ = BackendBuf(*this, need);  // once, at the first widest batch
       return matmul_exact(W.type, w, W.rows, W.cols, x, n, y, act_q_.p, stream_);
@@ -308,16 +331,20 @@ class CudaBackend final : public Backend {
   }
 
   void add(float* x, const float* y, size_t count) override {
+    const OpScope op(*this, "add");
     launch(fwd::add_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, x, y, (int64_t)count);
   }
   void scale(float* x, float s, size_t count) override {
+    const OpScope op(*this, "scale");
     launch(fwd::scale_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, x, s, (int64_t)count);
   }
   void swiglu(float* g, const float* u, size_t count) override {
+    const OpScope op(*this, "swiglu");
     launch(fwd::swiglu_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, g, u, (int64_t)count);
   }
 
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
+    const OpScope op(*this, "attn_store");
     const AttnShape& s = check_shape(L.s);
     fwd::StoreArgs a{qg, kk, vv, L.k_cache, L.v_cache, L.q_norm, L.k_norm, pos_, L.slot0, s.n_head, s.n_head_kv,
                      s.head_dim, s.q_stride(), kv_row(s), head_bytes(s), s.eps, s.rope, s.kv_type};
@@ -329,6 +356,7 @@ class CudaBackend final : public Backend {
   // Split-K over the visible slots (see forward_kernels.cuh); tokens go in
   // groups small enough that their partials fit the scratch budget.
   void attention(const float* qg, const AttnLayer& L, float* o) override {
+    const OpScope op(*this, "attention");
     const AttnShape& s = check_shape(L.s);
     const int n_split = std::max(1, (max_visible_ + fwd::kSplit - 1) / fwd::kSplit);
     const size_t per_token = (size_t)s.n_head * n_split * (s.head_dim + 2) * 4;
@@ -347,6 +375,7 @@ class CudaBackend final : public Backend {
   }
 
   void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
+    const OpScope op(*this, "gdn");
     const int C = c_.conv_channels();
     const GdnNodeLayout U(c_);
     fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, L.node_upd, parent_, n_, C, c_.conv_kernel,
@@ -368,6 +397,7 @@ class CudaBackend final : public Backend {
 
   void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
                   int m) override {
+    const OpScope op(*this, "gdn_commit");
     const GdnNodeLayout U(c_);
     fwd::ConvCommitArgs ca{conv, node_upd + U.xin, (int64_t)U.stride, c_.conv_channels(), c_.conv_kernel - 1, m, {}};
     const int t = std::min(m, ca.W);
@@ -385,12 +415,26 @@ class CudaBackend final : public Backend {
   }
 
   void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) override {
+    const OpScope op(*this, "row_topk");
     if (k < 1 || k > n_cols) fail("top-k of %d over %d columns", k, n_cols);
     launch(fwd::row_topk_kernel, dim3((unsigned)n_rows), dim3(fwd::kTopkThreads), 0, stream_, rows, n_cols, k, ids,
            logp);
   }
 
  private:
+  // Brackets one op with profile events (profile.cuh) while profiling is on.
+  struct OpScope {
+    CudaBackend& be;
+    std::string label;
+    double bytes;
+    bool on;
+    OpScope(CudaBackend& b, const char* op, double read_bytes = 0.0)
+        : be(b), label(op), bytes(read_bytes), on(b.prof_.begin(b.stream_)) {}
+    ~OpScope() {
+      if (on) be.prof_.end(be.stream_, std::move(label), bytes);
+    }
+  };
+
   static const AttnShape& check_shape(const AttnShape& s) {
     if (s.head_dim > fwd::kMaxHeadDim || s.head_dim % 32)
       fail("attention head_dim %d: the CUDA kernels take multiples of 32 up to %d", s.head_dim, fwd::kMaxHeadDim);
@@ -419,6 +463,7 @@ class CudaBackend final : public Backend {
   BackendBuf part_;  // attention partials
   BackendBuf act_q_;  // the exact matmul's quantised activations
   bool exact_matmul_ = true;
+  OpProfiler prof_;
   static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;
   std::vector<int32_t> host_plan_;
   int32_t* plan_buf_ = nullptr;

@@ -276,6 +276,15 @@ typedef struct {
   uint64_t allocated, peak, device_free, device_total;
 } dfl_cuda_memory;
 int dfl_cuda_memory_stats(dfl_cuda_memory* out, int32_t reset_peak);
+/* Per-op GPU time of every CUDA context in the process.  on != 0 clears the
+ * table and starts recording (two events on the stream around each backend op,
+ * read at the context's next host sync); 0 stops.  Off, it costs nothing. */
+int dfl_cuda_profile(int32_t on);
+/* The table as JSON: {"ops": [{"op": name, "calls": N, "ms": total, "bytes": B}, ...]},
+ * slowest first; a matmul's name carries its format, shape and token count,
+ * B is what the op must read at least (a matmul's weights, a copy's bytes).
+ * *len gets the length without the NUL; fails when cap <= *len. */
+int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len);
 
 /* ==================== DFlash drafter (z-lab layout) ====================
  * path: a directory holding config.json + model.safetensors, or the

@@ -260,3 +260,45 @@ def test_cuda_draft_model_speculation(synth_gguf):
         ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
         r = d.generate(ids, n, ignore_eos=True, mode="ddtree", block_size=5)
         assert r.tokens == ar and r.stats.mean_accept > 1.5
+
+
+def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
+    """dfl_cuda_profile: each backend op timed by events on the stream; a long decode minus a short one (the
+    same prompt, so the prefill cancels) gives each op's calls and time per step, and a matmul's bytes are its
+    weights'.  Off, nothing more is recorded."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from dflash27b._lib import load
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", Path(__file__).parent.parent / "bench" / "gpu_bench.py")
+    gb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gb)
+    ffi, lib = load()
+    ids = cuda_dec.tokenize(PROMPTS[0])
+    prof = gb.step_profile(lib, ffi, lambda n: cuda_dec.generate(ids, n, ignore_eos=True, mode="ar").stats, 3, 6)
+    assert prof["steps"] == 3
+    ops = {o["op"]: o for o in prof["ops"]}
+    n_layer = cuda_dec._model.info["n_layer"]
+    n_attn = n_layer - sum(cuda_dec._model.layer_is_recurrent(l) for l in range(n_layer))
+    per_step = lambda name: ops[name]["calls_per_step"]  # noqa: E731
+    assert per_step("rmsnorm") >= 2 * n_layer + 1
+    assert per_step("attention") == per_step("attn_store") == n_attn
+    assert per_step("gdn") == n_layer - n_attn
+    assert per_step("embed") == 1
+    matmuls = {k: o for k, o in ops.items() if k.startswith("matmul ")}
+    assert matmuls and all(o["gb_s"] > 0 for o in matmuls.values())
+    assert all(k.endswith(" n=1") or "float kernels" in k for k in matmuls), list(matmuls)
+    assert sum(o["calls_per_step"] for o in matmuls.values()) >= 4 * n_layer + 1
+    assert prof["ms_per_step"] == pytest.approx(sum(o["ms_per_step"] for o in prof["ops"]))
+    # off: a decode adds nothing to the table
+    before = gb.cuda_op_profile(lib, ffi, lambda: None)
+    assert before == {}
+    cuda_dec.generate(ids, 2, ignore_eos=True, mode="ar")
+    n = ffi.new("int64_t*")
+    lib.dfl_cuda_profile_report(ffi.NULL, 0, n)
+    buf = ffi.new("char[]", n[0] + 1)
+    assert lib.dfl_cuda_profile_report(buf, n[0] + 1, n) == 0
+    assert json.loads(ffi.string(buf).decode()) == {"ops": []}
+    assert lib.dfl_cuda_profile_report(buf, n[0], n) != 0  # too small: an error saying the size, not a cut

@@ -37,6 +37,16 @@ int dfl_cuda_memory_stats(dfl_cuda_memory*, int32_t) {
   return DFL_ERROR;
 }
 
+int dfl_cuda_profile(int32_t) {
+  dfl::set_last_error("CUDA backend not built");
+  return DFL_ERROR;
+}
+
+int dfl_cuda_profile_report(char*, int64_t, int64_t*) {
+  dfl::set_last_error("CUDA backend not built");
+  return DFL_ERROR;
+}
+
 }  // extern "C"
 #pragma GCC visibility pop
 
