@@ -13,8 +13,14 @@ constexpr double kTimeEma = 0.3;    // weight of a new timing
 constexpr double kAcceptDecay = 0.8;  // per speculative step: how fast the acceptance statistics forget
 constexpr double kCalibPrior = 0.5;   // pseudo-count pulling an unseen depth's calibration to 1
 constexpr double kUnknownSlope = 0.1; // per extra node, as a share of one node's cost, before two sizes are seen
+// A new timing counts at most this multiple of what is expected.  One stalled
+// step (another process, a page fault storm) must not price a tree size out
+// for good: the controller seldom revisits a size it believes slow, so an
+// outlier left unbounded would stay in the estimate.  A real rise still gets
+// through, 30% a step (kTimeEma of the doubled value).
+constexpr double kOutlier = 2.0;
 
-void ema(double& v, double x) { v = v > 0 ? (1 - kTimeEma) * v + kTimeEma * x : x; }
+void ema(double& v, double x) { v = v > 0 ? (1 - kTimeEma) * v + kTimeEma * std::min(x, kOutlier * v) : x; }
 }  // namespace
 
 std::vector<std::pair<int, double>> AutoEstimates::verify_points() const {
@@ -111,7 +117,10 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   ema(e_.commit_s, rec.commit_s);
   const double spent = rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s;
   if (spent > 0) spec_rate_ = spec_rate_ > 0 ? 0.5 * spec_rate_ + 0.5 * rec.committed / spent : rec.committed / spent;
-  ema(e_.verify_s[budget + 1], rec.verify_s);
+  // a size not timed yet is bounded by what the sizes around it predict
+  const double expected = AutoEstimates::verify_at(e_.verify_points(), budget + 1);
+  double& v = e_.verify_s[budget + 1];
+  ema(v, v > 0 || expected <= 0 ? rec.verify_s : std::min(rec.verify_s, kOutlier * expected));
   // acceptance per depth: decayed sums of predicted path probability and of hits
   for (double& p : pred_) p *= kAcceptDecay;
   for (double& h : hit_) h *= kAcceptDecay;
