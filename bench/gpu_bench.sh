@@ -149,10 +149,10 @@ with Decoder(device='cuda', ctx=512, threads=4) as d:
     assert dd == ar, (dd, ar)
 print('decode ok')"
       local t=tests/test_cuda_ops.py
-      run 150 "compute-sanitizer memcheck: matmul shapes, the exact matmul, DDTree on a K-quant target + a DDTree decode" bash -c "
+      run 150 "compute-sanitizer memcheck: matmul shapes, the exact matmul, DDTree on Q4_K_M and Q8_0 targets + a DDTree decode" bash -c "
         '$SAN' --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider -m cuda \
           '$t::test_cuda_matmul_shapes_and_misaligned_rows' '$t::test_cuda_matmul_vs_numpy_and_cpu[Q6_K-23]' \
-          '$t::test_cuda_matmul_exact_equals_cpu' 'tests/test_cuda_forward.py::test_cuda_kquant_target_spec_equals_ar' \
+          '$t::test_cuda_matmul_exact_equals_cpu' 'tests/test_cuda_forward.py::test_cuda_quantized_target_spec_equals_ar[q4_k_m]' 'tests/test_cuda_forward.py::test_cuda_quantized_target_spec_equals_ar[q8_0]' \
           > build/memcheck-matmul.log 2>&1; a=\$?
         '$SAN' --tool memcheck --error-exitcode 99 python3 -c \"$decode\" > build/memcheck-decode.log 2>&1; b=\$?
         tail -3 build/memcheck-matmul.log build/memcheck-decode.log; [ \$a = 0 ] && [ \$b = 0 ]"

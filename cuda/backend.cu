@@ -301,14 +301,15 @@ class CudaBackend final : public Backend {
     launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
   }
 
-  // K-quant weights (every matmul of a K-quant target) take the exact kernels
-  // (matmul_exact.cu): the CPU's integer arithmetic, so a token's result is the
-  // same for every batch size: an AR step, a verify of any tree and a prefill
-  // chunk of any length agree bit for bit, with one weight pass per 64 tokens.
-  // Other formats (and every format with DFLASH27B_CUDA_MATMUL=float, kept to
-  // compare the two on a GPU) take the float kernels: a verify batch runs the
-  // matvec kernel in groups of up to 8 tokens, whose per-token result is
-  // bit-identical to an AR step's, and prefill chunks the tiled kernel.
+  // K-quant, Q8_0 and Q4_0 weights (every matmul of such a target) take the
+  // exact kernels (matmul_exact.cu): the CPU's integer arithmetic, so a token's
+  // result is the same for every batch size: an AR step, a verify of any tree
+  // and a prefill chunk of any length agree bit for bit, with one weight pass per
+  // 64 tokens (Q8_0 / Q4_0: 32).  F16 / BF16 / F32 (and every format with
+  // DFLASH27B_CUDA_MATMUL=float, kept to compare the two on a GPU) take the float
+  // kernels: a verify batch runs the matvec kernel in groups of up to 8 tokens,
+  // whose per-token result is bit-identical to an AR step's, and prefill chunks
+  // the tiled kernel.
   void matmul(const Weight& W, const float* x, int n, float* y) override {
     const void* w = weight(W);
     const bool exact = exact_matmul_ && matmul_exact_supported(W.type);

@@ -17,7 +17,8 @@
 //   n > 8:   kquant_mma_kernel, one warp = 16 rows x up to 64 tokens (8 tiles of
 //            8) on the tensor cores, so a verify of up to 64 tokens reads each
 //            weight once.
-// The CUDA backend takes them for every K-quant matmul (backend.cu).
+// Q8_0 / Q4_0 have their own pair further down (the CPU's AVX2 lane order).
+// The CUDA backend takes them for every K-quant, Q8_0 and Q4_0 matmul (backend.cu).
 //
 // Speed is still to be measured and tuned on the first GPU (issue 19): the
 // tensor-core kernel's weight loads are not yet staged through shared memory.
@@ -437,26 +438,152 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
   launch(kquant_mma_kernel<T, kMaxTokTiles>, grid, block, 0, stream, w, rows, cols, row_bytes, xq, xd, n, y);
 }
 
+// ---------------------------------------------------------------- Q8_0 / Q4_0
+// The CPU's AVX2 arithmetic (csrc/quant/dot_cpu.cpp): activations in 32-value
+// blocks (scale amax / 127, q = rint(x / scale), s = scale * sum(q)); per
+// output, 8 lane chains, lane l taking values 4l..4l+3 of every block in k order:
+//   acc_l = fma(dw_i * xd_i, float(p_l), acc_l),  p_l the 4 products' exact sum
+// (one dp4a); Q4_0 (quants 0..15, offset 8) also off = off + dw_i * s_i; then
+//   out = ((acc_0 + acc_4) + (acc_2 + acc_6)) + ((acc_1 + acc_5) + (acc_3 + acc_7))  [- 8 off]
+// which is the CPU's horizontal sum.  A group of 8 lanes owns a row, lane l
+// its chain l for the group's tokens; the sum is an xor butterfly (4, 2, 1),
+// whose additions are those of the CPU's hsum (a + b == b + a exactly).  Every
+// token takes the same steps whatever the batch: AR, verify and prefill agree
+// bit for bit, and with the CPU backend's AVX2 build.  A thread carries up to
+// 32 tokens, so a verify of up to 32 nodes reads the weights once.
+
+// The CPU's quantize_act_row with 32-value blocks: one warp per (token, block).
+__global__ void quantize_act32_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
+                                      float* __restrict__ d, float* __restrict__ s) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nb = cols / 32;
+  const int64_t item = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (item >= (int64_t)n * nb) return;  // whole warps only
+  const int64_t tok = item / nb, b = item % nb;
+  const float v = x[tok * cols + b * 32 + lane];
+  float amax = fabsf(v);
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float dv = __fdiv_rn(amax, 127.f);
+  const float id = dv > 0.f ? __fdiv_rn(1.f, dv) : 0.f;
+  const int qi = (int)rintf(__fmul_rn(v, id));
+  q[tok * cols + b * 32 + lane] = (int8_t)qi;
+  int sum = qi;
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane == 0) {
+    d[tok * nb + b] = dv;
+    s[tok * nb + b] = __fmul_rn(dv, (float)sum);
+  }
+}
+
+constexpr int kQ32MaxTokens = 32;
+
+// Lane l's 4 quants of one block as int8 (Q4_0: lanes 0-3 the low nibbles of
+// qs[4l..4l+3], lanes 4-7 the high nibbles of qs[4(l-4)..]).  Blocks are 34 or
+// 18 bytes, so rows and quants are only 2-byte aligned: two 2-byte loads.
+template <DType T>
+__device__ __forceinline__ uint32_t block32_quants4(const uint8_t* blk, int l) {
+  if constexpr (T == DType::Q8_0) {
+    const uint8_t* p = blk + kQ8_0_qs + 4 * l;
+    return ld_u16(p) | ld_u16(p + 2) << 16;
+  } else {
+    const uint8_t* p = blk + kQ4_0_qs + 4 * (l & 3);
+    return ((ld_u16(p) | ld_u16(p + 2) << 16) >> (4 * (l >> 2))) & 0x0f0f0f0fu;
+  }
+}
+
+template <DType T, int NT>
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+    block32_dp4a_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                        const int8_t* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs,
+                        int n, float* __restrict__ y) {
+  constexpr int BS = T == DType::Q8_0 ? (int)sizeof(block_q8_0) : (int)sizeof(block_q4_0);
+  const int lane = threadIdx.x & 31, l = lane & 7;
+  const int64_t r = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * kRowsPerDp4aWarp + (lane >> 3);
+  const uint8_t* row = w + min(r, rows - 1) * row_bytes;  // past the end: read the last row, write nothing
+  const int tok0 = blockIdx.y * NT;
+  const int64_t nb = cols / 32;
+  float acc[NT], off[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = off[t] = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BS;
+    const uint32_t q = block32_quants4<T>(blk, l);
+    const float dw = ld_f16(blk);  // d leads both blocks
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const int64_t tok = min(tok0 + t, n - 1);
+      const int p = __dp4a((int)q, (int)ld_u32_act(xq + tok * cols + 32 * i + 4 * l), 0);
+      acc[t] = fmaf(__fmul_rn(dw, xd[tok * nb + i]), (float)p, acc[t]);
+      if (T == DType::Q4_0) off[t] = __fadd_rn(off[t], __fmul_rn(dw, xs[tok * nb + i]));
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    float v = acc[t];
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    if (T == DType::Q4_0) v = __fsub_rn(v, __fmul_rn(8.f, off[t]));
+    if (l == 0 && r < rows && tok0 + t < n) y[(int64_t)(tok0 + t) * rows + r] = v;
+  }
+}
+
+template <DType T, int NT>
+void launch_block32(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, const float* xs,
+                    int n, float* y, cudaStream_t stream) {
+  const int64_t per_cta = (int64_t)kWarpsPerCta * kRowsPerDp4aWarp;
+  const int64_t row_bytes = cols / 32 * (T == DType::Q8_0 ? (int64_t)sizeof(block_q8_0) : (int64_t)sizeof(block_q4_0));
+  launch(block32_dp4a_kernel<T, NT>, dim3((unsigned)((rows + per_cta - 1) / per_cta), (unsigned)((n + NT - 1) / NT)),
+         dim3(32 * kWarpsPerCta), 0, stream, w, rows, cols, row_bytes, xq, xd, xs, n, y);
+}
+
+template <DType T>
+void launch_block32_n(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, const float* xs,
+                      int n, float* y, cudaStream_t stream) {
+  // tokens per thread fit the batch: registers grow with them
+  if (n == 1) return launch_block32<T, 1>(w, rows, cols, xq, xd, xs, n, y, stream);
+  if (n == 2) return launch_block32<T, 2>(w, rows, cols, xq, xd, xs, n, y, stream);
+  if (n <= 4) return launch_block32<T, 4>(w, rows, cols, xq, xd, xs, n, y, stream);
+  if (n <= 8) return launch_block32<T, 8>(w, rows, cols, xq, xd, xs, n, y, stream);
+  if (n <= 16) return launch_block32<T, 16>(w, rows, cols, xq, xd, xs, n, y, stream);
+  launch_block32<T, kQ32MaxTokens>(w, rows, cols, xq, xd, xs, n, y, stream);
+}
+
 }  // namespace
 
-bool matmul_exact_supported(DType t) { return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K; }
+bool matmul_exact_supported(DType t) {
+  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q8_0 || t == DType::Q4_0;
+}
 
-size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return KQuantActLayout(cols, n).total; }
+size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return exact_act_bytes(cols, n); }
 
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                   void* scratch, cudaStream_t stream) {
-  if (!matmul_exact_supported(t)) fail("matmul_exact: not a K-quant weight");
+  if (!matmul_exact_supported(t)) fail("matmul_exact: %s is not a K-quant, Q8_0 or Q4_0 weight", type_traits((uint32_t)t)->name);
+  const auto* wb = static_cast<const uint8_t*>(w);
+  char* base = static_cast<char*>(scratch);
+  if (t == DType::Q8_0 || t == DType::Q4_0) {
+    if (rows <= 0 || n <= 0 || cols <= 0 || cols % 32)
+      fail("matmul_exact: rows %lld, cols %lld (a multiple of 32), n %d must be positive", (long long)rows,
+           (long long)cols, n);
+    const Block32ActLayout lay(cols, n);
+    int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
+    float* xd = reinterpret_cast<float*>(base + lay.d);
+    float* xs = reinterpret_cast<float*>(base + lay.s);
+    const int64_t items = (int64_t)n * (cols / 32);
+    launch(quantize_act32_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xs);
+    if (t == DType::Q8_0) return launch_block32_n<DType::Q8_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
+    return launch_block32_n<DType::Q4_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
+  }
   if (rows <= 0 || n <= 0 || cols <= 0 || cols % kQK)
     fail("matmul_exact: rows %lld, cols %lld (a multiple of 256), n %d must be positive", (long long)rows,
          (long long)cols, n);
   const KQuantActLayout lay(cols, n);
-  char* base = static_cast<char*>(scratch);
   int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
   float* xd = reinterpret_cast<float*>(base + lay.d);
   int16_t* xbsum = reinterpret_cast<int16_t*>(base + lay.bsum);
   const int64_t items = (int64_t)n * (cols / kQK);
   launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xbsum);
-  const auto* wb = static_cast<const uint8_t*>(w);
   switch (t) {
     case DType::Q4_K: return launch_exact<DType::Q4_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
     case DType::Q5_K: return launch_exact<DType::Q5_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);

@@ -10,9 +10,10 @@ thread as a fiber).
     CPU (margin shown), since the two backends sum in different orders;
   * chain and DDTree on CUDA equal CUDA AR token for token (verify batches run
     the matvec kernel, bit-identical per token to an AR step);
-  * a K-quant target takes the exact matmul (the CPU's integer arithmetic): its
-    prefill gives the same bits in any chunking, DDTree == AR through both exact
-    kernels, and its logits are the CPU's up to the other ops' float order;
+  * a K-quant, Q8_0 or Q4_0 target takes the exact matmul (the CPU's integer
+    arithmetic): its prefill gives the same bits in any chunking, DDTree == AR
+    through the exact kernels, and its logits are the CPU's up to the other ops'
+    float order;
   * every KV type decodes, the committed state after a decode matches the
     CPU's, a bad device request is a clear error.
 """
@@ -167,22 +168,27 @@ def kquant_logits(path, ids, n_batch: int, device: int, pieces=None) -> np.ndarr
         m.close()
 
 
-def test_cuda_kquant_prefill_chunks_equal_token_by_token(synth_gguf):
-    """A Q4_K_M target on the device: its matmuls take the exact kernels (the dp4a matvec for <= 8 tokens,
-    the tensor-core kernel above), so a prompt's logits are the same bits whether it is prefilled in one
-    batch, cut into chunks by a small n_batch, fed in uneven pieces, or token by token."""
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0"])
+def test_cuda_quantized_prefill_chunks_equal_token_by_token(synth_gguf, ftype):
+    """A Q4_K_M, Q8_0 or Q4_0 target on the device: its matmuls take the exact kernels (K-quants: the dp4a
+    matvec for <= 8 tokens, the tensor-core kernel above; Q8_0 / Q4_0: up to 32 tokens a thread), so a
+    prompt's logits are the same bits whether it is prefilled in one batch, cut into chunks by a small
+    n_batch, fed in uneven pieces, or token by token."""
     ids = [(37 * i + 11) % 250 for i in range(40)]
-    path = synth_gguf("q4_k_m")
+    path = synth_gguf(ftype)
     whole = kquant_logits(path, ids, 64, 1)
     assert np.array_equal(whole, kquant_logits(path, ids, 7, 1))
     assert np.array_equal(whole, kquant_logits(path, ids, 64, 1, pieces=[13, 1, 9, 17]))
     assert np.array_equal(whole, kquant_logits(path, ids, 1, 1))
 
 
-def test_cuda_kquant_target_spec_equals_ar(synth_gguf):
-    """DDTree on a K-quant target: verify batches of up to 23 nodes (both exact kernels) give AR's tokens.
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0"])
+def test_cuda_quantized_target_spec_equals_ar(synth_gguf, ftype):
+    """DDTree on a quantised target: verify batches of up to 23 nodes (the exact kernels) give AR's tokens.
     The draft model is the target itself, so whole blocks are accepted."""
-    path = synth_gguf("q4_k_m")
+    if EMULATED and ftype == "q4_0":
+        pytest.skip("Q4_0 shares Q8_0's kernel; on a real GPU only (the emulator is slow)")
+    path = synth_gguf(ftype)
     with Decoder(path, path, device="cuda", ctx=256, threads=2) as d:
         ids = d.tokenize(PROMPTS[1])
         n = 12 if EMULATED else 64

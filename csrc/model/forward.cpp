@@ -88,7 +88,7 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
   mp.workspace = (3 * nb * c.n_embd + 3 * nb * widest + 2 * nb * std::max(c.ssm_nv, 1)) * 4 +
                  (size_t)std::min(kLogitGroup, p.n_batch) * c.n_vocab * 4 +
                  (p.device == Device::CUDA ? ((size_t)64 << 20)  // attention split partials
-                                               + KQuantActLayout((int64_t)widest, (int)nb).total  // exact matmul
+                                               + exact_act_bytes((int64_t)widest, (int)nb)  // exact matmul
                                            : 0);
   return mp;
 }

@@ -88,6 +88,26 @@ struct KQuantActLayout {
   }
 };
 
+// The same for Q8_0 / Q4_0 weights (activations in 32-value blocks): q (n x
+// cols int8), then d (one f32 per 32 values), then s (d * sum(q) per 32, Q4_0's
+// offset term), each part 16-byte aligned.
+struct Block32ActLayout {
+  size_t q, d, s, total;
+  Block32ActLayout(int64_t cols, int n) {
+    auto up = [](size_t b) { return (b + 15) / 16 * 16; };
+    q = 0;
+    d = up((size_t)n * (size_t)cols);
+    s = d + up((size_t)n * (size_t)(cols / 32) * sizeof(float));
+    total = s + up((size_t)n * (size_t)(cols / 32) * sizeof(float));
+  }
+};
+
+// The CUDA exact matmul's scratch for n rows of `cols` values, whatever the weight format.
+inline size_t exact_act_bytes(int64_t cols, int n) {
+  const size_t k = KQuantActLayout(cols, n).total, b = Block32ActLayout(cols, n).total;
+  return k > b ? k : b;
+}
+
 struct TypeTraits {
   const char* name;
   int block_elems;   // elements per block

@@ -37,6 +37,11 @@ using namespace dfl;
 
 namespace {
 
+// The formats the CUDA backend's matmul takes through the exact kernels (cuda/matmul_exact.cu).
+bool cuda_exact_matmul(DType t) {
+  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q8_0 || t == DType::Q4_0;
+}
+
 std::mt19937 rng(1234);
 int failures = 0;
 
@@ -227,8 +232,9 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       cud->rmsnorm(xb.f(), cud->vec(M.layers[0].attn_norm), n, H, c.rms_eps, xb.f());
       check(label("rmsnorm", "in place", n), xb.get(x.size()), xa.get(x.size()), 2e-6);
     }
-    // matmul, every format (the CPU quantises activations to int8 for quantised weights; K-quants on
-    // CUDA take the exact kernels, which do the same: bit for bit the CPU's result)
+    // matmul, every format (the CPU quantises activations to int8 for quantised weights; K-quants, Q8_0
+    // and Q4_0 on CUDA take the exact kernels, which do the same: bit for bit the CPU's result, for Q8_0 /
+    // Q4_0 the AVX2 build's lane order)
     for (int i = 0; i < 8; ++i) {
       const Weight& W = M.layers[i].ffn_gate;
       auto x = randn((size_t)n * H);
@@ -237,8 +243,9 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       xa.put(x), xb.put(x), yb.poison();
       cpu->matmul(W, xa.f(), n, ya.f());
       cud->matmul(W, xb.f(), n, yb.f());
-      const bool kquant = W.type == DType::Q4_K || W.type == DType::Q5_K || W.type == DType::Q6_K;
-      const double tol = kquant ? 0.0 : dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
+      const bool exact = cuda_exact_matmul(W.type);
+      const bool cpu_lanes = (W.type != DType::Q8_0 && W.type != DType::Q4_0) || std::strcmp(simd_name(), "avx2") == 0;
+      const double tol = exact && cpu_lanes ? 0.0 : dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
       check(label("matmul", tname(W.type), n), yb.get((size_t)n * W.rows), ya.get((size_t)n * W.rows), tol);
     }
     // a verify batch's matmul gives each token exactly its n = 1 (AR step) result
@@ -251,9 +258,9 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       cud->begin_chunk(T);
       cud->matmul(W, xb.f(), n, yb.f());
       auto batch = yb.get((size_t)n * W.rows);
-      std::vector<float> prefill;  // K-quants: a prefill chunk too (the exact kernels serve every n)
-      const bool kquant = W.type == DType::Q4_K || W.type == DType::Q5_K || W.type == DType::Q6_K;
-      if (kquant) {
+      std::vector<float> prefill;  // the exact kernels' formats: a prefill chunk too (they serve every n)
+      const bool exact = cuda_exact_matmul(W.type);
+      if (exact) {
         yb.poison();
         cud->begin_chunk(pre);
         cud->matmul(W, xb.f(), n, yb.f());
@@ -267,7 +274,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         std::copy(r.begin(), r.end(), alone.begin() + (size_t)t * W.rows);
       }
       check(label("matmul", std::string(tname(W.type)) + " verify == AR steps", n), batch, alone, 0.0);
-      if (kquant) check(label("matmul", std::string(tname(W.type)) + " prefill == AR steps", n), prefill, alone, 0.0);
+      if (exact) check(label("matmul", std::string(tname(W.type)) + " prefill == AR steps", n), prefill, alone, 0.0);
       cud->begin_chunk(P);
     }
     // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse)

@@ -80,6 +80,10 @@ inline float __fsub_rn(float a, float b) {
   volatile float r = a - b;
   return r;
 }
+inline float __fadd_rn(float a, float b) {
+  volatile float r = a + b;
+  return r;
+}
 
 // Four signed int8 products of a and b added to c (the GPU's dp4a.s32.s32).
 inline int __dp4a(int a, int b, int c) {
