@@ -516,14 +516,14 @@ MATMUL_FORMATS = {"Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 2
 MATMUL_SHAPES = {"ffn_up 17408x5120": (17408, 5120), "ffn_down 5120x17408": (5120, 17408)}
 
 
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+EXACT_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0")  # the forward's matmul takes the exact kernels
 
 
 def part_matmul(ns: list[int], formats: list[str]) -> dict:
     """The CUDA matmul alone on random device-resident weights: ms per call and GB/s of weights read, for
-    the 27B's FFN shapes, every format, n tokens (dfl_cuda_bench_matmul, CUDA events).  A K-quant's row is
-    the exact kernels the forward uses (activation quantisation included); "<fmt> float" beside it is the
-    float kernels, for comparison."""
+    the 27B's FFN shapes, every format, n tokens (dfl_cuda_bench_matmul, CUDA events).  A quantised format's
+    row is the exact kernels the forward uses (activation quantisation included); "<fmt> float" beside it is
+    the float kernels, for comparison."""
     from dflash27b._lib import last_error, load
     ffi, lib = load()
     out: dict = {"shapes": {}, "notes": []}
@@ -532,7 +532,7 @@ def part_matmul(ns: list[int], formats: list[str]) -> dict:
         for name in formats:
             tid, be, bpb = MATMUL_FORMATS[name]
             gb = rows * (cols // be) * bpb / 1e9
-            for label, exact in ((name, 1), (f"{name} float", 0)) if name in KQUANTS else ((name, 0),):
+            for label, exact in ((name, 1), (f"{name} float", 0)) if name in EXACT_FORMATS else ((name, 0),):
                 table[label] = {}
                 for n in ns:
                     ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, n, 200 if n <= 8 else (50 if n <= 64 else 10),

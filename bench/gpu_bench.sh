@@ -237,7 +237,7 @@ part3() {
   run 90 "draft model: a 0.8B-shaped qwen35 drafting for the 27B (chain / DDTree, block 5 and 9)" \
     python3 bench/gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf \
     --out "$PARTS/draftmodel.json"
-  run 60 "matmul table (every format, K-quants exact and float, n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
+  run 90 "matmul table (every format; K-quants, Q8_0, Q4_0 exact and float; n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
 }
 
 record() {
