@@ -376,22 +376,28 @@ class CudaBackend final : public Backend {
   }
 
   void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
-    const OpScope op(*this, "gdn");
     const int C = c_.conv_channels();
     const GdnNodeLayout U(c_);
-    fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, L.node_upd, parent_, n_, C, c_.conv_kernel,
-                     (int64_t)U.stride};
-    launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
-    fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, y, n_,
-                      c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
-                      (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
-    const dim3 grid((unsigned)c_.ssm_nv, (unsigned)(c_.ssm_dv / fwd::kDeltaCols)), block(fwd::kDeltaThreads);
-    switch (c_.ssm_dk) {
-      case 32: launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da); break;
-      case 64: launch(fwd::delta_kernel<64>, grid, block, 0, stream_, da); break;
-      case 128: launch(fwd::delta_kernel<128>, grid, block, 0, stream_, da); break;
-      default: launch(fwd::delta_kernel<256>, grid, block, 0, stream_, da); break;
+    {  // three profile rows: the conv, the serial state walk, the gated norm
+      const OpScope op(*this, "gdn conv");
+      fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, L.node_upd, parent_, n_, C, c_.conv_kernel,
+                       (int64_t)U.stride};
+      launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
     }
+    {
+      const OpScope op(*this, "gdn delta");
+      fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, y, n_,
+                        c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
+                        (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
+      const dim3 grid((unsigned)c_.ssm_nv, (unsigned)(c_.ssm_dv / fwd::kDeltaCols)), block(fwd::kDeltaThreads);
+      switch (c_.ssm_dk) {
+        case 32: launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da); break;
+        case 64: launch(fwd::delta_kernel<64>, grid, block, 0, stream_, da); break;
+        case 128: launch(fwd::delta_kernel<128>, grid, block, 0, stream_, da); break;
+        default: launch(fwd::delta_kernel<256>, grid, block, 0, stream_, da); break;
+      }
+    }
+    const OpScope op(*this, "gdn norm");
     launch(fwd::gated_norm_kernel, dim3((unsigned)n_, (unsigned)c_.ssm_nv), dim3(32), 0, stream_, y, z, L.ssm_norm,
            c_.ssm_nv, c_.ssm_dv, c_.rms_eps);
   }

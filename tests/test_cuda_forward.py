@@ -291,7 +291,7 @@ def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     per_step = lambda name: ops[name]["calls_per_step"]  # noqa: E731
     assert per_step("rmsnorm") >= 2 * n_layer + 1
     assert per_step("attention") == per_step("attn_store") == n_attn
-    assert per_step("gdn") == n_layer - n_attn
+    assert per_step("gdn conv") == per_step("gdn delta") == per_step("gdn norm") == n_layer - n_attn
     assert per_step("embed") == 1
     matmuls = {k: o for k, o in ops.items() if k.startswith("matmul ")}
     assert matmuls and all(o["gb_s"] > 0 for o in matmuls.values())
