@@ -560,29 +560,24 @@ size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return exact_act_bytes(
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                   void* scratch, cudaStream_t stream) {
   if (!matmul_exact_supported(t)) fail("matmul_exact: %s is not a K-quant, Q8_0 or Q4_0 weight", type_traits((uint32_t)t)->name);
+  const bool kquant = t != DType::Q8_0 && t != DType::Q4_0;
+  const int64_t block = kquant ? kQK : 32;
+  if (rows <= 0 || n <= 0 || cols <= 0 || cols % block)
+    fail("matmul_exact: rows %lld, cols %lld (a multiple of %lld), n %d must be positive", (long long)rows,
+         (long long)cols, (long long)block, n);
   const auto* wb = static_cast<const uint8_t*>(w);
   char* base = static_cast<char*>(scratch);
-  if (t == DType::Q8_0 || t == DType::Q4_0) {
-    if (rows <= 0 || n <= 0 || cols <= 0 || cols % 32)
-      fail("matmul_exact: rows %lld, cols %lld (a multiple of 32), n %d must be positive", (long long)rows,
-           (long long)cols, n);
-    const Block32ActLayout lay(cols, n);
-    int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
-    float* xd = reinterpret_cast<float*>(base + lay.d);
-    float* xs = reinterpret_cast<float*>(base + lay.s);
-    const int64_t items = (int64_t)n * (cols / 32);
+  const ExactActLayout lay(cols, n, kquant);
+  int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
+  float* xd = reinterpret_cast<float*>(base + lay.d);
+  const int64_t items = (int64_t)n * (cols / block);  // a warp each
+  if (!kquant) {
+    float* xs = reinterpret_cast<float*>(base + lay.sums);
     launch(quantize_act32_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xs);
     if (t == DType::Q8_0) return launch_block32_n<DType::Q8_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
     return launch_block32_n<DType::Q4_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
   }
-  if (rows <= 0 || n <= 0 || cols <= 0 || cols % kQK)
-    fail("matmul_exact: rows %lld, cols %lld (a multiple of 256), n %d must be positive", (long long)rows,
-         (long long)cols, n);
-  const KQuantActLayout lay(cols, n);
-  int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
-  float* xd = reinterpret_cast<float*>(base + lay.d);
-  int16_t* xbsum = reinterpret_cast<int16_t*>(base + lay.bsum);
-  const int64_t items = (int64_t)n * (cols / kQK);
+  int16_t* xbsum = reinterpret_cast<int16_t*>(base + lay.sums);
   launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xbsum);
   switch (t) {
     case DType::Q4_K: return launch_exact<DType::Q4_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);

@@ -73,38 +73,26 @@ struct ActRow {
   const int16_t* bsum;  // n / 16 integer sums of q (K-quant layout only; Q6_K's offset)
 };
 
-// n activation rows of `cols` values (a multiple of 256) quantised for K-quant
-// weights as one buffer (the CUDA exact matmul's scratch): q (n x cols int8),
-// then d (one f32 per 256 values), then bsum (one int16 per 16), each part
-// 16-byte aligned.  Byte offsets and the total size.
-struct KQuantActLayout {
-  size_t q, d, bsum, total;
-  KQuantActLayout(int64_t cols, int n) {
+// n activation rows of `cols` values quantised for the CUDA exact matmul, as
+// one buffer: q (n x cols int8), then d (one f32 per act block), then the sums
+// the weight's offset term needs, each part 16-byte aligned.  K-quants: blocks
+// of 256 and an int16 sum of q per 16 (bsum); Q8_0 / Q4_0: blocks of 32 and
+// d * sum(q) per 32 as f32 (s).  Byte offsets and the total size.
+struct ExactActLayout {
+  size_t q, d, sums, total;
+  ExactActLayout(int64_t cols, int n, bool kquant) {
     auto up = [](size_t b) { return (b + 15) / 16 * 16; };
+    const size_t rows = (size_t)n;
     q = 0;
-    d = up((size_t)n * (size_t)cols);
-    bsum = d + up((size_t)n * (size_t)(cols / 256) * sizeof(float));
-    total = bsum + up((size_t)n * (size_t)(cols / 16) * sizeof(int16_t));
-  }
-};
-
-// The same for Q8_0 / Q4_0 weights (activations in 32-value blocks): q (n x
-// cols int8), then d (one f32 per 32 values), then s (d * sum(q) per 32, Q4_0's
-// offset term), each part 16-byte aligned.
-struct Block32ActLayout {
-  size_t q, d, s, total;
-  Block32ActLayout(int64_t cols, int n) {
-    auto up = [](size_t b) { return (b + 15) / 16 * 16; };
-    q = 0;
-    d = up((size_t)n * (size_t)cols);
-    s = d + up((size_t)n * (size_t)(cols / 32) * sizeof(float));
-    total = s + up((size_t)n * (size_t)(cols / 32) * sizeof(float));
+    d = up(rows * (size_t)cols);
+    sums = d + up(rows * (size_t)(cols / (kquant ? 256 : 32)) * sizeof(float));
+    total = sums + up(rows * (kquant ? (size_t)(cols / 16) * sizeof(int16_t) : (size_t)(cols / 32) * sizeof(float)));
   }
 };
 
 // The CUDA exact matmul's scratch for n rows of `cols` values, whatever the weight format.
 inline size_t exact_act_bytes(int64_t cols, int n) {
-  const size_t k = KQuantActLayout(cols, n).total, b = Block32ActLayout(cols, n).total;
+  const size_t k = ExactActLayout(cols, n, true).total, b = ExactActLayout(cols, n, false).total;
   return k > b ? k : b;
 }
 
