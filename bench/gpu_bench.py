@@ -15,7 +15,8 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
   ours      on the target (and drafter): AR decode and prefill, one AR step, verify by node count (chain
             and tree shapes), the drafter's block step, a whole DDTree-22 step, commit, tok/s with the
             oracle drafter at accept length ~8, the memory plan against the device peak, copy bandwidth,
-            and on CUDA each op's GPU time per AR and DDTree-22 step (dfl_cuda_profile)
+            and on CUDA each op's GPU time per AR and DDTree-22 step and in the longest prefill
+            (dfl_cuda_profile)
   draftmodel  classic draft-model speculation: a 0.8B-shaped qwen35 GGUF drafting for the 27B, step costs
   prefix    the prefix cache: turn 2 of an 8K-token conversation (turn 1 + reply + 24 tokens) vs turn 1,
             time to first token, == a cold decode
@@ -30,7 +31,8 @@ sampled_ddtree_eq_ar}, ar {decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s},
 {decode_tok_s, prefill_512_tok_s, prefill_8192_tok_s, build}, steps {ar_ms, verify_ms {nodes: ms},
 verify_tree_ms {nodes: ms}, draft_ms, tree_ms, ddtree22_step_ms, commit_ms}, oracle {accept_length, tok_s,
 speedup}, memory {plan_bytes, peak_bytes, plan}, copy_gb_s, vram24 {ctx, peak_bytes, plan_bytes, cap_bytes,
-exact}, profile {ar, ddtree22: {steps, ms_per_step, ops [{op, ms_per_step, calls_per_step, gb_s}]}}; plus
+exact}, profile {ar, ddtree22, prefill_P: {steps, ms_per_step, ops [{op, ms_per_step, calls_per_step,
+gb_s}]}}; plus
 matmul, target, draft and notes.
 """
 from __future__ import annotations
@@ -267,10 +269,14 @@ def step_profile(lib, ffi, gen, n_short: int, n_long: int) -> dict:
         prof = cuda_op_profile(lib, ffi, lambda n=n: box.update(st=gen(n)))
         runs.append((prof, box["st"].steps))
     (a, sa), (b, sb) = runs
-    steps = sb - sa
+    return profile_rows(b, sb - sa, minus=a)
+
+
+def profile_rows(prof: dict[str, dict], steps: int, minus: dict[str, dict] | None = None) -> dict:
+    """A cuda_op_profile (less `minus`) as rows per step, slowest first: ms, calls and GB/s of each op."""
     ops = []
-    for op, r in b.items():
-        q = a.get(op, {"calls": 0, "ms": 0.0, "bytes": 0.0})
+    for op, r in prof.items():
+        q = (minus or {}).get(op, {"calls": 0, "ms": 0.0, "bytes": 0.0})
         calls, ms, nbytes = r["calls"] - q["calls"], r["ms"] - q["ms"], r["bytes"] - q["bytes"]
         if calls <= 0 or steps <= 0:
             continue
@@ -332,6 +338,10 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
                 if st.prefill_s > 20:  # a slow prefill is measured once: its noise is small
                     break
             out["ar"][f"prefill_{p}_tok_s"] = _median(tps)
+            if cuda and p == max(prefills):  # where the longest prefill's time goes (one step: the whole prompt
+                # and the first token's AR step, which is a small share of it)
+                out.setdefault("profile", {})[f"prefill_{p}"] = profile_rows(
+                    cuda_op_profile(lib, ffi, lambda ids=ids: _gen(dec, ids, 1, mode="ar")), 1)
 
         # verify by node count: a tree hook hands the generator fixed shapes (random tokens: nothing is
         # accepted, every step verifies exactly n nodes)
@@ -359,8 +369,8 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
         # where a step's GPU time goes, op by op: AR and DDTree-22 (events around each op; their sum is a
         # little above the step's GPU time, launch gaps and host time are not in it)
         if cuda:
-            out["profile"] = {"ar": step_profile(lib, ffi, lambda n: _gen(dec, prompt, n, mode="ar")[1],
-                                                 steps_tokens // 2, steps_tokens)}
+            out.setdefault("profile", {})["ar"] = step_profile(
+                lib, ffi, lambda n: _gen(dec, prompt, n, mode="ar")[1], steps_tokens // 2, steps_tokens)
             if dec.draft_info is not None:
                 out["profile"]["ddtree22"] = step_profile(
                     lib, ffi, lambda n: _gen(dec, prompt, n, mode="ddtree", budget=22)[1], steps_tokens // 2,
