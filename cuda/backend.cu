@@ -255,8 +255,12 @@ class CudaBackend final : public Backend {
       h += p.n;
     }
     // which verify nodes' delta-net states node_rec must hold (none when committing)
-    const std::vector<uint8_t> keep = p.commit ? std::vector<uint8_t>(p.n, 0) : node_rec_kept(p.parent.data(), p.n);
-    std::copy(keep.begin(), keep.end(), h);
+    if (p.commit) {
+      std::fill(h, h + p.n, 0);
+    } else {
+      const std::vector<uint8_t> keep = node_rec_kept(p.parent.data(), p.n);
+      std::copy(keep.begin(), keep.end(), h);
+    }
     h += p.n;
     std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
     if (words > plan_cap_) {

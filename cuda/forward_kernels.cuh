@@ -16,19 +16,23 @@ namespace dfl {
 namespace cuda {
 namespace fwd {
 
-constexpr int kMaxBlock = 1024;
-
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// Sum of v over the warp (an xor butterfly: every lane gets the same total).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
 // Sum of v over the CTA (blockDim.x a multiple of 32, <= 1024); every thread
 // gets the total.  `red` is 32 floats of shared memory; the summation order
 // is fixed by the CTA shape alone.
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   __syncthreads();  // `red` may still be read by a previous call
   if (lane == 0) red[warp] = v;
   __syncthreads();
@@ -537,12 +541,6 @@ struct DeltaArgs {
   int64_t upd_stride, k_off, delta_off, decay_off;
   int state_type;        // DType id: F32, BF16 or F16
 };
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 template <int DK>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {

@@ -274,6 +274,7 @@ def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     weights'.  Off, nothing more is recorded."""
     import importlib.util
     import json
+    import re
     from pathlib import Path
 
     from dflash27b._lib import load
@@ -295,7 +296,7 @@ def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     assert per_step("embed") == 1
     matmuls = {k: o for k, o in ops.items() if k.startswith("matmul ")}
     assert matmuls and all(o["gb_s"] > 0 for o in matmuls.values())
-    assert all(k.endswith(" n=1") or "float kernels" in k for k in matmuls), list(matmuls)
+    assert all(re.search(r" n=1( \(float kernels\))?$", k) for k in matmuls), list(matmuls)  # the prefill cancels
     assert sum(o["calls_per_step"] for o in matmuls.values()) >= 4 * n_layer + 1
     assert prof["ms_per_step"] == pytest.approx(sum(o["ms_per_step"] for o in prof["ops"]))
     # off: a decode adds nothing to the table

@@ -20,7 +20,12 @@ constexpr double kUnknownSlope = 0.1; // per extra node, as a share of one node'
 // through, 30% a step (kTimeEma of the doubled value).
 constexpr double kOutlier = 2.0;
 
-void ema(double& v, double x) { v = v > 0 ? (1 - kTimeEma) * v + kTimeEma * std::min(x, kOutlier * v) : x; }
+// `expected`: the bound's reference for a first timing (0: none, the timing is taken as it is).
+void ema(double& v, double x, double expected = 0) {
+  const double ref = v > 0 ? v : expected;
+  if (ref > 0) x = std::min(x, kOutlier * ref);
+  v = v > 0 ? (1 - kTimeEma) * v + kTimeEma * x : x;
+}
 }  // namespace
 
 std::vector<std::pair<int, double>> AutoEstimates::verify_points() const {
@@ -119,8 +124,7 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   if (spent > 0) spec_rate_ = spec_rate_ > 0 ? 0.5 * spec_rate_ + 0.5 * rec.committed / spent : rec.committed / spent;
   // a size not timed yet is bounded by what the sizes around it predict
   const double expected = AutoEstimates::verify_at(e_.verify_points(), budget + 1);
-  double& v = e_.verify_s[budget + 1];
-  ema(v, v > 0 || expected <= 0 ? rec.verify_s : std::min(rec.verify_s, kOutlier * expected));
+  ema(e_.verify_s[budget + 1], rec.verify_s, expected);
   // acceptance per depth: decayed sums of predicted path probability and of hits
   for (double& p : pred_) p *= kAcceptDecay;
   for (double& h : hit_) h *= kAcceptDecay;
