@@ -526,14 +526,15 @@ MATMUL_FORMATS = {"Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 2
 MATMUL_SHAPES = {"ffn_up 17408x5120": (17408, 5120), "ffn_down 5120x17408": (5120, 17408)}
 
 
-EXACT_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0")  # the forward's matmul takes the exact kernels
+# the forward's matmul takes the batch-invariant ("exact") kernels for these (F16 / BF16: tf32 tensor cores)
+EXACT_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "F16", "BF16")
 
 
 def part_matmul(ns: list[int], formats: list[str]) -> dict:
     """The CUDA matmul alone on random device-resident weights: ms per call and GB/s of weights read, for
-    the 27B's FFN shapes, every format, n tokens (dfl_cuda_bench_matmul, CUDA events).  A quantised format's
-    row is the exact kernels the forward uses (activation quantisation included); "<fmt> float" beside it is
-    the float kernels, for comparison."""
+    the 27B's FFN shapes, every format, n tokens (dfl_cuda_bench_matmul, CUDA events).  A format's row is
+    the exact kernels the forward uses (activation quantisation included); "<fmt> float" beside it is the
+    float kernels, for comparison."""
     from dflash27b._lib import last_error, load
     ffi, lib = load()
     out: dict = {"shapes": {}, "notes": []}

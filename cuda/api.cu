@@ -143,7 +143,8 @@ int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t co
   return dfl::api_guard([&] {
     if (!w || !x || !y) dfl::fail("w, x and y must not be NULL");
     const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
-    if (!matmul_exact_supported((dfl::DType)type)) dfl::fail("the exact matmul takes Q4_K, Q5_K, Q6_K, Q8_0 or Q4_0, not %s", t.name);
+    if (!matmul_exact_supported((dfl::DType)type))
+      dfl::fail("the exact matmul takes Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16 or BF16, not %s", t.name);
     require_device();
     DevBuf scratch(matmul_exact_scratch_bytes(cols, n));
     matmul_on_host_arrays(t, w, rows, cols, x, n, y, [&](const void* dw, const float* dx, float* dy) {
@@ -159,7 +160,7 @@ double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t 
     const dfl::TypeTraits& t = check_matmul_args(type, rows, cols, n);
     if (iters <= 0) dfl::fail("iters must be positive (got %d)", iters);
     if (exact && !matmul_exact_supported((dfl::DType)type))
-      dfl::fail("the exact matmul takes Q4_K, Q5_K, Q6_K, Q8_0 or Q4_0, not %s", t.name);
+      dfl::fail("the exact matmul takes Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16 or BF16, not %s", t.name);
     require_device();
     const size_t wbytes = (size_t)rows * (size_t)(cols / t.block_elems) * (size_t)t.block_bytes;
     // Enough copies of the weights to stream >= 256 MiB per round, so that

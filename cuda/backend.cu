@@ -305,11 +305,12 @@ class CudaBackend final : public Backend {
     launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
   }
 
-  // K-quant, Q8_0 and Q4_0 weights (every matmul of such a target) take the
-  // exact kernels (matmul_exact.cu): the CPU's integer arithmetic, so a token's
-  // result is the same for every batch size: an AR step, a verify of any tree
+  // Every matmul of a K-quant, Q8_0, Q4_0, F16 or BF16 model (the drafter's BF16
+  // included) takes the batch-invariant kernels (matmul_exact.cuh): a token's
+  // result is the same for every batch size, so an AR step, a verify of any tree
   // and a prefill chunk of any length agree bit for bit, with one weight pass per
-  // 64 tokens (Q8_0 / Q4_0: 32).  F16 / BF16 / F32 (and every format with
+  // 64 tokens (Q8_0 / Q4_0: 32).  Quantised weights: the CPU's integer arithmetic;
+  // F16 / BF16: the tf32 tensor cores.  F32 weights (and every format with
   // DFLASH27B_CUDA_MATMUL=float, kept to compare the two on a GPU) take the float
   // kernels: a verify batch runs the matvec kernel in groups of up to 8 tokens,
   // whose per-token result is bit-identical to an AR step's, and prefill chunks

@@ -552,14 +552,17 @@ void launch_block32_n(const uint8_t* w, int64_t rows, int64_t cols, const int8_t
 }  // namespace
 
 bool matmul_exact_supported(DType t) {
-  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q8_0 || t == DType::Q4_0;
+  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q8_0 || t == DType::Q4_0 ||
+         t == DType::F16 || t == DType::BF16;
 }
 
 size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return exact_act_bytes(cols, n); }
 
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                   void* scratch, cudaStream_t stream) {
-  if (!matmul_exact_supported(t)) fail("matmul_exact: %s is not a K-quant, Q8_0 or Q4_0 weight", type_traits((uint32_t)t)->name);
+  if (!matmul_exact_supported(t))
+    fail("matmul_exact: %s is not a K-quant, Q8_0, Q4_0, F16 or BF16 weight", type_traits((uint32_t)t)->name);
+  if (t == DType::F16 || t == DType::BF16) return matmul_half(t, w, rows, cols, x, n, y, stream);
   const bool kquant = t != DType::Q8_0 && t != DType::Q4_0;
   const int64_t block = kquant ? kQK : 32;
   if (rows <= 0 || n <= 0 || cols <= 0 || cols % block)

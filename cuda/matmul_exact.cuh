@@ -1,6 +1,9 @@
-// matmul_exact.cuh — quantised weight x int8 activation in the CPU backend's
-// arithmetic bit for bit (see matmul_exact.cu): K-quants on the int8 tensor
-// cores, Q8_0 / Q4_0 in the CPU's AVX2 lane order.
+// matmul_exact.cuh — the CUDA backend's batch-invariant matmuls: a token's
+// result is the same bits for every batch size (AR step, verify, prefill chunk).
+// Quantised weights in the CPU backend's arithmetic bit for bit (matmul_exact.cu:
+// K-quants on the int8 tensor cores, Q8_0 / Q4_0 in the CPU's AVX2 lane order);
+// F16 / BF16 on the tf32 tensor cores (matmul_half.cu), within f32 rounding of
+// the CPU.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -12,19 +15,24 @@
 namespace dfl {
 namespace cuda {
 
-bool matmul_exact_supported(DType t);  // Q4_K, Q5_K, Q6_K, Q8_0, Q4_0
+bool matmul_exact_supported(DType t);  // Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16, BF16
 
 // Device bytes of the quantised activations matmul_exact needs for n x cols.
 size_t matmul_exact_scratch_bytes(int64_t cols, int n);
 
 // y[t][r] = W[r] . x[t] for t < n, asynchronously on `stream`; all pointers device
 // memory (w as in GGUF, x n x cols f32, y n x rows f32, scratch of
-// matmul_exact_scratch_bytes, 16-byte aligned).  cols a multiple of 256 (Q8_0 /
-// Q4_0: of 32).  Each
-// token's result is bit-identical for every n, and equal to the CPU backend's
-// dfl_matmul (same activation quantisation, same integer sums, same float steps).
+// matmul_exact_scratch_bytes, 16-byte aligned).  cols a multiple of 256 for
+// K-quants, of 32 otherwise.  Each token's result is bit-identical for every n;
+// for quantised weights it equals the CPU backend's dfl_matmul (same activation
+// quantisation, same integer sums, same float steps), for F16 / BF16 it is
+// within f32 rounding of it (matmul_half; scratch unused).
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                   void* scratch, cudaStream_t stream);
+
+// F16 / BF16 weights on the tf32 tensor cores, batch-invariant (matmul_half.cu).
+void matmul_half(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
+                 cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace dfl

@@ -1,5 +1,6 @@
-// mma_selftest.cu — checks mma_m16n8k32_s8 and its fragment maps (mma.cuh)
-// against the definition, on the GPU and on the CPU emulator alike.
+// mma_selftest.cu — checks mma_m16n8k32_s8 and mma_m16n8k8_tf32 and their
+// fragment maps (mma.cuh) against the definition, on the GPU and on the CPU
+// emulator alike.
 #include <random>
 #include <vector>
 
@@ -38,7 +39,63 @@ __global__ void mma_tiles_kernel(const int8_t* A, const int8_t* Bt, const int32_
   D[(m0 + g + 8) * N + n0 + 2 * t + 1] = acc[3];
 }
 
+// The tf32 instruction the same way: A row-major (M x K) and Bt (N x K) as f32, C and D f32.  Operands go
+// through tf32_rna_bits, which leaves these (small integers) unchanged.
+__global__ void mma_tf32_tiles_kernel(const float* A, const float* Bt, const float* C, float* D, int M, int N, int K) {
+  const int lane = threadIdx.x & 31, warp = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+  const int tiles_n = N / 8;
+  if (warp >= (M / 16) * tiles_n) return;
+  const int m0 = warp / tiles_n * 16, n0 = warp % tiles_n * 8, g = lane >> 2, t = lane & 3;
+  float acc[4] = {C[(m0 + g) * N + n0 + 2 * t], C[(m0 + g) * N + n0 + 2 * t + 1], C[(m0 + g + 8) * N + n0 + 2 * t],
+                  C[(m0 + g + 8) * N + n0 + 2 * t + 1]};
+  auto tf = [](float v) { return tf32_rna_bits(__float_as_uint(v)); };
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    const uint32_t a[4] = {tf(A[(m0 + g) * K + k0 + t]), tf(A[(m0 + g + 8) * K + k0 + t]),
+                           tf(A[(m0 + g) * K + k0 + t + 4]), tf(A[(m0 + g + 8) * K + k0 + t + 4])};
+    const uint32_t b[2] = {tf(Bt[(n0 + g) * K + k0 + t]), tf(Bt[(n0 + g) * K + k0 + t + 4])};
+    float d[4];
+    mma_m16n8k8_tf32(d, a, b, acc);
+    for (int i = 0; i < 4; ++i) acc[i] = d[i];
+  }
+  D[(m0 + g) * N + n0 + 2 * t] = acc[0];
+  D[(m0 + g) * N + n0 + 2 * t + 1] = acc[1];
+  D[(m0 + g + 8) * N + n0 + 2 * t] = acc[2];
+  D[(m0 + g + 8) * N + n0 + 2 * t + 1] = acc[3];
+}
+
 }  // namespace
+
+int mma_tf32_selftest(int M, int N, int K, uint32_t seed) {
+  if (M <= 0 || N <= 0 || K <= 0 || M % 16 || N % 8 || K % 8)
+    fail("mma_tf32_selftest: M %d, N %d, K %d must be positive multiples of 16, 8 and 8", M, N, K);
+  require_device();
+  std::mt19937 rng(seed);
+  // |A|, |B| <= 64, |C| <= 1e5 and K <= 1024: every partial sum is an integer below 2^24, exact in f32 in any
+  // order, so a wrong fragment map shows as a wrong integer
+  std::uniform_int_distribution<int> v(-64, 64), c(-100000, 100000);
+  if (K > 1024) fail("mma_tf32_selftest: K %d > 1024 would leave f32's exact integers", K);
+  std::vector<float> A((size_t)M * K), Bt((size_t)N * K), C((size_t)M * N), D((size_t)M * N);
+  for (auto& x : A) x = (float)v(rng);
+  for (auto& x : Bt) x = (float)v(rng);
+  for (auto& x : C) x = (float)c(rng);
+  DevBuf dA(A.size() * 4), dB(Bt.size() * 4), dC(C.size() * 4), dD(D.size() * 4);
+  CUDA_CHECK(cudaMemcpy(dA.p, A.data(), A.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dB.p, Bt.data(), Bt.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dC.p, C.data(), C.size() * 4, cudaMemcpyHostToDevice));
+  const int warps = (M / 16) * (N / 8), per_cta = 4;
+  launch(mma_tf32_tiles_kernel, dim3((unsigned)((warps + per_cta - 1) / per_cta)), dim3(32 * per_cta), 0, nullptr,
+         dA.as<const float>(), dB.as<const float>(), dC.as<const float>(), dD.as<float>(), M, N, K);
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaMemcpy(D.data(), dD.p, D.size() * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      double ref = C[(size_t)m * N + n];
+      for (int k = 0; k < K; ++k) ref += (double)A[(size_t)m * K + k] * Bt[(size_t)n * K + k];
+      bad += D[(size_t)m * N + n] != (float)ref;
+    }
+  return bad;
+}
 
 int mma_selftest(int M, int N, int K, uint32_t seed) {
   if (M <= 0 || N <= 0 || K <= 0 || M % 16 || N % 8 || K % 32)

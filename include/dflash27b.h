@@ -256,15 +256,17 @@ int dfl_cuda_device_count(void);
 /* dfl_matmul on the GPU (device 0), host pointers: uploads w and x, runs,
  * downloads y.  Activations stay f32 (no int8 quantisation, unlike the CPU). */
 int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y);
-/* The exact K-quant matmul (Q4_K/Q5_K/Q6_K) on the int8 tensor cores, host pointers:
- * activations quantised as the CPU quantises them, the CPU's integer sums and float
- * steps, so y is bit-identical to dfl_matmul's, for every n. */
+/* The batch-invariant matmul the CUDA forward uses, host pointers: a token's row of
+ * y is the same bits for every n.  Q4_K/Q5_K/Q6_K (int8 tensor cores), Q8_0/Q4_0
+ * (dp4a): activations quantised as the CPU quantises them, the CPU's integer sums
+ * and float steps, so y is bit-identical to dfl_matmul's; F16/BF16: tf32 tensor
+ * cores with x split into two tf32 parts, within f32 rounding of dfl_matmul. */
 int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
                           float* y);
 /* Milliseconds per call of the CUDA matmul on random device-resident weights
  * and activations (CUDA events, no host transfers timed); -1 on error.
- * exact != 0: the exact K-quant kernels the forward uses for Q4_K/Q5_K/Q6_K
- * (activation quantisation included); 0: the float kernels. */
+ * exact != 0: the batch-invariant kernels of dfl_cuda_matmul_exact, which the
+ * forward uses (activation quantisation included); 0: the float kernels. */
 double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters, int32_t exact);
 /* Device-to-device copy bandwidth of a `bytes` buffer, GB/s counting bytes
  * read + written (the bandwidth floor the GPU record compares with); -1 on error. */

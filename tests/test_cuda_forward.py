@@ -8,12 +8,12 @@ thread as a fiber).
   * greedy AR on CUDA equals greedy AR on the CPU for 128 tokens on the bundled
     pair's F16 target; a divergence is accepted only at a logit near-tie of the
     CPU (margin shown), since the two backends sum in different orders;
-  * chain and DDTree on CUDA equal CUDA AR token for token (verify batches run
-    the matvec kernel, bit-identical per token to an AR step);
+  * chain and DDTree on CUDA equal CUDA AR token for token (every matmul of the
+    F16 target and the BF16 drafter takes the batch-invariant tf32 kernel);
   * a K-quant, Q8_0 or Q4_0 target takes the exact matmul (the CPU's integer
-    arithmetic): its prefill gives the same bits in any chunking, DDTree == AR
-    through the exact kernels, and its logits are the CPU's up to the other ops'
-    float order;
+    arithmetic), an F16 / BF16 one the tf32 kernel: its prefill gives the same
+    bits in any chunking, DDTree == AR through the exact kernels, and a
+    quantised target's logits are the CPU's up to the other ops' float order;
   * every KV type decodes, the committed state after a decode matches the
     CPU's, a bad device request is a clear error.
 """
@@ -151,7 +151,7 @@ def test_cuda_kv_types(pair, kv):
     assert out["cuda"][:4] == out["cpu"][:4]
 
 
-def kquant_logits(path, ids, n_batch: int, device: int, pieces=None) -> np.ndarray:
+def device_logits(path, ids, n_batch: int, device: int, pieces=None) -> np.ndarray:
     """Every row's logits of `ids` prefilled through a context of `n_batch`, fed in `pieces` (lengths)."""
     from dflash27b import _handles
     from dflash27b._lib import TYPE_IDS
@@ -168,26 +168,28 @@ def kquant_logits(path, ids, n_batch: int, device: int, pieces=None) -> np.ndarr
         m.close()
 
 
-@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0"])
-def test_cuda_quantized_prefill_chunks_equal_token_by_token(synth_gguf, ftype):
-    """A Q4_K_M, Q8_0 or Q4_0 target on the device: its matmuls take the exact kernels (K-quants: the dp4a
-    matvec for <= 8 tokens, the tensor-core kernel above; Q8_0 / Q4_0: up to 32 tokens a thread), so a
-    prompt's logits are the same bits whether it is prefilled in one batch, cut into chunks by a small
-    n_batch, fed in uneven pieces, or token by token."""
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0", "bf16", "f16"])
+def test_cuda_prefill_chunks_equal_token_by_token(synth_gguf, ftype):
+    """A Q4_K_M, Q8_0, Q4_0, BF16 or F16 target on the device: its matmuls take the exact kernels
+    (K-quants: the dp4a matvec for <= 8 tokens, the int8 tensor-core kernel above; Q8_0 / Q4_0: up to 32
+    tokens a thread; BF16 / F16: the tf32 tensor cores, one K order for every batch), so a prompt's logits
+    are the same bits whether it is prefilled in one batch, cut into chunks by a small n_batch, fed in
+    uneven pieces, or token by token."""
     ids = [(37 * i + 11) % 250 for i in range(40)]
     path = synth_gguf(ftype)
-    whole = kquant_logits(path, ids, 64, 1)
-    assert np.array_equal(whole, kquant_logits(path, ids, 7, 1))
-    assert np.array_equal(whole, kquant_logits(path, ids, 64, 1, pieces=[13, 1, 9, 17]))
-    assert np.array_equal(whole, kquant_logits(path, ids, 1, 1))
+    whole = device_logits(path, ids, 64, 1)
+    assert np.array_equal(whole, device_logits(path, ids, 7, 1))
+    assert np.array_equal(whole, device_logits(path, ids, 64, 1, pieces=[13, 1, 9, 17]))
+    assert np.array_equal(whole, device_logits(path, ids, 1, 1))
 
 
-@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0"])
-def test_cuda_quantized_target_spec_equals_ar(synth_gguf, ftype):
-    """DDTree on a quantised target: verify batches of up to 23 nodes (the exact kernels) give AR's tokens.
-    The draft model is the target itself, so whole blocks are accepted."""
-    if EMULATED and ftype == "q4_0":
-        pytest.skip("Q4_0 shares Q8_0's kernel; on a real GPU only (the emulator is slow)")
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0", "bf16"])
+def test_cuda_target_spec_equals_ar(synth_gguf, ftype):
+    """DDTree on a quantised or BF16 target: verify batches of up to 23 nodes (the exact kernels) give AR's
+    tokens.  The draft model is the target itself, so whole blocks are accepted.  (F16 is the bundled
+    pair's target: test_cuda_spec_equals_cuda_ar.)"""
+    if EMULATED and ftype in ("q4_0", "bf16"):
+        pytest.skip("shares a kernel with Q8_0 / the F16 pair; on a real GPU only (the emulator is slow)")
     path = synth_gguf(ftype)
     with Decoder(path, path, device="cuda", ctx=256, threads=2) as d:
         ids = d.tokenize(PROMPTS[1])

@@ -6,6 +6,9 @@ GPU machine bench/gpu_bench.sh runs them).  The others run everywhere: the
 no-GPU behaviour of the entry points, and the kernels' source executed on the
 CPU by the emulator in cuda/emu (built with g++ when the build has CUDA).
 
+dfl_cuda_matmul is the float kernels (activations kept in f32); dfl_cuda_matmul_exact
+the batch-invariant kernels the forward uses (test_cuda_matmul_exact_equals_cpu).
+
 Tolerances, as a fraction of max|y_ref| over the whole output (y_ref: f64
 numpy product of the gguf-py-dequantized weights and the f32 activations):
   * CUDA vs y_ref: 1e-4 for every format.  The GPU keeps activations in f32
@@ -151,39 +154,44 @@ def cuda_matmul_exact(tid: int, raw: np.ndarray, rows: int, cols: int, x: np.nda
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "F16", "BF16"])
 def test_cuda_matmul_exact_equals_cpu(name):
-    """The exact matmul (cuda/matmul_exact.cu) is the CPU's arithmetic: == dfl_matmul for every n (a decode,
-    each kernel width, a verify of 9..64 tokens, more than one weight pass), hence batch-invariant across its
-    kernels.  K-quants: the dp4a matvec for n <= 8, the tensor-core kernel above; Q8_0 / Q4_0: 8 lane chains
-    a row and the CPU's AVX2 horizontal sum, up to 32 tokens a weight pass (the scalar CPU build sums in
-    another order, so there it is compared within f32 rounding)."""
+    """The exact matmul (cuda/matmul_exact.cuh) gives a token the same bits for every n (a decode, each
+    kernel width, a verify of 9..64 tokens, more than one weight pass).  Quantised weights are the CPU's
+    arithmetic: == dfl_matmul.  K-quants: the dp4a matvec for n <= 8, the tensor-core kernel above;
+    Q8_0 / Q4_0: 8 lane chains a row and the CPU's AVX2 horizontal sum, up to 32 tokens a weight pass
+    (the scalar CPU build sums in another order, so there it is compared within f32 rounding).  F16 /
+    BF16: the tf32 tensor cores with x split into two tf32 parts (cuda/matmul_half.cu), within f32
+    rounding of the CPU's f32 dot products (about 3e-7 of the largest output on the emulator)."""
     tid, raw, wf, x = make_case(name, 70, seed=11)
     cols = wf.shape[1]
     x[3] *= 1e-3  # a small-scale token and an all-zero one (scale 0) as well
     x[4] = 0.0
     ffi, lib = load()
-    same = name.endswith("_K") or "cpu: avx2" in ffi.string(lib.dfl_build_info()).decode()
+    quantised = name not in ("F16", "BF16")
+    same = name.endswith("_K") or (quantised and "cpu: avx2" in ffi.string(lib.dfl_build_info()).decode())
+    full = cuda_matmul_exact(tid, raw, ROWS, cols, x)
     for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 23, 32, 33, 64, 70):
         y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
+        assert np.array_equal(y, full[:n]), f"{name}: n={n} differs from the same tokens in a batch of 70"
         want = cpu_matmul(tid, raw, ROWS, cols, x[:n])
         if same:
             assert np.array_equal(y, want), f"{name} n={n}"
         else:
             assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), f"{name} n={n}"
     alone = cuda_matmul_exact(tid, raw, ROWS, cols, x[-1:])
-    assert np.array_equal(alone[0], y[-1])
+    assert np.array_equal(alone[0], full[-1])
 
 
 @pytest.mark.cuda
 def test_cuda_matmul_exact_refuses_other_formats():
     ffi, lib = load()
-    w = np.zeros(2 * 64, np.uint8)
+    w = np.zeros(2 * 128, np.uint8)
     x = np.zeros(32, np.float32)
     y = np.zeros(2, np.float32)
-    rc = lib.dfl_cuda_matmul_exact(int(T.F16), ffi.cast("void*", w.ctypes.data), 2, 32,
+    rc = lib.dfl_cuda_matmul_exact(int(T.F32), ffi.cast("void*", w.ctypes.data), 2, 32,
                                    ffi.cast("float*", x.ctypes.data), 1, ffi.cast("float*", y.ctypes.data))
-    assert rc == -1 and "Q4_K, Q5_K, Q6_K, Q8_0 or Q4_0, not F16" in last_error()
+    assert rc == -1 and "Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16 or BF16, not F32" in last_error()
 
 
 @pytest.mark.cuda
@@ -219,8 +227,9 @@ def test_cuda_matmul_bad_arguments():
     assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 1, 3, 0) > 0, last_error()
     assert lib.dfl_cuda_bench_matmul(int(T.Q4_K), 64, 256, 9, 3, 1) > 0, last_error()
     assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 64, 256, 1, 3, 1) > 0, last_error()
-    assert lib.dfl_cuda_bench_matmul(int(T.BF16), 64, 256, 1, 3, 1) == -1.0
-    assert "exact matmul takes Q4_K, Q5_K, Q6_K, Q8_0 or Q4_0, not BF16" in last_error()
+    assert lib.dfl_cuda_bench_matmul(int(T.BF16), 64, 256, 9, 3, 1) > 0, last_error()
+    assert lib.dfl_cuda_bench_matmul(int(T.F32), 64, 256, 1, 3, 1) == -1.0
+    assert "exact matmul takes Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16 or BF16, not F32" in last_error()
 
 
 @pytest.mark.cuda

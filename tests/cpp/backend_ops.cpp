@@ -29,7 +29,8 @@
 namespace dfl {
 void set_last_error(const char*) {}  // api.cpp's, for the CUDA objects' C entry points
 namespace cuda {
-int mma_selftest(int M, int N, int K, uint32_t seed);  // cuda/mma.cuh: the int8 tensor-core instruction
+int mma_selftest(int M, int N, int K, uint32_t seed);       // cuda/mma.cuh: the int8 tensor-core instruction
+int mma_tf32_selftest(int M, int N, int K, uint32_t seed);  // and the tf32 one
 }
 }
 
@@ -37,9 +38,15 @@ using namespace dfl;
 
 namespace {
 
-// The formats the CUDA backend's matmul takes through the exact kernels (cuda/matmul_exact.cu).
+// The formats the CUDA backend's matmul takes through the batch-invariant kernels (cuda/matmul_exact.cuh):
+// every n gives a token the same bits.  The quantised ones are also the CPU's bits (cuda_cpu_bits).
 bool cuda_exact_matmul(DType t) {
-  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q8_0 || t == DType::Q4_0;
+  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q8_0 || t == DType::Q4_0 ||
+         t == DType::F16 || t == DType::BF16;
+}
+bool cuda_cpu_bits(DType t) {
+  if (t == DType::Q8_0 || t == DType::Q4_0) return std::strcmp(simd_name(), "avx2") == 0;  // the AVX2 lane order
+  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
 }
 
 std::mt19937 rng(1234);
@@ -234,7 +241,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     }
     // matmul, every format (the CPU quantises activations to int8 for quantised weights; K-quants, Q8_0
     // and Q4_0 on CUDA take the exact kernels, which do the same: bit for bit the CPU's result, for Q8_0 /
-    // Q4_0 the AVX2 build's lane order)
+    // Q4_0 the AVX2 build's lane order; F16 / BF16 the tf32 tensor cores, within f32 rounding)
     for (int i = 0; i < 8; ++i) {
       const Weight& W = M.layers[i].ffn_gate;
       auto x = randn((size_t)n * H);
@@ -243,9 +250,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       xa.put(x), xb.put(x), yb.poison();
       cpu->matmul(W, xa.f(), n, ya.f());
       cud->matmul(W, xb.f(), n, yb.f());
-      const bool exact = cuda_exact_matmul(W.type);
-      const bool cpu_lanes = (W.type != DType::Q8_0 && W.type != DType::Q4_0) || std::strcmp(simd_name(), "avx2") == 0;
-      const double tol = exact && cpu_lanes ? 0.0 : dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
+      const double tol = cuda_cpu_bits(W.type) ? 0.0 : dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
       check(label("matmul", tname(W.type), n), yb.get((size_t)n * W.rows), ya.get((size_t)n * W.rows), tol);
     }
     // a verify batch's matmul gives each token exactly its n = 1 (AR step) result
@@ -533,13 +538,16 @@ int main(int argc, char** argv) {
   for (int n : {1, 2, 7, 16, 23, 64, 512})
     if (n <= max_batch) sizes.push_back(n);
   try {
-    // the int8 MMA the exact verify kernels build on, and its fragment maps, against the definition
+    // the MMA instructions the exact kernels build on, and their fragment maps, against the definition
     for (auto [M, N, K] : {std::array<int, 3>{16, 8, 32}, {48, 40, 128}, {64, 64, 512}}) {
-      const int bad = cuda::mma_selftest(M, N, K, (uint32_t)(M * N + K));
-      std::printf("mma m16n8k32 s8 %dx%dx%d: %s\n", M, N, K, bad ? "MISMATCH" : "ok");
-      if (bad) {
-        std::printf("  %d of %d elements differ\n", bad, M * N);
-        ++failures;
+      for (int tf32 = 0; tf32 < 2; ++tf32) {
+        const uint32_t seed = (uint32_t)(M * N + K);
+        const int bad = tf32 ? cuda::mma_tf32_selftest(M, N, K, seed) : cuda::mma_selftest(M, N, K, seed);
+        std::printf("mma %s %dx%dx%d: %s\n", tf32 ? "m16n8k8 tf32" : "m16n8k32 s8", M, N, K, bad ? "MISMATCH" : "ok");
+        if (bad) {
+          std::printf("  %d of %d elements differ\n", bad, M * N);
+          ++failures;
+        }
       }
     }
     Qwen35Config tiny;
