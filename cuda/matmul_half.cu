@@ -5,8 +5,8 @@
 // fixed sequence of instructions over K that depends on nothing but its row of
 // W and its token's x, so an AR step (n = 1, the tile padded), a verify of any
 // tree and a prefill chunk of any length give the same bits per token:
-//   * a CTA owns 16 rows; its 4 warps split K by 32-column groups, warp w
-//     taking groups w, w + 4, w + 8, ... (fixed by the shape alone);
+//   * a CTA owns 16 rows; its 8 warps split K by 32-column groups, warp w
+//     taking groups w, w + 8, w + 16, ... (fixed by the shape alone);
 //   * within a group, lane (g, t) = (lane / 4, lane % 4) holds 8 consecutive
 //     columns 8t .. 8t+7 of rows g and g + 8 (one 16-byte load each) and of
 //     its tile's token g (two float4); instruction j = 0..3 of the group puts
@@ -16,8 +16,8 @@
 //     rounded to tf32: 22 significant bits of x), weights are exact in tf32
 //     (BF16: 8 bits, F16: 11), and each instruction j runs hi then lo into the
 //     same accumulator;
-//   * the 4 warps' partial sums meet in shared memory and add in warp order,
-//     ((w0 + w1) + w2) + w3.
+//   * the 8 warps' partial sums meet in shared memory and add in warp order,
+//     (((w0 + w1) + w2) + ...) + w7.
 // Token tiles of 8 (1 to 8 of them per CTA) only decide how many tokens share
 // a weight load, never the order of an element's sum.  Versus the CPU's f32
 // dot products the difference is f32-rounding sized (x to 22 bits, the
@@ -26,7 +26,7 @@
 // the CPU is tested.  F32 weights keep the float kernels (matmul.cu).
 //
 // Speed is still to be measured on the first GPU (issue 19): n = 1 streams the
-// weights with the next group's loads in flight; larger batches read the
+// weights with the next two groups' loads in flight; larger batches read the
 // weights once per 64 tokens, with no shared-memory staging yet.
 #include "launch.cuh"
 #include "matmul_exact.cuh"
@@ -37,7 +37,7 @@ namespace cuda {
 
 namespace {
 
-constexpr int kSplit = 4;       // warps of a CTA, each a fixed quarter of K's groups
+constexpr int kSplit = 8;       // warps of a CTA, each every 8th of K's groups (a 5120-row weight: 2560 warps)
 constexpr int kMaxTiles = 8;    // token tiles of 8 per CTA: up to 64 tokens per weight pass
 constexpr int kGroupCols = 32;  // columns per group: 4 instructions of k = 8
 
@@ -82,18 +82,22 @@ __global__ void __launch_bounds__(kSplit * 32)
     for (int e = 0; e < 4; ++e) acc[tt][e] = 0.f;
 
   if (warp < groups) {
+    // two groups' weights in flight ahead of the math (past the end: the last group again, unused)
+    auto next = [&](int64_t q) { return q + kSplit < groups ? q + kSplit : q; };
+    int64_t q1 = next(warp);
     uint4 ra = ld16(wa + (int64_t)warp * 64), rb = ld16(wb + (int64_t)warp * 64);
+    uint4 ra1 = ld16(wa + q1 * 64), rb1 = ld16(wb + q1 * 64);
     for (int64_t q = warp; q < groups; q += kSplit) {
-      // the next group's weights go out before this one's math (the last is loaded again, unused)
-      const int64_t qn = q + kSplit < groups ? q + kSplit : q;
-      const uint4 na = ld16(wa + qn * 64), nb = ld16(wb + qn * 64);
+      const int64_t q2 = next(q1);
+      const uint4 na = ld16(wa + q2 * 64), nb = ld16(wb + q2 * 64);
+      q1 = q2;
       uint32_t a[4][4];  // instruction j: {row g, row g + 8} x {slot t = col 8t + 2j, slot t + 4 = col 8t + 2j + 1}
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         half2_tf32<kBF16>(u4_word(ra, j), a[j][0], a[j][2]);
         half2_tf32<kBF16>(u4_word(rb, j), a[j][1], a[j][3]);
       }
-      ra = na, rb = nb;
+      ra = ra1, rb = rb1, ra1 = na, rb1 = nb;
 #pragma unroll
       for (int tt = 0; tt < kTiles; ++tt) {
         if (tt >= tiles) break;
@@ -122,8 +126,9 @@ __global__ void __launch_bounds__(kSplit * 32)
     for (int e = 0; e < 4; ++e) {
       const int64_t r = m0 + g + (e < 2 ? 0 : 8);
       const int tok = tok0 + 8 * tt + 2 * t + (e & 1);
-      const float v = __fadd_rn(__fadd_rn(__fadd_rn(part[0][tt][e][lane], part[1][tt][e][lane]), part[2][tt][e][lane]),
-                                part[3][tt][e][lane]);
+      float v = part[0][tt][e][lane];
+#pragma unroll
+      for (int w = 1; w < kSplit; ++w) v = __fadd_rn(v, part[w][tt][e][lane]);
       if (r < rows && tok < n) y[(int64_t)tok * rows + r] = v;
     }
 }
