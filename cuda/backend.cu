@@ -186,17 +186,20 @@ class CudaBackend final : public Backend {
   std::string name() const override { return std::string("cuda (") + prop_.name + ")"; }
 
   void* alloc(size_t bytes) override {
+    act_q_of_ = {};
     const size_t n = (bytes + 16 + 255) / 256 * 256;
     void* p = device_alloc(n);
     CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream_));
     return p;
   }
   void release(void* p) override {
+    act_q_of_ = {};
     cudaStreamSynchronize(stream_);
     prof_.resolve();
     device_free(p);
   }
   void upload(void* dst, const void* host, size_t bytes) override {
+    act_q_of_ = {};
     CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused as soon as we return
     prof_.resolve();
@@ -326,10 +329,19 @@ class CudaBackend final : public Backend {
       op.label = label;
     }
     if (exact) {
-      const size_t need = matmul_exact_scratch_bytes(W.cols, n);
-      if (act_q_.bytes < need) act_q_ = BackendBuf(*this, need);  // once, at the first widest batch
-      return matmul_exact(W.type, w, W.rows, W.cols, x, n, y, act_q_.p, stream_);
+      const ExactAct kind = matmul_exact_act(W.type);
+      if (kind != ExactAct::none && !act_q_of_.holds(x, n, W.cols, kind)) {
+        const size_t need = matmul_exact_scratch_bytes(W.cols, n);
+        if (act_q_.bytes < need) act_q_ = BackendBuf(*this, need);  // once, at the first widest batch
+        matmul_exact_quantize(kind, x, W.cols, n, act_q_.p, stream_);
+        act_q_of_ = {x, n, W.cols, kind};
+      }
+      matmul_exact_quantized(W.type, w, W.rows, W.cols, x, n, y, act_q_.p, stream_);
+      if (y < x + (int64_t)n * W.cols && x < y + (int64_t)n * W.rows) act_q_of_ = {};  // it overwrote x
+      return;
     }
+    if (y < act_q_of_.x + (int64_t)act_q_of_.n * act_q_of_.cols && act_q_of_.x < y + (int64_t)n * W.rows)
+      act_q_of_ = {};
     if (commit_ || n <= kMatvecMaxTokens) return cuda::matmul(W.type, w, W.rows, W.cols, x, n, y, stream_);
     for (int g = 0; g < n; g += kMatvecMaxTokens)
       cuda::matmul(W.type, w, W.rows, W.cols, x + (int64_t)g * W.cols, std::min(kMatvecMaxTokens, n - g),
@@ -441,7 +453,9 @@ class CudaBackend final : public Backend {
     double bytes;
     bool on;
     OpScope(CudaBackend& b, const char* op, double read_bytes = 0.0)
-        : be(b), label(op), bytes(read_bytes), on(b.prof_.begin(b.stream_)) {}
+        : be(b), label(op), bytes(read_bytes), on(b.prof_.begin(b.stream_)) {
+      if (std::strcmp(op, "matmul")) b.act_q_of_ = {};  // any other op may write the quantised input
+    }
     ~OpScope() {
       if (on) be.prof_.end(be.stream_, std::move(label), bytes);
     }
@@ -474,6 +488,18 @@ class CudaBackend final : public Backend {
   int max_visible_ = 0;
   BackendBuf part_;  // attention partials
   BackendBuf act_q_;  // the exact matmul's quantised activations
+  // Which input act_q_ holds quantised, so that consecutive matmuls of one input (a layer's q / k / v, its
+  // four delta-net projections, its gate / up) quantise it once.  Every op but a matmul forgets it, as does
+  // every host write into device memory and a matmul whose output overlaps the input: it may have changed.
+  struct ActQuantised {
+    const float* x = nullptr;
+    int n = 0;
+    int64_t cols = 0;
+    ExactAct kind = ExactAct::none;
+    bool holds(const float* x_, int n_, int64_t cols_, ExactAct kind_) const {
+      return x && x == x_ && n == n_ && cols == cols_ && kind == kind_;
+    }
+  } act_q_of_;
   bool exact_matmul_ = true;
   OpProfiler prof_;
   static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;

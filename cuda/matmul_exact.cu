@@ -558,35 +558,67 @@ bool matmul_exact_supported(DType t) {
 
 size_t matmul_exact_scratch_bytes(int64_t cols, int n) { return exact_act_bytes(cols, n); }
 
-void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
-                  void* scratch, cudaStream_t stream) {
-  if (!matmul_exact_supported(t))
-    fail("matmul_exact: %s is not a K-quant, Q8_0, Q4_0, F16 or BF16 weight", type_traits((uint32_t)t)->name);
-  if (t == DType::F16 || t == DType::BF16) return matmul_half(t, w, rows, cols, x, n, y, stream);
-  const bool kquant = t != DType::Q8_0 && t != DType::Q4_0;
-  const int64_t block = kquant ? kQK : 32;
-  if (rows <= 0 || n <= 0 || cols <= 0 || cols % block)
-    fail("matmul_exact: rows %lld, cols %lld (a multiple of %lld), n %d must be positive", (long long)rows,
-         (long long)cols, (long long)block, n);
-  const auto* wb = static_cast<const uint8_t*>(w);
+ExactAct matmul_exact_act(DType t) {
+  if (t == DType::F16 || t == DType::BF16) return ExactAct::none;
+  if (t == DType::Q8_0 || t == DType::Q4_0) return ExactAct::blocks32;
+  if (t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K) return ExactAct::blocks256;
+  fail("matmul_exact: %s is not a K-quant, Q8_0, Q4_0, F16 or BF16 weight", type_traits((uint32_t)t)->name);
+}
+
+namespace {
+void check_exact_args(ExactAct a, int64_t cols, int n) {
+  const int64_t block = a == ExactAct::blocks256 ? kQK : 32;
+  if (n <= 0 || cols <= 0 || cols % block)
+    fail("matmul_exact: cols %lld (a multiple of %lld) and n %d must be positive", (long long)cols, (long long)block,
+         n);
+}
+}  // namespace
+
+void matmul_exact_quantize(ExactAct a, const float* x, int64_t cols, int n, void* scratch, cudaStream_t stream) {
+  if (a == ExactAct::none) return;
+  check_exact_args(a, cols, n);
+  const bool kquant = a == ExactAct::blocks256;
   char* base = static_cast<char*>(scratch);
   const ExactActLayout lay(cols, n, kquant);
   int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
   float* xd = reinterpret_cast<float*>(base + lay.d);
-  const int64_t items = (int64_t)n * (cols / block);  // a warp each
-  if (!kquant) {
-    float* xs = reinterpret_cast<float*>(base + lay.sums);
-    launch(quantize_act32_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xs);
+  const int64_t items = (int64_t)n * (cols / (kquant ? kQK : 32));  // a warp each
+  if (kquant)
+    launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd,
+           reinterpret_cast<int16_t*>(base + lay.sums));
+  else
+    launch(quantize_act32_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd,
+           reinterpret_cast<float*>(base + lay.sums));
+}
+
+void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
+                            const void* scratch, cudaStream_t stream) {
+  const ExactAct a = matmul_exact_act(t);
+  if (a == ExactAct::none) return matmul_half(t, w, rows, cols, x, n, y, stream);
+  check_exact_args(a, cols, n);
+  if (rows <= 0) fail("matmul_exact: rows %lld must be positive", (long long)rows);
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const char* base = static_cast<const char*>(scratch);
+  const ExactActLayout lay(cols, n, a == ExactAct::blocks256);
+  const int8_t* xq = reinterpret_cast<const int8_t*>(base + lay.q);
+  const float* xd = reinterpret_cast<const float*>(base + lay.d);
+  if (a == ExactAct::blocks32) {
+    const float* xs = reinterpret_cast<const float*>(base + lay.sums);
     if (t == DType::Q8_0) return launch_block32_n<DType::Q8_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
     return launch_block32_n<DType::Q4_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
   }
-  int16_t* xbsum = reinterpret_cast<int16_t*>(base + lay.sums);
-  launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd, xbsum);
+  const int16_t* xbsum = reinterpret_cast<const int16_t*>(base + lay.sums);
   switch (t) {
     case DType::Q4_K: return launch_exact<DType::Q4_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
     case DType::Q5_K: return launch_exact<DType::Q5_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
     default: return launch_exact<DType::Q6_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
   }
+}
+
+void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
+                  void* scratch, cudaStream_t stream) {
+  matmul_exact_quantize(matmul_exact_act(t), x, cols, n, scratch, stream);
+  matmul_exact_quantized(t, w, rows, cols, x, n, y, scratch, stream);
 }
 
 }  // namespace cuda

@@ -30,6 +30,15 @@ size_t matmul_exact_scratch_bytes(int64_t cols, int n);
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                   void* scratch, cudaStream_t stream);
 
+// matmul_exact in two halves, so that matmuls of one input (a layer's q / k / v,
+// its gate / up) quantise it once: which activations format t's kernel reads
+// (none for F16 / BF16), the quantisation into scratch, and the matmul on it.
+enum class ExactAct { none, blocks256, blocks32 };
+ExactAct matmul_exact_act(DType t);  // fails for the other formats
+void matmul_exact_quantize(ExactAct a, const float* x, int64_t cols, int n, void* scratch, cudaStream_t stream);
+void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
+                            const void* scratch, cudaStream_t stream);
+
 // F16 / BF16 weights on the tf32 tensor cores, batch-invariant (matmul_half.cu).
 void matmul_half(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                  cudaStream_t stream);

@@ -282,6 +282,30 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       if (exact) check(label("matmul", std::string(tname(W.type)) + " prefill == AR steps", n), prefill, alone, 0.0);
       cud->begin_chunk(P);
     }
+    // consecutive matmuls of one input quantise it once (CudaBackend::act_q_of_); an op that changes the
+    // input (here an add) makes the next matmul quantise it again
+    for (int i = 0; i < 8; ++i) {
+      const Weight& W = M.layers[i].ffn_gate;
+      if (!cuda_exact_matmul(W.type)) continue;
+      auto x = randn((size_t)n * H), z = randn((size_t)n * H);
+      const size_t ny = (size_t)n * W.rows;
+      Buf xa(*cpu, x.size() * 4), za(*cpu, z.size() * 4), ya(*cpu, ny * 4), yc(*cpu, ny * 4);
+      Buf xb(*cud, x.size() * 4), zb(*cud, z.size() * 4), y1(*cud, ny * 4), y2(*cud, ny * 4), y3(*cud, ny * 4);
+      xa.put(x), za.put(z), xb.put(x), zb.put(z), y1.poison(), y2.poison(), y3.poison();
+      cpu->matmul(W, xa.f(), n, ya.f());
+      cpu->add(xa.f(), za.f(), x.size());
+      cpu->matmul(W, xa.f(), n, yc.f());
+      cud->matmul(W, xb.f(), n, y1.f());
+      cud->matmul(W, xb.f(), n, y2.f());  // the quantised x of the first
+      cud->add(xb.f(), zb.f(), x.size());
+      cud->matmul(W, xb.f(), n, y3.f());  // x + z, quantised anew
+      const double tol = cuda_cpu_bits(W.type) ? 0.0 : dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
+      const std::string f = tname(W.type);
+      const auto first = y1.get(ny);
+      check(label("matmul", f + " input reused", n), y2.get(ny), first, 0.0);
+      check(label("matmul", f + " input reused vs CPU", n), first, ya.get(ny), tol);
+      check(label("matmul", f + " input changed vs CPU", n), y3.get(ny), yc.get(ny), tol);
+    }
     // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse)
     for (int k : {1, 22}) {
       const int cols = 3001;
