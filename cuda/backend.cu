@@ -178,6 +178,11 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     part_.reset();
     act_q_.reset();
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (PlanStage& st : plan_stage_) {
+      if (st.host) cudaFreeHost(st.host);
+      if (st.done) cudaEventDestroy(st.done);
+    }
     device_free(plan_buf_);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -195,6 +200,7 @@ class CudaBackend final : public Backend {
   void release(void* p) override {
     act_q_of_ = {};
     cudaStreamSynchronize(stream_);
+    OpProfiler::count_sync("release");
     prof_.resolve();
     device_free(p);
   }
@@ -202,11 +208,13 @@ class CudaBackend final : public Backend {
     act_q_of_ = {};
     CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused as soon as we return
+    OpProfiler::count_sync("upload");
     prof_.resolve();
   }
   void download(void* host, const void* src, size_t bytes) override {
     CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    OpProfiler::count_sync("download");
     prof_.resolve();
   }
   void download_rows(void* host, size_t host_pitch, const void* src, size_t src_pitch, size_t row_bytes,
@@ -214,6 +222,7 @@ class CudaBackend final : public Backend {
     if (!rows) return;
     CUDA_CHECK(cudaMemcpy2DAsync(host, host_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    OpProfiler::count_sync("download");
     prof_.resolve();
   }
   void copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
@@ -232,6 +241,7 @@ class CudaBackend final : public Backend {
   }
   void sync() override {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    OpProfiler::count_sync("sync");
     prof_.resolve();
   }
 
@@ -268,12 +278,30 @@ class CudaBackend final : public Backend {
     std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
     if (words > plan_cap_) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
+      OpProfiler::count_sync("plan growth");
       device_free(plan_buf_);
       plan_buf_ = nullptr;
       plan_cap_ = std::max(words, (size_t)4096);
       plan_buf_ = static_cast<int32_t*>(device_alloc(plan_cap_ * 4));
     }
-    upload(plan_buf_, host_plan_.data(), words * 4);
+    // The upload does not wait for the stream: the plan is staged in pinned memory, two buffers in turn,
+    // each rewritten only once the upload that last read it has run (long done: a chunk back), so the host
+    // queues this chunk's kernels while the GPU finishes the last ones.  The device plan itself is
+    // rewritten in stream order, after the kernels that read it.
+    act_q_of_ = {};
+    PlanStage& st = plan_stage_[plan_stage_i_ ^= 1];
+    if (st.used) CUDA_CHECK(cudaEventSynchronize(st.done));
+    if (st.cap < words) {
+      if (st.host) CUDA_CHECK(cudaFreeHost(st.host));
+      st.host = nullptr;
+      st.cap = std::max(words, (size_t)4096);
+      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&st.host), st.cap * 4));
+    }
+    if (!st.done) CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+    std::copy(host_plan_.begin(), host_plan_.begin() + words, st.host);
+    CUDA_CHECK(cudaMemcpyAsync(plan_buf_, st.host, words * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaEventRecord(st.done, stream_));
+    st.used = true;
     int32_t* d = plan_buf_;
     tokens_ = d; d += p.n;
     pos_ = d; d += p.n;
@@ -504,6 +532,13 @@ class CudaBackend final : public Backend {
   OpProfiler prof_;
   static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;
   std::vector<int32_t> host_plan_;
+  struct PlanStage {  // pinned staging of a chunk plan's upload (begin_chunk)
+    int32_t* host = nullptr;
+    size_t cap = 0;
+    cudaEvent_t done = nullptr;  // recorded after its last upload
+    bool used = false;
+  } plan_stage_[2];
+  int plan_stage_i_ = 0;
   int32_t* plan_buf_ = nullptr;
   size_t plan_cap_ = 0;
   const int32_t *tokens_ = nullptr, *pos_ = nullptr, *n_prefix_ = nullptr, *extra_begin_ = nullptr,

@@ -8,7 +8,8 @@
 // GPU time; launch gaps and host time are not in it.  Rows are keyed by op
 // name (matmuls also by weight format, shape and token count), with the bytes
 // the op must read at least (a matmul's weights), so a row's GB/s can be set
-// against the copy bandwidth.
+// against the copy bandwidth.  Host waits for the stream are counted too, as
+// rows "host sync: <why>" with no time.
 #pragma once
 #include <atomic>
 #include <map>
@@ -61,6 +62,14 @@ class OpProfiler {
       pending_.push_back({std::move(op), bytes, open_, b});
     } catch (...) {
     }
+  }
+  // A host wait for the stream (download, upload, free, sync): a row "host sync: <why>" counts them, 0 ms
+  // (the step's syncs are the ones the issue allows: reading back what the host needs).
+  static void count_sync(const char* why) {
+    OpProfileTable& t = op_profile();
+    if (!t.on.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.rows[std::string("host sync: ") + why].calls += 1;
   }
   // After the stream has synchronised: every pair's time into the table.
   void resolve() {

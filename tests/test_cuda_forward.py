@@ -273,7 +273,7 @@ def test_cuda_draft_model_speculation(synth_gguf):
 def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     """dfl_cuda_profile: each backend op timed by events on the stream; a long decode minus a short one (the
     same prompt, so the prefill cancels) gives each op's calls and time per step, and a matmul's bytes are its
-    weights'.  Off, nothing more is recorded."""
+    weights'; host waits for the stream are counted.  Off, nothing more is recorded."""
     import importlib.util
     import json
     import re
@@ -301,6 +301,9 @@ def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     assert all(re.search(r" n=1( \(float kernels\))?$", k) for k in matmuls), list(matmuls)  # the prefill cancels
     assert sum(o["calls_per_step"] for o in matmuls.values()) >= 4 * n_layer + 1
     assert prof["ms_per_step"] == pytest.approx(sum(o["ms_per_step"] for o in prof["ops"]))
+    # the host waits for the GPU once a step, to read the token back (the plan goes up without a wait)
+    syncs = {k: o["calls_per_step"] for k, o in ops.items() if k.startswith("host sync")}
+    assert syncs == {"host sync: download": 1.0}, syncs
     # off: a decode adds nothing to the table
     before = gb.cuda_op_profile(lib, ffi, lambda: None)
     assert before == {}
