@@ -57,8 +57,9 @@ __device__ __forceinline__ void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t 
 // an output element depends only on its row of A, its column of B and its C
 // (no other element of the tile), so a fixed sequence of instructions per
 // element gives the same bits whatever else the tile holds.  The emulator
-// (emu::mma_m16n8k8_tf32) sums c + a0 b0 + ... + a7 b7 in k order in f32, so
-// its results are within the stated tolerances of the GPU's, not equal.
+// (emu::mma_m16n8k8_tf32) sums c + a0 b0 + ... + a7 b7 wide and truncates to
+// f32, as measurements of the hardware describe it: its results are within
+// the stated tolerances of the GPU's, not equal.
 __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                                  const float (&c)[4]) {
 #ifdef DFL_EMU

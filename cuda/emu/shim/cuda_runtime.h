@@ -339,9 +339,11 @@ inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint3
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (fragment maps in cuda/mma.cuh): the same exchange;
-// each D element is c + a[k] b[k] summed in k order in f32 (the products of tf32 values are exact), the
-// operands read as tf32 (low 13 bits ignored, as the instruction does).  The GPU's internal order and
-// rounding are not defined by the ISA, so this is a model within f32 rounding of it, not its bits.
+// each D element is c + the 8 products (exact: tf32 x tf32 fits f32) summed in 80-bit extended precision
+// and truncated toward zero to f32, the operands read as tf32 (low 13 bits ignored, as the instruction
+// does).  The ISA leaves the sum's order and rounding open; published measurements of the tensor cores
+// show products summed wide and truncated, which this models (the pessimistic side of round-to-nearest:
+// truncation errors all lean one way), not the GPU's bits.
 inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
   Cta& cx = *cta;
   const int me = cx.cur, lane = me & 31, w = me >> 5;
@@ -358,15 +360,17 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32
   };
   for (int i = 0; i < 4; ++i) {
     const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    float acc = c[i];
+    long double acc = c[i];
     for (int k = 0; k < 8; ++k) {
       // A[row][k]: lane 4 * row%8 + k%4, register (row >= 8) + 2 * (k >= 4); B[k][col]: lane 4 * col + k%4,
       // register 4 + (k >= 4)
       const float av = tf32(buf[4 * (row & 7) + (k & 3)][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
       const float bv = tf32(buf[4 * col + (k & 3)][4 + (k >= 4 ? 1 : 0)]);
-      acc = std::fma(av, bv, acc);
+      acc += (long double)av * bv;
     }
-    d[i] = acc;
+    float f = (float)acc;  // to nearest; the hardware truncates
+    if (std::fabs((long double)f) > std::fabs(acc)) f = std::nextafter(f, 0.f);
+    d[i] = f;
   }
 }
 }  // namespace emu
