@@ -14,17 +14,14 @@ namespace {
 
 __device__ __forceinline__ uint32_t load_u32(const int8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// One warp per 16 x 8 tile of D; A row-major (M x K), B given as its transpose
-// (N x K, row-major: a column of B is contiguous), C and D row-major int32.
-__global__ void mma_tiles_kernel(const int8_t* A, const int8_t* Bt, const int32_t* C, int32_t* D, int M, int N,
-                                 int K) {
-  const int lane = threadIdx.x & 31, warp = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
-  const int tiles_n = N / 8;
-  if (warp >= (M / 16) * tiles_n) return;  // whole warps only: every lane of a live warp takes part
-  const int m0 = warp / tiles_n * 16, n0 = warp % tiles_n * 8, g = lane >> 2, t = lane & 3;
-  int32_t acc[4] = {C[(m0 + g) * N + n0 + 2 * t], C[(m0 + g) * N + n0 + 2 * t + 1],
-                    C[(m0 + g + 8) * N + n0 + 2 * t], C[(m0 + g + 8) * N + n0 + 2 * t + 1]};
-  for (int k0 = 0; k0 < K; k0 += 32) {
+// The instructions under test, one k step of a tile each: A row-major (M x K), B given as its transpose
+// (N x K, row-major: a column of B is contiguous), the fragments gathered by the maps in mma.cuh.
+struct S8 {
+  using TA = int8_t;
+  using TC = int32_t;
+  static constexpr int kK = 32;
+  __device__ static void step(const int8_t* A, const int8_t* Bt, int K, int m0, int n0, int g, int t, int k0,
+                              int32_t (&acc)[4]) {
     const uint32_t a[4] = {load_u32(A + (m0 + g) * K + k0 + 4 * t), load_u32(A + (m0 + g + 8) * K + k0 + 4 * t),
                            load_u32(A + (m0 + g) * K + k0 + 16 + 4 * t),
                            load_u32(A + (m0 + g + 8) * K + k0 + 16 + 4 * t)};
@@ -33,23 +30,15 @@ __global__ void mma_tiles_kernel(const int8_t* A, const int8_t* Bt, const int32_
     mma_m16n8k32_s8(d, a, b, acc);
     for (int i = 0; i < 4; ++i) acc[i] = d[i];
   }
-  D[(m0 + g) * N + n0 + 2 * t] = acc[0];
-  D[(m0 + g) * N + n0 + 2 * t + 1] = acc[1];
-  D[(m0 + g + 8) * N + n0 + 2 * t] = acc[2];
-  D[(m0 + g + 8) * N + n0 + 2 * t + 1] = acc[3];
-}
-
-// The tf32 instruction the same way: A row-major (M x K) and Bt (N x K) as f32, C and D f32.  Operands go
-// through tf32_rna_bits, which leaves these (small integers) unchanged.
-__global__ void mma_tf32_tiles_kernel(const float* A, const float* Bt, const float* C, float* D, int M, int N, int K) {
-  const int lane = threadIdx.x & 31, warp = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
-  const int tiles_n = N / 8;
-  if (warp >= (M / 16) * tiles_n) return;
-  const int m0 = warp / tiles_n * 16, n0 = warp % tiles_n * 8, g = lane >> 2, t = lane & 3;
-  float acc[4] = {C[(m0 + g) * N + n0 + 2 * t], C[(m0 + g) * N + n0 + 2 * t + 1], C[(m0 + g + 8) * N + n0 + 2 * t],
-                  C[(m0 + g + 8) * N + n0 + 2 * t + 1]};
-  auto tf = [](float v) { return tf32_rna_bits(__float_as_uint(v)); };
-  for (int k0 = 0; k0 < K; k0 += 8) {
+};
+// f32 operands through tf32_rna_bits, which leaves the test's small integers unchanged
+struct Tf32 {
+  using TA = float;
+  using TC = float;
+  static constexpr int kK = 8;
+  __device__ static void step(const float* A, const float* Bt, int K, int m0, int n0, int g, int t, int k0,
+                              float (&acc)[4]) {
+    auto tf = [](float v) { return tf32_rna_bits(__float_as_uint(v)); };
     const uint32_t a[4] = {tf(A[(m0 + g) * K + k0 + t]), tf(A[(m0 + g + 8) * K + k0 + t]),
                            tf(A[(m0 + g) * K + k0 + t + 4]), tf(A[(m0 + g + 8) * K + k0 + t + 4])};
     const uint32_t b[2] = {tf(Bt[(n0 + g) * K + k0 + t]), tf(Bt[(n0 + g) * K + k0 + t + 4])};
@@ -57,10 +46,39 @@ __global__ void mma_tf32_tiles_kernel(const float* A, const float* Bt, const flo
     mma_m16n8k8_tf32(d, a, b, acc);
     for (int i = 0; i < 4; ++i) acc[i] = d[i];
   }
-  D[(m0 + g) * N + n0 + 2 * t] = acc[0];
-  D[(m0 + g) * N + n0 + 2 * t + 1] = acc[1];
-  D[(m0 + g + 8) * N + n0 + 2 * t] = acc[2];
-  D[(m0 + g + 8) * N + n0 + 2 * t + 1] = acc[3];
+};
+
+// One warp per 16 x 8 tile of D = A B + C (C and D row-major M x N); lane (g, t)'s register i is element
+// (g + 8 (i >= 2), 2 t + i % 2) of the tile.
+template <class I>
+__global__ void mma_tiles_kernel(const typename I::TA* A, const typename I::TA* Bt, const typename I::TC* C,
+                                 typename I::TC* D, int M, int N, int K) {
+  const int lane = threadIdx.x & 31, warp = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+  const int tiles_n = N / 8;
+  if (warp >= (M / 16) * tiles_n) return;  // whole warps only: every lane of a live warp takes part
+  const int m0 = warp / tiles_n * 16, n0 = warp % tiles_n * 8, g = lane >> 2, t = lane & 3;
+  auto at = [&](int i) { return (m0 + g + (i >= 2 ? 8 : 0)) * N + n0 + 2 * t + (i & 1); };
+  typename I::TC acc[4];
+  for (int i = 0; i < 4; ++i) acc[i] = C[at(i)];
+  for (int k0 = 0; k0 < K; k0 += I::kK) I::step(A, Bt, K, m0, n0, g, t, k0, acc);
+  for (int i = 0; i < 4; ++i) D[at(i)] = acc[i];
+}
+
+// Uploads A, Bt and C, runs `kernel` with one warp per 16 x 8 tile of D, and returns D.
+template <class TA, class TC>
+std::vector<TC> run_tiles(void (*kernel)(const TA*, const TA*, const TC*, TC*, int, int, int), const std::vector<TA>& A,
+                          const std::vector<TA>& Bt, const std::vector<TC>& C, int M, int N, int K) {
+  DevBuf dA(A.size() * sizeof(TA)), dB(Bt.size() * sizeof(TA)), dC(C.size() * sizeof(TC)), dD(C.size() * sizeof(TC));
+  CUDA_CHECK(cudaMemcpy(dA.p, A.data(), A.size() * sizeof(TA), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dB.p, Bt.data(), Bt.size() * sizeof(TA), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dC.p, C.data(), C.size() * sizeof(TC), cudaMemcpyHostToDevice));
+  const int warps = (M / 16) * (N / 8), per_cta = 4;
+  launch(kernel, dim3((unsigned)((warps + per_cta - 1) / per_cta)), dim3(32 * per_cta), 0, nullptr, dA.as<const TA>(),
+         dB.as<const TA>(), dC.as<const TC>(), dD.as<TC>(), M, N, K);
+  CUDA_CHECK(cudaGetLastError());
+  std::vector<TC> D(C.size());
+  CUDA_CHECK(cudaMemcpy(D.data(), dD.p, D.size() * sizeof(TC), cudaMemcpyDeviceToHost));
+  return D;
 }
 
 }  // namespace
@@ -74,19 +92,11 @@ int mma_tf32_selftest(int M, int N, int K, uint32_t seed) {
   // order, so a wrong fragment map shows as a wrong integer
   std::uniform_int_distribution<int> v(-64, 64), c(-100000, 100000);
   if (K > 1024) fail("mma_tf32_selftest: K %d > 1024 would leave f32's exact integers", K);
-  std::vector<float> A((size_t)M * K), Bt((size_t)N * K), C((size_t)M * N), D((size_t)M * N);
+  std::vector<float> A((size_t)M * K), Bt((size_t)N * K), C((size_t)M * N);
   for (auto& x : A) x = (float)v(rng);
   for (auto& x : Bt) x = (float)v(rng);
   for (auto& x : C) x = (float)c(rng);
-  DevBuf dA(A.size() * 4), dB(Bt.size() * 4), dC(C.size() * 4), dD(D.size() * 4);
-  CUDA_CHECK(cudaMemcpy(dA.p, A.data(), A.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(dB.p, Bt.data(), Bt.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(dC.p, C.data(), C.size() * 4, cudaMemcpyHostToDevice));
-  const int warps = (M / 16) * (N / 8), per_cta = 4;
-  launch(mma_tf32_tiles_kernel, dim3((unsigned)((warps + per_cta - 1) / per_cta)), dim3(32 * per_cta), 0, nullptr,
-         dA.as<const float>(), dB.as<const float>(), dC.as<const float>(), dD.as<float>(), M, N, K);
-  CUDA_CHECK(cudaGetLastError());
-  CUDA_CHECK(cudaMemcpy(D.data(), dD.p, D.size() * 4, cudaMemcpyDeviceToHost));
+  const std::vector<float> D = run_tiles(mma_tiles_kernel<Tf32>, A, Bt, C, M, N, K);
   int bad = 0;
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
@@ -104,22 +114,14 @@ int mma_selftest(int M, int N, int K, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> i8(-128, 127), c32(-1000000, 1000000);
   std::vector<int8_t> A((size_t)M * K), Bt((size_t)N * K);
-  std::vector<int32_t> C((size_t)M * N), D((size_t)M * N);
+  std::vector<int32_t> C((size_t)M * N);
   for (auto& v : A) v = (int8_t)i8(rng);
   for (auto& v : Bt) v = (int8_t)i8(rng);
   for (auto& v : C) v = c32(rng);
   // the extremes too: -128 * -128 sums are where a wrong sign extension shows
   A[0] = Bt[0] = -128;
   A[1] = 127, Bt[1] = -128;
-  DevBuf dA(A.size()), dB(Bt.size()), dC(C.size() * 4), dD(D.size() * 4);
-  CUDA_CHECK(cudaMemcpy(dA.p, A.data(), A.size(), cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(dB.p, Bt.data(), Bt.size(), cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(dC.p, C.data(), C.size() * 4, cudaMemcpyHostToDevice));
-  const int warps = (M / 16) * (N / 8), per_cta = 4;
-  launch(mma_tiles_kernel, dim3((unsigned)((warps + per_cta - 1) / per_cta)), dim3(32 * per_cta), 0, nullptr,
-         dA.as<const int8_t>(), dB.as<const int8_t>(), dC.as<const int32_t>(), dD.as<int32_t>(), M, N, K);
-  CUDA_CHECK(cudaGetLastError());
-  CUDA_CHECK(cudaMemcpy(D.data(), dD.p, D.size() * 4, cudaMemcpyDeviceToHost));
+  const std::vector<int32_t> D = run_tiles(mma_tiles_kernel<S8>, A, Bt, C, M, N, K);
   int bad = 0;
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {

@@ -315,14 +315,21 @@ namespace emu {
 // and B registers (the buffer alternates as the shuffles' slots do, with the same counter), then computes
 // its own four D elements from the warp's assembled A and B, in exact integer arithmetic (int32 wrapping,
 // as the instruction without .satfinite).
-inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const int32_t (&c)[4]) {
+// Every lane of the warp posts its A and B registers; returns the warp's posted registers, buf[lane][0..3] =
+// A, [4..5] = B, once all have arrived.
+inline uint32_t (&mma_exchange(const uint32_t (&a)[4], const uint32_t (&b)[2]))[32][6] {
   Cta& cx = *cta;
   const int me = cx.cur, lane = me & 31, w = me >> 5;
   uint32_t (&buf)[32][6] = cx.mma[cx.fibers[me].shuffles++ & 1][w % 32];
   for (int i = 0; i < 4; ++i) buf[lane][i] = a[i];
   for (int i = 0; i < 2; ++i) buf[lane][4 + i] = b[i];
   barrier_wait(cx.warp_bar[w], &cx.warp_live[w]);
-  const int g = lane >> 2, t = lane & 3;
+  return buf;
+}
+
+inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const int32_t (&c)[4]) {
+  const uint32_t (&buf)[32][6] = mma_exchange(a, b);
+  const int lane = cta->cur & 31, g = lane >> 2, t = lane & 3;
   for (int i = 0; i < 4; ++i) {
     const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
     uint32_t acc = (uint32_t)c[i];
@@ -345,13 +352,8 @@ inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint3
 // show products summed wide and truncated, which this models (the pessimistic side of round-to-nearest:
 // truncation errors all lean one way), not the GPU's bits.
 inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
-  Cta& cx = *cta;
-  const int me = cx.cur, lane = me & 31, w = me >> 5;
-  uint32_t (&buf)[32][6] = cx.mma[cx.fibers[me].shuffles++ & 1][w % 32];
-  for (int i = 0; i < 4; ++i) buf[lane][i] = a[i];
-  for (int i = 0; i < 2; ++i) buf[lane][4 + i] = b[i];
-  barrier_wait(cx.warp_bar[w], &cx.warp_live[w]);
-  const int g = lane >> 2, t = lane & 3;
+  const uint32_t (&buf)[32][6] = mma_exchange(a, b);
+  const int lane = cta->cur & 31, g = lane >> 2, t = lane & 3;
   auto tf32 = [](uint32_t u) {
     float f;
     u &= 0xffffe000u;
