@@ -304,6 +304,14 @@ def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     # the host waits for the GPU once a step, to read the token back (the plan goes up without a wait)
     syncs = {k: o["calls_per_step"] for k, o in ops.items() if k.startswith("host sync")}
     assert syncs == {"host sync: download": 1.0}, syncs
+    # a DDTree step, once its buffers have their sizes: no allocation, and two waits, to read the draft's
+    # top-k (the tree is built on the host) and the verify's ids
+    cuda_dec.generate(ids, 10, ignore_eos=True, mode="ddtree", budget=8)
+    tree = gb.step_profile(lib, ffi, lambda n: cuda_dec.generate(ids, n, ignore_eos=True, mode="ddtree",
+                                                                 budget=8).stats, 4, 10)
+    assert tree["steps"] >= 1
+    syncs = {o["op"]: o["calls_per_step"] for o in tree["ops"] if o["op"].startswith("host sync")}
+    assert syncs == {"host sync: download": 2.0}, syncs
     # off: a decode adds nothing to the table
     before = gb.cuda_op_profile(lib, ffi, lambda: None)
     assert before == {}
