@@ -365,11 +365,10 @@ class CudaBackend final : public Backend {
         act_q_of_ = {x, n, W.cols, kind};
       }
       matmul_exact_quantized(W.type, w, W.rows, W.cols, x, n, y, act_q_.p, stream_);
-      if (y < x + (int64_t)n * W.cols && x < y + (int64_t)n * W.rows) act_q_of_ = {};  // it overwrote x
+      act_q_of_.forget_if_written(y, (int64_t)n * W.rows);
       return;
     }
-    if (y < act_q_of_.x + (int64_t)act_q_of_.n * act_q_of_.cols && act_q_of_.x < y + (int64_t)n * W.rows)
-      act_q_of_ = {};
+    act_q_of_.forget_if_written(y, (int64_t)n * W.rows);
     if (commit_ || n <= kMatvecMaxTokens) return cuda::matmul(W.type, w, W.rows, W.cols, x, n, y, stream_);
     for (int g = 0; g < n; g += kMatvecMaxTokens)
       cuda::matmul(W.type, w, W.rows, W.cols, x + (int64_t)g * W.cols, std::min(kMatvecMaxTokens, n - g),
@@ -526,6 +525,9 @@ class CudaBackend final : public Backend {
     ExactAct kind = ExactAct::none;
     bool holds(const float* x_, int n_, int64_t cols_, ExactAct kind_) const {
       return x && x == x_ && n == n_ && cols == cols_ && kind == kind_;
+    }
+    void forget_if_written(const float* y, int64_t count) {  // y[0, count) was just written
+      if (x && y < x + (int64_t)n * cols && x < y + count) *this = {};
     }
   } act_q_of_;
   bool exact_matmul_ = true;

@@ -290,21 +290,31 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       auto x = randn((size_t)n * H), z = randn((size_t)n * H);
       const size_t ny = (size_t)n * W.rows;
       Buf xa(*cpu, x.size() * 4), za(*cpu, z.size() * 4), ya(*cpu, ny * 4), yc(*cpu, ny * 4);
-      Buf xb(*cud, x.size() * 4), zb(*cud, z.size() * 4), y1(*cud, ny * 4), y2(*cud, ny * 4), y3(*cud, ny * 4);
-      xa.put(x), za.put(z), xb.put(x), zb.put(z), y1.poison(), y2.poison(), y3.poison();
+      Buf xb(*cud, x.size() * 4), zb(*cud, z.size() * 4), y1(*cud, ny * 4), y2(*cud, ny * 4), y3(*cud, ny * 4),
+          y4(*cud, ny * 4);  // every buffer first: an allocation or upload would forget the quantised input
+      xa.put(x), za.put(z), xb.put(x), zb.put(z), y1.poison(), y2.poison(), y3.poison(), y4.poison();
       cpu->matmul(W, xa.f(), n, ya.f());
+      const auto first_cpu = ya.get(ny);
       cpu->add(xa.f(), za.f(), x.size());
       cpu->matmul(W, xa.f(), n, yc.f());
       cud->matmul(W, xb.f(), n, y1.f());
       cud->matmul(W, xb.f(), n, y2.f());  // the quantised x of the first
       cud->add(xb.f(), zb.f(), x.size());
       cud->matmul(W, xb.f(), n, y3.f());  // x + z, quantised anew
+      // a matmul (BF16: no quantised input of its own) writing over part of x makes it stale too
+      const Weight& Wb = M.layers[2].ffn_gate;  // BF16, fewer rows than x has columns
+      cpu->matmul(Wb, za.f(), n, xa.f());
+      cpu->matmul(W, xa.f(), n, ya.f());
+      cud->matmul(Wb, zb.f(), n, xb.f());
+      cud->matmul(W, xb.f(), n, y4.f());
       const double tol = cuda_cpu_bits(W.type) ? 0.0 : dtype_is_quantized(W.type) ? 2e-2 : 1e-5;
       const std::string f = tname(W.type);
       const auto first = y1.get(ny);
       check(label("matmul", f + " input reused", n), y2.get(ny), first, 0.0);
-      check(label("matmul", f + " input reused vs CPU", n), first, ya.get(ny), tol);
+      check(label("matmul", f + " input reused vs CPU", n), first, first_cpu, tol);
       check(label("matmul", f + " input changed vs CPU", n), y3.get(ny), yc.get(ny), tol);
+      check(label("matmul", f + " input overwritten vs CPU", n), y4.get(ny), ya.get(ny),
+            W.type == DType::BF16 || W.type == DType::F16 ? tol : 2e-2);
     }
     // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse)
     for (int k : {1, 22}) {
