@@ -260,9 +260,21 @@ class CudaBackend final : public Backend {
     commit_ = p.commit;
     max_visible_ = p.max_visible;
     // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | extra_slots.
+    // It does not wait for the stream: the plan is written straight into pinned memory, two buffers in
+    // turn, each rewritten only once the upload that last read it has run (long done: a chunk back), so
+    // the host queues this chunk's kernels while the GPU finishes the last ones.  The device plan itself
+    // is rewritten in stream order, after the kernels that read it.
     const size_t words = 7 * (size_t)p.n + p.extra_slots.size();
-    host_plan_.resize(words);
-    int32_t* h = host_plan_.data();
+    PlanStage& st = plan_stage_[plan_stage_i_ ^= 1];
+    if (st.used) CUDA_CHECK(cudaEventSynchronize(st.done));
+    if (st.cap < words) {
+      if (st.host) CUDA_CHECK(cudaFreeHost(st.host));
+      st.host = nullptr;
+      st.cap = std::max(words, (size_t)4096);
+      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&st.host), st.cap * 4));
+    }
+    if (!st.done) CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+    int32_t* h = st.host;
     for (const std::vector<int32_t>* v : {&p.tokens, &p.pos, &p.n_prefix, &p.extra_begin, &p.extra_count, &p.parent}) {
       std::copy(v->begin(), v->end(), h);
       h += p.n;
@@ -284,21 +296,6 @@ class CudaBackend final : public Backend {
       plan_cap_ = std::max(words, (size_t)4096);
       plan_buf_ = static_cast<int32_t*>(device_alloc(plan_cap_ * 4));
     }
-    // The upload does not wait for the stream: the plan is staged in pinned memory, two buffers in turn,
-    // each rewritten only once the upload that last read it has run (long done: a chunk back), so the host
-    // queues this chunk's kernels while the GPU finishes the last ones.  The device plan itself is
-    // rewritten in stream order, after the kernels that read it.
-    act_q_of_ = {};
-    PlanStage& st = plan_stage_[plan_stage_i_ ^= 1];
-    if (st.used) CUDA_CHECK(cudaEventSynchronize(st.done));
-    if (st.cap < words) {
-      if (st.host) CUDA_CHECK(cudaFreeHost(st.host));
-      st.host = nullptr;
-      st.cap = std::max(words, (size_t)4096);
-      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&st.host), st.cap * 4));
-    }
-    if (!st.done) CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
-    std::copy(host_plan_.begin(), host_plan_.begin() + words, st.host);
     CUDA_CHECK(cudaMemcpyAsync(plan_buf_, st.host, words * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaEventRecord(st.done, stream_));
     st.used = true;
@@ -533,7 +530,6 @@ class CudaBackend final : public Backend {
   bool exact_matmul_ = true;
   OpProfiler prof_;
   static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;
-  std::vector<int32_t> host_plan_;
   struct PlanStage {  // pinned staging of a chunk plan's upload (begin_chunk)
     int32_t* host = nullptr;
     size_t cap = 0;
