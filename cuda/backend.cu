@@ -259,12 +259,13 @@ class CudaBackend final : public Backend {
     n_ = p.n;
     commit_ = p.commit;
     max_visible_ = p.max_visible;
-    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | extra_slots.
+    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | kv_slot0 |
+    // extra_slots.
     // It does not wait for the stream: the plan is written straight into pinned memory, two buffers in
     // turn, each rewritten only once the upload that last read it has run (long done: a chunk back), so
     // the host queues this chunk's kernels while the GPU finishes the last ones.  The device plan itself
     // is rewritten in stream order, after the kernels that read it.
-    const size_t words = 7 * (size_t)p.n + p.extra_slots.size();
+    const size_t words = 7 * (size_t)p.n + 1 + p.extra_slots.size();
     PlanStage& st = plan_stage_[plan_stage_i_ ^= 1];
     if (st.used) CUDA_CHECK(cudaEventSynchronize(st.done));
     if (st.cap < words) {
@@ -287,6 +288,7 @@ class CudaBackend final : public Backend {
       std::copy(keep.begin(), keep.end(), h);
     }
     h += p.n;
+    *h++ = p.kv_slot0;
     std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
     if (words > plan_cap_) {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -307,6 +309,7 @@ class CudaBackend final : public Backend {
     extra_count_ = d; d += p.n;
     parent_ = d; d += p.n;
     keep_ = d; d += p.n;
+    kv_slot0_ = d; d += 1;
     extra_slots_ = d;
   }
 
@@ -388,7 +391,7 @@ class CudaBackend final : public Backend {
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
     const OpScope op(*this, "attn_store");
     const AttnShape& s = check_shape(L.s);
-    fwd::StoreArgs a{qg, kk, vv, L.k_cache, L.v_cache, L.q_norm, L.k_norm, pos_, L.slot0, s.n_head, s.n_head_kv,
+    fwd::StoreArgs a{qg, kk, vv, L.k_cache, L.v_cache, L.q_norm, L.k_norm, pos_, kv_slot0_, s.n_head, s.n_head_kv,
                      s.head_dim, s.q_stride(), kv_row(s), head_bytes(s), s.eps, s.rope, s.kv_type};
     const unsigned threads = (unsigned)((s.head_dim + 31) / 32 * 32);
     launch(fwd::attn_store_kernel, dim3((unsigned)n_, (unsigned)(s.n_head + 2 * s.n_head_kv)), dim3(threads), 0,
@@ -396,11 +399,16 @@ class CudaBackend final : public Backend {
   }
 
   // Split-K over the visible slots (see forward_kernels.cuh); tokens go in
-  // groups small enough that their partials fit the scratch budget.
+  // groups small enough that their partials fit the scratch budget.  The split
+  // count is rounded up to a power of two, so that the launches of an AR step
+  // change only when the context doubles (a graph can be replayed between):
+  // the extra splits see no slot, and an empty split adds nothing to the
+  // combine — the result is bit-identical to the exact count.
   void attention(const float* qg, const AttnLayer& L, float* o) override {
     const OpScope op(*this, "attention");
     const AttnShape& s = check_shape(L.s);
-    const int n_split = std::max(1, (max_visible_ + fwd::kSplit - 1) / fwd::kSplit);
+    int n_split = 1;
+    while (n_split * fwd::kSplit < max_visible_) n_split *= 2;
     const size_t per_token = (size_t)s.n_head * n_split * (s.head_dim + 2) * 4;
     const int group = (int)std::max<size_t>(1, std::min<size_t>(n_, kAttnScratchBytes / per_token));
     if (part_.bytes < per_token * group) part_ = BackendBuf(*this, per_token * group);
@@ -540,7 +548,8 @@ class CudaBackend final : public Backend {
   int32_t* plan_buf_ = nullptr;
   size_t plan_cap_ = 0;
   const int32_t *tokens_ = nullptr, *pos_ = nullptr, *n_prefix_ = nullptr, *extra_begin_ = nullptr,
-                *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *extra_slots_ = nullptr;
+                *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *kv_slot0_ = nullptr,
+                *extra_slots_ = nullptr;
 };
 
 }  // namespace

@@ -186,7 +186,8 @@ struct StoreArgs {
   const float* q_norm;
   const float* k_norm;
   const int32_t* pos;
-  int slot0, n_head, n_head_kv, head_dim, q_stride;
+  const int32_t* slot0;  // the plan's kv_slot0 (on the device: the same launch bytes every AR step)
+  int n_head, n_head_kv, head_dim, q_stride;
   int64_t kv_row, head_bytes;
   float eps;
   RopeSpec rope;
@@ -242,7 +243,7 @@ __global__ void attn_store_kernel(StoreArgs a) {
   }
   if (kind == 0) return;
   uint8_t* cache = kind == 1 ? a.k_cache : a.v_cache;
-  store_kv(a.kvt, h, hd, cache + (int64_t)(a.slot0 + t) * a.kv_row + (int64_t)kvh * a.head_bytes);
+  store_kv(a.kvt, h, hd, cache + (int64_t)(*a.slot0 + t) * a.kv_row + (int64_t)kvh * a.head_bytes);
 }
 
 // ---------------------------------------------------------------- attention

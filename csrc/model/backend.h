@@ -34,6 +34,9 @@ struct ChunkPlan {
   bool commit = true;  // chain appended to the committed state (else: verify, states kept per node)
   std::vector<int32_t> tokens, pos, n_prefix, extra_begin, extra_count, extra_slots, parent;
   int max_visible = 0;  // max over t of n_prefix + extra_count
+  // Token t's K/V rows go to slot kv_slot0 + t.  A plan value, not a kernel argument, so that an AR
+  // step's launches are the same bytes every step (what lets the CUDA backend replay them as a graph).
+  int32_t kv_slot0 = 0;
 };
 
 // Shape of an attention layer: the target's gated attention (q rows per head
@@ -52,8 +55,7 @@ struct AttnShape {
 struct AttnLayer {
   AttnShape s;
   uint8_t* k_cache;  // rows of row_bytes(kv_type, n_head_kv * head_dim) bytes
-  uint8_t* v_cache;
-  int slot0;         // KV slot of the chunk's first token
+  uint8_t* v_cache;  // token t's rows go to slot ChunkPlan::kv_slot0 + t
   const float* q_norm;  // backend vectors (head_dim)
   const float* k_norm;
 };
@@ -149,7 +151,7 @@ class Backend {
   virtual void swiglu(float* g, const float* u, size_t count) = 0;
   // Per chunk token: each q head of qg and each k head of kk gets its RMSNorm
   // and NeoX RoPE at the token's position; K and V rows are written
-  // (converted to kv_type) to slot0 + t.  n_head may be 0 (K/V only).
+  // (converted to kv_type) to the plan's kv_slot0 + t.  n_head may be 0 (K/V only).
   virtual void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) = 0;
   // o[t] = softmax over the token's visible slots of q.k / sqrt(hd), times V
   // (times sigmoid(gate) when gated): n_head heads of head_dim, GQA over n_head_kv.

@@ -164,6 +164,7 @@ void Drafter::project_context(int32_t pos0, int n) {
   ChunkPlan& P = plan_a_;
   P = ChunkPlan{};
   P.n = n;
+  P.kv_slot0 = slot0;  // the ring slots of positions pos0..
   for (int i = 0; i < n; ++i) {
     P.tokens.push_back(0);
     P.pos.push_back(pos0 + i);
@@ -183,7 +184,7 @@ void Drafter::project_context(int32_t pos0, int n) {
     be.matmul(L.wv, ctx_.f(), n, vb_.f());
     // k_norm + RoPE at the positions, rows stored at their ring slots
     be.attn_store(nullptr, kb_.f(), vb_.f(),
-                  AttnLayer{kv_only, k_[l].u8(), v_[l].u8(), slot0, nullptr, be.vec(L.k_norm)});
+                  AttnLayer{kv_only, k_[l].u8(), v_[l].u8(), nullptr, be.vec(L.k_norm)});
   }
 }
 
@@ -196,6 +197,7 @@ void Drafter::plan_block(const int32_t* tokens, int B, bool causal, int64_t W, C
   };
   P = ChunkPlan{};
   P.n = B;
+  P.kv_slot0 = cap_;  // the block's K/V go to slots cap..cap+B-1, after the context ring
   for (int i = 0; i < B; ++i) {
     const int64_t qp = s + i;
     P.tokens.push_back(tokens[i]);
@@ -284,8 +286,7 @@ void Drafter::forward_block(const int32_t* block_tokens, int n_block) {
     be.matmul(L.wq, hn_.f(), B, q_.f());
     be.matmul(L.wk, hn_.f(), B, kb_.f());
     be.matmul(L.wv, hn_.f(), B, vb_.f());
-    // the block's K/V go to slots cap..cap+B-1, after the context ring
-    const AttnLayer A{attn_, k_[l].u8(), v_[l].u8(), cap_, be.vec(L.q_norm), be.vec(L.k_norm)};
+    const AttnLayer A{attn_, k_[l].u8(), v_[l].u8(), be.vec(L.q_norm), be.vec(L.k_norm)};  // plan: slots cap..
     be.attn_store(q_.f(), kb_.f(), vb_.f(), A);
     be.attention(q_.f(), A, att_.f());
     be.matmul(L.wo, att_.f(), B, out_.f());

@@ -365,6 +365,7 @@ static void plan_chunk(const Batch& b, int off, int n, bool commit, int n_past, 
   P.parent.resize(n);
   P.extra_slots.clear();
   P.max_visible = 0;
+  P.kv_slot0 = n_past + (commit ? 0 : off);  // committing chunks advance n_past as they go
   for (int t = 0; t < n; ++t) {
     P.extra_begin[t] = (int32_t)P.extra_slots.size();
     if (commit) {
@@ -405,7 +406,7 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.matmul(w.wq, I.hn.f(), n, qg);
       be.matmul(w.wk, I.hn.f(), n, kk);
       be.matmul(w.wv, I.hn.f(), n, vv);
-      const AttnLayer L{I.attn, I.k[l].u8(), I.v[l].u8(), n_past_ + (commit ? 0 : off), be.vec(w.q_norm),
+      const AttnLayer L{I.attn, I.k[l].u8(), I.v[l].u8(), be.vec(w.q_norm),
                         be.vec(w.k_norm)};
       be.attn_store(qg, kk, vv, L);
       float* o = I.a1.f();  // k/v are in the cache now: reuse for the attention output

@@ -107,7 +107,7 @@ class CpuBackend final : public Backend {
         rmsnorm_rows(k, L.k_norm, 1, hd, a.eps, k);
         rope_neox(k, a.rope, pos);
       }
-      const size_t slot = (size_t)L.slot0 + t;
+      const size_t slot = (size_t)p_->kv_slot0 + t;
       quantize_row(a.kv_type, kk + (size_t)t * kvd, L.k_cache + slot * kv_row, kvd);
       quantize_row(a.kv_type, vv + (size_t)t * kvd, L.v_cache + slot * kv_row, kvd);
     }

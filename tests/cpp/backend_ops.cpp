@@ -171,6 +171,7 @@ ChunkPlan make_plan(int n, bool commit, int n_past, int vocab) {
   ChunkPlan P;
   P.n = n;
   P.commit = commit;
+  P.kv_slot0 = n_past;
   std::vector<int32_t> parent(n);
   for (int i = 0; i < n; ++i)
     parent[i] = commit || i == 0 ? i - 1 : (int32_t)(rng() % (unsigned)(i + 1)) - 1;  // -1 .. i-1
@@ -406,9 +407,9 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         poisoned = vc;
         std::fill(poisoned.begin() + (size_t)n_past * kv_row, poisoned.end(), 0xff);
         vcb.put(poisoned.data(), poisoned.size());
-        const AttnLayer La{shape, kca.u8(), vca.u8(), n_past, cpu_k->vec(M.layers[0].q_norm),
+        const AttnLayer La{shape, kca.u8(), vca.u8(), cpu_k->vec(M.layers[0].q_norm),
                            cpu_k->vec(M.layers[0].k_norm)};
-        const AttnLayer Lb{shape, kcb.u8(), vcb.u8(), n_past, cud_k->vec(M.layers[0].q_norm),
+        const AttnLayer Lb{shape, kcb.u8(), vcb.u8(), cud_k->vec(M.layers[0].q_norm),
                            cud_k->vec(M.layers[0].k_norm)};
         cpu_k->attn_store(qa.f(), ka.f(), va.f(), La);
         cud_k->attn_store(qb.f(), kb.f(), vb.f(), Lb);
