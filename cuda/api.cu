@@ -19,6 +19,7 @@
 #include "dflash27b.h"
 #include "matmul.cuh"
 #include "matmul_exact.cuh"
+#include "graph.cuh"
 #include "profile.cuh"
 #include "quant/quant.h"
 
@@ -242,6 +243,16 @@ int dfl_cuda_profile(int32_t on) {
     std::lock_guard<std::mutex> lock(t.mu);
     if (on) t.rows.clear();
     t.on.store(on != 0);
+  });
+}
+
+int dfl_cuda_graph_stats(dfl_cuda_graphs* out, int32_t reset) {
+  using namespace dfl::cuda;
+  return dfl::api_guard([&] {
+    if (!out) dfl::fail("out is NULL");
+    GraphCounters& c = graph_counters();
+    *out = dfl_cuda_graphs{c.direct_ops.load(), c.replayed_ops.load(), c.graph_launches.load(), c.captures.load()};
+    if (reset) c.direct_ops = c.replayed_ops = c.graph_launches = c.captures = 0;
   });
 }
 

@@ -6,7 +6,8 @@
 // (the matmul kernels read rows with 16-byte loads).  A chunk's plan (ids,
 // positions, visibility, parents) is one upload; ops then queue kernels with
 // no host round trip; only `download` (logits, captured features, state)
-// waits for the stream.
+// waits for the stream.  In graph mode (the default) the ops' launches are
+// recorded and replayed as CUDA graphs where they repeat (graph.cuh).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -158,6 +159,14 @@ bool exact_matmul_chosen() {
   fail("DFLASH27B_CUDA_MATMUL=%s: use exact or float", v);
 }
 
+// DFLASH27B_CUDA_GRAPHS: 1 (the default: replay repeating launch segments as graphs) or 0.
+bool graphs_chosen() {
+  const char* v = std::getenv("DFLASH27B_CUDA_GRAPHS");
+  if (!v || !*v || !std::strcmp(v, "1")) return kGraphsPossible;
+  if (!std::strcmp(v, "0")) return false;
+  fail("DFLASH27B_CUDA_GRAPHS=%s: use 1 or 0", v);
+}
+
 unsigned elementwise_grid(size_t n) { return (unsigned)std::min<size_t>((n + 255) / 256, 4096); }
 
 class CudaBackend final : public Backend {
@@ -174,11 +183,18 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));
     exact_matmul_ = exact_matmul_chosen();
+    graphs_ = graphs_chosen();
+    rec_.bind(stream_);
   }
   ~CudaBackend() override {
+    try {
+      rec_.flush();
+    } catch (...) {
+    }
     part_.reset();
     act_q_.reset();
     if (stream_) cudaStreamSynchronize(stream_);
+    rec_.drop_graphs();
     for (PlanStage& st : plan_stage_) {
       if (st.host) cudaFreeHost(st.host);
       if (st.done) cudaEventDestroy(st.done);
@@ -191,6 +207,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return std::string("cuda (") + prop_.name + ")"; }
 
   void* alloc(size_t bytes) override {
+    rec_.flush();
     act_q_of_ = {};
     const size_t n = (bytes + 16 + 255) / 256 * 256;
     void* p = device_alloc(n);
@@ -198,6 +215,7 @@ class CudaBackend final : public Backend {
     return p;
   }
   void release(void* p) override {
+    rec_.flush();
     act_q_of_ = {};
     cudaStreamSynchronize(stream_);
     OpProfiler::count_sync("release");
@@ -205,6 +223,7 @@ class CudaBackend final : public Backend {
     device_free(p);
   }
   void upload(void* dst, const void* host, size_t bytes) override {
+    rec_.flush();
     act_q_of_ = {};
     CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused as soon as we return
@@ -212,6 +231,7 @@ class CudaBackend final : public Backend {
     prof_.resolve();
   }
   void download(void* host, const void* src, size_t bytes) override {
+    rec_.flush();
     CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     OpProfiler::count_sync("download");
@@ -220,6 +240,7 @@ class CudaBackend final : public Backend {
   void download_rows(void* host, size_t host_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                      size_t rows) override {
     if (!rows) return;
+    rec_.flush();
     CUDA_CHECK(cudaMemcpy2DAsync(host, host_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     OpProfiler::count_sync("download");
@@ -229,17 +250,18 @@ class CudaBackend final : public Backend {
                  size_t rows) override {
     if (!rows) return;
     const OpScope op(*this, "copy", (double)rows * row_bytes);
-    CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToDevice, stream_));
+    device_copy(stream_, dst, dst_pitch, src, src_pitch, row_bytes, rows);
   }
   void copy(void* dst, const void* src, size_t bytes) override {
     const OpScope op(*this, "copy", (double)bytes);
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    device_copy(stream_, dst, bytes, src, bytes, bytes, 1);
   }
   void fill_zero(void* dst, size_t bytes) override {
     const OpScope op(*this, "fill_zero");
-    CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_));
+    device_zero(stream_, dst, bytes);
   }
   void sync() override {
+    rec_.flush();
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     OpProfiler::count_sync("sync");
     prof_.resolve();
@@ -256,6 +278,7 @@ class CudaBackend final : public Backend {
   }
 
   void begin_chunk(const ChunkPlan& p) override {
+    rec_.flush();  // the recorded launches read the plan this upload replaces
     n_ = p.n;
     commit_ = p.commit;
     max_visible_ = p.max_visible;
@@ -478,20 +501,30 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // Brackets one op with profile events (profile.cuh) while profiling is on.
+  // Brackets one op with profile events (profile.cuh) while profiling is on;
+  // else, in graph mode, records its launches (graph.cuh).
   struct OpScope {
     CudaBackend& be;
     std::string label;
     double bytes;
     bool on;
+    LaunchRecorder::Scope recording;
     OpScope(CudaBackend& b, const char* op, double read_bytes = 0.0)
-        : be(b), label(op), bytes(read_bytes), on(b.prof_.begin(b.stream_)) {
+        : be(b), label(op), bytes(read_bytes), on(b.profile_begin()),
+          recording(!on && b.graphs_ ? &b.rec_ : nullptr) {
       if (std::strcmp(op, "matmul")) b.act_q_of_ = {};  // any other op may write the quantised input
     }
     ~OpScope() {
       if (on) be.prof_.end(be.stream_, std::move(label), bytes);
     }
   };
+
+  // With the profile on, each op is issued and timed on its own: what was recorded goes first.
+  bool profile_begin() {
+    if (!op_profile().on.load(std::memory_order_relaxed)) return false;
+    rec_.flush();
+    return prof_.begin(stream_);
+  }
 
   static const AttnShape& check_shape(const AttnShape& s) {
     if (s.head_dim > fwd::kMaxHeadDim || s.head_dim % 32)
@@ -537,6 +570,8 @@ class CudaBackend final : public Backend {
   } act_q_of_;
   bool exact_matmul_ = true;
   OpProfiler prof_;
+  bool graphs_ = false;
+  LaunchRecorder rec_;  // graph mode: the ops' launches, issued in segments
   static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;
   struct PlanStage {  // pinned staging of a chunk plan's upload (begin_chunk)
     int32_t* host = nullptr;

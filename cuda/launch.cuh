@@ -1,15 +1,17 @@
 // launch.cuh — every kernel launch of the backend goes through `launch`.
 //
-// On the GPU it is cudaLaunchKernel with the arguments converted to the
-// kernel's parameter types; under the CPU emulator (DFL_EMU, cuda/emu) the
-// same call runs the kernel's CTAs as fibers, so the whole backend's source
-// can be executed where there is no GPU.
+// The arguments are converted to the kernel's parameter types and packed as
+// bytes (graph.cuh).  While the calling thread records the stream (a backend
+// op in graph mode) the launch joins the recorded segment; otherwise it is
+// issued now: cudaLaunchKernel on the GPU, and under the CPU emulator
+// (DFL_EMU, cuda/emu) the kernel's CTAs run as fibers, so the whole backend's
+// source can be executed where there is no GPU.
 #pragma once
-#include <tuple>
 #include <type_traits>
 #include <utility>
 
 #include "common.cuh"
+#include "graph.cuh"
 
 namespace dfl {
 namespace cuda {
@@ -18,19 +20,17 @@ template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... a) {
   static_assert(sizeof...(P) == sizeof...(A), "kernel argument count");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-#ifdef DFL_EMU
-  (void)stream;
-  std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);
-  ::emu::launch(grid, block, smem, [&] { std::apply(kernel, args); });
-#else
-  std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);
-  std::apply(
-      [&](auto&... e) {
-        void* argv[] = {static_cast<void*>(&e)...};
-        CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, argv, smem, stream));
-      },
-      args);
-#endif
+  constexpr auto L = arg_layout<std::decay_t<P>...>();
+  static_assert(L[sizeof...(P)] <= 4096, "kernel arguments over 4 KiB");
+  const IssueFn issue = issue_kernel<P...>;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  LaunchRecorder* r = LaunchRecorder::for_stream(stream);
+  alignas(16) uint8_t local[L[sizeof...(P)] + 1];
+  uint8_t* args = r ? r->open(issue, fn, grid, block, smem, L[sizeof...(P)]) : local;
+  size_t i = 0;
+  (pack_arg<std::decay_t<P>>(args + L[i++], std::decay_t<P>(std::forward<A>(a))), ...);
+  if (r) return r->close();
+  issue(fn, local, grid, block, smem, stream);
 }
 
 }  // namespace cuda

@@ -287,6 +287,16 @@ int dfl_cuda_profile(int32_t on);
  * B is what the op must read at least (a matmul's weights, a copy's bytes).
  * *len gets the length without the NUL; fails when cap <= *len. */
 int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len);
+/* What graph mode did in every CUDA context of the process (DFLASH27B_CUDA_GRAPHS,
+ * on by default; off while the profile is on): a context records its ops' launches
+ * and issues them in segments, replaying a segment as a CUDA graph once the same
+ * bytes (kernels, shapes, arguments) have been seen before.  direct_ops: launches,
+ * copies and fills issued one by one; replayed_ops: issued inside graphs;
+ * graph_launches; captures: graphs built.  reset != 0 zeroes the counts after reading. */
+typedef struct {
+  int64_t direct_ops, replayed_ops, graph_launches, captures;
+} dfl_cuda_graphs;
+int dfl_cuda_graph_stats(dfl_cuda_graphs* out, int32_t reset);
 
 /* ==================== DFlash drafter (z-lab layout) ====================
  * path: a directory holding config.json + model.safetensors, or the

@@ -270,6 +270,43 @@ def test_cuda_draft_model_speculation(synth_gguf):
         assert r.tokens == ar and r.stats.mean_accept > 1.5
 
 
+def graph_stats() -> tuple[int, int, int]:
+    """(direct_ops, replayed_ops, graph_launches) since the last call (dfl_cuda_graph_stats, reset)."""
+    from dflash27b._lib import load
+
+    ffi, lib = load()
+    s = ffi.new("dfl_cuda_graphs*")
+    assert lib.dfl_cuda_graph_stats(s, 1) == 0
+    return s.direct_ops, s.replayed_ops, s.graph_launches
+
+
+def test_cuda_graphs_replay_the_ar_step_and_change_no_token(cuda_dec, pair, monkeypatch):
+    """Graph mode (DFLASH27B_CUDA_GRAPHS, on by default) records each op's launches and replays a segment of
+    them as a CUDA graph once the same bytes have been seen before.  The KV slot and the visible slots are
+    plan values on the device, so an AR step's launches repeat exactly: once the prompt has been seen, a
+    whole decode runs from graphs, no op issued on its own.  The tokens are those of graph mode off, for AR
+    and for DDTree (whose verify and draft replay too; its commit and context projection vary)."""
+    ids = cuda_dec.tokenize(PROMPTS[1])
+    n = 6 if EMULATED else 64
+    for _ in range(2):  # the prompt, then its restored prefix (the prefix cache), seen
+        cuda_dec.generate(ids, n, ignore_eos=True, mode="ar")
+    graph_stats()
+    ar = cuda_dec.generate(ids, n, ignore_eos=True, mode="ar").tokens
+    direct, replayed, launches = graph_stats()
+    assert direct == 0 and replayed > 0 and launches >= n - 1, (direct, replayed, launches)
+    dd = cuda_dec.generate(ids, n, ignore_eos=True, mode="ddtree", budget=22).tokens
+    direct, replayed, launches = graph_stats()
+    assert replayed > 0 and launches > 0, (direct, replayed, launches)
+    monkeypatch.setenv("DFLASH27B_CUDA_GRAPHS", "0")
+    with Decoder(pair[0], pair[1], device="cuda", ctx=1024, threads=2) as plain:
+        assert plain.generate(ids, n, ignore_eos=True, mode="ar").tokens == ar == dd
+        assert plain.generate(ids, n, ignore_eos=True, mode="ddtree", budget=22).tokens == dd
+    assert graph_stats() == (0, 0, 0)  # off: every op issued as before, nothing recorded
+    monkeypatch.setenv("DFLASH27B_CUDA_GRAPHS", "2")
+    with pytest.raises(DFlashError, match="DFLASH27B_CUDA_GRAPHS=2: use 1 or 0"):
+        Decoder(pair[0], pair[1], device="cuda", ctx=1024, threads=2)
+
+
 def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     """dfl_cuda_profile: each backend op timed by events on the stream; a long decode minus a short one (the
     same prompt, so the prefill cancels) gives each op's calls and time per step, and a matmul's bytes are its

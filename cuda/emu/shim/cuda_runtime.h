@@ -115,6 +115,13 @@ inline dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace emu {
 
+// Stream capture: while a graph is being captured, launches, copies and memsets are recorded into it
+// instead of run; launching the graph runs them in order (the argument values as they were captured).
+struct Graph {
+  std::vector<std::function<void()>> work;
+};
+inline thread_local Graph* capturing = nullptr;
+
 // A barrier's arrivals and the fibers blocked on it.
 struct Barrier {
   int arrived = 0;
@@ -254,6 +261,10 @@ inline void fiber_entry() {
 }
 
 inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
+  if (capturing) {
+    capturing->work.push_back([grid, block, smem, body] { launch(grid, block, smem, body); });
+    return;
+  }
   if (smem > (160u << 10)) { std::fprintf(stderr, "emu: %zu bytes of dynamic shared memory\n", smem); std::abort(); }
   const int nt = (int)(block.x * block.y * block.z);
   static std::vector<char*> stacks;
@@ -418,16 +429,25 @@ inline cudaError_t cudaMallocHost(void** p, size_t n) {  // pinned host memory: 
 inline cudaError_t cudaFreeHost(void* p) { std::free(p); return cudaSuccess; }
 inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) { std::memmove(d, s, n); return cudaSuccess; }
 inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t = nullptr) {
+  if (emu::capturing) return emu::capturing->work.push_back([=] { std::memmove(d, s, n); }), cudaSuccess;
   std::memmove(d, s, n);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemcpy2DAsync(void* d, size_t dpitch, const void* s, size_t spitch, size_t width, size_t height,
                                      cudaMemcpyKind, cudaStream_t = nullptr) {
-  for (size_t r = 0; r < height; ++r)
-    std::memmove(static_cast<char*>(d) + r * dpitch, static_cast<const char*>(s) + r * spitch, width);
+  auto copy = [=] {
+    for (size_t r = 0; r < height; ++r)
+      std::memmove(static_cast<char*>(d) + r * dpitch, static_cast<const char*>(s) + r * spitch, width);
+  };
+  if (emu::capturing) return emu::capturing->work.push_back(copy), cudaSuccess;
+  copy();
   return cudaSuccess;
 }
-inline cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t = nullptr) { std::memset(d, v, n); return cudaSuccess; }
+inline cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t = nullptr) {
+  if (emu::capturing) return emu::capturing->work.push_back([=] { std::memset(d, v, n); }), cudaSuccess;
+  std::memset(d, v, n);
+  return cudaSuccess;
+}
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { *s = nullptr; return cudaSuccess; }
 inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
@@ -443,6 +463,31 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr) {
   return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+// Graphs (see emu::Graph): capture on any stream records; an instantiated graph is a copy of the record.
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed };
+typedef emu::Graph* cudaGraph_t;
+typedef emu::Graph* cudaGraphExec_t;
+inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
+  if (emu::capturing) return 900;  // cudaErrorStreamCaptureUnsupported-like: no nested capture
+  emu::capturing = new emu::Graph;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* g) {
+  if (!emu::capturing) return 901;
+  *g = emu::capturing;
+  emu::capturing = nullptr;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t g, unsigned long long = 0) {
+  *e = new emu::Graph(*g);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t) {
+  for (auto& w : e->work) w();
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphDestroy(cudaGraph_t g) { delete g; return cudaSuccess; }
+inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) { delete e; return cudaSuccess; }
 inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
   *ms = (float)(*static_cast<double*>(b) - *static_cast<double*>(a));
   return cudaSuccess;
