@@ -199,7 +199,8 @@ class CudaBackend final : public Backend {
       if (st.host) cudaFreeHost(st.host);
       if (st.done) cudaEventDestroy(st.done);
     }
-    device_free(plan_buf_);
+    device_free(plan_words_.p);
+    device_free(commit_words_.p);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -283,48 +284,24 @@ class CudaBackend final : public Backend {
     commit_ = p.commit;
     max_visible_ = p.max_visible;
     // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | kv_slot0 |
-    // extra_slots.
-    // It does not wait for the stream: the plan is written straight into pinned memory, two buffers in
-    // turn, each rewritten only once the upload that last read it has run (long done: a chunk back), so
-    // the host queues this chunk's kernels while the GPU finishes the last ones.  The device plan itself
-    // is rewritten in stream order, after the kernels that read it.
+    // extra_slots.  The device plan is rewritten in stream order, after the kernels that read it.
     const size_t words = 7 * (size_t)p.n + 1 + p.extra_slots.size();
-    PlanStage& st = plan_stage_[plan_stage_i_ ^= 1];
-    if (st.used) CUDA_CHECK(cudaEventSynchronize(st.done));
-    if (st.cap < words) {
-      if (st.host) CUDA_CHECK(cudaFreeHost(st.host));
-      st.host = nullptr;
-      st.cap = std::max(words, (size_t)4096);
-      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&st.host), st.cap * 4));
-    }
-    if (!st.done) CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
-    int32_t* h = st.host;
-    for (const std::vector<int32_t>* v : {&p.tokens, &p.pos, &p.n_prefix, &p.extra_begin, &p.extra_count, &p.parent}) {
-      std::copy(v->begin(), v->end(), h);
+    int32_t* d = upload_words(plan_words_, words, [&](int32_t* h) {
+      for (const std::vector<int32_t>* v : {&p.tokens, &p.pos, &p.n_prefix, &p.extra_begin, &p.extra_count, &p.parent}) {
+        std::copy(v->begin(), v->end(), h);
+        h += p.n;
+      }
+      // which verify nodes' delta-net states node_rec must hold (none when committing)
+      if (p.commit) {
+        std::fill(h, h + p.n, 0);
+      } else {
+        const std::vector<uint8_t> keep = node_rec_kept(p.parent.data(), p.n);
+        std::copy(keep.begin(), keep.end(), h);
+      }
       h += p.n;
-    }
-    // which verify nodes' delta-net states node_rec must hold (none when committing)
-    if (p.commit) {
-      std::fill(h, h + p.n, 0);
-    } else {
-      const std::vector<uint8_t> keep = node_rec_kept(p.parent.data(), p.n);
-      std::copy(keep.begin(), keep.end(), h);
-    }
-    h += p.n;
-    *h++ = p.kv_slot0;
-    std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
-    if (words > plan_cap_) {
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
-      OpProfiler::count_sync("plan growth");
-      device_free(plan_buf_);
-      plan_buf_ = nullptr;
-      plan_cap_ = std::max(words, (size_t)4096);
-      plan_buf_ = static_cast<int32_t*>(device_alloc(plan_cap_ * 4));
-    }
-    CUDA_CHECK(cudaMemcpyAsync(plan_buf_, st.host, words * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaEventRecord(st.done, stream_));
-    st.used = true;
-    int32_t* d = plan_buf_;
+      *h++ = p.kv_slot0;
+      std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
+    });
     tokens_ = d; d += p.n;
     pos_ = d; d += p.n;
     n_prefix_ = d; d += p.n;
@@ -334,6 +311,18 @@ class CudaBackend final : public Backend {
     keep_ = d; d += p.n;
     kv_slot0_ = d; d += 1;
     extra_slots_ = d;
+  }
+
+  // The commit plan, [base | m | path], goes up as the chunk plan does (its own device buffer: a chunk
+  // plan's readers may still be queued), so every commit's launches are the same bytes.
+  void begin_commit(const int32_t* path, int m, int32_t base) override {
+    rec_.flush();
+    if (m < 1) fail("commit of an empty path");
+    commit_plan_ = upload_words(commit_words_, 2 + (size_t)m, [&](int32_t* h) {
+      h[0] = base;
+      h[1] = m;
+      std::copy(path, path + m, h + 2);
+    });
   }
 
   void embed(const Weight& table, float* x) override {
@@ -474,23 +463,25 @@ class CudaBackend final : public Backend {
            c_.ssm_nv, c_.ssm_dv, c_.rms_eps);
   }
 
-  void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
-                  int m) override {
+  void kv_commit(uint8_t* k_cache, uint8_t* v_cache, size_t kv_row) override {
+    const OpScope op(*this, "kv_commit");
+    if (!commit_plan_) fail("kv_commit without begin_commit");
+    if (kv_row % 2) fail("KV rows of %zu bytes: the commit moves 2-byte units", kv_row);
+    const fwd::KvCommitArgs a{k_cache, v_cache, (int64_t)kv_row, commit_plan_};
+    launch(fwd::kv_commit_kernel, dim3((unsigned)((kv_row / 2 + 255) / 256), 2), dim3(256), 0, stream_, a);
+  }
+
+  void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd) override {
     const OpScope op(*this, "gdn_commit");
+    if (!commit_plan_) fail("gdn_commit without begin_commit");
     const GdnNodeLayout U(c_);
-    fwd::ConvCommitArgs ca{conv, node_upd + U.xin, (int64_t)U.stride, c_.conv_channels(), c_.conv_kernel - 1, m, {}};
-    const int t = std::min(m, ca.W);
-    std::copy(path + m - t, path + m, ca.tail);
+    const fwd::ConvCommitArgs ca{conv, node_upd + U.xin, (int64_t)U.stride, commit_plan_, c_.conv_channels(),
+                                 c_.conv_kernel - 1};
     launch(fwd::conv_commit_kernel, dim3((unsigned)((ca.C + 127) / 128)), dim3(128), 0, stream_, ca);
-    fwd::DeltaCommitArgs a{rec, node_upd, (int64_t)U.stride, (int64_t)U.k, (int64_t)U.delta, (int64_t)U.decay,
-                           c_.ssm_nk, c_.ssm_dk, c_.ssm_dv, 0, (int)state_type, {}};
+    const fwd::DeltaCommitArgs a{rec, node_upd, (int64_t)U.stride, (int64_t)U.k, (int64_t)U.delta, (int64_t)U.decay,
+                                 commit_plan_, c_.ssm_nk, c_.ssm_dk, c_.ssm_dv, (int)state_type};
     const int64_t hs = (int64_t)c_.ssm_dk * c_.ssm_dv;
-    const dim3 grid((unsigned)((hs + 255) / 256), (unsigned)c_.ssm_nv);
-    for (int p0 = 0; p0 < m; p0 += fwd::kCommitPath) {
-      a.m = std::min(fwd::kCommitPath, m - p0);
-      std::copy(path + p0, path + p0 + a.m, a.path);
-      launch(fwd::delta_commit_kernel, grid, dim3(256), 0, stream_, a);
-    }
+    launch(fwd::delta_commit_kernel, dim3((unsigned)((hs + 255) / 256), (unsigned)c_.ssm_nv), dim3(256), 0, stream_, a);
   }
 
   void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) override {
@@ -524,6 +515,41 @@ class CudaBackend final : public Backend {
     if (!op_profile().on.load(std::memory_order_relaxed)) return false;
     rec_.flush();
     return prof_.begin(stream_);
+  }
+
+  // A device int32 buffer written through pinned staging (begin_chunk, begin_commit).
+  struct DeviceWords {
+    int32_t* p = nullptr;
+    size_t cap = 0;
+    const char* growth;  // the host-sync row when it must grow
+  };
+  // Writes `words` int32 (fill(host)) to dst without a host wait: the staging buffers, two in turn, are
+  // each rewritten only once the upload that last read them has run (long done: an upload back), so the
+  // host queues the next kernels while the GPU finishes the last ones.
+  template <class Fill>
+  int32_t* upload_words(DeviceWords& dst, size_t words, const Fill& fill) {
+    PlanStage& st = plan_stage_[plan_stage_i_ ^= 1];
+    if (st.used) CUDA_CHECK(cudaEventSynchronize(st.done));
+    if (st.cap < words) {
+      if (st.host) CUDA_CHECK(cudaFreeHost(st.host));
+      st.host = nullptr;
+      st.cap = std::max(words, (size_t)4096);
+      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&st.host), st.cap * 4));
+    }
+    if (!st.done) CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+    fill(st.host);
+    if (words > dst.cap) {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      OpProfiler::count_sync(dst.growth);
+      device_free(dst.p);
+      dst.p = nullptr;
+      dst.cap = std::max(words, (size_t)4096);
+      dst.p = static_cast<int32_t*>(device_alloc(dst.cap * 4));
+    }
+    CUDA_CHECK(cudaMemcpyAsync(dst.p, st.host, words * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaEventRecord(st.done, stream_));
+    st.used = true;
+    return dst.p;
   }
 
   static const AttnShape& check_shape(const AttnShape& s) {
@@ -573,15 +599,15 @@ class CudaBackend final : public Backend {
   bool graphs_ = false;
   LaunchRecorder rec_;  // graph mode: the ops' launches, issued in segments
   static constexpr size_t kAttnScratchBytes = (size_t)64 << 20;
-  struct PlanStage {  // pinned staging of a chunk plan's upload (begin_chunk)
+  struct PlanStage {  // pinned staging of a plan's upload (upload_words)
     int32_t* host = nullptr;
     size_t cap = 0;
     cudaEvent_t done = nullptr;  // recorded after its last upload
     bool used = false;
   } plan_stage_[2];
   int plan_stage_i_ = 0;
-  int32_t* plan_buf_ = nullptr;
-  size_t plan_cap_ = 0;
+  DeviceWords plan_words_{nullptr, 0, "plan growth"}, commit_words_{nullptr, 0, "commit plan growth"};
+  const int32_t* commit_plan_ = nullptr;  // [base | m | path] of the current commit
   const int32_t *tokens_ = nullptr, *pos_ = nullptr, *n_prefix_ = nullptr, *extra_begin_ = nullptr,
                 *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *kv_slot0_ = nullptr,
                 *extra_slots_ = nullptr;

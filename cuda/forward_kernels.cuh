@@ -644,18 +644,42 @@ __global__ void gated_norm_kernel(float* y, const float* __restrict__ z, const f
   for (int i = threadIdx.x; i < dv; i += 32) y[base + i] = y[base + i] * scale * w[i] * silu_f(z[base + i]);
 }
 
-// ---------------------------------------------------------------- delta-net: commit
+// ---------------------------------------------------------------- commit
+// The commit plan (begin_commit) is on the device, [base | m | path[m]], so a
+// commit's launches do not depend on the path.
+
+// K/V rows: slot base + k <- slot base + path[k], k ascending.  A thread moves
+// one 2-byte unit of every row in that order, so a row is read before any
+// later move overwrites it (path[k] >= k).  grid (units / 256, 2: K then V).
+struct KvCommitArgs {
+  uint8_t* k_cache;
+  uint8_t* v_cache;
+  int64_t kv_row;
+  const int32_t* commit;
+};
+
+__global__ void kv_commit_kernel(KvCommitArgs a) {
+  const int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (2 * u >= a.kv_row) return;
+  uint8_t* cache = blockIdx.y ? a.v_cache : a.k_cache;
+  const int base = a.commit[0], m = a.commit[1];
+  for (int k = 0; k < m; ++k) {
+    const int from = a.commit[2 + k];
+    if (from == k) continue;
+    const uint16_t v = *reinterpret_cast<const uint16_t*>(cache + (int64_t)(base + from) * a.kv_row + 2 * u);
+    *reinterpret_cast<uint16_t*>(cache + (int64_t)(base + k) * a.kv_row + 2 * u) = v;
+  }
+}
+
 // rec <- the path's updates applied in order, each exactly as delta_kernel
 // applied it: S = S * decay; S = fma(k, delta, S).  One thread per state
-// element (grid: value heads x element blocks); the path's node indices travel
-// by value, up to kCommitPath per launch (longer paths: successive launches).
-constexpr int kCommitPath = 64;
+// element (grid: value heads x element blocks).
 struct DeltaCommitArgs {
   void* rec;               // [nv][dk][dv] of state_type
   const float* node_upd;   // [nodes][upd_stride]
   int64_t upd_stride, k_off, delta_off, decay_off;
-  int nk, dk, dv, m, state_type;
-  int32_t path[kCommitPath];
+  const int32_t* commit;
+  int nk, dk, dv, state_type;
 };
 
 // conv <- the last K-1 inputs of (committed window, the path's conv inputs):
@@ -664,19 +688,19 @@ struct ConvCommitArgs {
   float* conv;             // [(K-1)][C]
   const float* node_upd;   // the nodes' conv inputs, node i's at node_upd + i * upd_stride
   int64_t upd_stride;
-  int C, W, m;             // W = K-1, m = path length
-  int32_t tail[kMaxConvK]; // the path's last min(m, W) nodes
+  const int32_t* commit;
+  int C, W;                // W = K-1
 };
 
 __global__ void conv_commit_kernel(ConvCommitArgs a) {
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= a.C) return;
-  const int t = a.m < a.W ? a.m : a.W;  // tail[q - (m - t)] is path[q]
+  const int m = a.commit[1];
+  const int32_t* path = a.commit + 2;
   float win[kMaxConvK];
   for (int r = 0; r < a.W; ++r) {
-    const int src = r + a.m;
-    win[r] = src < a.W ? a.conv[(int64_t)src * a.C + ch]
-                       : a.node_upd[(int64_t)a.tail[src - a.W - (a.m - t)] * a.upd_stride + ch];
+    const int src = r + m;
+    win[r] = src < a.W ? a.conv[(int64_t)src * a.C + ch] : a.node_upd[(int64_t)path[src - a.W] * a.upd_stride + ch];
   }
   for (int r = 0; r < a.W; ++r) a.conv[(int64_t)r * a.C + ch] = win[r];
 }
@@ -687,9 +711,11 @@ __global__ void delta_commit_kernel(DeltaCommitArgs a) {
   if (e >= hs) return;
   const int i = (int)(e / a.dv), j = (int)(e % a.dv);
   const int64_t at = (int64_t)h * hs + e;
+  const int m = a.commit[1];
+  const int32_t* path = a.commit + 2;
   float s = ld_state(a.rec, at, a.state_type);
-  for (int p = 0; p < a.m; ++p) {
-    const float* upd = a.node_upd + (int64_t)a.path[p] * a.upd_stride;
+  for (int p = 0; p < m; ++p) {
+    const float* upd = a.node_upd + (int64_t)path[p] * a.upd_stride;
     s = __fmul_rn(s, upd[a.decay_off + h]);
     s = fmaf(upd[a.k_off + kh * a.dk + i], upd[a.delta_off + (int64_t)h * a.dv + j], s);
     s = round_state(s, a.state_type);

@@ -162,14 +162,22 @@ class Backend {
   // inputs (scratch afterwards), z: [n][Cv], beta/alpha: [n][nv] raw, y: [n][Cv] out.
   virtual void gdn(float* mm, const float* z, const float* beta, const float* alpha, const GdnLayer& L,
                    float* y) = 0;
-  // Commit of a verified path in one delta-net layer, from the nodes' updates
+  // The accepted path of the last verify, for the commit ops that follow
+  // (kv_commit, gdn_commit): m verify nodes, root first, path[k] >= k; node i's
+  // K/V are in slot base + i.  A plan value like ChunkPlan (host array, copied):
+  // on CUDA it goes to the device, so a commit's launches are the same bytes
+  // whatever the path.
+  virtual void begin_commit(const int32_t* path, int m, int32_t base) = 0;
+  // The path's K/V rows to consecutive slots: slot base + k <- slot base +
+  // path[k], k ascending (a row is read before any later move overwrites it).
+  virtual void kv_commit(uint8_t* k_cache, uint8_t* v_cache, size_t kv_row) = 0;
+  // Commit of the path in one delta-net layer, from the nodes' updates
   // (node_upd of the same layer, GdnNodeLayout): conv <- the last K-1 inputs
   // of (committed window, the path's conv inputs); rec <- the path's updates
   // applied in order, each exactly as gdn applied it (S = S * decay;
   // S += k delta^T; rounded to state_type), so both are bit-identical to what
-  // the verify computed for the path's last node.  path: host array of m nodes.
-  virtual void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
-                          int m) = 0;
+  // the verify computed for the path's last node.
+  virtual void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd) = 0;
   // Per row of logits: the k largest (descending; ties: lower id first) as ids
   // and log-softmax values — what greedy acceptance (k = 1) and the DDTree
   // builder need, so only k values per row leave the device.

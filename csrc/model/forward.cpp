@@ -329,22 +329,16 @@ void Context::commit_path(const int32_t* nodes, int n) {
     int want = k == 0 ? -1 : nodes[k - 1];
     if (I.node_parent[nodes[k]] != want) fail("commit path is not a root-to-node path of the verified tree");
   }
-  // A path visits nodes in increasing order with nodes[k] >= k, so moving row
-  // nodes[k] down to slot k never overwrites a row still to be moved.
-  for (int k = 0; k < n; ++k) {
-    if (nodes[k] == k) continue;
-    for (int l = 0; l < c.n_layer; ++l) {
-      if (c.is_recurrent[l]) continue;
-      I.be->copy(I.k[l].u8() + (size_t)(n_past_ + k) * I.kv_row, I.k[l].u8() + (size_t)(n_past_ + nodes[k]) * I.kv_row,
-                 I.kv_row);
-      I.be->copy(I.v[l].u8() + (size_t)(n_past_ + k) * I.kv_row, I.v[l].u8() + (size_t)(n_past_ + nodes[k]) * I.kv_row,
-                 I.kv_row);
-    }
+  // Attention layers: the path's K/V rows move down to consecutive slots (a path visits nodes in
+  // increasing order with nodes[k] >= k).  Delta-net layers: the conv window and the recurrent state
+  // rebuilt from the path's updates (bit-identical to the verify's own states for the path's last node).
+  I.be->begin_commit(nodes, n, n_past_);
+  for (int l = 0; l < c.n_layer; ++l) {
+    if (c.is_recurrent[l])
+      I.be->gdn_commit(I.conv[l].f(), I.rec[l].p, params_.state_type, I.node_upd[l].f());
+    else
+      I.be->kv_commit(I.k[l].u8(), I.v[l].u8(), I.kv_row);
   }
-  // Delta-net layers: the conv window and the recurrent state rebuilt from the path's updates
-  // (bit-identical to the verify's own states for the path's last node).
-  for (int l = 0; l < c.n_layer; ++l)
-    if (c.is_recurrent[l]) I.be->gdn_commit(I.conv[l].f(), I.rec[l].p, params_.state_type, I.node_upd[l].f(), nodes, n);
   n_past_ += n;
   n_verify_ = 0;
 }

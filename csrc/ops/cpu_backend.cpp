@@ -404,8 +404,24 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd, const int32_t* path,
-                  int m) override {
+  void begin_commit(const int32_t* path, int m, int32_t base) override {
+    if (m < 1) fail("commit of an empty path");
+    commit_path_.assign(path, path + m);
+    commit_base_ = base;
+  }
+
+  void kv_commit(uint8_t* k_cache, uint8_t* v_cache, size_t kv_row) override {
+    for (uint8_t* cache : {k_cache, v_cache})
+      for (size_t k = 0; k < commit_path_.size(); ++k)
+        if (commit_path_[k] != (int32_t)k)
+          std::memcpy(cache + (commit_base_ + k) * kv_row, cache + (commit_base_ + (size_t)commit_path_[k]) * kv_row,
+                      kv_row);
+  }
+
+  void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd) override {
+    if (commit_path_.empty()) fail("gdn_commit without begin_commit");
+    const int32_t* path = commit_path_.data();
+    const int m = (int)commit_path_.size();
     const int nk = c_.ssm_nk, dk = c_.ssm_dk, dv = c_.ssm_dv, W = c_.conv_kernel - 1, C = c_.conv_channels();
     const size_t hs = (size_t)dk * dv, es = row_bytes(state_type, 1);
     const GdnNodeLayout U(c_);
@@ -447,6 +463,8 @@ class CpuBackend final : public Backend {
   const Qwen35Config& c_;
   ThreadPool& pool_;
   const ChunkPlan* p_ = nullptr;
+  std::vector<int32_t> commit_path_;  // begin_commit's
+  size_t commit_base_ = 0;
   ActScratch act_;
   std::unordered_map<const float*, std::vector<float>> conv_taps_;
 };

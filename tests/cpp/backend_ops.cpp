@@ -448,6 +448,36 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     }
   }
 
+  // commit of a path's K/V rows (begin_commit + kv_commit): the same bytes on both sides, and the rows
+  // where a sequential move puts them; the cache around them untouched
+  for (DType kvt : kKvTypes)
+    for (int n : sizes) {
+      const int base = 5;
+      const size_t kv_row = row_bytes(kvt, c.kv_dim()), bytes = (size_t)(base + n + 2) * kv_row;
+      const ChunkPlan T = make_plan(n, false, base, 50);
+      std::vector<int32_t> path;
+      for (int t = n - 1; t >= 0; t = T.parent[t]) path.insert(path.begin(), t);
+      std::vector<uint8_t> kc(bytes), vc(bytes);
+      for (auto& b : kc) b = (uint8_t)rng();
+      for (auto& b : vc) b = (uint8_t)rng();
+      std::vector<uint8_t> ke = kc, ve = vc;  // expected: moved one row at a time
+      for (size_t k = 0; k < path.size(); ++k) {
+        std::memmove(ke.data() + (base + k) * kv_row, ke.data() + (base + (size_t)path[k]) * kv_row, kv_row);
+        std::memmove(ve.data() + (base + k) * kv_row, ve.data() + (base + (size_t)path[k]) * kv_row, kv_row);
+      }
+      for (Backend* be : {cpu.get(), cud.get()}) {
+        Buf kb(*be, bytes), vb(*be, bytes);
+        kb.put(kc.data(), bytes), vb.put(vc.data(), bytes);
+        be->begin_commit(path.data(), (int)path.size(), base);
+        be->kv_commit(kb.u8(), vb.u8(), kv_row);
+        auto as_f = [](const std::vector<uint8_t>& b) { return std::vector<float>(b.begin(), b.end()); };
+        const std::string what = std::string(be == cpu.get() ? "cpu " : "cuda ") + tname(kvt) + " path of " +
+                                 std::to_string(path.size()) + " (bytes)";
+        check(label("kv_commit", what + " K", n), as_f(kb.bytes_back(bytes)), as_f(ke), 0.0);
+        check(label("kv_commit", what + " V", n), as_f(vb.bytes_back(bytes)), as_f(ve), 0.0);
+      }
+    }
+
   // gated delta-net, chain (commit) and tree (verify, per-node states), for each recurrent state type
   for (DType st : {DType::F32, DType::BF16, DType::F16})
   for (int n : sizes) {
@@ -512,7 +542,8 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
           std::vector<int32_t> path;
           for (int a = t; a >= 0; a = P.parent[a]) path.insert(path.begin(), a);
           cw.put(conv), rw.put(rec_bytes.data(), rec_bytes.size());
-          cpu->gdn_commit(cw.f(), rw.p, st, nua.f(), path.data(), (int)path.size());
+          cpu->begin_commit(path.data(), (int)path.size(), 0);
+          cpu->gdn_commit(cw.f(), rw.p, st, nua.f());
           const auto r = sget(rw, rs);
           const auto wv = cw.get(cs);
           replayed_win.insert(replayed_win.end(), wv.begin(), wv.end());
@@ -551,7 +582,8 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         Buf& r = on_cpu ? ra : rb;
         Buf& nu = on_cpu ? nua : nub;
         Buf& nr = on_cpu ? nra : nrb;
-        be->gdn_commit(cw.f(), r.p, st, nu.f(), path.data(), (int)path.size());
+        be->begin_commit(path.data(), (int)path.size(), 0);
+        be->gdn_commit(cw.f(), r.p, st, nu.f());
         const std::string who = on_cpu ? "cpu " : "cuda ";
         const auto node_win = ncb.get(n * cs);  // CUDA's (checked against the CPU's replays above)
         check(label("gdn", who + form + " commit conv == cuda node window (bitwise)", n), cw.get(cs),
