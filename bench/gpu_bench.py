@@ -272,6 +272,33 @@ def step_profile(lib, ffi, gen, n_short: int, n_long: int) -> dict:
     return profile_rows(b, sb - sa, minus=a)
 
 
+def graph_comparison(lib, ffi, run, repeats: int) -> dict:
+    """One decode timed with graph mode on (as configured) and off (dfl_cuda_graph_mode), the median step of
+    each, and the share of the ops replayed from graphs when on (after a warm-up run)."""
+    stats = ffi.new("dfl_cuda_graphs*")
+    out: dict = {}
+    try:
+        for mode, key in ((-1, "on"), (0, "off")):
+            if lib.dfl_cuda_graph_mode(mode) != 0:
+                return {"error": "dfl_cuda_graph_mode failed"}
+            run()  # warm: a segment is captured the second time it is seen
+            lib.dfl_cuda_graph_stats(stats, 1)
+            steps = []
+            for _ in range(repeats):
+                steps += _step_ms(run())
+            lib.dfl_cuda_graph_stats(stats, 1)
+            out[f"step_ms_{key}"] = _median(steps)
+            if key == "on":
+                ops = stats.direct_ops + stats.replayed_ops
+                out["replayed_share"] = stats.replayed_ops / ops if ops else None
+                out["graph_launches"] = int(stats.graph_launches)
+    finally:
+        lib.dfl_cuda_graph_mode(-1)
+    on, off = out.get("step_ms_on"), out.get("step_ms_off")
+    out["speedup"] = off / on if on and off else None
+    return out
+
+
 def profile_rows(prof: dict[str, dict], steps: int, minus: dict[str, dict] | None = None) -> dict:
     """A cuda_op_profile (less `minus`) as rows per step, slowest first: ms, calls and GB/s of each op."""
     ops = []
@@ -323,6 +350,9 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
         ar_tokens = r.tokens
         out["ar"] = {"decode_tok_s": ar_tok_s, "decode_tokens": n_decode}
         out["steps"] = {"ar_ms": ar_ms}
+        if cuda:  # graph mode (the default) against each op launched on its own, and how much of a step replays
+            out["graphs"] = {"ar": graph_comparison(lib, ffi, lambda: _gen(dec, prompt, n_decode, mode="ar")[1],
+                                                    repeats)}
 
         # prefill: one chunked forward over P prompt tokens (n_batch chunks, as generate does)
         for p in prefills:
@@ -363,6 +393,9 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
             out["steps"].update(draft_ms=_median(st.draft_ms), tree_ms=_median(st.tree_ms),
                                 ddtree22_verify_ms=_median(st.verify_ms), commit_ms=_median(st.commit_ms),
                                 ddtree22_step_ms=_median(_step_ms(st)), ddtree22_accept=st.mean_accept)
+            if cuda:
+                out["graphs"]["ddtree22"] = graph_comparison(
+                    lib, ffi, lambda: _gen(dec, prompt, steps_tokens, mode="ddtree", budget=22)[1], repeats)
         else:
             out["notes"].append("no drafter: draft / DDTree-22 step not measured")
 
@@ -598,6 +631,7 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
                                           "exact")} if pf else None,
         "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
         "profile": ours.get("profile"),
+        "graphs": ours.get("graphs"),
         "notes": [n for p in (ex, ck, lc, ours, mm, v24, pf, dm) for n in (p.get("notes") or [])] +
                  ([f"vram24: {v24['error']}"] if v24.get("error") else []),
     }
@@ -640,6 +674,12 @@ def markdown(rec: dict) -> str:
     for name, key in (("drafter block", "draft_ms"), ("tree build", "tree_ms"), ("commit", "commit_ms"),
                       ("DDTree-22 step", "ddtree22_step_ms")):
         lines.append(f"| {name} | {_f(st.get(key), '.3f')} | {_f(in_ar(st.get(key)), '.2f')} |")
+    for name, g in (rec.get("graphs") or {}).items():
+        if isinstance(g, dict) and "step_ms_on" in g:
+            lines.append(f"| {name} step, graph mode off / on | {_f(g.get('step_ms_off'), '.3f')} / "
+                         f"{_f(g.get('step_ms_on'), '.3f')} | {_f(g.get('speedup'), '.2f')}x, "
+                         f"{_f(100 * g['replayed_share'] if g.get('replayed_share') is not None else None, '.0f')}% "
+                         "of ops replayed |")
     o, m = rec["oracle"], rec["memory"]
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
     lines += ["", f"oracle drafter: accept length {_f(o.get('accept_length'), '.2f')}, {_f(o.get('tok_s'))} tok/s, "

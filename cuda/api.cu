@@ -256,6 +256,14 @@ int dfl_cuda_graph_stats(dfl_cuda_graphs* out, int32_t reset) {
   });
 }
 
+int dfl_cuda_graph_mode(int32_t mode) {
+  using namespace dfl::cuda;
+  return dfl::api_guard([&] {
+    if (mode < -1 || mode > 1) dfl::fail("graph mode %d: use 1 (on), 0 (off) or -1 (as DFLASH27B_CUDA_GRAPHS)", mode);
+    graph_mode_override().store(mode);
+  });
+}
+
 int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len) {
   using namespace dfl::cuda;
   return dfl::api_guard([&] {

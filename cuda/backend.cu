@@ -471,6 +471,8 @@ class CudaBackend final : public Backend {
     launch(fwd::kv_commit_kernel, dim3((unsigned)((kv_row / 2 + 255) / 256), 2), dim3(256), 0, stream_, a);
   }
 
+  void submit() override { rec_.flush(); }
+
   void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd) override {
     const OpScope op(*this, "gdn_commit");
     if (!commit_plan_) fail("gdn_commit without begin_commit");
@@ -502,13 +504,22 @@ class CudaBackend final : public Backend {
     LaunchRecorder::Scope recording;
     OpScope(CudaBackend& b, const char* op, double read_bytes = 0.0)
         : be(b), label(op), bytes(read_bytes), on(b.profile_begin()),
-          recording(!on && b.graphs_ ? &b.rec_ : nullptr) {
+          recording(b.recorder_for_op(on)) {
       if (std::strcmp(op, "matmul")) b.act_q_of_ = {};  // any other op may write the quantised input
     }
     ~OpScope() {
       if (on) be.prof_.end(be.stream_, std::move(label), bytes);
     }
   };
+
+  // The recorder an op's launches go to: none while profiling (each op is issued and timed on its own) or
+  // with graph mode off, and then whatever was recorded is issued first.
+  LaunchRecorder* recorder_for_op(bool profiling) {
+    const int o = graph_mode_override().load(std::memory_order_relaxed);
+    if (!profiling && (o < 0 ? graphs_ : o == 1 && kGraphsPossible)) return &rec_;
+    rec_.flush();
+    return nullptr;
+  }
 
   // With the profile on, each op is issued and timed on its own: what was recorded goes first.
   bool profile_begin() {

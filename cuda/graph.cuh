@@ -105,6 +105,13 @@ inline void issue_zero(const void*, const uint8_t* args, dim3, dim3, size_t, cud
   CUDA_CHECK(cudaMemsetAsync(z.dst, 0, z.bytes, s));
 }
 
+// dfl_cuda_graph_mode: -1 each context as DFLASH27B_CUDA_GRAPHS set it at its creation, 0 off, 1 on —
+// for every context of the process at once, so a benchmark compares the two in one run.
+inline std::atomic<int>& graph_mode_override() {
+  static std::atomic<int> m{-1};
+  return m;
+}
+
 // What the recorders of the process did (dfl_cuda_graph_stats).
 struct GraphCounters {
   std::atomic<int64_t> direct_ops{0}, replayed_ops{0}, graph_launches{0}, captures{0};

@@ -297,6 +297,9 @@ typedef struct {
   int64_t direct_ops, replayed_ops, graph_launches, captures;
 } dfl_cuda_graphs;
 int dfl_cuda_graph_stats(dfl_cuda_graphs* out, int32_t reset);
+/* Graph mode for every CUDA context of the process from now on: 1 on, 0 off, -1 back to what
+ * DFLASH27B_CUDA_GRAPHS said when each was created (so one run can time a step both ways). */
+int dfl_cuda_graph_mode(int32_t mode);
 
 /* ==================== DFlash drafter (z-lab layout) ====================
  * path: a directory holding config.json + model.safetensors, or the

@@ -297,6 +297,16 @@ def test_cuda_graphs_replay_the_ar_step_and_change_no_token(cuda_dec, pair, monk
     dd = cuda_dec.generate(ids, n, ignore_eos=True, mode="ddtree", budget=22).tokens
     direct, replayed, launches = graph_stats()
     assert replayed > 0 and launches > 0, (direct, replayed, launches)
+    from dflash27b._lib import load
+
+    ffi, lib = load()
+    assert lib.dfl_cuda_graph_mode(0) == 0  # off for the process: every op on its own
+    try:
+        assert cuda_dec.generate(ids, n, ignore_eos=True, mode="ar").tokens == ar
+        assert graph_stats() == (0, 0, 0)
+    finally:
+        assert lib.dfl_cuda_graph_mode(-1) == 0
+    assert lib.dfl_cuda_graph_mode(2) != 0 and b"use 1 (on), 0 (off) or -1" in ffi.string(lib.dfl_last_error())
     monkeypatch.setenv("DFLASH27B_CUDA_GRAPHS", "0")
     with Decoder(pair[0], pair[1], device="cuda", ctx=1024, threads=2) as plain:
         assert plain.generate(ids, n, ignore_eos=True, mode="ar").tokens == ar == dd

@@ -47,6 +47,11 @@ int dfl_cuda_graph_stats(dfl_cuda_graphs*, int32_t) {
   return DFL_ERROR;
 }
 
+int dfl_cuda_graph_mode(int32_t) {
+  dfl::set_last_error("CUDA backend not built");
+  return DFL_ERROR;
+}
+
 int dfl_cuda_profile_report(char*, int64_t, int64_t*) {
   dfl::set_last_error("CUDA backend not built");
   return DFL_ERROR;

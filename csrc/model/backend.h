@@ -178,6 +178,9 @@ class Backend {
   // S += k delta^T; rounded to state_type), so both are bit-identical to what
   // the verify computed for the path's last node.
   virtual void gdn_commit(float* conv, void* rec, DType state_type, const float* node_upd) = 0;
+  // Starts what the ops so far have queued without waiting for it: CUDA's graph mode holds
+  // launches back until a segment ends, and a commit's must not wait for the next step.
+  virtual void submit() {}
   // Per row of logits: the k largest (descending; ties: lower id first) as ids
   // and log-softmax values — what greedy acceptance (k = 1) and the DDTree
   // builder need, so only k values per row leave the device.

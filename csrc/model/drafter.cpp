@@ -135,6 +135,7 @@ void Drafter::push_features_from_backend(int32_t pos0, int n, const float* src, 
       i += run;
     }
   }
+  be_->submit();  // a step's last GPU work: queued now, not at the next step's first op
   n_pos_ += n;
   consumed_ = std::max(consumed_, n_pos_ - cap_);
 }

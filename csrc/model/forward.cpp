@@ -339,6 +339,7 @@ void Context::commit_path(const int32_t* nodes, int n) {
     else
       I.be->kv_commit(I.k[l].u8(), I.v[l].u8(), I.kv_row);
   }
+  I.be->submit();
   n_past_ += n;
   n_verify_ = 0;
 }
