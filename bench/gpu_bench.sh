@@ -186,7 +186,9 @@ part1() {
   run 120 "backend ops on the GPU vs the CPU backend (batches 1..512)" \
     bash -c "build/gpu/dfl_backend_ops > build/backend_ops.log 2>&1; rc=\$?; grep -v ': ok$' build/backend_ops.log | tail -20; exit \$rc"
   run 240 "pytest -m cuda" python3 -m pytest -q -p no:cacheprovider -m cuda -rxs --junitxml=build/gpu-pytest.xml \
-    tests/test_cuda_ops.py tests/test_cuda_forward.py
+    tests/test_cuda_ops.py tests/test_cuda_forward.py ||
+    run 240 "pytest -m cuda again with graph mode off (DFLASH27B_CUDA_GRAPHS=0): do the failures follow it?" \
+      env DFLASH27B_CUDA_GRAPHS=0 python3 -m pytest -q -p no:cacheprovider -m cuda -rxs tests/test_cuda_forward.py
   run 120 "exactness on the bundled pair (CUDA AR vs CPU AR, chain / DDTree / sampled DDTree vs CUDA AR)" \
     python3 bench/gpu_bench.py exact --device cuda --out "$PARTS/exact.json"
   checks_summary
