@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "dflash27b.h"
 #include "model/backend.h"
 #include "model/context.h"
 #include "quant/quant.h"
@@ -208,6 +209,33 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
   auto label = [&](const char* op, const std::string& what, int n) {
     return std::string(shape) + " " + op + " " + what + " n=" + std::to_string(n);
   };
+
+  // graph mode (on unless DFLASH27B_CUDA_GRAPHS=0): a recorded segment is replayed only while its bytes
+  // repeat — it reads the device's data as it is now, and a changed argument is issued anew
+  if (!std::strcmp(shape, "tiny")) {
+    const char* env = std::getenv("DFLASH27B_CUDA_GRAPHS");
+    const bool on = !env || std::strcmp(env, "0");
+    dfl_cuda_graphs g{};
+    dfl_cuda_graph_stats(&g, 1);
+    const size_t cnt = 1000;
+    Buf xb(*cud, cnt * 4);
+    for (int round = 0; round < 4; ++round) {
+      const float s = round < 3 ? 2.f : 3.f;  // rounds 0..2 the same bytes, round 3 a new scalar
+      auto x = randn(cnt);
+      xb.put(x);
+      cud->scale(xb.f(), s, cnt);
+      for (float& v : x) v *= s;
+      check(label("graph mode", "scale, round " + std::to_string(round), 1), xb.get(cnt), x, 0.0);
+    }
+    dfl_cuda_graph_stats(&g, 1);
+    // round 0 issued directly, round 1 captured and launched, round 2 replayed, round 3 issued directly
+    const bool ok = on ? g.direct_ops == 2 && g.replayed_ops == 2 && g.graph_launches == 2 && g.captures == 1
+                       : g.direct_ops == 0 && g.replayed_ops == 0;
+    std::printf("%-58s %s (direct %lld, replayed %lld, launches %lld, captures %lld)\n",
+                label("graph mode", "replays only repeated bytes", 1).c_str(), ok ? "ok" : "FAIL",
+                (long long)g.direct_ops, (long long)g.replayed_ops, (long long)g.graph_launches, (long long)g.captures);
+    failures += !ok;
+  }
 
   for (int n : sizes) {
     ChunkPlan P = make_plan(n, true, 3, 50);
