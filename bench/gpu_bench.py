@@ -272,20 +272,20 @@ def step_profile(lib, ffi, gen, n_short: int, n_long: int) -> dict:
     return profile_rows(b, sb - sa, minus=a)
 
 
-def graph_comparison(lib, ffi, run, repeats: int) -> dict:
-    """One decode timed with graph mode on (as configured) and off (dfl_cuda_graph_mode), the median step of
-    each, and the share of the ops replayed from graphs when on (after a warm-up run)."""
+def graph_comparison(lib, ffi, run) -> dict:
+    """One decode timed with graph mode on (as configured; after a warm-up run, since a segment is captured
+    the second time it is seen) and off (dfl_cuda_graph_mode): the median step of each, and the share of
+    the decode's ops replayed from graphs when on."""
     stats = ffi.new("dfl_cuda_graphs*")
     out: dict = {}
     try:
         for mode, key in ((-1, "on"), (0, "off")):
             if lib.dfl_cuda_graph_mode(mode) != 0:
                 return {"error": "dfl_cuda_graph_mode failed"}
-            run()  # warm: a segment is captured the second time it is seen
+            if key == "on":
+                run()
             lib.dfl_cuda_graph_stats(stats, 1)
-            steps = []
-            for _ in range(repeats):
-                steps += _step_ms(run())
+            steps = _step_ms(run())
             lib.dfl_cuda_graph_stats(stats, 1)
             out[f"step_ms_{key}"] = _median(steps)
             if key == "on":
@@ -351,8 +351,7 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
         out["ar"] = {"decode_tok_s": ar_tok_s, "decode_tokens": n_decode}
         out["steps"] = {"ar_ms": ar_ms}
         if cuda:  # graph mode (the default) against each op launched on its own, and how much of a step replays
-            out["graphs"] = {"ar": graph_comparison(lib, ffi, lambda: _gen(dec, prompt, n_decode, mode="ar")[1],
-                                                    repeats)}
+            out["graphs"] = {"ar": graph_comparison(lib, ffi, lambda: _gen(dec, prompt, 48, mode="ar")[1])}
 
         # prefill: one chunked forward over P prompt tokens (n_batch chunks, as generate does)
         for p in prefills:
@@ -395,7 +394,7 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
                                 ddtree22_step_ms=_median(_step_ms(st)), ddtree22_accept=st.mean_accept)
             if cuda:
                 out["graphs"]["ddtree22"] = graph_comparison(
-                    lib, ffi, lambda: _gen(dec, prompt, steps_tokens, mode="ddtree", budget=22)[1], repeats)
+                    lib, ffi, lambda: _gen(dec, prompt, steps_tokens, mode="ddtree", budget=22)[1])
         else:
             out["notes"].append("no drafter: draft / DDTree-22 step not measured")
 

@@ -411,6 +411,7 @@ class CpuBackend final : public Backend {
   }
 
   void kv_commit(uint8_t* k_cache, uint8_t* v_cache, size_t kv_row) override {
+    if (commit_path_.empty()) fail("kv_commit without begin_commit");
     for (uint8_t* cache : {k_cache, v_cache})
       for (size_t k = 0; k < commit_path_.size(); ++k)
         if (commit_path_[k] != (int32_t)k)
