@@ -315,7 +315,9 @@ def profile_rows(prof: dict[str, dict], steps: int, minus: dict[str, dict] | Non
 
 def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_type: str, threads: int,
               n_decode: int, prefills: list[int], nodes: list[int], repeats: int, steps_tokens: int,
-              oracle_block: int, seed: int) -> dict:
+              oracle_block: int, seed: int, checkpoint=None) -> dict:
+    """checkpoint(out): called after each section with what is measured so far (marked partial), so a run
+    cut short by the device's time limit still leaves its numbers."""
     from dflash27b import Decoder
     from dflash27b._lib import load
     from dflash27b.decoder import bundled_pair
@@ -330,6 +332,10 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
         _cuda_memory(lib, ffi, reset=True)
     out: dict = {"target": str(target), "draft": str(draft) if draft else None, "ctx": ctx, "kv_type": kv_type,
                  "repeats": repeats, "notes": []}
+
+    def save() -> None:
+        if checkpoint:
+            checkpoint({**out, "partial": True})
     t_load = time.perf_counter()
     with Decoder(target, draft, device=device, ctx=ctx, kv_type=kv_type, threads=threads) as dec:
         out["load_s"] = time.perf_counter() - t_load
@@ -352,6 +358,7 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
         out["steps"] = {"ar_ms": ar_ms}
         if cuda:  # graph mode (the default) against each op launched on its own, and how much of a step replays
             out["graphs"] = {"ar": graph_comparison(lib, ffi, lambda: _gen(dec, prompt, 48, mode="ar")[1])}
+        save()
 
         # prefill: one chunked forward over P prompt tokens (n_batch chunks, as generate does)
         for p in prefills:
@@ -371,6 +378,7 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
                 # and the first token's AR step, which is a small share of it)
                 out.setdefault("profile", {})[f"prefill_{p}"] = profile_rows(
                     cuda_op_profile(lib, ffi, lambda ids=ids: _gen(dec, ids, 1, mode="ar")), 1)
+        save()
 
         # verify by node count: a tree hook hands the generator fixed shapes (random tokens: nothing is
         # accepted, every step verifies exactly n nodes)
@@ -385,6 +393,7 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
         dec._ctx.set_tree_hook(None)
         out["steps"]["verify_ms"] = verify["chain"]
         out["steps"]["verify_tree_ms"] = verify["tree"]
+        save()
 
         # the drafter's block step, tree build, a whole DDTree-22 step and commit (the drafter proposes)
         if dec.draft_info is not None:
@@ -397,6 +406,7 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
                     lib, ffi, lambda: _gen(dec, prompt, steps_tokens, mode="ddtree", budget=22)[1])
         else:
             out["notes"].append("no drafter: draft / DDTree-22 step not measured")
+        save()
 
         # where a step's GPU time goes, op by op: AR and DDTree-22 (events around each op; their sum is a
         # little above the step's GPU time, launch gaps and host time are not in it)
@@ -407,6 +417,7 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
                 out["profile"]["ddtree22"] = step_profile(
                     lib, ffi, lambda n: _gen(dec, prompt, n, mode="ddtree", budget=22)[1], steps_tokens // 2,
                     steps_tokens)
+        save()
 
         # the oracle drafter (the target's own continuation ranked first): accept length ~ the block
         attach_oracle(dec, prompt, ar_tokens)
@@ -641,6 +652,8 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         rec["steps"]["ar_floor_ms"] = weights / (rec["copy_gb_s"] * 1e9) * 1e3
     if ex.get("near_ties"):
         rec["exact"]["near_ties"] = ex["near_ties"]
+    if ours.get("partial"):
+        rec["notes"].append("ours: cut short (the numbers measured before the time limit; null after)")
     missing = [k for k in ("exact", "checks", "llamacpp", "ours") if k not in parts]
     if missing:
         rec["notes"].append("parts not measured in this run: " + ", ".join(missing))
@@ -850,7 +863,8 @@ def main(argv: list[str] | None = None) -> int:
         _write(a.out, part_llamacpp(a.bench, a.model, a.json_in, a.n_gen, a.prompts, a.reps))
     elif a.part == "ours":
         _write(a.out, part_ours(a.target, a.draft, a.device, a.ctx, a.kv_type, a.threads, a.n_decode, a.prefill,
-                                a.nodes, a.repeats, a.steps_tokens, a.oracle_block, a.seed))
+                                a.nodes, a.repeats, a.steps_tokens, a.oracle_block, a.seed,
+                                checkpoint=lambda o: _write(a.out, o)))
     elif a.part == "vram24":
         _write(a.out, part_vram24(a.target, a.draft, a.cap_gib, a.ctx, a.prompt_len, a.n_new, a.kv_type, a.draft_type,
                                   a.threads))

@@ -183,6 +183,7 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
     part("exact", "--device", "cpu", "--threads", "2", "--n-new", "24", "--out", str(parts / "exact.json"))
     part("ours", "--device", "cpu", "--threads", "2", "--n-decode", "24", "--prefill", "512,1024", "--nodes", "2,4,8",
          "--repeats", "1", "--steps-tokens", "8", "--ctx", "2048", "--out", str(parts / "ours.json"))
+    assert "partial" not in json.loads((parts / "ours.json").read_text())  # the checkpoints, then the whole part
     part("llamacpp", "--json", str(FIX / "llama-bench.json"), "--out", str(parts / "llamacpp.json"))
     part("draftmodel", "--device", "cpu", "--threads", "2", "-n", "24", "--out", str(parts / "draftmodel.json"))
     part("prefix", "--device", "cpu", "--threads", "2", "--history", "600", "-n", "8", "--ctx", "1024",
@@ -236,6 +237,16 @@ def test_record_with_missing_parts_is_null_not_absent(tmp_path):
             assert rec[key][k] is None, (key, k)
     assert any("parts not measured" in n for n in rec["notes"])
     assert "—" in gb.markdown(rec)
+
+
+def test_a_part_cut_short_keeps_what_it_measured():
+    """`ours` writes its JSON after each section (marked partial), so a run the device's time limit ends still
+    gives the numbers measured so far; the record says it was cut short."""
+    ours = {"partial": True, "ar": {"decode_tok_s": 30.0}, "steps": {"ar_ms": 33.0}, "notes": []}
+    rec = gb.assemble({"ours": ours}, "c0ffee", "NVIDIA H100 80GB HBM3", gb._dt.datetime(2026, 11, 25, 12, 0))
+    assert rec["ar"]["decode_tok_s"] == 30.0 and rec["steps"]["ar_ms"] == 33.0 and rec["steps"]["draft_ms"] is None
+    assert any("cut short" in n for n in rec["notes"])
+    assert "cut short" in gb.markdown(rec)
 
 
 def test_vram24_in_the_record():
