@@ -302,28 +302,22 @@ class LaunchRecorder {
   bool broken_ = false;
 };
 
-// A device-to-device copy or a zero fill on stream s, recorded when s is being recorded.
+// A copy or fill (no kernel) on stream s: recorded when s is being recorded, else issued now.
+template <class Args>
+void record_or_issue(cudaStream_t s, IssueFn issue, const Args& args) {
+  if (LaunchRecorder* r = LaunchRecorder::for_stream(s)) {
+    pack_arg(r->open(issue, nullptr, dim3(), dim3(), 0, sizeof args), args);
+    return r->close();
+  }
+  alignas(16) uint8_t b[sizeof args];
+  pack_arg(b, args);
+  issue(nullptr, b, dim3(), dim3(), 0, s);
+}
 inline void device_copy(cudaStream_t s, void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                         size_t height) {
-  const CopyArgs c{dst, dpitch, src, spitch, width, height};
-  if (LaunchRecorder* r = LaunchRecorder::for_stream(s)) {
-    pack_arg(r->open(issue_copy, nullptr, dim3(), dim3(), 0, sizeof c), c);
-    return r->close();
-  }
-  alignas(16) uint8_t b[sizeof c];
-  pack_arg(b, c);
-  issue_copy(nullptr, b, dim3(), dim3(), 0, s);
+  record_or_issue(s, issue_copy, CopyArgs{dst, dpitch, src, spitch, width, height});
 }
-inline void device_zero(cudaStream_t s, void* dst, size_t bytes) {
-  const ZeroArgs z{dst, bytes};
-  if (LaunchRecorder* r = LaunchRecorder::for_stream(s)) {
-    pack_arg(r->open(issue_zero, nullptr, dim3(), dim3(), 0, sizeof z), z);
-    return r->close();
-  }
-  alignas(16) uint8_t b[sizeof z];
-  pack_arg(b, z);
-  issue_zero(nullptr, b, dim3(), dim3(), 0, s);
-}
+inline void device_zero(cudaStream_t s, void* dst, size_t bytes) { record_or_issue(s, issue_zero, ZeroArgs{dst, bytes}); }
 
 }  // namespace cuda
 }  // namespace dfl
