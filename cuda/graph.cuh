@@ -172,10 +172,15 @@ class LaunchRecorder {
   // capture when they were seen once before, else each op directly.
   void flush() {
     if (bytes_.empty()) return;
-    std::vector<uint8_t> seg;
-    seg.swap(bytes_);  // a failure below must not leave the segment to be issued twice
+    struct Done {  // the segment is gone however this ends: a failure must not issue it twice
+      LaunchRecorder& r;
+      ~Done() {
+        r.bytes_.clear();  // keeps its capacity: no allocation per segment
+        r.n_ops_ = 0;
+      }
+    } done{*this};
+    const std::vector<uint8_t>& seg = bytes_;
     const int64_t ops = n_ops_;
-    n_ops_ = 0;
     GraphCounters& gc = graph_counters();
     const uint64_t h = hash(seg);
     auto g = graphs_.find(h);
@@ -206,7 +211,7 @@ class LaunchRecorder {
     }
     if (graphs_.size() >= kMaxGraphs) evict_oldest();
     CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-    graphs_[h] = Graph{std::move(seg), exec, ++tick_};
+    graphs_[h] = Graph{seg, exec, ++tick_};
     gc.captures += 1;
     gc.replayed_ops += ops;
     gc.graph_launches += 1;
