@@ -26,8 +26,8 @@ enum class Device { CPU = 0, CUDA = 1 };
 // The part of a batch one chunk of the forward needs on the backend: token
 // ids, positions, and for every token which KV slots it attends to — a
 // contiguous prefix [0, n_prefix[t]) then `extra_count[t]` more slots listed
-// in `extra_slots` from `extra_begin[t]`, ascending (a tree node's ancestors
-// and itself) — and for delta-net layers which state each token starts from
+// in `extra_slots` from `extra_begin[t]` (a tree node's ancestors and itself,
+// ascending; tokens that see the same slots may share one range) — and for delta-net layers which state each token starts from
 // (`parent[t]`: -1 = the committed state, else an earlier token of the chunk).
 struct ChunkPlan {
   int n = 0;

@@ -199,12 +199,20 @@ void Drafter::plan_block(const int32_t* tokens, int B, bool causal, int64_t W, C
   P = ChunkPlan{};
   P.n = B;
   P.kv_slot0 = cap_;  // the block's K/V go to slots cap..cap+B-1, after the context ring
+  // Without a causal mask or a window every block token sees the same slots: one list they all share (the
+  // plan is then the context once, not once per block token — 16x less to build and upload).
+  const bool shared = !causal && W <= 0;
   for (int i = 0; i < B; ++i) {
     const int64_t qp = s + i;
     P.tokens.push_back(tokens[i]);
     P.pos.push_back((int32_t)qp);
     P.n_prefix.push_back(0);
     P.parent.push_back(i - 1);
+    if (shared && i > 0) {
+      P.extra_begin.push_back(P.extra_begin[0]);
+      P.extra_count.push_back(P.extra_count[0]);
+      continue;
+    }
     P.extra_begin.push_back((int32_t)P.extra_slots.size());
     // keys in order: cached context (ascending positions), then the block (slots cap..)
     const int64_t c0 = W > 0 ? std::max<int64_t>(lo, qp - W + 1) : lo;
