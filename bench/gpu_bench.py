@@ -97,6 +97,18 @@ def part_exact(device: str, n_new: int, threads: int) -> dict:
         sampled = dict(ignore_eos=True, temperature=0.8, seed=7)
         out["sampled_ddtree_eq_ar"] = (dev.generate(ids, n_new, mode="ddtree", **sampled).tokens
                                        == dev.generate(ids, n_new, mode="ar", **sampled).tokens)
+        if device == "cuda":  # graph mode (the default, in every check above) against each op issued on its own
+            from dflash27b._lib import load
+
+            ffi, lib = load()
+            dd = dev.generate(ids, n_new, ignore_eos=True, mode="ddtree", budget=22).tokens
+            lib.dfl_cuda_graph_mode(0)
+            try:
+                out["graphs_off_eq_on"] = (dev.generate(ids, n_new, ignore_eos=True, mode="ar").tokens == ar and
+                                           dev.generate(ids, n_new, ignore_eos=True, mode="ddtree",
+                                                        budget=22).tokens == dd)
+            finally:
+                lib.dfl_cuda_graph_mode(-1)
     return out
 
 
@@ -652,6 +664,8 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         rec["steps"]["ar_floor_ms"] = weights / (rec["copy_gb_s"] * 1e9) * 1e3
     if ex.get("near_ties"):
         rec["exact"]["near_ties"] = ex["near_ties"]
+    if "graphs_off_eq_on" in ex:
+        rec["exact"]["graphs_off_eq_on"] = ex["graphs_off_eq_on"]
     if ours.get("partial"):
         rec["notes"].append("ours: cut short (the numbers measured before the time limit; null after)")
     missing = [k for k in ("exact", "checks", "llamacpp", "ours") if k not in parts]
@@ -703,7 +717,8 @@ def markdown(rec: dict) -> str:
     lines += [f"tests: {t.get('passed')} passed, {t.get('failed')} failed; memcheck errors {s.get('memcheck_errors')}, "
               f"racecheck hazards {s.get('racecheck_hazards')}",
               "exact: " + ", ".join(f"{k} {e.get(k)}" for k in ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar",
-                                                                  "sampled_ddtree_eq_ar"))]
+                                                                  "sampled_ddtree_eq_ar", "graphs_off_eq_on")
+                                    if k in e)]
     v = rec.get("vram24")
     if v:
         lines += ["", f"24 GiB cap: ctx {v.get('ctx')}, peak {_f(gib(v.get('peak_bytes')), '.2f')} GiB, plan "
