@@ -260,6 +260,7 @@ int dfl_cuda_graph_mode(int32_t mode) {
   using namespace dfl::cuda;
   return dfl::api_guard([&] {
     if (mode < -1 || mode > 1) dfl::fail("graph mode %d: use 1 (on), 0 (off) or -1 (as DFLASH27B_CUDA_GRAPHS)", mode);
+    if (mode == 1 && !kGraphsPossible) dfl::fail("graph mode: this build cannot zero argument padding");
     graph_mode_override().store(mode);
   });
 }

@@ -162,8 +162,12 @@ bool exact_matmul_chosen() {
 // DFLASH27B_CUDA_GRAPHS: 1 (the default: replay repeating launch segments as graphs) or 0.
 bool graphs_chosen() {
   const char* v = std::getenv("DFLASH27B_CUDA_GRAPHS");
-  if (!v || !*v || !std::strcmp(v, "1")) return kGraphsPossible;
+  if (!v || !*v) return kGraphsPossible;
   if (!std::strcmp(v, "0")) return false;
+  if (!std::strcmp(v, "1")) {
+    if (!kGraphsPossible) fail("DFLASH27B_CUDA_GRAPHS=1: this build cannot zero argument padding, so graph mode is off");
+    return true;
+  }
   fail("DFLASH27B_CUDA_GRAPHS=%s: use 1 or 0", v);
 }
 
@@ -516,7 +520,7 @@ class CudaBackend final : public Backend {
   // with graph mode off, and then whatever was recorded is issued first.
   LaunchRecorder* recorder_for_op(bool profiling) {
     const int o = graph_mode_override().load(std::memory_order_relaxed);
-    if (!profiling && (o < 0 ? graphs_ : o == 1 && kGraphsPossible)) return &rec_;
+    if (!profiling && (o < 0 ? graphs_ : o == 1)) return &rec_;
     rec_.flush();
     return nullptr;
   }
