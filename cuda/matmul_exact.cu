@@ -17,7 +17,7 @@
 //   n > 8:   kquant_mma_kernel, one warp = 16 rows x up to 64 tokens (8 tiles of
 //            8) on the tensor cores, so a verify of up to 64 tokens reads each
 //            weight once.
-// Q8_0 / Q4_0 have their own pair further down (the CPU's AVX2 lane order).
+// Q8_0 / Q4_0 have their own pair further down (8 float chains by block index).
 // The CUDA backend takes them for every K-quant, Q8_0 and Q4_0 matmul (backend.cu).
 //
 // Speed is still to be measured and tuned on the first GPU (issue 19): the
@@ -439,22 +439,27 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
 }
 
 // ---------------------------------------------------------------- Q8_0 / Q4_0
-// The CPU's AVX2 arithmetic (csrc/quant/dot_cpu.cpp): activations in 32-value
-// blocks (scale amax / 127, q = rint(x / scale), s = scale * sum(q)); per
-// output, 8 lane chains, lane l taking values 4l..4l+3 of every block in k order:
-//   acc_l = fma(dw_i * xd_i, float(p_l), acc_l),  p_l the 4 products' exact sum
-// (one dp4a); Q4_0 (quants 0..15, offset 8) also off = off + dw_i * s_i; then
-//   out = ((acc_0 + acc_4) + (acc_2 + acc_6)) + ((acc_1 + acc_5) + (acc_3 + acc_7))  [- 8 off]
-// which is the CPU's horizontal sum.  A group of 8 lanes owns a row, lane l
-// its chain l for the group's tokens; the sum is an xor butterfly (4, 2, 1),
-// whose additions are those of the CPU's hsum (a + b == b + a exactly).  Every
-// token takes the same steps whatever the batch: AR, verify and prefill agree
-// bit for bit, and with the CPU backend's AVX2 build.  A thread carries up to
-// 32 tokens, so a verify of up to 32 nodes reads the weights once.
+// The CPU's arithmetic (csrc/quant/dot_cpu.cpp, dot_row_q_reference):
+// activations in 32-value blocks (scale amax / 127, q = rint(x / scale), and
+// the integer sum of q per block); per output, block i's exact integer sum
+//   isum_i = sum_j wq_ij * xq_ij          (Q4_0: sum_j nibble_ij * xq_ij - 8 * sum_j xq_ij)
+// goes into chain i % 8:
+//   lane_(i%8) = fma(dw_i * xd_i, float(isum_i), lane_(i%8)),   blocks in k order
+//   out = ((lane_0 + lane_4) + (lane_2 + lane_6)) + ((lane_1 + lane_5) + (lane_3 + lane_7)).
+// Every form computes whole block sums, so the float steps are the same for
+// every batch and kernel: AR, verify and prefill agree bit for bit, and with
+// the CPU backend (AVX2 and scalar builds alike).  Two kernels:
+//   n <= 8: block32_dp4a_kernel, a matvec: a group of 8 lanes owns a row and
+//           lane l the blocks of chain l (8 dp4a a block); the chains meet in
+//           an xor butterfly (4, 2, 1), whose additions are sum_chains';
+//   n > 8:  block32_mma_kernel, 8 warps a CTA, warp w the blocks of chain w
+//           for 16 rows x up to 64 tokens (a block is one m16n8k32 per 8
+//           tokens); the chains meet in shared memory.  A verify of up to 64
+//           tokens reads each weight once.
 
 // The CPU's quantize_act_row with 32-value blocks: one warp per (token, block).
 __global__ void quantize_act32_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
-                                      float* __restrict__ d, float* __restrict__ s) {
+                                      float* __restrict__ d, int32_t* __restrict__ sum_q) {
   const int lane = threadIdx.x & 31;
   const int64_t nb = cols / 32;
   const int64_t item = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -471,82 +476,186 @@ __global__ void quantize_act32_kernel(const float* __restrict__ x, int64_t cols,
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   if (lane == 0) {
     d[tok * nb + b] = dv;
-    s[tok * nb + b] = __fmul_rn(dv, (float)sum);
+    sum_q[tok * nb + b] = sum;
   }
 }
 
-constexpr int kQ32MaxTokens = 32;
-
-// Lane l's 4 quants of one block as int8 (Q4_0: lanes 0-3 the low nibbles of
-// qs[4l..4l+3], lanes 4-7 the high nibbles of qs[4(l-4)..]).  Blocks are 34 or
-// 18 bytes, so rows and quants are only 2-byte aligned: two 2-byte loads.
 template <DType T>
-__device__ __forceinline__ uint32_t block32_quants4(const uint8_t* blk, int l) {
+constexpr int kBlock32Bytes = T == DType::Q8_0 ? (int)sizeof(block_q8_0) : (int)sizeof(block_q4_0);
+
+// A block's 32 quants as 8 words of 4 int8 (word k = values 4k..4k+3; Q4_0 the
+// nibbles 0..15).  Blocks are 34 or 18 bytes, so quants are 2-byte aligned.
+template <DType T>
+__device__ __forceinline__ void block32_quants(const uint8_t* blk, uint32_t (&q)[8]) {
   if constexpr (T == DType::Q8_0) {
-    const uint8_t* p = blk + kQ8_0_qs + 4 * l;
+    const uint4 lo = ld16_u(blk + kQ8_0_qs), hi = ld16_u(blk + kQ8_0_qs + 16);
+    q[0] = lo.x, q[1] = lo.y, q[2] = lo.z, q[3] = lo.w, q[4] = hi.x, q[5] = hi.y, q[6] = hi.z, q[7] = hi.w;
+  } else {  // value j is the low nibble of qs[j], value 16 + j its high nibble
+    const uint4 v = ld16_u(blk + kQ4_0_qs);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      q[k] = u4_word(v, k) & 0x0f0f0f0fu;
+      q[k + 4] = (u4_word(v, k) >> 4) & 0x0f0f0f0fu;
+    }
+  }
+}
+
+// Quants 4c..4c+3 of a block (c = 0..7) as 4 int8, for a tensor-core fragment.
+template <DType T>
+__device__ __forceinline__ uint32_t block32_quants4(const uint8_t* blk, int c) {
+  if constexpr (T == DType::Q8_0) {
+    const uint8_t* p = blk + kQ8_0_qs + 4 * c;
     return ld_u16(p) | ld_u16(p + 2) << 16;
   } else {
-    const uint8_t* p = blk + kQ4_0_qs + 4 * (l & 3);
-    return ((ld_u16(p) | ld_u16(p + 2) << 16) >> (4 * (l >> 2))) & 0x0f0f0f0fu;
+    const uint8_t* p = blk + kQ4_0_qs + 4 * (c & 3);
+    return ((ld_u16(p) | ld_u16(p + 2) << 16) >> (4 * (c >> 2))) & 0x0f0f0f0fu;
   }
+}
+
+// Block i's integer sum from the instruction's sum of quants x activations.
+template <DType T>
+__device__ __forceinline__ int block32_isum(int dot, const int32_t* xsum, int64_t tok, int64_t nb, int64_t i) {
+  if constexpr (T == DType::Q4_0) return dot - 8 * xsum[tok * nb + i];
+  return dot;
 }
 
 template <DType T, int NT>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
     block32_dp4a_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
-                        const int8_t* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs,
+                        const int8_t* __restrict__ xq, const float* __restrict__ xd, const int32_t* __restrict__ xsum,
                         int n, float* __restrict__ y) {
-  constexpr int BS = T == DType::Q8_0 ? (int)sizeof(block_q8_0) : (int)sizeof(block_q4_0);
+  constexpr int BS = kBlock32Bytes<T>;
   const int lane = threadIdx.x & 31, l = lane & 7;
   const int64_t r = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * kRowsPerDp4aWarp + (lane >> 3);
   const uint8_t* row = w + min(r, rows - 1) * row_bytes;  // past the end: read the last row, write nothing
-  const int tok0 = blockIdx.y * NT;
   const int64_t nb = cols / 32;
-  float acc[NT], off[NT];
+  float acc[NT];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = off[t] = 0.f;
-  for (int64_t i = 0; i < nb; ++i) {
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+  for (int64_t i = l; i < nb; i += 8) {  // chain l: blocks l, l + 8, ...
     const uint8_t* blk = row + i * BS;
-    const uint32_t q = block32_quants4<T>(blk, l);
+    uint32_t q[8];
+    block32_quants<T>(blk, q);
     const float dw = ld_f16(blk);  // d leads both blocks
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const int64_t tok = min(tok0 + t, n - 1);
-      const int p = __dp4a((int)q, (int)ld_u32_act(xq + tok * cols + 32 * i + 4 * l), 0);
-      acc[t] = fmaf(__fmul_rn(dw, xd[tok * nb + i]), (float)p, acc[t]);
-      if (T == DType::Q4_0) off[t] = __fadd_rn(off[t], __fmul_rn(dw, xs[tok * nb + i]));
+      const int64_t tok = min(t, n - 1);
+      const uint8_t* xp = reinterpret_cast<const uint8_t*>(xq + tok * cols + 32 * i);  // 16-byte aligned
+      const uint4 x0 = ld16(xp), x1 = ld16(xp + 16);
+      int dot = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        dot = __dp4a((int)q[k], (int)u4_word(x0, k), dot);
+        dot = __dp4a((int)q[k + 4], (int)u4_word(x1, k), dot);
+      }
+      const int isum = block32_isum<T>(dot, xsum, tok, nb, i);
+      acc[t] = fmaf(__fmul_rn(dw, xd[tok * nb + i]), (float)isum, acc[t]);
     }
   }
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
+  for (int t = 0; t < NT; ++t) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) in lane 0
     float v = acc[t];
     v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
     v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
     v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    if (T == DType::Q4_0) v = __fsub_rn(v, __fmul_rn(8.f, off[t]));
-    if (l == 0 && r < rows && tok0 + t < n) y[(int64_t)(tok0 + t) * rows + r] = v;
+    if (l == 0 && r < rows && t < n) y[(int64_t)t * rows + r] = v;
+  }
+}
+
+constexpr int kBlock32MmaWarps = 8;  // one per chain
+
+template <DType T, int kTokTiles>
+__global__ void __launch_bounds__(kBlock32MmaWarps * 32)
+    block32_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                       const int8_t* __restrict__ xq, const float* __restrict__ xd, const int32_t* __restrict__ xsum,
+                       int n, float* __restrict__ y) {
+  constexpr int BS = kBlock32Bytes<T>;
+  __shared__ float chain[kBlock32MmaWarps][kTokTiles][4][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t m0 = (int64_t)blockIdx.x * 16;
+  const int tok0 = blockIdx.y * 8 * kTokTiles;
+  const int tiles = min(kTokTiles, (n - tok0 + 7) / 8);
+  const int64_t nb = cols / 32;
+  // rows and tokens past the end are read (as the last one), never written
+  const uint8_t* row_a = w + min(m0 + g, rows - 1) * row_bytes;
+  const uint8_t* row_b = w + min(m0 + g + 8, rows - 1) * row_bytes;
+  float acc[kTokTiles][4];
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[tt][e] = 0.f;
+  for (int64_t i = warp; i < nb; i += kBlock32MmaWarps) {  // chain `warp`: blocks warp, warp + 8, ...
+    const uint8_t* blk_a = row_a + i * BS;
+    const uint8_t* blk_b = row_b + i * BS;
+    // A fragment: rows g / g + 8, values 4 t4.. and 16 + 4 t4.. of block i
+    const uint32_t a[4] = {block32_quants4<T>(blk_a, t4), block32_quants4<T>(blk_b, t4),
+                           block32_quants4<T>(blk_a, 4 + t4), block32_quants4<T>(blk_b, 4 + t4)};
+    const float dw[2] = {ld_f16(blk_a), ld_f16(blk_b)};
+    const int32_t zero[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt) {
+      if (tt >= tiles) break;
+      const int64_t tb = min(tok0 + 8 * tt + g, n - 1);  // the B fragment's token
+      const int8_t* xp = xq + tb * cols + 32 * i + 4 * t4;
+      const uint32_t b[2] = {ld_u32_act(xp), ld_u32_act(xp + 16)};
+      int32_t c[4];
+      mma_m16n8k32_s8(c, a, b, zero);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // C: rows g (e < 2) / g + 8, tokens 2 t4 + (e & 1)
+        const int64_t tok = min(tok0 + 8 * tt + 2 * t4 + (e & 1), n - 1);
+        const int isum = block32_isum<T>(c[e], xsum, tok, nb, i);
+        acc[tt][e] = fmaf(__fmul_rn(dw[e >> 1], xd[tok * nb + i]), (float)isum, acc[tt][e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) chain[warp][tt][e][lane] = acc[tt][e];
+  __syncthreads();
+  // the chains' sum, ((c0 + c4) + (c2 + c6)) + ((c1 + c5) + (c3 + c7)), one output a thread
+  for (int o = threadIdx.x; o < kTokTiles * 4 * 32; o += kBlock32MmaWarps * 32) {
+    const int tt = o / 128, e = (o / 32) & 3, ln = o & 31;
+    if (tt >= tiles) continue;
+    const int64_t r = m0 + (ln >> 2) + (e < 2 ? 0 : 8);
+    const int t = tok0 + 8 * tt + 2 * (ln & 3) + (e & 1);
+    if (r >= rows || t >= n) continue;
+    const float s04 = __fadd_rn(chain[0][tt][e][ln], chain[4][tt][e][ln]);
+    const float s26 = __fadd_rn(chain[2][tt][e][ln], chain[6][tt][e][ln]);
+    const float s15 = __fadd_rn(chain[1][tt][e][ln], chain[5][tt][e][ln]);
+    const float s37 = __fadd_rn(chain[3][tt][e][ln], chain[7][tt][e][ln]);
+    y[(int64_t)t * rows + r] = __fadd_rn(__fadd_rn(s04, s26), __fadd_rn(s15, s37));
   }
 }
 
 template <DType T, int NT>
-void launch_block32(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, const float* xs,
-                    int n, float* y, cudaStream_t stream) {
+void launch_block32_dp4a(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq,
+                         const float* xd, const int32_t* xsum, int n, float* y, cudaStream_t stream) {
   const int64_t per_cta = (int64_t)kWarpsPerCta * kRowsPerDp4aWarp;
-  const int64_t row_bytes = cols / 32 * (T == DType::Q8_0 ? (int64_t)sizeof(block_q8_0) : (int64_t)sizeof(block_q4_0));
-  launch(block32_dp4a_kernel<T, NT>, dim3((unsigned)((rows + per_cta - 1) / per_cta), (unsigned)((n + NT - 1) / NT)),
-         dim3(32 * kWarpsPerCta), 0, stream, w, rows, cols, row_bytes, xq, xd, xs, n, y);
+  launch(block32_dp4a_kernel<T, NT>, dim3((unsigned)((rows + per_cta - 1) / per_cta)), dim3(32 * kWarpsPerCta), 0,
+         stream, w, rows, cols, row_bytes, xq, xd, xsum, n, y);
+}
+
+template <DType T, int kTokTiles>
+void launch_block32_mma(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq,
+                        const float* xd, const int32_t* xsum, int n, float* y, cudaStream_t stream) {
+  launch(block32_mma_kernel<T, kTokTiles>,
+         dim3((unsigned)((rows + 15) / 16), (unsigned)((n + 8 * kTokTiles - 1) / (8 * kTokTiles))),
+         dim3(32 * kBlock32MmaWarps), 0, stream, w, rows, cols, row_bytes, xq, xd, xsum, n, y);
 }
 
 template <DType T>
-void launch_block32_n(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd, const float* xs,
-                      int n, float* y, cudaStream_t stream) {
-  // tokens per thread fit the batch: registers grow with them
-  if (n == 1) return launch_block32<T, 1>(w, rows, cols, xq, xd, xs, n, y, stream);
-  if (n == 2) return launch_block32<T, 2>(w, rows, cols, xq, xd, xs, n, y, stream);
-  if (n <= 4) return launch_block32<T, 4>(w, rows, cols, xq, xd, xs, n, y, stream);
-  if (n <= 8) return launch_block32<T, 8>(w, rows, cols, xq, xd, xs, n, y, stream);
-  if (n <= 16) return launch_block32<T, 16>(w, rows, cols, xq, xd, xs, n, y, stream);
-  launch_block32<T, kQ32MaxTokens>(w, rows, cols, xq, xd, xs, n, y, stream);
+void launch_block32(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd,
+                    const int32_t* xsum, int n, float* y, cudaStream_t stream) {
+  const int64_t row_bytes = cols / 32 * kBlock32Bytes<T>;
+  // tokens per thread / tiles per warp fit the batch (registers grow with them)
+  if (n == 1) return launch_block32_dp4a<T, 1>(w, rows, cols, row_bytes, xq, xd, xsum, n, y, stream);
+  if (n == 2) return launch_block32_dp4a<T, 2>(w, rows, cols, row_bytes, xq, xd, xsum, n, y, stream);
+  if (n <= 4) return launch_block32_dp4a<T, 4>(w, rows, cols, row_bytes, xq, xd, xsum, n, y, stream);
+  if (n <= kDp4aMaxTokens) return launch_block32_dp4a<T, 8>(w, rows, cols, row_bytes, xq, xd, xsum, n, y, stream);
+  if (n <= 16) return launch_block32_mma<T, 2>(w, rows, cols, row_bytes, xq, xd, xsum, n, y, stream);
+  if (n <= 32) return launch_block32_mma<T, 4>(w, rows, cols, row_bytes, xq, xd, xsum, n, y, stream);
+  launch_block32_mma<T, kMaxTokTiles>(w, rows, cols, row_bytes, xq, xd, xsum, n, y, stream);
 }
 
 }  // namespace
@@ -588,7 +697,7 @@ void matmul_exact_quantize(ExactAct a, const float* x, int64_t cols, int n, void
            reinterpret_cast<int16_t*>(base + lay.sums));
   else
     launch(quantize_act32_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd,
-           reinterpret_cast<float*>(base + lay.sums));
+           reinterpret_cast<int32_t*>(base + lay.sums));
 }
 
 void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
@@ -603,9 +712,9 @@ void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, 
   const int8_t* xq = reinterpret_cast<const int8_t*>(base + lay.q);
   const float* xd = reinterpret_cast<const float*>(base + lay.d);
   if (a == ExactAct::blocks32) {
-    const float* xs = reinterpret_cast<const float*>(base + lay.sums);
-    if (t == DType::Q8_0) return launch_block32_n<DType::Q8_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
-    return launch_block32_n<DType::Q4_0>(wb, rows, cols, xq, xd, xs, n, y, stream);
+    const int32_t* xsum = reinterpret_cast<const int32_t*>(base + lay.sums);
+    if (t == DType::Q8_0) return launch_block32<DType::Q8_0>(wb, rows, cols, xq, xd, xsum, n, y, stream);
+    return launch_block32<DType::Q4_0>(wb, rows, cols, xq, xd, xsum, n, y, stream);
   }
   const int16_t* xbsum = reinterpret_cast<const int16_t*>(base + lay.sums);
   switch (t) {

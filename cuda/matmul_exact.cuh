@@ -1,7 +1,7 @@
 // matmul_exact.cuh — the CUDA backend's batch-invariant matmuls: a token's
 // result is the same bits for every batch size (AR step, verify, prefill chunk).
 // Quantised weights in the CPU backend's arithmetic bit for bit (matmul_exact.cu:
-// K-quants on the int8 tensor cores, Q8_0 / Q4_0 in the CPU's AVX2 lane order);
+// K-quants and, for more than 8 tokens, Q8_0 / Q4_0 on the int8 tensor cores);
 // F16 / BF16 on the tf32 tensor cores (matmul_half.cu), within f32 rounding of
 // the CPU.
 #pragma once

@@ -241,8 +241,8 @@ int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst); /* F32/
 /* y[t][r] = W[r] . x[t] for a rows x cols weight of `type` (row-major blocks) */
 int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
                int32_t n_threads);
-/* K-quant types only: the arithmetic dfl_matmul's kernels must reproduce bit for bit,
- * computed one output at a time (tests) */
+/* K-quants, Q8_0 and Q4_0: the arithmetic dfl_matmul's kernels (and the CUDA
+ * backend's) must reproduce bit for bit, computed one output at a time (tests) */
 int dfl_matmul_reference(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
                          float* y);
 
@@ -257,9 +257,10 @@ int dfl_cuda_device_count(void);
  * downloads y.  Activations stay f32 (no int8 quantisation, unlike the CPU). */
 int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y);
 /* The batch-invariant matmul the CUDA forward uses, host pointers: a token's row of
- * y is the same bits for every n.  Q4_K/Q5_K/Q6_K (int8 tensor cores), Q8_0/Q4_0
- * (dp4a): activations quantised as the CPU quantises them, the CPU's integer sums
- * and float steps, so y is bit-identical to dfl_matmul's; F16/BF16: tf32 tensor
+ * y is the same bits for every n.  Q4_K/Q5_K/Q6_K/Q8_0/Q4_0 (dp4a for up to 8
+ * tokens, int8 tensor cores above): activations quantised as the CPU quantises
+ * them, the CPU's integer sums and float steps, so y is bit-identical to
+ * dfl_matmul's on every CPU build; F16/BF16: tf32 tensor
  * cores with x split into two tf32 parts, within f32 rounding of dfl_matmul. */
 int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
                           float* y);

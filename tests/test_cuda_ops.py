@@ -159,8 +159,8 @@ def test_cuda_matmul_exact_equals_cpu(name):
     """The exact matmul (cuda/matmul_exact.cuh) gives a token the same bits for every n (a decode, each
     kernel width, a verify of 9..64 tokens, more than one weight pass).  Quantised weights are the CPU's
     arithmetic: == dfl_matmul.  K-quants: the dp4a matvec for n <= 8, the tensor-core kernel above;
-    Q8_0 / Q4_0: 8 lane chains a row and the CPU's AVX2 horizontal sum, up to 32 tokens a weight pass
-    (the scalar CPU build sums in another order, so there it is compared within f32 rounding).  F16 /
+    Q8_0 / Q4_0: whole-block integer sums in 8 float chains by block index, the dp4a matvec for n <= 8,
+    the tensor-core kernel above (the CPU's arithmetic on its AVX2 and scalar builds alike).  F16 /
     BF16: the tf32 tensor cores with x split into two tf32 parts (cuda/matmul_half.cu), within f32
     rounding of the CPU's f32 dot products (about 3e-7 of the largest output on the emulator)."""
     tid, raw, wf, x = make_case(name, 70, seed=11)
@@ -169,7 +169,7 @@ def test_cuda_matmul_exact_equals_cpu(name):
     x[4] = 0.0
     ffi, lib = load()
     quantised = name not in ("F16", "BF16")
-    same = name.endswith("_K") or (quantised and "cpu: avx2" in ffi.string(lib.dfl_build_info()).decode())
+    same = quantised
     full = cuda_matmul_exact(tid, raw, ROWS, cols, x)
     for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 23, 32, 33, 64, 70):
         y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
@@ -196,16 +196,22 @@ def test_cuda_matmul_exact_refuses_other_formats():
 
 @pytest.mark.cuda
 def test_cuda_matmul_shapes_and_misaligned_rows():
-    """Odd row counts and rows that start at every 2-byte misalignment (Q8_0, 34-byte blocks)."""
+    """Odd row counts, block counts of 1..17 (chains with no block, short last groups) and rows that
+    start at every 2-byte misalignment (Q8_0's 34-byte and Q4_0's 18-byte blocks): the float kernels
+    within tolerance, the exact ones the CPU's bits."""
     rng = np.random.default_rng(9)
-    for rows, cols, n in [(1, 32, 1), (3, 32, 9), (16, 64, 4), (17, 96, 8), (65, 160, 70), (200, 544, 3)]:
-        tid = int(T.Q8_0)
-        raw = random_blocks("Q8_0", rows * cols // 32, rng).reshape(rows, -1)
-        wf = quants.dequantize(raw.reshape(-1), T.Q8_0).astype(np.float32).reshape(rows, cols)
-        x = rng.standard_normal((n, cols)).astype(np.float32)
-        ref = x.astype(np.float64) @ wf.astype(np.float64).T
-        y = cuda_matmul(tid, raw, rows, cols, x)
-        assert np.abs(y - ref).max() <= CUDA_REL_TOL * np.abs(ref).max(), (rows, cols, n)
+    for name in ("Q8_0", "Q4_0"):
+        for rows, cols, n in [(1, 32, 1), (3, 32, 9), (16, 64, 4), (17, 96, 8), (65, 160, 70), (200, 544, 3),
+                              (5, 288, 12)]:
+            tid = int(getattr(T, name))
+            raw = random_blocks(name, rows * cols // 32, rng).reshape(rows, -1)
+            wf = quants.dequantize(raw.reshape(-1), tid).astype(np.float32).reshape(rows, cols)
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            ref = x.astype(np.float64) @ wf.astype(np.float64).T
+            y = cuda_matmul(tid, raw, rows, cols, x)
+            assert np.abs(y - ref).max() <= CUDA_REL_TOL * np.abs(ref).max(), (name, rows, cols, n)
+            exact = cuda_matmul_exact(tid, raw, rows, cols, x)
+            assert np.array_equal(exact, cpu_matmul(tid, raw, rows, cols, x)), (name, rows, cols, n)
 
 
 @pytest.mark.cuda

@@ -117,17 +117,21 @@ def test_matmul_close_to_dequantized_f32(name, ntok):
     assert np.array_equal(y1[0], y[-1])
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_kquant_matmul_is_the_reference_arithmetic_bit_for_bit(name):
-    """The K-quant kernels (one super-block of registers for a few tokens, interleaved 4-row
-    panels for 4+) compute exactly `dfl_matmul_reference`'s arithmetic, one output at a time:
-    for every token count (tails of the 4-token quads and 2-token pairs, past the 64-token
-    block), row counts that leave short panels, and 1 or 2 threads."""
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"])
+def test_quantised_matmul_is_the_reference_arithmetic_bit_for_bit(name):
+    """The quantised kernels compute exactly `dfl_matmul_reference`'s arithmetic, one output at a
+    time, on every build (AVX2 and scalar): K-quants (one super-block of registers for a few
+    tokens, interleaved 4-row panels for 4+) and Q8_0 / Q4_0 (8 blocks' integer sums in one vector,
+    8 float chains by block index; short last groups of 1..7 blocks), for every token count (tails
+    of the 4-token quads and 2-token pairs, past the 64-token block), row counts that leave short
+    panels, and 1 or 2 threads."""
     ffi, lib = load()
     rng = np.random.default_rng(11)
-    tid = int(FORMATS[name][0])
-    for rows, cols in ((5, 256), (37, 1024), (64, 768)):
-        raw = np.ascontiguousarray(random_blocks(name, rows * cols // 256, rng).reshape(rows, -1))
+    tid, be, _, _ = FORMATS[name]
+    tid = int(tid)
+    shapes = ((5, 256), (37, 1024), (64, 768)) if be == 256 else ((5, 32), (7, 96), (37, 288), (16, 1024), (9, 480))
+    for rows, cols in shapes:
+        raw = np.ascontiguousarray(random_blocks(name, rows * cols // be, rng).reshape(rows, -1))
         for n in (1, 2, 3, 4, 5, 7, 8, 17, 70):
             x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 10)).astype(np.float32)
             ref = np.empty((n, rows), np.float32)

@@ -576,13 +576,19 @@ int dfl_matmul_reference(uint32_t type, const void* w, int64_t rows, int64_t col
     need(w, "w");
     need(x, "x");
     need(y, "y");
-    if (!dfl::gemm_kquant_supported((dfl::DType)type)) dfl::fail("dfl_matmul_reference: type %u is not a K-quant", type);
-    if (cols % dfl::QK_K) dfl::fail("cols must be a multiple of 256");
+    const auto t = (dfl::DType)type;
+    const bool block32 = t == dfl::DType::Q8_0 || t == dfl::DType::Q4_0;
+    if (!dfl::gemm_kquant_supported(t) && !block32)
+      dfl::fail("dfl_matmul_reference: type %u is not a K-quant, Q8_0 or Q4_0", type);
+    const int64_t block = dfl::act_block(t);
+    if (cols % block) dfl::fail("cols must be a multiple of %lld", (long long)block);
     const dfl::Weight W = weight_view(type, w, rows, cols);
     dfl::ThreadPool pool(1);
     dfl::ActScratch act;
-    const std::vector<dfl::ActRow> xr = dfl::quantize_activations(pool, x, n, cols, dfl::QK_K, act);
-    dfl::gemm_kquant_reference(W, 0, rows, xr.data(), n, y);
+    const std::vector<dfl::ActRow> xr = dfl::quantize_activations(pool, x, n, cols, (int)block, act);
+    if (!block32) return dfl::gemm_kquant_reference(W, 0, rows, xr.data(), n, y);
+    for (int32_t k = 0; k < n; ++k)
+      for (int64_t r = 0; r < rows; ++r) y[(int64_t)k * rows + r] = dfl::dot_row_q_reference(t, W.row(r), xr[k], cols);
   });
 }
 

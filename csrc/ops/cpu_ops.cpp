@@ -20,12 +20,12 @@ std::vector<ActRow> quantize_activations(ThreadPool& pool, const float* x, int n
   pool.parallel_for(n, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       quantize_act_row(x + t * cols, act.q.data() + t * cols, act.d.data() + t * (cols / 32),
-                       act.s.data() + t * (cols / 32), act.bsum.data() + t * (cols / 16), cols, block);
+                       act.bsum.data() + t * (cols / 16), cols, block);
   });
   std::vector<ActRow> rows(n);
   for (int t = 0; t < n; ++t)
     rows[t] = ActRow{act.q.data() + (int64_t)t * cols, act.d.data() + (int64_t)t * (cols / 32),
-                     act.s.data() + (int64_t)t * (cols / 32), act.bsum.data() + (int64_t)t * (cols / 16)};
+                     act.bsum.data() + (int64_t)t * (cols / 16)};
   return rows;
 }
 

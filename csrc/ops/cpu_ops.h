@@ -19,13 +19,12 @@ namespace dfl {
 // Scratch for activations quantised to int8 (see ActRow), grown on demand.
 struct ActScratch {
   std::vector<int8_t> q;
-  std::vector<float> d, s;
+  std::vector<float> d;
   std::vector<int16_t> bsum;
   void reserve(int64_t n_values) {
     if ((int64_t)q.size() < n_values) {
       q.resize(n_values);
       d.resize(n_values / 32 + 1);
-      s.resize(n_values / 32 + 1);
       bsum.resize(n_values / 16 + 1);
     }
   }

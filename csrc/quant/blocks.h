@@ -64,20 +64,20 @@ static_assert(sizeof(block_q6_K) == 210, "q6_K block size");
 // One activation row quantised for the integer dot products.  K-quant
 // weights take one f32 scale per 256 values (so a super-block's sub-block
 // sums accumulate in integers, as llama.cpp's Q8_K); 32-value formats take one
-// per 32.  Either way `s` holds d * sum(q) per 32 values for min/offset terms.
+// per 32.  Either way `bsum` holds the integer sum of q per 16 values for the
+// weights' min / offset terms.
 // Scales live in their own arrays so kernels load 8 of them as one vector.
 struct ActRow {
   const int8_t* q;   // n values
   const float* d;    // n / act_block(type) scales
-  const float* s;    // n / 32 scaled sums
-  const int16_t* bsum;  // n / 16 integer sums of q (K-quant layout only; Q6_K's offset)
+  const int16_t* bsum;  // n / 16 integer sums of q
 };
 
 // n activation rows of `cols` values quantised for the CUDA exact matmul, as
 // one buffer: q (n x cols int8), then d (one f32 per act block), then the sums
 // the weight's offset term needs, each part 16-byte aligned.  K-quants: blocks
 // of 256 and an int16 sum of q per 16 (bsum); Q8_0 / Q4_0: blocks of 32 and
-// d * sum(q) per 32 as f32 (s).  Byte offsets and the total size.
+// the sum of q per 32 as int32.  Byte offsets and the total size.
 struct ExactActLayout {
   size_t q, d, sums, total;
   ExactActLayout(int64_t cols, int n, bool kquant) {
@@ -86,7 +86,7 @@ struct ExactActLayout {
     q = 0;
     d = up(rows * (size_t)cols);
     sums = d + up(rows * (size_t)(cols / (kquant ? 256 : 32)) * sizeof(float));
-    total = sums + up(rows * (kquant ? (size_t)(cols / 16) * sizeof(int16_t) : (size_t)(cols / 32) * sizeof(float)));
+    total = sums + up(rows * (kquant ? (size_t)(cols / 16) * sizeof(int16_t) : (size_t)(cols / 32) * sizeof(int32_t)));
   }
 };
 

@@ -3,12 +3,22 @@
 //
 // AVX2/FMA kernels when the compiler targets them, a scalar fallback
 // otherwise.  Quantised formats multiply int8 activations (32 values per f32
-// scale) with the weight's integer quants through maddubs/madd; Q4_0's -8 goes
-// through the activation's scaled sums.  A weight block is unpacked once and
-// used for up to 4 tokens; each token keeps its own accumulators and sees
-// exactly the same operations in the same order as when it is alone (batch
-// invariance).
+// scale) with the weight's integer quants.  A token sees exactly the same
+// operations in the same order whatever the batch (batch invariance), and
+// Q8_0 / Q4_0 take the same float steps on every build and on CUDA:
+//
+//   isum_i  = sum_j wq_ij * xq_ij         block i's exact integer sum (Q4_0: wq = nibble - 8,
+//                                         as sum nibble * xq - 8 * sum xq)
+//   lane_l  = fma(dw_i * xd_i, float(isum_i), lane_l)   for l = i % 8, blocks in k order
+//   out     = ((lane_0 + lane_4) + (lane_2 + lane_6)) + ((lane_1 + lane_5) + (lane_3 + lane_7))
+//
+// Eight chains by block index because every fast form computes whole block
+// sums: AVX2 reduces 8 blocks' sums into one vector and takes one fma for the
+// 8 chains, a CUDA tensor-core instruction sums a whole block, the scalar loop
+// and the dp4a matvec one block at a time.  dot_row_q_reference writes the
+// definition one output at a time.
 #include <cmath>
+#include <type_traits>
 
 #include "quant/quant.h"
 #include "quant/simd.h"
@@ -43,73 +53,127 @@ static inline __m256i dot_s8s8(__m256i a, __m256i b) {
 #endif
 
 // ---- Q8_0 and Q4_0 ----------------------------------------------------------
-template <int NT>
-static void dot_q8_0(const block_q8_0* w, const ActRow* x, int64_t nb, float* out) {
-#ifdef DFL_AVX2
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    const __m256i wq = load256(w[i].qs);
-    const float dw = fp16(w[i].d);
-    for (int t = 0; t < NT; ++t) {
-      const __m256i p = dot_s8s8(wq, load256(x[t].q + 32 * i));
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[i]), _mm256_cvtepi32_ps(p), acc[t]);
-    }
-  }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
-#else
-  for (int t = 0; t < NT; ++t) {
-    float acc = 0.f;
-    for (int64_t i = 0; i < nb; ++i) {
-      int s = 0;
-      for (int j = 0; j < 32; ++j) s += w[i].qs[j] * x[t].q[32 * i + j];
-      acc += fp16(w[i].d) * x[t].d[i] * (float)s;
-    }
-    out[t] = acc;
-  }
-#endif
+// The 8 chains' final sum, in the order of the AVX2 horizontal add.
+static inline float sum_chains(const float l[8]) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-template <int NT>
-static void dot_q4_0(const block_q4_0* w, const ActRow* x, int64_t nb, float* out) {
-  float off[NT];
-  for (int t = 0; t < NT; ++t) off[t] = 0.f;
+template <DType T>
+using Block32 = std::conditional_t<T == DType::Q8_0, block_q8_0, block_q4_0>;
+
+// Block i's exact integer sum against token x.
+template <DType T>
+static inline int block32_isum(const Block32<T>& b, const ActRow& x, int64_t i) {
+  const int8_t* xq = x.q + 32 * i;
+  int s = 0;
+  if constexpr (T == DType::Q8_0) {
+    for (int j = 0; j < 32; ++j) s += b.qs[j] * xq[j];
+  } else {
+    for (int j = 0; j < 16; ++j) s += (b.qs[j] & 15) * xq[j] + (b.qs[j] >> 4) * xq[j + 16];
+    s -= 8 * (x.bsum[2 * i] + x.bsum[2 * i + 1]);
+  }
+  return s;
+}
+
+// The definition, one output at a time (tests and the scalar build).
+template <DType T>
+static float dot_block32_reference(const Block32<T>* w, const ActRow& x, int64_t nb) {
+  float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < nb; ++i)
+    lane[i % 8] = std::fma(fp16(w[i].d) * x.d[i], (float)block32_isum<T>(w[i], x, i), lane[i % 8]);
+  return sum_chains(lane);
+}
+
+#ifdef DFL_AVX2
+// Lane k of the result = the sum of p[k]'s 8 lanes (exact).
+static inline __m256i sum_lanes8(const __m256i p[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Blocks i0 .. i0 + 7 into the NT tokens' chain vectors: lane k of acc[t] is
+// chain (i0 + k) % 8 = k, since groups start at multiples of 8.  A short last
+// group (nk < 8 blocks) reads zero-padded copies and leaves the chains it has
+// no block for untouched.
+template <DType T, int NT, bool kFull>
+static inline void block32_group(const Block32<T>* w, const ActRow* x, int64_t i0, int nk, __m256* acc) {
+  const Block32<T>* g = w + i0;
+  __m256i wq[8];  // Q8_0 as stored, Q4_0 nibbles 0..15 (values 0-15 low, 16-31 high)
+  const __m128i m4 = _mm_set1_epi8(15);
+  for (int k = 0; k < 8; ++k) {
+    if (!kFull && k >= nk) {
+      wq[k] = _mm256_setzero_si256();
+    } else if constexpr (T == DType::Q8_0) {
+      wq[k] = load256(g[k].qs);
+    } else {
+      const __m128i q = _mm_loadu_si128((const __m128i*)g[k].qs);
+      wq[k] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    }
+  }
+  auto d_of = [&](int k) { return kFull || k < nk ? (short)g[k].d : (short)0; };
+  const __m256 dw = _mm256_cvtph_ps(
+      _mm_setr_epi16(d_of(0), d_of(1), d_of(2), d_of(3), d_of(4), d_of(5), d_of(6), d_of(7)));
+  for (int t = 0; t < NT; ++t) {
+    __m256i p[8];
+    for (int k = 0; k < 8; ++k) {
+      if (!kFull && k >= nk) {
+        p[k] = _mm256_setzero_si256();
+        continue;
+      }
+      const __m256i xk = load256(x[t].q + 32 * (i0 + k));
+      p[k] = T == DType::Q8_0 ? dot_s8s8(wq[k], xk) : dot_u8s8(wq[k], xk);
+    }
+    __m256i isum = sum_lanes8(p);
+    __m256 xd;
+    __m256i bs = _mm256_setzero_si256();
+    if constexpr (kFull) {
+      xd = _mm256_loadu_ps(x[t].d + i0);
+      if (T == DType::Q4_0) bs = load256(x[t].bsum + 2 * i0);
+    } else {
+      alignas(32) float xdp[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      alignas(32) int16_t bsp[16] = {0};
+      for (int k = 0; k < nk; ++k) xdp[k] = x[t].d[i0 + k];
+      for (int k = 0; k < 2 * nk; ++k) bsp[k] = x[t].bsum[2 * i0 + k];
+      xd = _mm256_load_ps(xdp);
+      bs = _mm256_load_si256((const __m256i*)bsp);
+    }
+    if constexpr (T == DType::Q4_0)  // - 8 * sum xq, from the activation's 16-value sums
+      isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bs, _mm256_set1_epi16(1)), 3));
+    const __m256 next = _mm256_fmadd_ps(_mm256_mul_ps(dw, xd), _mm256_cvtepi32_ps(isum), acc[t]);
+    if constexpr (kFull) {
+      acc[t] = next;
+    } else {
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nk), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      acc[t] = _mm256_blendv_ps(acc[t], next, _mm256_castsi256_ps(keep));
+    }
+  }
+}
+#endif
+
+template <DType T, int NT>
+static void dot_block32(const Block32<T>* w, const ActRow* x, int64_t nb, float* out) {
 #ifdef DFL_AVX2
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  const __m128i m4 = _mm_set1_epi8(15);
-  for (int64_t i = 0; i < nb; ++i) {
-    const __m128i q = _mm_loadu_si128((const __m128i*)w[i].qs);
-    const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    const float dw = fp16(w[i].d);
-    for (int t = 0; t < NT; ++t) {
-      const __m256i p = dot_u8s8(wq, load256(x[t].q + 32 * i));
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[t].d[i]), _mm256_cvtepi32_ps(p), acc[t]);
-      off[t] += dw * x[t].s[i];
-    }
-  }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]) - 8.f * off[t];
-#else
+  int64_t i0 = 0;
+  for (; i0 + 8 <= nb; i0 += 8) block32_group<T, NT, true>(w, x, i0, 8, acc);
+  if (i0 < nb) block32_group<T, NT, false>(w, x, i0, (int)(nb - i0), acc);
   for (int t = 0; t < NT; ++t) {
-    float acc = 0.f;
-    for (int64_t i = 0; i < nb; ++i) {
-      const int8_t* xq = x[t].q + 32 * i;
-      int s = 0;
-      for (int j = 0; j < 16; ++j) s += (w[i].qs[j] & 15) * xq[j] + (w[i].qs[j] >> 4) * xq[j + 16];
-      const float dw = fp16(w[i].d);
-      acc += dw * x[t].d[i] * (float)s;
-      off[t] += dw * x[t].s[i];
-    }
-    out[t] = acc - 8.f * off[t];
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, acc[t]);
+    out[t] = sum_chains(lane);
   }
+#else
+  for (int t = 0; t < NT; ++t) out[t] = dot_block32_reference<T>(w, x[t], nb);
 #endif
 }
 
 template <int NT>
 static void dot_q_nt(DType t, const void* w, const ActRow* x, int64_t n, float* out) {
   switch (t) {
-    case DType::Q8_0: dot_q8_0<NT>((const block_q8_0*)w, x, n / QK8_0, out); return;
-    case DType::Q4_0: dot_q4_0<NT>((const block_q4_0*)w, x, n / QK4_0, out); return;
+    case DType::Q8_0: dot_block32<DType::Q8_0, NT>((const block_q8_0*)w, x, n / QK8_0, out); return;
+    case DType::Q4_0: dot_block32<DType::Q4_0, NT>((const block_q4_0*)w, x, n / QK4_0, out); return;
     default: fail("dot_row_q: %s is not a 32-value quantised type (K-quants go through gemm_kquant)", type_traits((uint32_t)t)->name);
   }
 }
@@ -121,6 +185,14 @@ void dot_row_q(DType t, const void* w, const ActRow* x, int nt, int64_t n, float
     case 3: dot_q_nt<3>(t, w, x, n, out); return;
     case 4: dot_q_nt<4>(t, w, x, n, out); return;
     default: fail("dot_row_q: %d tokens (1..4 allowed)", nt);
+  }
+}
+
+float dot_row_q_reference(DType t, const void* w, const ActRow& x, int64_t n) {
+  switch (t) {
+    case DType::Q8_0: return dot_block32_reference<DType::Q8_0>((const block_q8_0*)w, x, n / QK8_0);
+    case DType::Q4_0: return dot_block32_reference<DType::Q4_0>((const block_q4_0*)w, x, n / QK4_0);
+    default: fail("dot_row_q_reference: %s is not Q8_0 or Q4_0", type_traits((uint32_t)t)->name);
   }
 }
 

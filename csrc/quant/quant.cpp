@@ -135,7 +135,7 @@ int act_block(DType t) { return (t == DType::Q4_K || t == DType::Q5_K || t == DT
 // The scalar loop is the definition; the AVX2 one computes the same values
 // (max is exact, x * id is one rounding either way, cvtps rounds to nearest even
 // like nearbyint, integer sums are exact).
-void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int16_t* bsum, int64_t n, int block) {
+void quantize_act_row(const float* x, int8_t* q, float* dd, int16_t* bsum, int64_t n, int block) {
   for (int64_t b = 0; b < n / block; ++b, x += block, q += block) {
 #ifdef DFL_AVX2
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -181,7 +181,6 @@ void quantize_act_row(const float* x, int8_t* q, float* dd, float* ss, int16_t* 
         bsum[b * (block / 16) + 2 * k] = (int16_t)half;            // first 16 values
         bsum[b * (block / 16) + 2 * k + 1] = (int16_t)(sum - half);  // last 16
       }
-      ss[b * (block / 32) + k] = d * (float)sum;
     }
     dd[b] = d;
   }

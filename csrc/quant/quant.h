@@ -19,7 +19,7 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n);
 bool dtype_is_quantized(DType t);
 // Values per activation scale for weights of type t: 256 for K-quants, else 32.
 int act_block(DType t);
-void quantize_act_row(const float* x, int8_t* q, float* d, float* s, int16_t* bsum, int64_t n, int block);
+void quantize_act_row(const float* x, int8_t* q, float* d, int16_t* bsum, int64_t n, int block);
 
 // KV-cache / generic writers (round to nearest, as ggml's reference quantizers).
 void quantize_row(DType t, const float* x, void* dst, int64_t n);  // F32, F16, BF16, Q8_0, Q4_0
@@ -30,6 +30,9 @@ void quantize_row(DType t, const float* x, void* dst, int64_t n);  // F32, F16, 
 // invariance), so a token's value never depends on its neighbours.
 void dot_row_q(DType t, const void* w_row, const ActRow* x, int nt, int64_t n, float* out);
 constexpr int kDotMaxTokens = 4;
+// The same value written one output at a time: the definition (dot_cpu.cpp's
+// header) the kernels, the scalar build and CUDA's matmul equal bit for bit.
+float dot_row_q_reference(DType t, const void* w_row, const ActRow& x, int64_t n);
 // dequantize_row's values (exactly), with F16C / AVX2 for the float types where built.
 void widen_row(DType t, const void* src, float* dst, int64_t n);
 // Float weights (F32/F16/BF16) against f32 activations.
