@@ -30,6 +30,9 @@ namespace dfl {
 namespace cuda {
 namespace {
 
+// set_attention_rows: the attention CTA grouping pinned for every context (0 = chosen per launch).
+std::atomic<int> g_attn_pin_toks{0}, g_attn_pin_heads{0};
+
 std::string mib(uint64_t b) {
   char s[32];
   std::snprintf(s, sizeof s, "%.1f MiB", (double)b / (1 << 20));
@@ -428,16 +431,58 @@ class CudaBackend final : public Backend {
     const size_t per_token = (size_t)s.n_head * n_split * (s.head_dim + 2) * 4;
     const int group = (int)std::max<size_t>(1, std::min<size_t>(n_, kAttnScratchBytes / per_token));
     if (part_.bytes < per_token * group) part_ = BackendBuf(*this, per_token * group);
-    fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, part_.f(), 0,
-                    n_split, s.n_head, s.n_head_kv, s.head_dim, s.q_stride(), kv_row(s), head_bytes(s),
-                    1.f / std::sqrt((float)s.head_dim), s.kv_type, s.gated};
+    const int kD = (s.head_dim + fwd::kAttnThreads - 1) / fwd::kAttnThreads;
     for (int t0 = 0; t0 < n_; t0 += group) {
-      const unsigned g = (unsigned)std::min(group, n_ - t0);
-      a.t0 = t0;
-      launch(fwd::attention_split_kernel, dim3(g, (unsigned)s.n_head, (unsigned)n_split), dim3(fwd::kAttnThreads), 0,
+      const int g = std::min(group, n_ - t0);
+      const AttnRows rows = attention_rows(s, g, n_split, kD);
+      fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, part_.f(),
+                      t0, g, n_split, s.n_head, s.n_head_kv, s.head_dim, s.q_stride(), rows.toks, rows.heads,
+                      kv_row(s), head_bytes(s), 1.f / std::sqrt((float)s.head_dim), s.kv_type, s.gated};
+      const dim3 grid((unsigned)((g + rows.toks - 1) / rows.toks),
+                      (unsigned)(s.n_head_kv * (s.n_head / s.n_head_kv / rows.heads)), (unsigned)n_split);
+      const size_t smem = fwd::attn_smem_bytes(rows.toks * rows.heads, rows.toks, s.head_dim);
+      switch (kD) {
+        case 1: launch(fwd::attention_split_kernel<1>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+        case 2: launch(fwd::attention_split_kernel<2>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+        case 3: launch(fwd::attention_split_kernel<3>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+        default: launch(fwd::attention_split_kernel<4>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+      }
+      launch(fwd::attention_combine_kernel, dim3((unsigned)g, (unsigned)s.n_head), dim3(fwd::kAttnThreads), 0,
              stream_, a);
-      launch(fwd::attention_combine_kernel, dim3(g, (unsigned)s.n_head), dim3(fwd::kAttnThreads), 0, stream_, a);
     }
+  }
+
+  // How many tokens and query heads of one KV head an attention CTA takes.  A
+  // K / V row is read once per CTA, so the more rows the less traffic, but the
+  // device wants CTAs: start from the whole KV group and as many tokens as fit,
+  // and halve the tokens, then the heads, while there would be fewer than two
+  // CTAs per SM.  The grouping never changes a result (forward_kernels.cuh), so
+  // this is speed only; cuda::set_attention_rows pins it for tests.
+  struct AttnRows {
+    int toks, heads;
+  };
+  AttnRows attention_rows(const AttnShape& s, int n_tok, int n_split, int kD) const {
+    const int gs = s.n_head / s.n_head_kv, max_rows = fwd::attn_max_rows(kD);
+    auto largest_divisor = [&](int cap) {  // of gs, at most cap
+      for (int h = std::min(cap, gs); h > 1; --h)
+        if (gs % h == 0) return h;
+      return 1;
+    };
+    if (const int pt = g_attn_pin_toks.load(std::memory_order_relaxed); pt > 0) {
+      const int heads = largest_divisor(std::max(1, g_attn_pin_heads.load(std::memory_order_relaxed)));
+      return {std::max(1, std::min({pt, n_tok, max_rows / heads})), heads};
+    }
+    AttnRows r{1, largest_divisor(max_rows)};
+    r.toks = std::max(1, std::min(n_tok, max_rows / r.heads));
+    const int64_t want = 2 * (int64_t)std::max(1, prop_.multiProcessorCount);
+    auto ctas = [&](const AttnRows& x) {
+      return (int64_t)((n_tok + x.toks - 1) / x.toks) * s.n_head_kv * (gs / x.heads) * n_split;
+    };
+    while (ctas(r) < want && (r.toks > 1 || r.heads > 1)) {
+      if (r.toks > 1) r.toks = (r.toks + 1) / 2;
+      else r.heads = largest_divisor(r.heads - 1);
+    }
+    return r;
   }
 
   void gdn(float* mm, const float* z, const float* bb, const float* aa, const GdnLayer& L, float* y) override {
@@ -629,6 +674,13 @@ class CudaBackend final : public Backend {
 };
 
 }  // namespace
+// Tests: pin the attention CTA grouping to `toks` tokens x `heads` query heads of a KV head
+// (clamped to what fits; heads rounded down to a divisor of the KV group), 0 = automatic.
+void set_attention_rows(int toks, int heads) {
+  g_attn_pin_heads.store(heads);
+  g_attn_pin_toks.store(toks);
+}
+
 }  // namespace cuda
 
 std::unique_ptr<Backend> make_cuda_backend(const Model& m, const MemoryPlan& plan) {

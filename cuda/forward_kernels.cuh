@@ -250,13 +250,26 @@ __global__ void attn_store_kernel(StoreArgs a) {
 // Split-K flash attention in two kernels.  A token's visible slots (a prefix,
 // then listed extra slots) are cut into splits of kSplit consecutive visible
 // indices — fixed boundaries, so a token's arithmetic depends only on its own
-// visible set, never on the batch.  attention_split_kernel: grid (tokens,
-// n_head, splits), 128 threads; a split is walked in tiles of kTile (scores in
-// shared memory, a warp per slot, lanes over head dims) with a running max /
-// sum / output (each thread owns dims tid, tid + 128, ...), and writes its
-// partial (max, sum, unnormalised output) to scratch.  attention_combine_kernel
-// merges a token's partials and applies the gate.  One code path for every
-// context length: short ones have one split.
+// visible set, never on the batch.
+//
+// attention_split_kernel: grid (token groups, KV heads x head groups, splits),
+// 128 threads.  A CTA takes `rows` = tokens x query heads of one KV head
+// (AttnArgs::tok_per_cta x heads_per_cta): the tokens of a verify or prefill
+// share most of their slots and the heads of a KV group all of them, so each
+// K / V row comes from L2 once per CTA instead of once per (token, head).  A
+// split is walked in tiles of kTile visible indices; for each row:
+//   scores   a warp per (token, slot): lane l sums k[i] q[i] for i = l, l+32, ...
+//            in order (fma), then an xor butterfly (16 .. 1); times the scale;
+//   softmax  a warp per row: the tile max (exact), p = exp(score - new max),
+//            the tile's p summed lane-wise (p[l] + p[l+32]) then by butterfly;
+//            sum = sum * corr + tile sum, corr = exp(old max - new max);
+//   output   each thread owns dims d = tid, tid + 128, ...: out = out * corr,
+//            then out = fma(p_s, v_s[d], out) over the tile's slots in order.
+// The partial (max, sum, unnormalised output) goes to scratch;
+// attention_combine_kernel merges a token's partials and applies the gate.
+// Every row takes exactly these steps whatever else shares its CTA, so how
+// rows are grouped (by batch shape and device size, backend.cu) never changes
+// a bit.  One code path for every context length: short ones have one split.
 struct AttnArgs {
   const float* qg;
   const uint8_t* k_cache;
@@ -268,8 +281,10 @@ struct AttnArgs {
   const int32_t* extra_slots;
   float* part;  // [tokens][n_head][n_split][head_dim + 2]: out, max, sum
   int t0;       // first token of this launch
+  int n_tok;    // tokens of this launch
   int n_split;
   int n_head, n_head_kv, head_dim, q_stride;
+  int tok_per_cta, heads_per_cta;  // a CTA's rows: rows = tok_per_cta x heads_per_cta <= attn_max_rows(dims)
   int64_t kv_row, head_bytes;
   float scale;
   DType kvt;
@@ -277,75 +292,147 @@ struct AttnArgs {
 };
 constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512, kSplit = 512;
 
+// Rows a CTA can hold for kD = ceil(head_dim / 128) dims a thread: its
+// accumulators (rows x kD a thread) stay in registers.
+__host__ __device__ constexpr int attn_max_rows(int kD) { return kD == 1 ? 32 : kD == 2 ? 24 : kD == 3 ? 16 : 12; }
+// Dynamic shared memory of a CTA: q of every row, the tile's scores, slots and
+// each row's running max / sum / correction.
+inline size_t attn_smem_bytes(int rows, int toks, int head_dim) {
+  return (size_t)rows * head_dim * 4 + (size_t)rows * kTile * 4 + (size_t)toks * kTile * 4 + (size_t)rows * 3 * 4 +
+         (size_t)toks * 4;
+}
+
+template <int kD>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs a) {
-  __shared__ float red[32];
-  __shared__ float q[kMaxHeadDim];
-  __shared__ float sc[kTile];
-  __shared__ int32_t slot_of[kTile];
-  const int tl = blockIdx.x, t = a.t0 + tl, j = blockIdx.y, z = blockIdx.z, hd = a.head_dim;
-  const int m = j / (a.n_head / a.n_head_kv);
+  constexpr int kRows = attn_max_rows(kD);
+  const int TT = a.tok_per_cta, G = a.heads_per_cta, R = TT * G, hd = a.head_dim;
+  const int gs = a.n_head / a.n_head_kv, hgroups = gs / G;
+  const int m = blockIdx.y / hgroups, j0 = m * gs + (blockIdx.y % hgroups) * G;  // KV head, first query head
+  const int tl0 = blockIdx.x * TT, z = blockIdx.z;                               // first local token, split
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* qh = a.qg + ((int64_t)t * a.n_head + j) * a.q_stride;
-  for (int d = tid; d < hd; d += kAttnThreads) q[d] = qh[d];
-  const int n_prefix = a.n_prefix[t];
-  const int n_vis = n_prefix + a.extra_count[t];
-  const int32_t* extra = a.extra_slots + a.extra_begin[t];
-  const int s_begin = z * kSplit, s_end = min(n_vis, s_begin + kSplit);
-  constexpr int kDims = kMaxHeadDim / kAttnThreads;
-  float acc[kDims];
+  DFL_DYNAMIC_SMEM(float, smem);
+  float* q = smem;                                              // [R][hd]
+  float* sc = q + R * hd;                                       // [R][kTile]
+  int32_t* slot_of = reinterpret_cast<int32_t*>(sc + R * kTile);  // [TT][kTile]
+  float* run_max = reinterpret_cast<float*>(slot_of + TT * kTile);  // [R]
+  float* run_sum = run_max + R;                                 // [R]
+  float* corr = run_sum + R;                                    // [R]
+  int32_t* nt_of = reinterpret_cast<int32_t*>(corr + R);        // [TT]: this tile's slots of each token
+  // a row r is token tl0 + r / G (local to the launch), head j0 + r % G
+  auto tok_of = [&](int r) { return tl0 + r / G; };
+  for (int r = 0; r < R; ++r) {
+    const int tl = min(tok_of(r), a.n_tok - 1);  // rows past the launch's tokens read the last, write nothing
+    const float* qh = a.qg + ((int64_t)(a.t0 + tl) * a.n_head + j0 + r % G) * a.q_stride;
+    for (int d = tid; d < hd; d += kAttnThreads) q[r * hd + d] = qh[d];
+  }
+  for (int r = tid; r < R; r += kAttnThreads) run_max[r] = -INFINITY, run_sum[r] = 0.f;
+  const int s_begin = z * kSplit;
+  int s_stop = s_begin;  // the CTA walks tiles up to its longest token's end in this split
+  for (int tt = 0; tt < TT; ++tt) {
+    if (tl0 + tt >= a.n_tok) break;
+    const int t = a.t0 + tl0 + tt;
+    s_stop = max(s_stop, min(a.n_prefix[t] + a.extra_count[t], s_begin + kSplit));
+  }
+  float acc[kRows][kD];
 #pragma unroll
-  for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
-  float run_max = -INFINITY, run_sum = 0.f;
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int e = 0; e < kD; ++e) acc[r][e] = 0.f;
   __syncthreads();
-  for (int s0 = s_begin; s0 < s_end; s0 += kTile) {
-    const int nt = min(kTile, s_end - s0);
-    for (int s = tid; s < nt; s += kAttnThreads) slot_of[s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
-    __syncthreads();
-    for (int s = warp; s < nt; s += kAttnThreads / 32) {
-      const uint8_t* kr = a.k_cache + (int64_t)slot_of[s] * a.kv_row + (int64_t)m * a.head_bytes;
-      float d = 0.f;
-      for (int i = lane; i < hd; i += 32) d += kv_elem(a.kvt, kr, i) * q[i];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-      if (lane == 0) sc[s] = d * a.scale;
+  for (int s0 = s_begin; s0 < s_stop; s0 += kTile) {
+    for (int tt = 0; tt < TT; ++tt) {
+      const bool live = tl0 + tt < a.n_tok;
+      const int t = a.t0 + min(tl0 + tt, a.n_tok - 1);
+      const int n_prefix = a.n_prefix[t], n_vis = n_prefix + a.extra_count[t];
+      const int nt = live ? max(0, min(kTile, min(n_vis, s_begin + kSplit) - s0)) : 0;
+      const int32_t* extra = a.extra_slots + a.extra_begin[t];
+      for (int s = tid; s < nt; s += kAttnThreads) slot_of[tt * kTile + s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
+      if (tid == 0) nt_of[tt] = nt;
     }
     __syncthreads();
-    float tmax = -INFINITY;
-    for (int s = tid; s < nt; s += kAttnThreads) tmax = fmaxf(tmax, sc[s]);
-    tmax = block_max(tmax, red);
-    const float new_max = fmaxf(run_max, tmax);
-    const float corr = expf(run_max - new_max);  // 0 on the first tile (run_max = -inf)
-    float psum = 0.f;
-    for (int s = tid; s < nt; s += kAttnThreads) {
-      const float p = expf(sc[s] - new_max);
-      sc[s] = p;
-      psum += p;
-    }
-    psum = block_sum(psum, red);  // its barriers also publish the sc[] writes
-    run_sum = run_sum * corr + psum;
-    run_max = new_max;
+    // scores: a warp per (token, slot), the K row read once for the token's G heads
+    for (int it = warp; it < TT * kTile; it += kAttnThreads / 32) {
+      const int tt = it / kTile, s = it % kTile;
+      if (s >= nt_of[tt]) continue;
+      const uint8_t* kr = a.k_cache + (int64_t)slot_of[tt * kTile + s] * a.kv_row + (int64_t)m * a.head_bytes;
+      float kv[kMaxHeadDim / 32];
 #pragma unroll
-    for (int e = 0; e < kDims; ++e) {
+      for (int c = 0; c < kMaxHeadDim / 32; ++c) kv[c] = lane + 32 * c < hd ? kv_elem(a.kvt, kr, lane + 32 * c) : 0.f;
+      for (int g = 0; g < G; ++g) {
+        const int r = tt * G + g;
+        const float* qr = q + r * hd;
+        float d = 0.f;
+#pragma unroll
+        for (int c = 0; c < kMaxHeadDim / 32; ++c)
+          if (lane + 32 * c < hd) d = fmaf(kv[c], qr[lane + 32 * c], d);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
+        if (lane == 0) sc[r * kTile + s] = __fmul_rn(d, a.scale);
+      }
+    }
+    __syncthreads();
+    // softmax statistics: a warp per row
+    for (int r = warp; r < R; r += kAttnThreads / 32) {
+      const int nt = nt_of[r / G];
+      if (nt == 0) continue;  // nothing visible in this tile: the row is left as it is
+      float* sr = sc + r * kTile;
+      const float x0 = lane < nt ? sr[lane] : -INFINITY, x1 = lane + 32 < nt ? sr[lane + 32] : -INFINITY;
+      float tmax = fmaxf(x0, x1);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+      const float old_max = run_max[r], new_max = fmaxf(old_max, tmax);
+      const float c = expf(old_max - new_max);  // 0 on the row's first tile (old max -inf)
+      const float p0 = lane < nt ? expf(x0 - new_max) : 0.f, p1 = lane + 32 < nt ? expf(x1 - new_max) : 0.f;
+      if (lane < nt) sr[lane] = p0;
+      if (lane + 32 < nt) sr[lane + 32] = p1;
+      float psum = __fadd_rn(p0, p1);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) psum = __fadd_rn(psum, __shfl_xor_sync(0xffffffffu, psum, o));
+      if (lane == 0) {
+        run_sum[r] = __fadd_rn(__fmul_rn(run_sum[r], c), psum);
+        run_max[r] = new_max;
+        corr[r] = c;
+      }
+    }
+    __syncthreads();
+    // output: each thread its dims of every row, slots in order
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= R) break;
+      const int tt = r / G, nt = nt_of[tt];
+      if (nt == 0) continue;
+      const float c = corr[r];
+      const float* pr = sc + r * kTile;
+      const int32_t* so = slot_of + tt * kTile;
+#pragma unroll
+      for (int e = 0; e < kD; ++e) {
+        const int d = tid + e * kAttnThreads;
+        if (d >= hd) break;
+        float v = __fmul_rn(acc[r][e], c);
+        for (int s = 0; s < nt; ++s)
+          v = fmaf(pr[s], kv_elem(a.kvt, a.v_cache + (int64_t)so[s] * a.kv_row + (int64_t)m * a.head_bytes, d), v);
+        acc[r][e] = v;
+      }
+    }
+    __syncthreads();  // sc / slot_of / nt_of are rewritten by the next tile
+  }
+  // a row that saw no slot in this split leaves max -inf, sum 0, out 0
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r >= R) break;
+    const int tl = tok_of(r);
+    if (tl >= a.n_tok) break;
+    float* pt = a.part + (((int64_t)tl * a.n_head + j0 + r % G) * a.n_split + z) * (hd + 2);
+#pragma unroll
+    for (int e = 0; e < kD; ++e) {
       const int d = tid + e * kAttnThreads;
       if (d >= hd) break;
-      float v = acc[e] * corr;
-      for (int s = 0; s < nt; ++s)
-        v += sc[s] * kv_elem(a.kvt, a.v_cache + (int64_t)slot_of[s] * a.kv_row + (int64_t)m * a.head_bytes, d);
-      acc[e] = v;
+      pt[d] = acc[r][e];
     }
-    __syncthreads();  // sc / slot_of are rewritten by the next tile
-  }
-  // an empty split (the token sees fewer slots) leaves max -inf, sum 0, out 0
-  float* pt = a.part + (((int64_t)tl * a.n_head + j) * a.n_split + z) * (hd + 2);
-#pragma unroll
-  for (int e = 0; e < kDims; ++e) {
-    const int d = tid + e * kAttnThreads;
-    if (d >= hd) break;
-    pt[d] = acc[e];
-  }
-  if (tid == 0) {
-    pt[hd] = run_max;
-    pt[hd + 1] = run_sum;
+    if (tid == 0) {
+      pt[hd] = run_max[r];
+      pt[hd + 1] = run_sum[r];
+    }
   }
 }
 

@@ -32,6 +32,7 @@ void set_last_error(const char*) {}  // api.cpp's, for the CUDA objects' C entry
 namespace cuda {
 int mma_selftest(int M, int N, int K, uint32_t seed);       // cuda/mma.cuh: the int8 tensor-core instruction
 int mma_tf32_selftest(int M, int N, int K, uint32_t seed);  // and the tf32 one
+void set_attention_rows(int toks, int heads);  // cuda/backend.cu: pin the attention CTA grouping (0 = auto)
 }
 }
 
@@ -471,6 +472,19 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         cud_k->attention(qb.f(), Lb, ob.f());
         check(label("attention", form + (n_past > 512 ? " long" : ""), n), ob.get((size_t)n * c.q_dim()),
               oa.get((size_t)n * c.q_dim()), 1e-5);
+        // how the CUDA kernel groups (tokens x query heads of a KV head) into CTAs changes no bit: one
+        // (token, head) a CTA, as an AR step at a short context runs, and larger groups
+        const auto grouped = ob.get((size_t)n * c.q_dim());
+        for (auto [toks, heads] : {std::pair{1, 1}, {2, 2}, {3, 99}, {64, 99}}) {
+          cuda::set_attention_rows(toks, heads);
+          ob.poison();
+          cud_k->attention(qb.f(), Lb, ob.f());
+          check(label("attention", form + (n_past > 512 ? " long" : "") + " rows " + std::to_string(toks) + "x" +
+                                       std::to_string(heads) + " == auto",
+                      n),
+                ob.get((size_t)n * c.q_dim()), grouped, 0.0);
+        }
+        cuda::set_attention_rows(0, 0);
       }
     }
   }

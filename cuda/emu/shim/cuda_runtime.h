@@ -395,7 +395,10 @@ typedef void* cudaEvent_t;
 enum cudaMemcpyKind { cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
 #define cudaSuccess 0
 #define cudaStreamNonBlocking 1
-struct cudaDeviceProp { char name[256]; };
+struct cudaDeviceProp {
+  char name[256];
+  int multiProcessorCount;
+};
 inline const char* cudaGetErrorName(int) { return "emulated"; }
 inline const char* cudaGetErrorString(int) { return "emulated"; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
@@ -403,6 +406,7 @@ inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
 inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
   std::snprintf(p->name, sizeof p->name, "CPU emulator");
+  p->multiProcessorCount = 4;  // small: the kernels that size their grids by it take their largest groupings
   return cudaSuccess;
 }
 inline cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
