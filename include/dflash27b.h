@@ -31,8 +31,13 @@ typedef struct dfl_model dfl_model;
 typedef struct dfl_context dfl_context;
 
 const char* dfl_version(void);
-/* e.g. "cpu: avx2; cuda: not built" or "cpu: avx2; cuda: sm_86,sm_89,sm_90" */
+/* e.g. "cpu: avx2; cuda: not built" or "cpu: avx2+avx512; cuda: sm_86,sm_89,sm_90"; the cpu part
+ * names the kernels in use now ("avx2+avx512": the AVX-512 kernels for batches of 3+ tokens). */
 const char* dfl_build_info(void);
+/* The CPU's AVX-512 batch kernels (same bits as the AVX2 ones) for the process from now on:
+ * 1 on (an error where the CPU or build lacks them), 0 off, -1 as DFLASH27B_CPU_AVX512 says
+ * (on where supported unless it is "0"). */
+int dfl_cpu_avx512(int32_t mode);
 const char* dfl_last_error(void);
 const char* dfl_type_name(uint32_t type); /* NULL if unknown */
 

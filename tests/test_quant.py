@@ -120,8 +120,9 @@ def test_matmul_close_to_dequantized_f32(name, ntok):
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"])
 def test_quantised_matmul_is_the_reference_arithmetic_bit_for_bit(name):
     """The quantised kernels compute exactly `dfl_matmul_reference`'s arithmetic, one output at a
-    time, on every build (AVX2 and scalar): K-quants (one super-block of registers for a few
-    tokens, interleaved 4-row panels for 4+) and Q8_0 / Q4_0 (8 blocks' integer sums in one vector,
+    time, on every build and kernel set (AVX2, AVX-512 where the CPU has it, scalar): K-quants (one
+    super-block of registers for a few tokens, interleaved 4-row panels for 3+: 8-byte row pieces on
+    AVX2, 16-byte pieces on AVX-512) and Q8_0 / Q4_0 (8 blocks' integer sums in one vector,
     8 float chains by block index; short last groups of 1..7 blocks), for every token count (tails
     of the 4-token quads and 2-token pairs, past the 64-token block), row counts that leave short
     panels, and 1 or 2 threads."""
@@ -130,15 +131,49 @@ def test_quantised_matmul_is_the_reference_arithmetic_bit_for_bit(name):
     tid, be, _, _ = FORMATS[name]
     tid = int(tid)
     shapes = ((5, 256), (37, 1024), (64, 768)) if be == 256 else ((5, 32), (7, 96), (37, 288), (16, 1024), (9, 480))
-    for rows, cols in shapes:
-        raw = np.ascontiguousarray(random_blocks(name, rows * cols // be, rng).reshape(rows, -1))
-        for n in (1, 2, 3, 4, 5, 7, 8, 17, 70):
-            x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 10)).astype(np.float32)
-            ref = np.empty((n, rows), np.float32)
-            check(lib.dfl_matmul_reference(tid, ffi.cast("void*", raw.ctypes.data), rows, cols,
-                                           ffi.cast("float*", x.ctypes.data), n, ffi.cast("float*", ref.ctypes.data)))
-            for threads in (1, 2):
-                y = np.empty((n, rows), np.float32)
-                check(lib.dfl_matmul(tid, ffi.cast("void*", raw.ctypes.data), rows, cols,
-                                     ffi.cast("float*", x.ctypes.data), n, ffi.cast("float*", y.ctypes.data), threads))
-                assert np.array_equal(y, ref), (rows, cols, n, threads)
+    kernels = cpu_kernel_modes(lib)
+    try:
+        for rows, cols in shapes:
+            raw = np.ascontiguousarray(random_blocks(name, rows * cols // be, rng).reshape(rows, -1))
+            for n in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 70):
+                x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 10)).astype(np.float32)
+                ref = np.empty((n, rows), np.float32)
+                check(lib.dfl_matmul_reference(tid, ffi.cast("void*", raw.ctypes.data), rows, cols,
+                                               ffi.cast("float*", x.ctypes.data), n, ffi.cast("float*", ref.ctypes.data)))
+                for avx512 in kernels:
+                    check(lib.dfl_cpu_avx512(avx512))
+                    for threads in (1, 2):
+                        y = np.empty((n, rows), np.float32)
+                        check(lib.dfl_matmul(tid, ffi.cast("void*", raw.ctypes.data), rows, cols,
+                                             ffi.cast("float*", x.ctypes.data), n, ffi.cast("float*", y.ctypes.data), threads))
+                        assert np.array_equal(y, ref), (rows, cols, n, threads, avx512)
+    finally:
+        check(lib.dfl_cpu_avx512(-1))
+
+
+def cpu_kernel_modes(lib) -> list[int]:
+    """The CPU kernel sets this machine can run: AVX2 / scalar (0), and AVX-512 (1) where the CPU has it."""
+    return [0, 1] if lib.dfl_cpu_avx512(1) == 0 else [0]
+
+
+def test_avx512_switch_reports_itself_and_refuses_bad_modes():
+    """dfl_cpu_avx512 turns the AVX-512 batch kernels on or off for the process; the build string
+    names the kernels in use; an unknown mode, or 'on' where the CPU or build lacks them, is an error
+    that says so and changes nothing."""
+    ffi, lib = load()
+    try:
+        info = lambda: ffi.string(lib.dfl_build_info()).decode()
+        check(lib.dfl_cpu_avx512(0))
+        assert "avx512" not in info()
+        if lib.dfl_cpu_avx512(1) == 0:
+            assert info().startswith("cpu: avx2+avx512;")
+        else:
+            msg = ffi.string(lib.dfl_last_error()).decode()
+            assert "lacks AVX-512" in msg or "no AVX2 kernels" in msg, msg
+            assert "avx512" not in info()
+        before = info()
+        assert lib.dfl_cpu_avx512(2) != 0
+        assert "use 1 (on), 0 (off) or -1" in ffi.string(lib.dfl_last_error()).decode()
+        assert info() == before
+    finally:
+        check(lib.dfl_cpu_avx512(-1))

@@ -18,6 +18,7 @@
 #include "model/context.h"
 #include "ops/cpu_ops.h"
 #include "quant/quant.h"
+#include "quant/simd.h"
 #include "spec/ddtree.h"
 #include "spec/sampler.h"
 #include "spec/generator.h"
@@ -57,9 +58,15 @@ extern "C" {
 const char* dfl_version(void) { return DFLASH27B_VERSION; }
 
 const char* dfl_build_info(void) {
-  static std::string s = std::string("cpu: ") + dfl::simd_name() + "; cuda: " +
-                         (std::strlen(DFLASH27B_CUDA_ARCHS) ? DFLASH27B_CUDA_ARCHS : "not built");
+  // per thread: the CPU kernels in use can change (dfl_cpu_avx512)
+  thread_local std::string s;
+  s = std::string("cpu: ") + dfl::simd_name() + "; cuda: " +
+      (std::strlen(DFLASH27B_CUDA_ARCHS) ? DFLASH27B_CUDA_ARCHS : "not built");
   return s.c_str();
+}
+
+int dfl_cpu_avx512(int32_t mode) {
+  return guard([&] { dfl::set_cpu_avx512(mode); });
 }
 
 const char* dfl_last_error(void) { return g_last_error.c_str(); }

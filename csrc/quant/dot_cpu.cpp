@@ -17,7 +17,10 @@
 // 8 chains, a CUDA tensor-core instruction sums a whole block, the scalar loop
 // and the dp4a matvec one block at a time.  dot_row_q_reference writes the
 // definition one output at a time.
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "quant/quant.h"
@@ -27,9 +30,44 @@
 
 namespace dfl {
 
+bool cpu_avx512_supported() {
+#ifdef DFL_AVX2
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+#else
+  return false;
+#endif
+}
+
+namespace {
+bool avx512_from_env() {
+  const char* e = std::getenv("DFLASH27B_CPU_AVX512");
+  return cpu_avx512_supported() && !(e && std::strcmp(e, "0") == 0);
+}
+std::atomic<int> g_avx512{-1};  // -1: not yet read from the environment
+}  // namespace
+
+bool cpu_avx512_active() {
+  int v = g_avx512.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = avx512_from_env() ? 1 : 0;
+    g_avx512.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_cpu_avx512(int mode) {
+  if (mode < -1 || mode > 1) fail("AVX-512 mode %d: use 1 (on), 0 (off) or -1 (as DFLASH27B_CPU_AVX512)", mode);
+  if (mode == 1 && !cpu_avx512_supported())
+    fail("AVX-512 kernels: %s", simd_name()[0] == 's' ? "this build has no AVX2 kernels" : "this CPU lacks AVX-512 F/BW/DQ/VL/VNNI");
+  g_avx512.store(mode < 0 ? (avx512_from_env() ? 1 : 0) : mode, std::memory_order_relaxed);
+}
+
 const char* simd_name() {
 #ifdef DFL_AVX2
-  return "avx2";
+  return cpu_avx512_active() ? "avx2+avx512" : "avx2";
 #else
   return "scalar";
 #endif

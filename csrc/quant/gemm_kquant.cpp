@@ -315,6 +315,26 @@ inline void store_lane_scales(uint16_t h0, uint16_t h1, uint16_t h2, uint16_t h3
   _mm256_store_ps(dst, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3)));
 }
 
+// The 6-bit scales and mins of 4 rows' Q4_K / Q5_K super-blocks as bytes, decoded as
+// kquant_scales_mins does, in vector registers (building them from bytes stored on the
+// stack stalled on store forwarding): S byte 8r + j is row r's scale of sub-block j, M its min.
+inline void scales_mins_4rows(const uint8_t* const blk[4], __m256i& S, __m256i& M) {
+  // the 12 scale bytes of each row (16 loaded, inside the block), transposed to words
+  const __m128i r0 = _mm_loadu_si128((const __m128i*)(blk[0] + 4)), r1 = _mm_loadu_si128((const __m128i*)(blk[1] + 4));
+  const __m128i r2 = _mm_loadu_si128((const __m128i*)(blk[2] + 4)), r3 = _mm_loadu_si128((const __m128i*)(blk[3] + 4));
+  const __m128i a = _mm_unpacklo_epi32(r0, r1), b = _mm_unpacklo_epi32(r2, r3);
+  const __m128i c = _mm_unpackhi_epi32(r0, r1), d = _mm_unpackhi_epi32(r2, r3);
+  const __m128i w0 = _mm_unpacklo_epi64(a, b), w1 = _mm_unpackhi_epi64(a, b), w2 = _mm_unpacklo_epi64(c, d);
+  const __m128i k3f = _mm_set1_epi8(0x3f), k0f = _mm_set1_epi8(0x0f), k03 = _mm_set1_epi8(0x03);
+  const __m128i s_lo = _mm_and_si128(w0, k3f), m_lo = _mm_and_si128(w1, k3f);
+  const __m128i s_hi = _mm_or_si128(_mm_and_si128(w2, k0f),
+                                    _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(w0, 6), k03), 4));
+  const __m128i m_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(w2, 4), k0f),
+                                    _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(w1, 6), k03), 4));
+  S = _mm256_set_m128i(_mm_unpackhi_epi32(s_lo, s_hi), _mm_unpacklo_epi32(s_lo, s_hi));
+  M = _mm256_set_m128i(_mm_unpackhi_epi32(m_lo, m_hi), _mm_unpacklo_epi32(m_lo, m_hi));
+}
+
 // Straight from the 4 rows' blocks into the panel: the packed bytes are transposed
 // in 8-byte pieces first (the bit operations that make quants are bytewise, so
 // they commute with it), and nothing waits in memory between the steps.
@@ -400,26 +420,9 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
           _mm256_store_si256((__m256i*)b.q[2 * c + 1][p], hi);
         }
       }
-      // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3] (S, M), decoded
-      // as kquant_scales_mins does, in vector registers: building them from bytes stored on the
-      // stack stalled on store forwarding
+      // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3] (S, M)
       __m256i S, M;
-      {
-        // the 12 scale bytes of each row (16 loaded, inside the block), transposed to words
-        const __m128i r0 = _mm_loadu_si128((const __m128i*)(blk[0] + 4)), r1 = _mm_loadu_si128((const __m128i*)(blk[1] + 4));
-        const __m128i r2 = _mm_loadu_si128((const __m128i*)(blk[2] + 4)), r3 = _mm_loadu_si128((const __m128i*)(blk[3] + 4));
-        const __m128i a = _mm_unpacklo_epi32(r0, r1), b = _mm_unpacklo_epi32(r2, r3);
-        const __m128i c = _mm_unpackhi_epi32(r0, r1), d = _mm_unpackhi_epi32(r2, r3);
-        const __m128i w0 = _mm_unpacklo_epi64(a, b), w1 = _mm_unpackhi_epi64(a, b), w2 = _mm_unpacklo_epi64(c, d);
-        const __m128i k3f = _mm_set1_epi8(0x3f), k0f = _mm_set1_epi8(0x0f), k03 = _mm_set1_epi8(0x03);
-        const __m128i s_lo = _mm_and_si128(w0, k3f), m_lo = _mm_and_si128(w1, k3f);
-        const __m128i s_hi = _mm_or_si128(_mm_and_si128(w2, k0f),
-                                          _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(w0, 6), k03), 4));
-        const __m128i m_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(w2, 4), k0f),
-                                          _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(w1, 6), k03), 4));
-        S = _mm256_set_m128i(_mm_unpackhi_epi32(s_lo, s_hi), _mm_unpacklo_epi32(s_lo, s_hi));
-        M = _mm256_set_m128i(_mm_unpackhi_epi32(m_lo, m_hi), _mm_unpacklo_epi32(m_lo, m_hi));
-      }
+      scales_mins_4rows(blk, S, M);
       for (int j = 0; j < 8; ++j)  // one scale per chunk: the kernel reads sc[j][0] only
         _mm256_store_si256((__m256i*)b.sc[j][0], _mm256_shuffle_epi8(S, kChunkScale[j]));
       for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], _mm256_shuffle_epi8(M, kGroupMin[k]));
@@ -436,7 +439,7 @@ void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
 
 // 4 panel rows x 4 tokens.  xd2[16 i + 8 k ..] holds, for super-block i and token
 // pair k, the activation scales in output lane order (tokens 0 0 1 1 0 0 1 1 of the pair).
-// out[8k + lane]: lane order rows 0 1 0 1 2 3 2 3 / tokens 0 0 1 1 0 0 1 1 of pair k.
+// out[4t + r]: row r, token t.
 template <bool G16>
 void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2, float* out) {
   __m256 acc0 = _mm256_setzero_ps(), accm0 = acc0, acc1 = acc0, accm1 = acc0;
@@ -477,8 +480,18 @@ void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2,
     acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is[2], is[3])), acc1);
     accm1 = _mm256_fmadd_ps(_mm256_mul_ps(dm, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms[2], ms[3])), accm1);
   }
-  _mm256_storeu_ps(out, _mm256_sub_ps(acc0, accm0));
-  _mm256_storeu_ps(out + 8, _mm256_sub_ps(acc1, accm1));
+  // lanes (rows 0 1 0 1 2 3 2 3, tokens 0 0 1 1 0 0 1 1) -> each token's 4 rows side by side, as y holds them
+  const __m256i to_token_major = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc0, accm0), to_token_major));
+  _mm256_storeu_ps(out + 8, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc1, accm1), to_token_major));
+}
+
+// A tile's outputs, out[4t + r] (row r, token t), to y: each token's live rows side by side.
+inline void store_tile(const float* out, int tokens, int live_rows, float* y, int64_t y_stride) {
+  for (int t = 0; t < tokens; ++t, y += y_stride) {
+    if (live_rows == 4) std::memcpy(y, out + 4 * t, 16);
+    else for (int r = 0; r < live_rows; ++r) y[r] = out[4 * t + r];
+  }
 }
 
 struct PanelScratch {
@@ -530,13 +543,7 @@ void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
         const size_t lo = bytes * k / n_tiles / 64 * 64, hi = bytes * (k + 1) / n_tiles;
         for (size_t off = lo; off < hi; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
         panel_tile<T == DType::Q6_K>(panel, nb, xs + t0, xd2 + (size_t)(t0 / 4) * nb * 16, out);
-        static const int lane_row[8] = {0, 1, 0, 1, 2, 3, 2, 3}, lane_tok[8] = {0, 0, 1, 1, 0, 0, 1, 1};
-        for (int k = 0; k < 2; ++k)
-          for (int l = 0; l < 8; ++l) {
-            const int64_t r = p0 + lane_row[l];
-            const int t = t0 + 2 * k + lane_tok[l];
-            if (r < r1 && t < n) y[(int64_t)t * W.rows + r] = out[8 * k + l];
-          }
+        store_tile(out, std::min(4, n - t0), (int)std::min<int64_t>(4, r1 - p0), y + (int64_t)t0 * W.rows + p0, W.rows);
       }
     }
   }
@@ -572,10 +579,265 @@ void gemm_fused(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n,
   }
 }
 
+// ---- 3+ tokens on AVX-512 (chosen at run time): 16-byte row pieces ---------
+// The same panel idea with 512-bit vectors: a vector holds 16 values of each of
+// 4 rows (one row per 128-bit lane), so one broadcast 16-byte activation piece
+// multiplies all 4 rows, a 32-value sub-block takes 2 pmaddubsw and 1 vpdpwssd
+// (VNNI: the scale multiply and the add in one; the AVX2 panel takes 4 + 1 + adds
+// for half the products), and only the integer sums change hands: the float
+// steps of each output are the reference's.
+#define DFL_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
+// GCC 12 reports the "undefined" pass-through operands inside its own AVX-512 intrinsics
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// One super-block of 4 rows.  q[j][h] holds in 128-bit lane r row r's values
+// 32j + 16h .. +15; sc[j][h] in int16 lanes 8r..8r+7 row r's scale of group 2j + h;
+// m[k] in lanes 8r + e row r's offset weight of group 8k + e; d / dm in lane 4r + t
+// row r's float scales (t: the 4 tokens of a quad).
+struct alignas(64) Panel16 {
+  uint8_t q[8][2][64];
+  int16_t sc[8][2][32];
+  int16_t m[2][32];
+  float d[16], dm[16];
+};
+
+DFL_AVX512 inline __m512i load_pair256(const uint8_t* a, const uint8_t* b) {  // [32 bytes at a | 32 at b]
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load256(a)), load256(b), 1);
+}
+
+// Chunk j (values 32j..32j+31) of two rows' super-blocks as [row a | row b]: the
+// bit operations of load_super_block, two rows at once.
+template <DType T>
+DFL_AVX512 inline void chunks_of_two(const uint8_t* a, const uint8_t* b, __m512i c[8]) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  if constexpr (T == DType::Q6_K) {
+    const __m512i m2 = _mm512_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const size_t ql = offsetof(block_q6_K, ql) + 64 * h, qh = offsetof(block_q6_K, qh) + 32 * h;
+      const __m512i l0 = load_pair256(a + ql, b + ql), l1 = load_pair256(a + ql + 32, b + ql + 32);
+      const __m512i hb = load_pair256(a + qh, b + qh);
+      c[4 * h + 0] = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
+      c[4 * h + 1] = _mm512_or_si512(_mm512_and_si512(l1, m4),
+                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2), m2), 4));
+      c[4 * h + 2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4),
+                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), m2), 4));
+      c[4 * h + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 6), m2), 4));
+    }
+  } else {
+    constexpr bool Q5 = T == DType::Q5_K;
+    const size_t qs = Q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs);
+    const size_t qh = offsetof(block_q5_K, qh);
+    const __m512i hb = Q5 ? load_pair256(a + qh, b + qh) : _mm512_setzero_si512();
+    const __m512i b16 = _mm512_set1_epi8(16);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v = load_pair256(a + qs + 32 * k, b + qs + 32 * k);
+      __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      if (Q5) {
+        lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << (2 * k)))), b16));
+        hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << (2 * k + 1)))), b16));
+      }
+      c[2 * k] = lo;
+      c[2 * k + 1] = hi;
+    }
+  }
+}
+
+// Index vectors of vpermt2w over [rows 0 1] ++ [rows 2 3] (16 int16 a row): lane 8r + e
+// takes row r's element scale[g][..]: group g; offset[k][..]: group 8k + e.
+// sub_scale / sub_min: vpermw over 8 values a row (Q4_K / Q5_K sub-blocks): lane 8r + e takes
+// row r's sub-block j / the sub-block of group 8k + e.
+struct Spread16 {
+  alignas(64) int16_t scale[16][32], offset[2][32], sub_scale[8][32], sub_min[2][32];
+  Spread16() {
+    for (int l = 0; l < 32; ++l) {
+      const int r = l / 8, e = l % 8;
+      for (int g = 0; g < 16; ++g) scale[g][l] = (int16_t)(16 * r + g);
+      for (int k = 0; k < 2; ++k) offset[k][l] = (int16_t)(16 * r + 8 * k + e);
+      for (int j = 0; j < 8; ++j) sub_scale[j][l] = (int16_t)(8 * r + j);
+      for (int k = 0; k < 2; ++k) sub_min[k][l] = (int16_t)(8 * r + (8 * k + e) / 2);
+    }
+  }
+};
+const Spread16 kSpread16;
+
+// 4 rows' f16 scales as 16 floats, lane 4r + t = row r's (the tile's lane order).
+DFL_AVX512 inline __m512 row_scales16(const uint16_t h[4]) {
+  const __m128 v = _mm_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], 0, 0, 0, 0));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
+}
+
+template <DType T>
+DFL_AVX512 void unpack_panel16(const Weight& W, const int64_t* rows, Panel16* P) {
+  const int64_t nb = W.cols / QK_K;
+  const size_t bs = block_bytes(T);
+  for (int64_t i = 0; i < nb; ++i) {
+    Panel16& p = P[i];
+    const uint8_t* blk[4];
+    for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
+    __m512i c01[8], c23[8];
+    chunks_of_two<T>(blk[0], blk[1], c01);
+    chunks_of_two<T>(blk[2], blk[3], c23);
+    for (int j = 0; j < 8; ++j) {  // 128-bit lanes 0, 2 of each pair: values 0..15; lanes 1, 3: 16..31
+      _mm512_store_si512(p.q[j][0], _mm512_shuffle_i64x2(c01[j], c23[j], 0x88));
+      _mm512_store_si512(p.q[j][1], _mm512_shuffle_i64x2(c01[j], c23[j], 0xdd));
+    }
+    if constexpr (T == DType::Q6_K) {
+      // signed group scales as int16 (rows 0 1 | rows 2 3), offsets m = 32 * scale
+      const __m512i s01 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_loadu_si128((const __m128i*)(blk[1] + offsetof(block_q6_K, scales))),
+                                                                _mm_loadu_si128((const __m128i*)(blk[0] + offsetof(block_q6_K, scales)))));
+      const __m512i s23 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_loadu_si128((const __m128i*)(blk[3] + offsetof(block_q6_K, scales))),
+                                                                _mm_loadu_si128((const __m128i*)(blk[2] + offsetof(block_q6_K, scales)))));
+      for (int g = 0; g < 16; ++g)
+        _mm512_store_si512(p.sc[g / 2][g % 2], _mm512_permutex2var_epi16(s01, _mm512_load_si512(kSpread16.scale[g]), s23));
+      for (int k = 0; k < 2; ++k)
+        _mm512_store_si512(p.m[k], _mm512_slli_epi16(_mm512_permutex2var_epi16(s01, _mm512_load_si512(kSpread16.offset[k]), s23), 5));
+      uint16_t dh[4];
+      for (int r = 0; r < 4; ++r) std::memcpy(&dh[r], blk[r] + offsetof(block_q6_K, d), 2);
+      const __m512 d = row_scales16(dh);
+      _mm512_store_ps(p.d, d);
+      _mm512_store_ps(p.dm, d);
+    } else {
+      // S16 / M16 lane 8r + j: row r's scale / min of sub-block j (groups 2j and 2j + 1)
+      __m256i S, M;
+      scales_mins_4rows(blk, S, M);
+      const __m512i S16 = _mm512_cvtepu8_epi16(S), M16 = _mm512_cvtepu8_epi16(M);
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_si512(p.sc[j][0], _mm512_permutexvar_epi16(_mm512_load_si512(kSpread16.sub_scale[j]), S16));
+      for (int k = 0; k < 2; ++k)
+        _mm512_store_si512(p.m[k], _mm512_permutexvar_epi16(_mm512_load_si512(kSpread16.sub_min[k]), M16));
+      uint16_t dh[4], mh[4];
+      for (int r = 0; r < 4; ++r) {
+        std::memcpy(&dh[r], blk[r], 2);
+        std::memcpy(&mh[r], blk[r] + 2, 2);
+      }
+      _mm512_store_ps(p.d, row_scales16(dh));
+      _mm512_store_ps(p.dm, row_scales16(mh));
+    }
+  }
+}
+
+// The 4 tokens' sums in lane 4r + t from is[t] (4 int32 of row r in 128-bit lane r).
+DFL_AVX512 inline __m512i reduce_quad(__m512i i0, __m512i i1, __m512i i2, __m512i i3) {
+  const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+  const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(i2, i3), _mm512_unpackhi_epi32(i2, i3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+// acc += pairwise int16 products of a and b (vpdpwssd), written so that the
+// accumulator stays in its register: GCC 12's intrinsic copies it out and back
+// around every instruction.
+DFL_AVX512 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+DFL_AVX512 inline __m512i bcast16(const void* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)); }
+
+// 4 panel rows x 4Q tokens.  xd4[(q * nb + i) * 16 + 4r + t]: token 4q + t's activation
+// scale of super-block i.  out[16q + 4t + r]: row r, token 4q + t.
+template <bool G16, int Q>
+DFL_AVX512 __attribute__((noinline)) void panel16_tile(const Panel16* P, int64_t nb, const ActRow* x, const float* xd4, float* out) {
+  constexpr int NT = 4 * Q;
+  __m512 acc[Q], accm[Q];
+  for (int q = 0; q < Q; ++q) acc[q] = accm[q] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const Panel16& b = P[i];
+    __m512i is[NT];
+    for (int t = 0; t < NT; ++t) is[t] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w0 = _mm512_load_si512(b.q[j][0]), w1 = _mm512_load_si512(b.q[j][1]);
+      const __m512i s0 = _mm512_load_si512(b.sc[j][0]);
+      const __m512i s1 = G16 ? _mm512_load_si512(b.sc[j][1]) : s0;
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xp = x[t].q + 256 * i + 32 * j;
+        const __m512i p0 = _mm512_maddubs_epi16(w0, bcast16(xp)), p1 = _mm512_maddubs_epi16(w1, bcast16(xp + 16));
+        if (G16) {  // a scale per 16 values: one per piece
+          is[t] = dpwssd(is[t], p0, s0);
+          is[t] = dpwssd(is[t], p1, s1);
+        } else {  // the sub-block's two pieces share a scale (two pair sums < 2^15 in int16)
+          is[t] = dpwssd(is[t], _mm512_add_epi16(p0, p1), s0);
+        }
+      }
+    }
+    const __m512i m0 = _mm512_load_si512(b.m[0]), m1 = _mm512_load_si512(b.m[1]);
+    const __m512 d = _mm512_load_ps(b.d), dm = _mm512_load_ps(b.dm);
+    for (int q = 0; q < Q; ++q) {
+      __m512i ms[4];
+      for (int t = 0; t < 4; ++t) {
+        const int16_t* bs = x[4 * q + t].bsum + 16 * i;
+        ms[t] = _mm512_add_epi32(_mm512_madd_epi16(m0, bcast16(bs)), _mm512_madd_epi16(m1, bcast16(bs + 8)));
+      }
+      const __m512 xd = _mm512_loadu_ps(xd4 + ((size_t)q * nb + i) * 16);
+      const __m512i isum = reduce_quad(is[4 * q], is[4 * q + 1], is[4 * q + 2], is[4 * q + 3]);
+      const __m512i msum = reduce_quad(ms[0], ms[1], ms[2], ms[3]);
+      acc[q] = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(isum), acc[q]);
+      accm[q] = _mm512_fmadd_ps(_mm512_mul_ps(dm, xd), _mm512_cvtepi32_ps(msum), accm[q]);
+    }
+  }
+  // lane 4r + t -> 4t + r: each token's 4 rows side by side, as y holds them
+  const __m512i to_token_major = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int q = 0; q < Q; ++q)
+    _mm512_storeu_ps(out + 16 * q, _mm512_permutexvar_ps(to_token_major, _mm512_sub_ps(acc[q], accm[q])));
+}
+
+struct Panel16Scratch {
+  std::vector<Panel16> panel;
+  std::vector<float> xd4;  // 16 floats per (token quad, super-block)
+  std::vector<ActRow> xs;
+};
+
+template <DType T>
+DFL_AVX512 void gemm_panels16(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  thread_local Panel16Scratch S;
+  const int64_t nb = W.cols / QK_K;
+  if ((int64_t)S.panel.size() < nb) S.panel.resize(nb);
+  const int n4 = (n + 3) / 4 * 4;  // tokens padded to quads with copies of the last one
+  S.xs.resize(n4);
+  for (int t = 0; t < n4; ++t) S.xs[t] = x[std::min(t, n - 1)];
+  S.xd4.resize((size_t)(n4 / 4) * nb * 16);
+  for (int q = 0; q < n4 / 4; ++q)
+    for (int64_t i = 0; i < nb; ++i)
+      for (int l = 0; l < 16; ++l) S.xd4[((size_t)q * nb + i) * 16 + l] = S.xs[4 * q + l % 4].d[i];
+  Panel16* panel = S.panel.data();
+  const ActRow* xs = S.xs.data();
+  float out[32];
+  for (int tb = 0; tb < n4; tb += kTokenBlock) {
+    const int te = std::min(n4, tb + kTokenBlock);
+    for (int64_t p0 = r0; p0 < r1; p0 += 4) {
+      int64_t rows[4];
+      for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
+      unpack_panel16<T>(W, rows, panel);
+      const char* nxt = p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr;
+      const size_t bytes = nxt ? (size_t)std::min<int64_t>(4, r1 - p0 - 4) * W.row_bytes : 0;
+      const int n_tiles = (te - tb + 7) / 8;
+      for (int t0 = tb; t0 < te;) {
+        const int nt = te - t0 >= 8 ? 8 : 4;
+        const int k = (t0 - tb) / 8;
+        const size_t lo = bytes * k / n_tiles / 64 * 64, hi = bytes * (k + 1) / n_tiles;
+        for (size_t off = lo; off < hi; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
+        const float* xd = S.xd4.data() + (size_t)(t0 / 4) * nb * 16;
+        if (nt == 8) panel16_tile<T == DType::Q6_K, 2>(panel, nb, xs + t0, xd, out);
+        else panel16_tile<T == DType::Q6_K, 1>(panel, nb, xs + t0, xd, out);
+        store_tile(out, std::min(nt, n - t0), (int)std::min<int64_t>(4, r1 - p0), y + (int64_t)t0 * W.rows + p0, W.rows);
+        t0 += nt;
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
 template <DType T>
 void gemm_avx2(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
-  if (n >= kPanelMinTokens) gemm_panels<T>(W, r0, r1, x, n, y);
-  else gemm_fused<T>(W, r0, r1, x, n, y);
+  if (n >= kPanelMinTokens) {
+    if (cpu_avx512_active()) gemm_panels16<T>(W, r0, r1, x, n, y);
+    else gemm_panels<T>(W, r0, r1, x, n, y);
+  } else {
+    gemm_fused<T>(W, r0, r1, x, n, y);
+  }
 }
 #endif
 

@@ -54,6 +54,6 @@ void gemm_kquant(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
 // The same arithmetic written one output at a time (the definition the kernels are tested against).
 void gemm_kquant_reference(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y);
 
-const char* simd_name();  // "avx2" or "scalar"
+const char* simd_name();  // "avx2+avx512", "avx2" or "scalar": the kernels in use now
 
 }  // namespace dfl

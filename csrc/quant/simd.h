@@ -19,6 +19,14 @@ inline float fp16(uint16_t h) {
 #endif
 }
 
+// The AVX-512 panel kernels of gemm_kquant.cpp (prefill and verify batches) run
+// where the build has AVX2 and the CPU AVX-512 F/BW/DQ/VL/VNNI; they compute the same
+// bits as the AVX2 ones.  DFLASH27B_CPU_AVX512=0 in the environment, or
+// set_cpu_avx512(0), keeps the AVX2 kernels (to compare, or to time both).
+bool cpu_avx512_supported();
+bool cpu_avx512_active();
+void set_cpu_avx512(int mode);  // 1 on (fails where unsupported), 0 off, -1 as the environment says
+
 #ifdef DFL_AVX2
 inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 #endif
