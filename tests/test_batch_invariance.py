@@ -76,3 +76,29 @@ def test_threadpool_visits_every_index_once(threads):
     from dflash27b._lib import check, load
     _, lib = load()
     check(lib.dfl_selftest_threadpool(threads, 300000))
+
+
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m", "q6_k", "f32"])
+def test_cpu_kernel_sets_agree_bit_for_bit(synth_gguf, ftype):
+    """Where the CPU has AVX-512, its kernels (K-quant panels of 16-byte row pieces, the delta rule
+    on 64 columns) give the AVX2 kernels' logits bit for bit: a prefill, a tree verify and AR steps."""
+    from dflash27b._lib import load
+
+    ffi, lib = load()
+    if lib.dfl_cpu_avx512(1) != 0:
+        pytest.skip(ffi.string(lib.dfl_last_error()).decode())
+    ids = np.random.default_rng(9).integers(0, 2000, size=30).tolist()
+    runs = []
+    try:
+        for avx512 in (0, 1):
+            assert lib.dfl_cpu_avx512(avx512) == 0
+            with Decoder(synth_gguf(ftype), ctx=64, threads=2) as d:
+                ctx = d.context
+                pre, _ = ctx.forward(ids[:20])
+                tree, _ = ctx.forward(ids[20:26], parent=[-1, 0, 0, 1, 2, 4], commit=False)
+                steps = [ctx.forward([t])[0] for t in ids[20:24]]
+                runs.append([pre, tree, *steps])
+    finally:
+        lib.dfl_cpu_avx512(-1)
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)

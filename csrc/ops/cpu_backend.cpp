@@ -299,8 +299,9 @@ class CpuBackend final : public Backend {
           float* rec = static_cast<float*>(L.rec) + hoff;
           float* node_rec = static_cast<float*>(L.node_rec);
           const std::vector<uint8_t>& kept = keep;
-          for (int j0 = 0; j0 < dv; j0 += kDeltaCols) {
-            const int nb = std::min(kDeltaCols, dv - j0);
+          const int bw = delta_block_cols();
+          for (int j0 = 0; j0 < dv; j0 += bw) {
+            const int nb = std::min(bw, dv - j0);
             for (int t = 0; t < n; ++t) {
               const float *Sin = work.data(), *q, *k, *v;
               int64_t in_stride = nb;

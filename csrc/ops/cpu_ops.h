@@ -95,7 +95,11 @@ void delta_rule_step(const float* S_in, float* S_out, const float* k, const floa
 // can step one block at a time with the block in L1 (CpuBackend::gdn).  v, out
 // and delta_out point at the block's first column; S_in / S_out have row strides
 // in floats (the same buffer for in place).  delta_rule_step is this per block.
-constexpr int kDeltaCols = 32;
+// Blocks are delta_block_cols() wide: 64 where the AVX-512 loop runs, else 32 (the
+// loops wait on add latency, so more columns in flight is what makes them faster;
+// each column's sums run over i in order either way, so the bits do not change).
+constexpr int kDeltaCols = 64;
+int delta_block_cols();
 void delta_rule_cols(const float* S_in, int64_t in_stride, float* S_out, int64_t out_stride, const float* k,
                      const float* v, const float* q, float decay, float beta, int dk, int nb, float* out,
                      float* delta_out);
