@@ -17,7 +17,7 @@
 // Two kernels, one arithmetic:
 //  - few tokens (decode): `fused` unpacks each weight super-block into
 //    registers and uses it at once; 8 outputs' sums reduce together.
-//  - 3+ tokens (prefill, verify): 4 weight rows are unpacked once per block of
+//  - 3+ tokens (prefill, verify; 2+ on AVX-512, below): 4 weight rows are unpacked once per block of
 //    tokens into an interleaved panel (`PanelSB`): one 32-byte vector holds 8
 //    values of each of the 4 rows, so a broadcast 8-byte activation piece
 //    multiplies all 4 rows, and the 4 pieces of a 32-value sub-block add up in
@@ -832,9 +832,11 @@ DFL_AVX512 void gemm_panels16(const Weight& W, int64_t r0, int64_t r1, const Act
 
 template <DType T>
 void gemm_avx2(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
-  if (n >= kPanelMinTokens) {
-    if (cpu_avx512_active()) gemm_panels16<T>(W, r0, r1, x, n, y);
-    else gemm_panels<T>(W, r0, r1, x, n, y);
+  // AVX-512 panels pay from 2 tokens (a pair padded to a quad still beats the register kernel)
+  if (n >= 2 && cpu_avx512_active()) {
+    gemm_panels16<T>(W, r0, r1, x, n, y);
+  } else if (n >= kPanelMinTokens) {
+    gemm_panels<T>(W, r0, r1, x, n, y);
   } else {
     gemm_fused<T>(W, r0, r1, x, n, y);
   }
