@@ -127,9 +127,10 @@ class CpuBackend final : public Backend {
     // prefix is widened to f32 once per item, in blocks of kKeyBlock rows, and used by
     // every query head of the group for every token of the block that sees it; a
     // token's extra slots (its tree ancestors) are widened for it alone.  Per query
-    // head the operations are dot_f and axpy_row on the widened row (widening is
-    // exact), over the token's visible slots in order, so the result does not depend
-    // on the grouping or on the other tokens.
+    // head the operations are dot_f and axpy_row (axpy_rows: a run of rows at a time,
+    // the same operations) on the widened row (widening is exact), over the token's
+    // visible slots in order, so the result does not depend on the grouping or on the
+    // other tokens.
     constexpr int kKeyBlock = 32;
     const int n_kv = a.n_head_kv, n = P.n;
     // tokens per item: enough items for every thread to get about four
@@ -156,21 +157,32 @@ class CpuBackend final : public Backend {
           widen_row(kvt, r, dst, hd);
           return dst;
         };
-        // fn(t, s, row) for each token of the block and each visible slot s, in slot order per
-        // token: the prefix a block of rows at a time, then each token's extra slots
-        auto each_visible = [&](const uint8_t* cache, auto&& fn) {
+        // fn(t, s, ns, rows) for each token of the block and runs of its visible slots s .. s+ns-1
+        // (rows[k]: slot s+k), in slot order per token: the prefix a block of rows at a time, then
+        // each token's extra slots one at a time
+        auto each_visible_run = [&](const uint8_t* cache, auto&& fn) {
           for (size_t s0 = 0; s0 < max_prefix; s0 += kKeyBlock) {
             const size_t s1 = std::min(max_prefix, s0 + kKeyBlock);
             const float* blk[kKeyBlock];
             for (size_t s = s0; s < s1; ++s) blk[s - s0] = widened(cache, s, rows.data() + (s - s0) * hd);
-            for (int t = t0; t < t1; ++t)
-              for (size_t s = s0; s < std::min(s1, (size_t)P.n_prefix[t]); ++s) fn(t, s, blk[s - s0]);
+            for (int t = t0; t < t1; ++t) {
+              const size_t e = std::min(s1, (size_t)P.n_prefix[t]);
+              if (e > s0) fn(t, s0, (int)(e - s0), blk);
+            }
           }
           for (int t = t0; t < t1; ++t) {
             const size_t n_prefix = (size_t)P.n_prefix[t];
             const int32_t* extra = P.extra_slots.data() + P.extra_begin[t];
-            for (int e = 0; e < P.extra_count[t]; ++e) fn(t, n_prefix + e, widened(cache, (size_t)extra[e], row.data()));
+            for (int e = 0; e < P.extra_count[t]; ++e) {
+              const float* r = widened(cache, (size_t)extra[e], row.data());
+              fn(t, n_prefix + e, 1, &r);
+            }
           }
+        };
+        auto each_visible = [&](const uint8_t* cache, auto&& fn) {  // fn(t, s, row) per slot
+          each_visible_run(cache, [&](int t, size_t s, int ns, const float* const* r) {
+            for (int k = 0; k < ns; ++k) fn(t, s + k, r[k]);
+          });
         };
         auto q_of = [&](int t) { return qg + (size_t)t * n_head * qs + (size_t)m * group * qs; };
         auto o_of = [&](int t) { return o + ((size_t)t * n_head + (size_t)m * group) * hd; };
@@ -194,9 +206,9 @@ class CpuBackend final : public Backend {
           }
           std::fill(o_of(t), o_of(t) + (size_t)group * hd, 0.f);
         }
-        each_visible(L.v_cache, [&](int t, size_t s, const float* v) {
+        each_visible_run(L.v_cache, [&](int t, size_t s, int ns, const float* const* v) {
           float* o0 = o_of(t);
-          for (int g = 0; g < group; ++g) axpy_row(v, sc_of(t, g)[s], o0 + (size_t)g * hd, hd);
+          for (int g = 0; g < group; ++g) axpy_rows(v, sc_of(t, g) + s, ns, o0 + (size_t)g * hd, hd);
         });
         for (int t = t0; t < t1; ++t)
           for (int g = 0; g < group; ++g) {

@@ -319,4 +319,26 @@ void axpy_row(const float* v, float p, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
 }
 
+void axpy_rows(const float* const* v, const float* p, int ns, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef DFL_AVX2
+  // 64 outputs stay in registers through all rows: one load and store of out per block of rows
+  for (; i + 64 <= n; i += 64) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(out + i + 8 * c);
+    for (int s = 0; s < ns; ++s) {
+      const __m256 ps = _mm256_set1_ps(p[s]);
+      const float* vs = v[s] + i;
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(ps, _mm256_loadu_ps(vs + 8 * c)));
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + i + 8 * c, acc[c]);
+  }
+#endif
+  for (; i < n; ++i) {
+    float o = out[i];
+    for (int s = 0; s < ns; ++s) o += p[s] * v[s][i];
+    out[i] = o;
+  }
+}
+
 }  // namespace dfl

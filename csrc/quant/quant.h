@@ -43,6 +43,9 @@ void dot_f_multi(DType t, const void* w_row, const float* x, int64_t x_stride, i
 // out[i] += p * v[i] (a multiply then an add per element, never fused); rows of
 // other types are widened first (widen_row).
 void axpy_row(const float* v, float p, float* out, int64_t n);
+// axpy_row for rows s = 0..ns-1 in order (out[i] += p[s] * v[s][i], the same operations in the same
+// order per element), out kept in registers across the rows.
+void axpy_rows(const float* const* v, const float* p, int ns, float* out, int64_t n);
 
 // K-quant weights (Q4_K, Q5_K, Q6_K) against int8 activations (act_block 256):
 // y[t * W.rows + r] for rows [r0, r1) and every token t < n.  One arithmetic for
