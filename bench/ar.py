@@ -9,6 +9,9 @@ context; if llama-cpp-python is installed, times llama.cpp's prefill and decode
 on the same file in the same run and prints the ratios.
 
     python bench/ar.py [--model PATH] [--threads 2] [--prefill 512] [--decode 64] [--json OUT]
+
+Where the CPU has AVX-512 VNNI its batch kernels run (the record's `build` says "cpu: avx2+avx512");
+DFLASH27B_CPU_AVX512=0 in the environment times the AVX2 kernels instead (same bits).
 """
 from __future__ import annotations
 
