@@ -311,6 +311,31 @@ def graph_comparison(lib, ffi, run) -> dict:
     return out
 
 
+def attention_grouping(lib, ffi, dec, ids: list[int], tree_ids, steps_tokens: int) -> dict:
+    """An AR step and a 23-node tree verify after a long prompt, with attention's CTAs grouping a KV head's
+    query heads and a block of tokens (auto: K/V read once per group) against one query row per CTA (the
+    pinned (1, 1): K/V read once per head and token).  Each row's arithmetic is the same either way, so the
+    greedy tokens must agree; the times show what the grouping saves where attention is long."""
+    parents = tree_shape(23, "tree")
+    out: dict = {"prompt_tokens": len(ids)}
+    toks = {}
+    try:
+        for name, (rows_tok, rows_head) in (("auto", (0, 0)), ("one_row", (1, 1))):
+            if lib.dfl_cuda_attention_rows(rows_tok, rows_head) != 0:
+                return {"error": ffi.string(lib.dfl_last_error()).decode()}
+            r, st = _gen(dec, ids, steps_tokens, mode="ar")
+            toks[name] = r.tokens
+            dec._ctx.set_tree_hook(lambda pos, tok, cap, _p=parents: (tree_ids(len(_p))[:cap], _p[:cap]))
+            _, st2 = _gen(dec, ids, steps_tokens, mode="ddtree", budget=22)
+            dec._ctx.set_tree_hook(None)
+            out[name] = {"ar_ms": _median(st.verify_ms), "verify23_ms": _median(st2.verify_ms)}
+    finally:
+        dec._ctx.set_tree_hook(None)
+        lib.dfl_cuda_attention_rows(0, 0)
+    out["same_tokens"] = toks["auto"] == toks["one_row"]
+    return out
+
+
 def profile_rows(prof: dict[str, dict], steps: int, minus: dict[str, dict] | None = None) -> dict:
     """A cuda_op_profile (less `minus`) as rows per step, slowest first: ms, calls and GB/s of each op."""
     ops = []
@@ -459,6 +484,13 @@ def part_ours(target: str | None, draft: str | None, device: str, ctx: int, kv_t
             if mem:
                 out["memory"].update(peak_bytes=mem["peak"], device_used_bytes=mem["device_total"] - mem["device_free"],
                                      device_total_bytes=mem["device_total"])
+        save()
+
+        # attention's query-row grouping at long context (CUDA; last: four long prefills): grouped against
+        # one row per CTA
+        if cuda:
+            long_prompt = min(8000, ctx - steps_tokens - 64)
+            out["attention"] = attention_grouping(lib, ffi, dec, rand_ids(long_prompt), rand_ids, steps_tokens)
     if cuda:
         gbs = lib.dfl_cuda_bench_copy(1 << 30, 20)
         out["copy_gb_s"] = float(gbs) if gbs > 0 else None
@@ -654,6 +686,7 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
         "profile": ours.get("profile"),
         "graphs": ours.get("graphs"),
+        "attention": ours.get("attention"),
         "notes": [n for p in (ex, ck, lc, ours, mm, v24, pf, dm) for n in (p.get("notes") or [])] +
                  ([f"vram24: {v24['error']}"] if v24.get("error") else []),
     }
@@ -706,6 +739,13 @@ def markdown(rec: dict) -> str:
                          f"{_f(g.get('step_ms_on'), '.3f')} | {_f(g.get('speedup'), '.2f')}x, "
                          f"{_f(100 * g['replayed_share'] if g.get('replayed_share') is not None else None, '.0f')}% "
                          "of ops replayed |")
+    att = rec.get("attention") or {}
+    if "auto" in att and "one_row" in att:
+        for key, label in (("ar_ms", "AR step"), ("verify23_ms", "verify 23 nodes (tree)")):
+            a, b = att["auto"].get(key), att["one_row"].get(key)
+            lines.append(f"| {label} after {att.get('prompt_tokens')} tokens, attention grouped / one row a CTA | "
+                         f"{_f(a, '.3f')} / {_f(b, '.3f')} | {_f(b / a if a and b else None, '.2f')}x "
+                         f"(same tokens: {att.get('same_tokens')}) |")
     o, m = rec["oracle"], rec["memory"]
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
     lines += ["", f"oracle drafter: accept length {_f(o.get('accept_length'), '.2f')}, {_f(o.get('tok_s'))} tok/s, "

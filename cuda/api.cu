@@ -265,6 +265,15 @@ int dfl_cuda_graph_mode(int32_t mode) {
   });
 }
 
+int dfl_cuda_attention_rows(int32_t toks, int32_t heads) {
+  return dfl::api_guard([&] {
+    if (toks < 0 || heads < 0 || (toks == 0) != (heads == 0))
+      dfl::fail("attention rows %d x %d: use two positive counts (tokens, query heads per CTA), or 0, 0 for the "
+                "automatic choice", toks, heads);
+    dfl::cuda::set_attention_rows(toks, heads);
+  });
+}
+
 int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len) {
   using namespace dfl::cuda;
   return dfl::api_guard([&] {

@@ -169,5 +169,10 @@ __device__ __forceinline__ float byte_as_f(uint32_t v, int m) {
 }
 constexpr float kTwo23 = 8388608.0f;
 
+// The attention CTA grouping for every context from now on (backend.cu): toks tokens x heads
+// query heads of one KV head per CTA, each clipped to what the shape and shared memory allow;
+// 0, 0 = chosen per launch.  Speed only: a query row's arithmetic does not depend on it.
+void set_attention_rows(int toks, int heads);
+
 }  // namespace cuda
 }  // namespace dfl

@@ -306,6 +306,11 @@ int dfl_cuda_graph_stats(dfl_cuda_graphs* out, int32_t reset);
 /* Graph mode for every CUDA context of the process from now on: 1 on, 0 off, -1 back to what
  * DFLASH27B_CUDA_GRAPHS said when each was created (so one run can time a step both ways). */
 int dfl_cuda_graph_mode(int32_t mode);
+/* Attention's CTA grouping for every CUDA context from now on: toks tokens x heads query heads of one
+ * KV head per CTA (each clipped to what the shape and shared memory allow), or 0, 0 for the automatic
+ * choice (the default).  Speed only, to compare: a query row's arithmetic is the same whatever the
+ * grouping, so results do not change. */
+int dfl_cuda_attention_rows(int32_t toks, int32_t heads);
 
 /* ==================== DFlash drafter (z-lab layout) ====================
  * path: a directory holding config.json + model.safetensors, or the

@@ -14,7 +14,7 @@ def run(*args):
 def test_version_names_build():
     r = run("--version")
     assert r.returncode == 0
-    assert re.match(r"dflash27b \d+\.\d+\.\d+ \(cpu: (avx2|scalar); cuda: (not built|sm_\d+(,sm_\d+)*)\)", r.stdout)
+    assert re.match(r"dflash27b \d+\.\d+\.\d+ \(cpu: (avx2\+avx512|avx2|scalar); cuda: (not built|sm_\d+(,sm_\d+)*)\)", r.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -317,6 +317,30 @@ def test_cuda_graphs_replay_the_ar_step_and_change_no_token(cuda_dec, pair, monk
         Decoder(pair[0], pair[1], device="cuda", ctx=1024, threads=2)
 
 
+def test_attention_grouping_changes_no_token(cuda_dec):
+    """Attention CTAs grouping a KV head's query heads and a block of tokens (auto) or one query row each
+    (pinned 1 x 1, and a grouping past what fits) give the same greedy tokens, AR and DDTree: each row's
+    arithmetic is the same whatever the grouping.  Bad requests are refused and change nothing."""
+    from dflash27b._lib import load
+
+    ffi, lib = load()
+    ids = cuda_dec.tokenize(PROMPTS[1])
+    n = 6 if EMULATED else 48
+    runs = {}
+    try:
+        for rows in ((0, 0), (1, 1), (64, 99)):
+            assert lib.dfl_cuda_attention_rows(*rows) == 0
+            runs[rows] = (cuda_dec.generate(ids, n, ignore_eos=True, mode="ar").tokens,
+                          cuda_dec.generate(ids, n, ignore_eos=True, mode="ddtree", budget=22).tokens)
+        for bad in ((-1, 1), (1, 0), (0, 2)):
+            assert lib.dfl_cuda_attention_rows(*bad) != 0
+            assert "use two positive counts" in ffi.string(lib.dfl_last_error()).decode()
+    finally:
+        assert lib.dfl_cuda_attention_rows(0, 0) == 0
+    assert runs[(0, 0)][0] == runs[(0, 0)][1]
+    assert runs[(1, 1)] == runs[(0, 0)] == runs[(64, 99)]
+
+
 def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     """dfl_cuda_profile: each backend op timed by events on the stream; a long decode minus a short one (the
     same prompt, so the prefill cancels) gives each op's calls and time per step, and a matmul's bytes are its

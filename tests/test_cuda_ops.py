@@ -289,6 +289,8 @@ def test_cuda_entry_points_without_gpu():
     assert lib.dfl_cuda_bench_matmul(int(T.Q8_0), 16, 32, 1, 1, 0) == -1.0
     assert lib.dfl_cuda_bench_copy(1 << 20, 1) == -1.0
     assert lib.dfl_cuda_memory_stats(ffi.new("dfl_cuda_memory*"), 0) == -1
+    if not built:
+        assert lib.dfl_cuda_attention_rows(1, 1) == -1 and last_error() == msg
     assert np.isnan(y).all()  # y untouched
 
 

@@ -257,3 +257,43 @@ def test_vram24_in_the_record():
                              "cap_bytes": 24 * 2**30, "exact": True}
     assert "24 GiB cap: ctx 131072, peak 21.00 GiB, plan 22.00 GiB" in gb.markdown(rec)
     assert gb.assemble({}, "c", "H100", gb._dt.datetime(2026, 11, 23))["vram24"] is None
+
+
+def test_attention_grouping_section():
+    """The CUDA attention comparison pins one query row per CTA, then restores auto, clears the tree hook,
+    and reports both times and whether the tokens agree; the record and its table carry it."""
+    from types import SimpleNamespace
+
+    class Lib:
+        calls: list = []
+
+        def dfl_cuda_attention_rows(self, toks, heads):
+            self.calls.append((toks, heads))
+            return 0
+
+    class Ctx:
+        hook = "unset"
+
+        def set_tree_hook(self, fn):
+            self.hook = fn
+
+    class Dec:
+        _ctx = Ctx()
+
+        def generate(self, ids, n, ignore_eos, mode, **kw):
+            slow = Lib.calls[-1] == (1, 1)
+            if mode == "ddtree":
+                tok, par = self._ctx.hook(len(ids), 0, 64)
+                assert len(par) == 22 and len(tok) == 22  # 23 nodes: the root and 22 drafted
+            ms = (2.0 if mode == "ar" else 5.0) * (3 if slow else 1)
+            return SimpleNamespace(tokens=[1, 2, 3], stats=SimpleNamespace(verify_ms=[ms, ms]))
+
+    lib, dec = Lib(), Dec()
+    att = gb.attention_grouping(lib, None, dec, list(range(100)), lambda n: list(range(n)), 8)
+    assert lib.calls == [(0, 0), (1, 1), (0, 0)] and dec._ctx.hook is None
+    assert att == {"prompt_tokens": 100, "auto": {"ar_ms": 2.0, "verify23_ms": 5.0},
+                   "one_row": {"ar_ms": 6.0, "verify23_ms": 15.0}, "same_tokens": True}
+    rec = gb.assemble({"ours": {"attention": att, "notes": []}}, "c", "H100", gb._dt.datetime(2026, 11, 26))
+    assert rec["attention"] == att
+    md = gb.markdown(rec)
+    assert "| verify 23 nodes (tree) after 100 tokens, attention grouped / one row a CTA | 5.000 / 15.000 | 3.00x" in md
