@@ -17,7 +17,12 @@
 #                                   cache on an 8K-token conversation, the 24 GiB cap run (128K
 #                                   context, Q4_0 KV, DDTree == AR), the matmul table; the record again (all parts)
 #   bash bench/gpu_bench.sh all     all three, one after the other
-# Options: --arch N (default 90), --skip-llamacpp, --skip-sanitize, --dry-run (print the steps, run nothing).
+#   bash bench/gpu_bench.sh first   for a session with 15 minutes of device time, ONE call (timeout_s 600) with
+#                                   --budget 540: part1, then a shortened part2 (one repeat, fewer verify sizes),
+#                                   then the record; each step's limit is cut to the time left, steps that no
+#                                   longer fit are skipped (and named), and the record is written with what ran
+# Options: --arch N (default 90), --skip-llamacpp, --skip-sanitize, --dry-run (print the steps, run nothing),
+#   --budget SECONDS (the whole call's time: every step ends in time for the record; default: no budget).
 # Environment: COMMIT (the measured HEAD; default .gpu/commit, else git), OUT (the device tool's output
 # folder: the record, its table and the logs are copied there).
 # Writes build/gpu-parts/*.json (one per part: bench/gpu_bench.py), bench/results/gpu-YYYYMMDD-HHMM.{json,md}.
@@ -31,16 +36,22 @@ ARCH=90
 SKIP_LLAMACPP=0
 SKIP_SANITIZE=0
 DRY=0
+BUDGET=0
+T0=$SECONDS
+RESERVE=30  # seconds kept for the record at the end of a budgeted call
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 PART=
 while [ $# -gt 0 ]; do
   case "$1" in
-    part1|part2|part3|all) [ -z "$PART" ] || { echo "gpu_bench.sh: one part at a time (got $PART and $1)" >&2; exit 2; }
+    part1|part2|part3|all|first) [ -z "$PART" ] || { echo "gpu_bench.sh: one part at a time (got $PART and $1)" >&2; exit 2; }
                      PART=$1 ;;
     --arch) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+a?$ ]] || { echo "gpu_bench.sh: --arch needs a number like 90" >&2; exit 2; }
             ARCH=$2; shift ;;
+    --budget) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -gt "$RESERVE" ] ||
+                { echo "gpu_bench.sh: --budget needs a number of seconds above $RESERVE" >&2; exit 2; }
+              BUDGET=$2; shift ;;
     --skip-llamacpp) SKIP_LLAMACPP=1 ;;
     --skip-sanitize) SKIP_SANITIZE=1 ;;
     --dry-run) DRY=1 ;;
@@ -49,13 +60,24 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -n "$PART" ] || { echo "gpu_bench.sh: name a part: part1, part2, part3 or all" >&2; usage >&2; exit 2; }
+[ -n "$PART" ] || { echo "gpu_bench.sh: name a part: part1, part2, part3, all or first" >&2; usage >&2; exit 2; }
+[ "$PART" != first ] || [ "$BUDGET" -gt 0 ] || BUDGET=540
 
 status=0
 step() { echo; echo "==== $(date -u +%H:%M:%S) $*"; }
-# run SECONDS NAME CMD...: one step under a time limit; a failure marks the part failed, the part goes on
+# left: seconds of the budget still free for steps (the record's reserve kept back); a big number without one
+left() {
+  if [ "$BUDGET" -gt 0 ]; then echo $((BUDGET - RESERVE - (SECONDS - T0))); else echo 999999; fi
+}
+# run SECONDS NAME CMD...: one step under a time limit (cut to the budget left); a failure marks the part failed,
+# the part goes on; a step the budget no longer fits is skipped, named, and marks the part failed
 run() {
   local limit=$1 name=$2; shift 2
+  local free; free=$(left)
+  if [ "$free" -lt 15 ]; then
+    step "$name"; echo "$name: SKIPPED (the time budget is spent)"; status=1; return 1
+  fi
+  [ "$free" -lt "$limit" ] && limit=$free
   step "$name"
   if [ $DRY = 1 ]; then echo "(dry run, limit ${limit}s) $*"; return 0; fi
   timeout --kill-after=10 "$limit" "$@"
@@ -79,6 +101,8 @@ wait_for() {
   local job=$1 limit=$2 t=0
   [ $DRY = 1 ] && return 0
   [ -f "build/$job.log" ] || { echo "$job: was not started"; return 1; }
+  local free; free=$(left)
+  [ "$free" -lt "$limit" ] && limit=$free
   while [ ! -f "build/$job.done" ] && [ $t -lt "$limit" ]; do sleep 5; t=$((t + 5)); done
   [ -f "build/$job.done" ] || { echo "$job: not done after ${limit}s more (log: build/$job.log)"; tail -5 "build/$job.log"; return 1; }
   [ "$(cat "build/$job.done")" = 0 ] || { echo "$job: failed"; tail -20 "build/$job.log"; return 1; }
@@ -222,6 +246,28 @@ part2() {
     --out "$PARTS/ours.json"
 }
 
+# part2 shortened for one budgeted call: one repeat, verify at 2 / 8 / 23 nodes, shorter runs
+part2_short() {
+  start_background_jobs
+  step "synthetic 27B Q4_K_M target + 27B-shaped drafter"
+  if running synth || [ ! -s build/synth-27b-draft/model.safetensors ]; then
+    wait_for synth 240 || { status=1; return 1; }
+  fi
+  if [ $SKIP_LLAMACPP = 0 ]; then
+    step "llama.cpp build"
+    if [ -x build/llamacpp/bin/llama-bench ] || wait_for llamacpp 120; then
+      run 120 "llama-bench on the same file (tg128, pp512, pp8192; -fa 1 -ngl 99; 1 repeat)" \
+        python3 bench/gpu_bench.py llamacpp --bench build/llamacpp/bin/llama-bench --model build/synth-27b.gguf \
+        --reps 1 --out "$PARTS/llamacpp.json"
+    else
+      status=1
+    fi
+  fi
+  run 300 "ours on the same file, short: decode, prefill, verify 2/8/23, DDTree-22, oracle, memory" \
+    python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
+    --repeats 1 --n-decode 64 --nodes 2,8,23 --steps-tokens 16 --out "$PARTS/ours.json"
+}
+
 part3() {
   [ -f build/gpu/libdflash27b.so ] || [ $DRY = 1 ] || run 300 "build (sm_$ARCH)" build_ours || return 1
   if [ $DRY = 0 ] && [ ! -s build/synth-27b-draft/model.safetensors ]; then
@@ -254,13 +300,14 @@ record() {
 }
 
 main() {
-  step "gpu_bench.sh $PART (arch $ARCH, commit ${COMMIT:-from .gpu/commit})"
+  step "gpu_bench.sh $PART (arch $ARCH, commit ${COMMIT:-from .gpu/commit}$([ "$BUDGET" -gt 0 ] && echo ", budget ${BUDGET}s"))"
   setup_env || return 1
   case $PART in
     part1) part1 ;;
     part2) part2; record ;;
     part3) part3; record ;;
     all) part1; part2; part3; record ;;
+    first) part1; part2_short; record ;;
   esac
   echo
   [ $status = 0 ] && echo "gpu_bench $PART: OK" || echo "gpu_bench $PART: FAILED (see the steps above)"

@@ -45,7 +45,9 @@ cp "$SHARED/peer/build_llamacpp_cuda.sh" $DIR/ && chmod +x $DIR/build_llamacpp_c
 git rev-parse HEAD > $DIR/commit
 echo "$DIR: $(du -sh $DIR | cut -f1) ($(ls $DIR/whl | wc -l) wheels); commit $(cat $DIR/commit)"
 [ -z "$(git status --porcelain --untracked-files=no)" ] || echo "warning: uncommitted changes: the record will name $(cat $DIR/commit) but measure the working tree"
-echo "device tool, carry [\"$DIR\"], three calls back to back (the machine stays warm 30 s):"
+echo "device tool, carry [\"$DIR\"]; with 15 minutes of device time, ONE call with timeout_s 600:"
+echo "  bash bench/gpu_bench.sh first        (part1, a short part2, the record: 540 s budget)"
+echo "with 30 minutes or more, three calls back to back (the machine stays warm 30 s):"
 echo "  bash bench/gpu_bench.sh part1"
 echo "  bash bench/gpu_bench.sh part2"
 echo "  bash bench/gpu_bench.sh part3"

@@ -100,7 +100,9 @@ def test_gpu_bench_sh_arguments():
     h = _sh("--help")
     assert h.returncode == 0 and "part1" in h.stdout and "part2" in h.stdout and "set -uo" not in h.stdout
     for args, msg in ((), "name a part"), (("bogus",), "unknown argument 'bogus'"), \
-            (("part1", "part2"), "one part at a time"), (("part1", "--arch", "x"), "--arch needs a number"):
+            (("part1", "part2"), "one part at a time"), (("part1", "--arch", "x"), "--arch needs a number"), \
+            (("first", "--budget", "20"), "--budget needs a number of seconds above 30"), \
+            (("first", "--budget"), "--budget needs a number"):
         r = _sh(*args)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
 
@@ -125,6 +127,27 @@ def test_gpu_bench_sh_dry_run_lists_every_step():
     assert "llama-bench on the same file" not in two.stdout
     skip = _sh("--dry-run", "--skip-sanitize", "part3")
     assert "racecheck" not in skip.stdout and "gpu_bench.py prefix" in skip.stdout
+
+
+def test_gpu_bench_sh_first_fits_one_call():
+    """`first` (a 15-minute device session: one call) runs part1, a short part2 and the record under a
+    540 s budget by default; every step's limit is cut to what is left, and steps that no longer fit are
+    skipped by name, not run past the call's end."""
+    r = _sh("--dry-run", "first")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "budget 540s" in r.stdout
+    order = ["build (sm_90)", "dfl_backend_ops", "pytest -m cuda", "gpu_bench.py exact --device cuda",
+             "gpu_bench.py llamacpp --bench build/llamacpp/bin/llama-bench --model build/synth-27b.gguf --reps 1",
+             "gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft --repeats 1",
+             "gpu_bench.py record"]
+    at = [r.stdout.index(s) for s in order]
+    assert at == sorted(at), at
+    assert "memcheck" not in r.stdout and "vram24" not in r.stdout  # part3 waits for a later session
+    # a budget too small for anything: every step is skipped by name, the part fails, the record still runs
+    tight = _sh("--dry-run", "--budget", "40", "first")
+    assert tight.returncode == 1, tight.stdout + tight.stderr
+    assert "build (sm_90): SKIPPED (the time budget is spent)" in tight.stdout
+    assert "gpu_bench.py record" in tight.stdout
 
 
 def test_parse_junit(tmp_path):
