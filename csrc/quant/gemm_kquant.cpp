@@ -494,10 +494,30 @@ inline void store_tile(const float* out, int tokens, int live_rows, float* y, in
   }
 }
 
+// A batch's tokens as the panel tiles read them: padded to quads with copies of the
+// last token, and each quad's activation scales as 16 floats per super-block
+// (xd[(q * nb + i) * 16 + lane]) in a tile's output lane order: lane l is token
+// token_of_lane(l) of the quad.
+struct PanelInputs {
+  std::vector<ActRow> xs;
+  std::vector<float> xd;
+  int n4 = 0;
+  template <class LaneToken>
+  void prepare(const ActRow* x, int n, int64_t nb, LaneToken token_of_lane) {
+    n4 = (n + 3) / 4 * 4;
+    xs.resize(n4);
+    for (int t = 0; t < n4; ++t) xs[t] = x[std::min(t, n - 1)];
+    xd.resize((size_t)(n4 / 4) * nb * 16);
+    for (int q = 0; q < n4 / 4; ++q)
+      for (int64_t i = 0; i < nb; ++i)
+        for (int l = 0; l < 16; ++l) xd[((size_t)q * nb + i) * 16 + l] = xs[4 * q + token_of_lane(l)].d[i];
+  }
+  const float* quad_scales(int t0, int64_t nb) const { return xd.data() + (size_t)(t0 / 4) * nb * 16; }
+};
+
 struct PanelScratch {
   std::vector<PanelSB> panel;
-  std::vector<float> xd2;  // 8 floats per (token pair, super-block); a quad's two pairs by super-block
-  std::vector<ActRow> xs;
+  PanelInputs in;
 };
 
 // From this many tokens the panel's unpacking pays for itself.
@@ -505,48 +525,51 @@ constexpr int kPanelMinTokens = 3;
 // Tokens in blocks that stay in L2 while every panel of the row range passes over them.
 constexpr int kTokenBlock = 64;
 
-template <DType T>
-void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
-  thread_local PanelScratch S;
-  const int64_t nb = W.cols / QK_K;
-  if ((int64_t)S.panel.size() < nb) S.panel.resize(nb);
-  const int n4 = (n + 3) / 4 * 4;  // tokens padded to quads with copies of the last one
-  S.xs.resize(n4);
-  for (int t = 0; t < n4; ++t) S.xs[t] = x[std::min(t, n - 1)];
-  // token quad q's scales in the kernel's lane order: super-block i, pair k at [16 i + 8 k]
-  S.xd2.resize((size_t)(n4 / 4) * nb * 16);
-  for (int q = 0; q < n4 / 4; ++q)
-    for (int64_t i = 0; i < nb; ++i)
-      for (int k = 0; k < 2; ++k) {
-        const float a = S.xs[4 * q + 2 * k].d[i], b = S.xs[4 * q + 2 * k + 1].d[i];
-        const float lanes[8] = {a, a, b, b, a, a, b, b};
-        std::memcpy(&S.xd2[((size_t)q * nb + i) * 16 + 8 * k], lanes, sizeof lanes);
-      }
-  PanelSB* panel = S.panel.data();
-  const ActRow* xs = S.xs.data();
-  const float* xd2 = S.xd2.data();
-  float out[16];
+// The loop both panel kinds share.  Tokens go in blocks that stay in L2 while every
+// panel of the row range passes over them; each 4-row panel is unpacked once per
+// block (unpack(rows)) and tiles of tokens run over it (tile(t0, te, out) fills
+// out[4t + r] for the tokens it takes, up to tile_max, and returns how many).  The
+// next panel's rows are contiguous with this one's: they are prefetched while this
+// one's tiles run, a slice per tile (a burst of requests stalls more than a trickle).
+template <class Unpack, class Tile>
+inline void panel_loop(const Weight& W, int64_t r0, int64_t r1, float* y, int n, int n4, int tile_max, Unpack unpack,
+                       Tile tile) {
+  alignas(64) float out[4 * 8];
   for (int tb = 0; tb < n4; tb += kTokenBlock) {
     const int te = std::min(n4, tb + kTokenBlock);
     for (int64_t p0 = r0; p0 < r1; p0 += 4) {
       int64_t rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
-      unpack_panel<T>(W, rows, panel);
-      // the next panel's rows are contiguous with this one's: ask for them now so the
-      // memory reads overlap this panel's arithmetic
-      // (spread over the panel's tiles: a burst of requests stalls more than a trickle)
+      unpack(rows);
       const char* nxt = p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr;
       const size_t bytes = nxt ? (size_t)std::min<int64_t>(4, r1 - p0 - 4) * W.row_bytes : 0;
-      const int n_tiles = (te - tb) / 4;
-      for (int t0 = tb; t0 < te; t0 += 4) {
-        const int k = (t0 - tb) / 4;
+      const int n_tiles = (te - tb + tile_max - 1) / tile_max;
+      for (int t0 = tb; t0 < te;) {
+        const int k = (t0 - tb) / tile_max;
         const size_t lo = bytes * k / n_tiles / 64 * 64, hi = bytes * (k + 1) / n_tiles;
         for (size_t off = lo; off < hi; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
-        panel_tile<T == DType::Q6_K>(panel, nb, xs + t0, xd2 + (size_t)(t0 / 4) * nb * 16, out);
-        store_tile(out, std::min(4, n - t0), (int)std::min<int64_t>(4, r1 - p0), y + (int64_t)t0 * W.rows + p0, W.rows);
+        const int nt = tile(t0, te, out);
+        store_tile(out, std::min(nt, n - t0), (int)std::min<int64_t>(4, r1 - p0), y + (int64_t)t0 * W.rows + p0, W.rows);
+        t0 += nt;
       }
     }
   }
+}
+
+template <DType T>
+void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  thread_local PanelScratch S;
+  const int64_t nb = W.cols / QK_K;
+  if ((int64_t)S.panel.size() < nb) S.panel.resize(nb);
+  // the tile's lanes: pair k of the quad at 8k.., tokens 2k 2k 2k+1 2k+1 2k 2k 2k+1 2k+1
+  S.in.prepare(x, n, nb, [](int l) { return 2 * (l / 8) + ((l >> 1) & 1); });
+  PanelSB* panel = S.panel.data();
+  const PanelInputs& in = S.in;
+  panel_loop(W, r0, r1, y, n, in.n4, 4, [&](const int64_t* rows) { unpack_panel<T>(W, rows, panel); },
+             [&](int t0, int, float* out) {
+               panel_tile<T == DType::Q6_K>(panel, nb, in.xs.data() + t0, in.quad_scales(t0, nb), out);
+               return 4;
+             });
 }
 
 template <DType T>
@@ -785,8 +808,7 @@ DFL_AVX512 __attribute__((noinline)) void panel16_tile(const Panel16* P, int64_t
 
 struct Panel16Scratch {
   std::vector<Panel16> panel;
-  std::vector<float> xd4;  // 16 floats per (token quad, super-block)
-  std::vector<ActRow> xs;
+  PanelInputs in;
 };
 
 template <DType T>
@@ -794,38 +816,19 @@ DFL_AVX512 void gemm_panels16(const Weight& W, int64_t r0, int64_t r1, const Act
   thread_local Panel16Scratch S;
   const int64_t nb = W.cols / QK_K;
   if ((int64_t)S.panel.size() < nb) S.panel.resize(nb);
-  const int n4 = (n + 3) / 4 * 4;  // tokens padded to quads with copies of the last one
-  S.xs.resize(n4);
-  for (int t = 0; t < n4; ++t) S.xs[t] = x[std::min(t, n - 1)];
-  S.xd4.resize((size_t)(n4 / 4) * nb * 16);
-  for (int q = 0; q < n4 / 4; ++q)
-    for (int64_t i = 0; i < nb; ++i)
-      for (int l = 0; l < 16; ++l) S.xd4[((size_t)q * nb + i) * 16 + l] = S.xs[4 * q + l % 4].d[i];
+  S.in.prepare(x, n, nb, [](int l) { return l % 4; });  // the tile's lanes 4r + t
   Panel16* panel = S.panel.data();
-  const ActRow* xs = S.xs.data();
-  float out[32];
-  for (int tb = 0; tb < n4; tb += kTokenBlock) {
-    const int te = std::min(n4, tb + kTokenBlock);
-    for (int64_t p0 = r0; p0 < r1; p0 += 4) {
-      int64_t rows[4];
-      for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
-      unpack_panel16<T>(W, rows, panel);
-      const char* nxt = p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr;
-      const size_t bytes = nxt ? (size_t)std::min<int64_t>(4, r1 - p0 - 4) * W.row_bytes : 0;
-      const int n_tiles = (te - tb + 7) / 8;
-      for (int t0 = tb; t0 < te;) {
-        const int nt = te - t0 >= 8 ? 8 : 4;
-        const int k = (t0 - tb) / 8;
-        const size_t lo = bytes * k / n_tiles / 64 * 64, hi = bytes * (k + 1) / n_tiles;
-        for (size_t off = lo; off < hi; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
-        const float* xd = S.xd4.data() + (size_t)(t0 / 4) * nb * 16;
-        if (nt == 8) panel16_tile<T == DType::Q6_K, 2>(panel, nb, xs + t0, xd, out);
-        else panel16_tile<T == DType::Q6_K, 1>(panel, nb, xs + t0, xd, out);
-        store_tile(out, std::min(nt, n - t0), (int)std::min<int64_t>(4, r1 - p0), y + (int64_t)t0 * W.rows + p0, W.rows);
-        t0 += nt;
-      }
-    }
-  }
+  const PanelInputs& in = S.in;
+  panel_loop(W, r0, r1, y, n, in.n4, 8, [&](const int64_t* rows) { unpack_panel16<T>(W, rows, panel); },
+             [&](int t0, int te, float* out) {
+               const ActRow* xs = in.xs.data() + t0;
+               if (te - t0 >= 8) {
+                 panel16_tile<T == DType::Q6_K, 2>(panel, nb, xs, in.quad_scales(t0, nb), out);
+                 return 8;
+               }
+               panel16_tile<T == DType::Q6_K, 1>(panel, nb, xs, in.quad_scales(t0, nb), out);
+               return 4;
+             });
 }
 
 #pragma GCC diagnostic pop
