@@ -78,10 +78,11 @@ def test_threadpool_visits_every_index_once(threads):
     check(lib.dfl_selftest_threadpool(threads, 300000))
 
 
-@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m", "q6_k", "f32"])
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q5_k_m", "q6_k", "f32", "f16", "bf16"])
 def test_cpu_kernel_sets_agree_bit_for_bit(synth_gguf, ftype):
     """Where the CPU has AVX-512, its kernels (K-quant panels of 16-byte row pieces, the delta rule
-    on 64 columns) give the AVX2 kernels' logits bit for bit: a prefill, a tree verify and AR steps."""
+    on 64 columns, float dots 4 rows a pass, attention's P.V on 512-bit rows) give the AVX2 kernels'
+    logits bit for bit: a prefill, a tree verify and AR steps."""
     from dflash27b._lib import load
 
     ffi, lib = load()

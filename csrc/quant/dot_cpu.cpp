@@ -286,9 +286,81 @@ float dot_f(DType t, const void* wv, const float* x, int64_t n) {
   return head + dot_f_tail(t, wv, x, i, n);
 }
 
+#ifdef DFL_AVX2
+// ---- AVX-512 (where cpu_avx512_active): the same operations as the AVX2 loops, twice as wide ----
+#define DFL_AVX512_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#pragma GCC diagnostic push  // GCC 12 reports the "undefined" pass-through operands inside its own intrinsics
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+DFL_AVX512_FN static inline __m512 load_f16x(DType t, const void* wv, int64_t k) {  // 16 values as f32
+  if (t == DType::F32) return _mm512_loadu_ps((const float*)wv + k);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)wv + k));
+  if (t == DType::F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// dot_f for M rows of x against one weight row read once: dot_f's chains a0, a1 are the two halves
+// of A (values i..i+15 of each 32), a2, a3 those of B, and they meet as dot_f's do.
+template <int M>
+DFL_AVX512_FN static void dot_f_rows512(DType t, const void* wv, const float* x, int64_t x_stride, int64_t n,
+                                       float* out) {
+  __m512 A[M], B[M];
+  for (int j = 0; j < M; ++j) A[j] = B[j] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 w0 = load_f16x(t, wv, i), w1 = load_f16x(t, wv, i + 16);
+    for (int j = 0; j < M; ++j) {
+      const float* xj = x + (int64_t)j * x_stride + i;
+      A[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xj), A[j]);
+      B[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xj + 16), B[j]);
+    }
+  }
+  for (int j = 0; j < M; ++j) {
+    const __m256 s01 = _mm256_add_ps(_mm512_castps512_ps256(A[j]), _mm512_extractf32x8_ps(A[j], 1));
+    const __m256 s23 = _mm256_add_ps(_mm512_castps512_ps256(B[j]), _mm512_extractf32x8_ps(B[j], 1));
+    out[j] = hsum(_mm256_add_ps(s01, s23)) + dot_f_tail(t, wv, x + (int64_t)j * x_stride, i, n);
+  }
+}
+
+DFL_AVX512_FN static void axpy_rows512(const float* const* v, const float* p, int ns, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    __m512 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm512_loadu_ps(out + i + 16 * c);
+    for (int s = 0; s < ns; ++s) {
+      const __m512 ps = _mm512_set1_ps(p[s]);
+      const float* vs = v[s] + i;
+      for (int c = 0; c < 8; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(ps, _mm512_loadu_ps(vs + 16 * c)));
+    }
+    for (int c = 0; c < 8; ++c) _mm512_storeu_ps(out + i + 16 * c, acc[c]);
+  }
+  for (; i + 16 <= n; i += 16) {
+    __m512 acc = _mm512_loadu_ps(out + i);
+    for (int s = 0; s < ns; ++s) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p[s]), _mm512_loadu_ps(v[s] + i)));
+    _mm512_storeu_ps(out + i, acc);
+  }
+  for (; i < n; ++i) {
+    float o = out[i];
+    for (int s = 0; s < ns; ++s) o += p[s] * v[s][i];
+    out[i] = o;
+  }
+}
+#pragma GCC diagnostic pop
+#endif
+
 void dot_f_multi(DType t, const void* wv, const float* x, int64_t x_stride, int nt, int64_t n, float* out) {
   int k = 0;
 #ifdef DFL_AVX2
+  if (cpu_avx512_active()) {  // 4 rows of x a pass over the weight row
+    for (; k + 4 <= nt; k += 4) dot_f_rows512<4>(t, wv, x + (int64_t)k * x_stride, x_stride, n, out + k);
+    const float* xk = x + (int64_t)k * x_stride;
+    switch (nt - k) {
+      case 3: return dot_f_rows512<3>(t, wv, xk, x_stride, n, out + k);
+      case 2: return dot_f_rows512<2>(t, wv, xk, x_stride, n, out + k);
+      case 1: return dot_f_rows512<1>(t, wv, xk, x_stride, n, out + k);
+      default: return;
+    }
+  }
   // Two tokens per pass: each weight vector is loaded (and widened) once for both, and each token's
   // accumulators see exactly dot_f's operations in dot_f's order.
   for (; k + 2 <= nt; k += 2) {
@@ -322,6 +394,7 @@ void axpy_row(const float* v, float p, float* out, int64_t n) {
 void axpy_rows(const float* const* v, const float* p, int ns, float* out, int64_t n) {
   int64_t i = 0;
 #ifdef DFL_AVX2
+  if (cpu_avx512_active()) return axpy_rows512(v, p, ns, out, n);
   // 64 outputs stay in registers through all rows: one load and store of out per block of rows
   for (; i + 64 <= n; i += 64) {
     __m256 acc[8];
