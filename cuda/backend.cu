@@ -674,8 +674,9 @@ class CudaBackend final : public Backend {
 };
 
 }  // namespace
-// Tests: pin the attention CTA grouping to `toks` tokens x `heads` query heads of a KV head
-// (clamped to what fits; heads rounded down to a divisor of the KV group), 0 = automatic.
+// Pin the attention CTA grouping to `toks` tokens x `heads` query heads of a KV head (clamped to
+// what fits; heads rounded down to a divisor of the KV group), 0 = automatic: for tests and
+// dfl_cuda_attention_rows.
 void set_attention_rows(int toks, int heads) {
   g_attn_pin_heads.store(heads);
   g_attn_pin_toks.store(toks);

@@ -127,10 +127,9 @@ class CpuBackend final : public Backend {
     // prefix is widened to f32 once per item, in blocks of kKeyBlock rows, and used by
     // every query head of the group for every token of the block that sees it; a
     // token's extra slots (its tree ancestors) are widened for it alone.  Per query
-    // head the operations are dot_f and axpy_row (axpy_rows: a run of rows at a time,
-    // the same operations) on the widened row (widening is exact), over the token's
-    // visible slots in order, so the result does not depend on the grouping or on the
-    // other tokens.
+    // head the operations are dot_f and axpy_rows on the widened rows (widening is
+    // exact), over the token's visible slots in order, so the result does not depend
+    // on the grouping or on the other tokens.
     constexpr int kKeyBlock = 32;
     const int n_kv = a.n_head_kv, n = P.n;
     // tokens per item: enough items for every thread to get about four

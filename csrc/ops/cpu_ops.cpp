@@ -180,7 +180,7 @@ void silu_rows(const float* a, const float* b, float* out, int64_t n) {
 
 #if defined(__AVX2__)
 // delta_rule_cols on 64 columns: 4 zmm sums in flight, each column's operations those of the loop below.
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) static void delta_rule_cols64(
+DFL_AVX512 static void delta_rule_cols64(
     const float* S_in, int64_t in_stride, float* S_out, int64_t out_stride, const float* k, const float* v,
     const float* q, float decay, float beta, int dk, float* out, float* delta_out) {
   const __m512 dec = _mm512_set1_ps(decay), vbeta = _mm512_set1_ps(beta);

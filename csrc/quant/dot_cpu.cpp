@@ -60,8 +60,11 @@ bool cpu_avx512_active() {
 
 void set_cpu_avx512(int mode) {
   if (mode < -1 || mode > 1) fail("AVX-512 mode %d: use 1 (on), 0 (off) or -1 (as DFLASH27B_CPU_AVX512)", mode);
-  if (mode == 1 && !cpu_avx512_supported())
-    fail("AVX-512 kernels: %s", simd_name()[0] == 's' ? "this build has no AVX2 kernels" : "this CPU lacks AVX-512 F/BW/DQ/VL/VNNI");
+#ifdef DFL_AVX2
+  if (mode == 1 && !cpu_avx512_supported()) fail("AVX-512 kernels: this CPU lacks AVX-512 F/BW/DQ/VL/VNNI");
+#else
+  if (mode == 1) fail("AVX-512 kernels: this build has no AVX2 kernels");
+#endif
   g_avx512.store(mode < 0 ? (avx512_from_env() ? 1 : 0) : mode, std::memory_order_relaxed);
 }
 
@@ -288,11 +291,8 @@ float dot_f(DType t, const void* wv, const float* x, int64_t n) {
 
 #ifdef DFL_AVX2
 // ---- AVX-512 (where cpu_avx512_active): the same operations as the AVX2 loops, twice as wide ----
-#define DFL_AVX512_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
-#pragma GCC diagnostic push  // GCC 12 reports the "undefined" pass-through operands inside its own intrinsics
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-DFL_AVX512_FN static inline __m512 load_f16x(DType t, const void* wv, int64_t k) {  // 16 values as f32
+DFL_AVX512_BEGIN
+DFL_AVX512 static inline __m512 load_f16x(DType t, const void* wv, int64_t k) {  // 16 values as f32
   if (t == DType::F32) return _mm512_loadu_ps((const float*)wv + k);
   const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)wv + k));
   if (t == DType::F16) return _mm512_cvtph_ps(h);
@@ -302,7 +302,7 @@ DFL_AVX512_FN static inline __m512 load_f16x(DType t, const void* wv, int64_t k)
 // dot_f for M rows of x against one weight row read once: dot_f's chains a0, a1 are the two halves
 // of A (values i..i+15 of each 32), a2, a3 those of B, and they meet as dot_f's do.
 template <int M>
-DFL_AVX512_FN static void dot_f_rows512(DType t, const void* wv, const float* x, int64_t x_stride, int64_t n,
+DFL_AVX512 static void dot_f_rows512(DType t, const void* wv, const float* x, int64_t x_stride, int64_t n,
                                        float* out) {
   __m512 A[M], B[M];
   for (int j = 0; j < M; ++j) A[j] = B[j] = _mm512_setzero_ps();
@@ -322,7 +322,8 @@ DFL_AVX512_FN static void dot_f_rows512(DType t, const void* wv, const float* x,
   }
 }
 
-DFL_AVX512_FN static void axpy_rows512(const float* const* v, const float* p, int ns, float* out, int64_t n) {
+// axpy_rows' vector part: returns how many outputs (from the first) it took.
+DFL_AVX512 static int64_t axpy_rows512(const float* const* v, const float* p, int ns, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 128 <= n; i += 128) {
     __m512 acc[8];
@@ -339,13 +340,9 @@ DFL_AVX512_FN static void axpy_rows512(const float* const* v, const float* p, in
     for (int s = 0; s < ns; ++s) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p[s]), _mm512_loadu_ps(v[s] + i)));
     _mm512_storeu_ps(out + i, acc);
   }
-  for (; i < n; ++i) {
-    float o = out[i];
-    for (int s = 0; s < ns; ++s) o += p[s] * v[s][i];
-    out[i] = o;
-  }
+  return i;
 }
-#pragma GCC diagnostic pop
+DFL_AVX512_END
 #endif
 
 void dot_f_multi(DType t, const void* wv, const float* x, int64_t x_stride, int nt, int64_t n, float* out) {
@@ -387,14 +384,10 @@ void dot_f_multi(DType t, const void* wv, const float* x, int64_t x_stride, int 
   for (; k < nt; ++k) out[k] = dot_f(t, wv, x + (int64_t)k * x_stride, n);
 }
 
-void axpy_row(const float* v, float p, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
-}
-
 void axpy_rows(const float* const* v, const float* p, int ns, float* out, int64_t n) {
   int64_t i = 0;
 #ifdef DFL_AVX2
-  if (cpu_avx512_active()) return axpy_rows512(v, p, ns, out, n);
+  if (cpu_avx512_active()) i = axpy_rows512(v, p, ns, out, n);
   // 64 outputs stay in registers through all rows: one load and store of out per block of rows
   for (; i + 64 <= n; i += 64) {
     __m256 acc[8];

@@ -609,11 +609,7 @@ void gemm_fused(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n,
 // (VNNI: the scale multiply and the add in one; the AVX2 panel takes 4 + 1 + adds
 // for half the products), and only the integer sums change hands: the float
 // steps of each output are the reference's.
-#define DFL_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
-// GCC 12 reports the "undefined" pass-through operands inside its own AVX-512 intrinsics
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+DFL_AVX512_BEGIN
 
 // One super-block of 4 rows.  q[j][h] holds in 128-bit lane r row r's values
 // 32j + 16h .. +15; sc[j][h] in int16 lanes 8r..8r+7 row r's scale of group 2j + h;
@@ -831,7 +827,7 @@ DFL_AVX512 void gemm_panels16(const Weight& W, int64_t r0, int64_t r1, const Act
              });
 }
 
-#pragma GCC diagnostic pop
+DFL_AVX512_END
 
 template <DType T>
 void gemm_avx2(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {

@@ -40,11 +40,9 @@ float dot_f(DType t, const void* w_row, const float* x, int64_t n);
 // out[k] = w_row . x[k * x_stride ..] for k < nt, each exactly equal to dot_f's result (the weight
 // row is read once per pair of tokens).
 void dot_f_multi(DType t, const void* w_row, const float* x, int64_t x_stride, int nt, int64_t n, float* out);
-// out[i] += p * v[i] (a multiply then an add per element, never fused); rows of
-// other types are widened first (widen_row).
-void axpy_row(const float* v, float p, float* out, int64_t n);
-// axpy_row for rows s = 0..ns-1 in order (out[i] += p[s] * v[s][i], the same operations in the same
-// order per element), out kept in registers across the rows.
+// out[i] += p[s] * v[s][i] for rows s = 0..ns-1 in order, a multiply then an add per
+// element and row (never fused), out kept in registers across the rows; rows of other
+// types are widened first (widen_row).
 void axpy_rows(const float* const* v, const float* p, int ns, float* out, int64_t n);
 
 // K-quant weights (Q4_K, Q5_K, Q6_K) against int8 activations (act_block 256):

@@ -27,6 +27,15 @@ bool cpu_avx512_supported();
 bool cpu_avx512_active();
 void set_cpu_avx512(int mode);  // 1 on (fails where unsupported), 0 off, -1 as the environment says
 
+// The target of every AVX-512 kernel (called only where cpu_avx512_active()), and
+// the warnings GCC 12 gives inside its own AVX-512 intrinsics (their "undefined"
+// pass-through operands), silenced between DFL_AVX512_BEGIN and DFL_AVX512_END.
+#define DFL_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define DFL_AVX512_BEGIN \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
+      _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#define DFL_AVX512_END _Pragma("GCC diagnostic pop")
+
 #ifdef DFL_AVX2
 inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 #endif
