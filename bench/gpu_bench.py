@@ -654,8 +654,13 @@ def _get(d: dict | None, *keys, default=None):
 
 def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
     """The record from the parts (each may be missing: its keys are null)."""
-    ex, ck, lc, ours, mm, v24, pf, dm = (parts.get(k) or {} for k in ("exact", "checks", "llamacpp", "ours",
-                                                                         "matmul", "vram24", "prefix", "draftmodel"))
+    ex, ck, lc, ours, mm, v24, v262, pf, dm = (parts.get(k) or {} for k in (
+        "exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel"))
+
+    def capped(v: dict) -> dict | None:
+        return {k: v.get(k) for k in ("ctx", "draft_type", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v \
+            else None
+
     exact_keys = ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar", "sampled_ddtree_eq_ar")
     steps = dict.fromkeys(("ar_ms", "verify_ms", "verify_tree_ms", "draft_ms", "tree_ms", "ddtree22_step_ms",
                            "commit_ms"))
@@ -680,15 +685,16 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "target": ours.get("target"),
         "draft": ours.get("draft"),
         "matmul": mm.get("shapes"),
-        "vram24": {k: v24.get(k) for k in ("ctx", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v24 else None,
+        "vram24": capped(v24),
+        "vram24_262k": capped(v262),
         "prefix": {k: pf.get(k) for k in ("history", "turn1_ttft_s", "turn2_ttft_s", "ratio", "cached_tokens",
                                           "exact")} if pf else None,
         "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
         "profile": ours.get("profile"),
         "graphs": ours.get("graphs"),
         "attention": ours.get("attention"),
-        "notes": [n for p in (ex, ck, lc, ours, mm, v24, pf, dm) for n in (p.get("notes") or [])] +
-                 ([f"vram24: {v24['error']}"] if v24.get("error") else []),
+        "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm) for n in (p.get("notes") or [])] +
+                 [f"{name}: {v['error']}" for name, v in (("vram24", v24), ("vram24_262k", v262)) if v.get("error")],
     }
     weights = _get(ours, "memory", "plan", "weights")
     if weights and rec["copy_gb_s"]:
@@ -759,11 +765,12 @@ def markdown(rec: dict) -> str:
               "exact: " + ", ".join(f"{k} {e.get(k)}" for k in ("cuda_ar_eq_cpu_ar", "chain_eq_ar", "ddtree_eq_ar",
                                                                   "sampled_ddtree_eq_ar", "graphs_off_eq_on")
                                     if k in e)]
-    v = rec.get("vram24")
-    if v:
-        lines += ["", f"24 GiB cap: ctx {v.get('ctx')}, peak {_f(gib(v.get('peak_bytes')), '.2f')} GiB, plan "
-                      f"{_f(gib(v.get('plan_bytes')), '.2f')} GiB, cap {_f(gib(v.get('cap_bytes')), '.2f')} GiB, "
-                      f"DDTree == AR: {v.get('exact')}"]
+    for key in ("vram24", "vram24_262k"):
+        v = rec.get(key)
+        if v:
+            lines += ["", f"24 GiB cap: ctx {v.get('ctx')}, drafter {v.get('draft_type') or 'stored'}, peak "
+                          f"{_f(gib(v.get('peak_bytes')), '.2f')} GiB, plan {_f(gib(v.get('plan_bytes')), '.2f')} GiB, "
+                          f"cap {_f(gib(v.get('cap_bytes')), '.2f')} GiB, DDTree == AR: {v.get('exact')}"]
     pf = rec.get("prefix")
     if pf:
         lines += ["", f"prefix cache, {pf.get('history')}-token history: turn 1 first token "
@@ -796,7 +803,7 @@ def markdown(rec: dict) -> str:
 
 def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
     parts = {}
-    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "prefix", "draftmodel"):
+    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel"):
         p = Path(parts_dir) / f"{name}.json"
         if p.is_file():
             parts[name] = json.loads(p.read_text())

@@ -18,21 +18,27 @@
 #                                   context, Q4_0 KV, DDTree == AR), the matmul table; the record again (all parts)
 #   bash bench/gpu_bench.sh all     all three, one after the other
 #   bash bench/gpu_bench.sh first   for a session with 15 minutes of device time, ONE call (timeout_s 600) with
-#                                   --budget 540: part1, then a shortened part2 (one repeat, fewer verify sizes),
-#                                   then the record; each step's limit is cut to the time left, steps that no
-#                                   longer fit are skipped (and named), and the record is written with what ran
+#                                   --budget 540: part1, then a shortened part2 (ours first, then llama-bench
+#                                   with what is left), then the record; each step's limit is cut to the time
+#                                   left, steps that no longer fit are skipped (and named), and the record is
+#                                   written with what ran
 # Options: --arch N (default 90), --skip-llamacpp, --skip-sanitize, --dry-run (print the steps, run nothing),
 #   --budget SECONDS (the whole call's time: every step ends in time for the record; default: no budget).
 # Environment: COMMIT (the measured HEAD; default .gpu/commit, else git), OUT (the device tool's output
-# folder: the record, its table and the logs are copied there).
+# folder). Under OUT, as the call goes (a call killed at its limit still explains itself): the console log
+# gpu_bench-PART.log, written line by line, and gpu-logs.tar.gz (every build and step log, build/gpu-parts/*.json),
+# refreshed every 20 s and after each step; at the end the record. A record cut short is assembled here
+# from the tarball: tar -xzf gpu-logs.tar.gz && python3 bench/gpu_bench.py record --parts gpu-parts.
 # Writes build/gpu-parts/*.json (one per part: bench/gpu_bench.py), bench/results/gpu-YYYYMMDD-HHMM.{json,md}.
 # Exit status: 0 when every step of the part ran and passed; 1 otherwise (the record is still written).
+# Sourced (as the tests do), it defines its functions and runs nothing.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$PWD
-GPU=$ROOT/.gpu
-PARTS=$ROOT/build/gpu-parts
-ARCH=90
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# exported: a step runs in a child bash under `timeout` (run), where the step functions need them
+export ROOT=$PWD
+export GPU=$ROOT/.gpu
+export PARTS=$ROOT/build/gpu-parts
+export ARCH=90
 SKIP_LLAMACPP=0
 SKIP_SANITIZE=0
 DRY=0
@@ -43,27 +49,31 @@ RESERVE=30  # seconds kept for the record at the end of a budgeted call
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 PART=
-while [ $# -gt 0 ]; do
-  case "$1" in
-    part1|part2|part3|all|first) [ -z "$PART" ] || { echo "gpu_bench.sh: one part at a time (got $PART and $1)" >&2; exit 2; }
-                     PART=$1 ;;
-    --arch) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+a?$ ]] || { echo "gpu_bench.sh: --arch needs a number like 90" >&2; exit 2; }
-            ARCH=$2; shift ;;
-    --budget) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -gt "$RESERVE" ] ||
-                { echo "gpu_bench.sh: --budget needs a number of seconds above $RESERVE" >&2; exit 2; }
-              BUDGET=$2; shift ;;
-    --skip-llamacpp) SKIP_LLAMACPP=1 ;;
-    --skip-sanitize) SKIP_SANITIZE=1 ;;
-    --dry-run) DRY=1 ;;
-    -h|--help) usage; exit 0 ;;
-    *) echo "gpu_bench.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
-  esac
-  shift
-done
-[ -n "$PART" ] || { echo "gpu_bench.sh: name a part: part1, part2, part3, all or first" >&2; usage >&2; exit 2; }
-[ "$PART" != first ] || [ "$BUDGET" -gt 0 ] || BUDGET=540
+
+parse_args() {
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      part1|part2|part3|all|first) [ -z "$PART" ] || { echo "gpu_bench.sh: one part at a time (got $PART and $1)" >&2; exit 2; }
+                       PART=$1 ;;
+      --arch) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+a?$ ]] || { echo "gpu_bench.sh: --arch needs a number like 90" >&2; exit 2; }
+              ARCH=$2; shift ;;
+      --budget) [ $# -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -gt "$RESERVE" ] ||
+                  { echo "gpu_bench.sh: --budget needs a number of seconds above $RESERVE" >&2; exit 2; }
+                BUDGET=$2; shift ;;
+      --skip-llamacpp) SKIP_LLAMACPP=1 ;;
+      --skip-sanitize) SKIP_SANITIZE=1 ;;
+      --dry-run) DRY=1 ;;
+      -h|--help) usage; exit 0 ;;
+      *) echo "gpu_bench.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+  done
+  [ -n "$PART" ] || { echo "gpu_bench.sh: name a part: part1, part2, part3, all or first" >&2; usage >&2; exit 2; }
+  [ "$PART" != first ] || [ "$BUDGET" -gt 0 ] || BUDGET=540
+}
 
 status=0
+SAVER=
 step() { echo; echo "==== $(date -u +%H:%M:%S) $*"; }
 # left: seconds of the budget still free for steps (the record's reserve kept back); a big number without one
 left() {
@@ -80,8 +90,11 @@ run() {
   [ "$free" -lt "$limit" ] && limit=$free
   step "$name"
   if [ $DRY = 1 ]; then echo "(dry run, limit ${limit}s) $*"; return 0; fi
-  timeout --kill-after=10 "$limit" "$@"
+  # `timeout` runs programs, not shell functions: a function step runs in a child bash that inherits it
+  declare -F "$1" > /dev/null && export -f "$1"
+  timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@"
   local rc=$?
+  save_logs
   [ $rc = 124 ] && echo "$name: timed out after ${limit}s"
   [ $rc = 0 ] || { echo "$name: FAILED (exit $rc)"; status=1; }
   return $rc
@@ -108,6 +121,19 @@ wait_for() {
   [ "$(cat "build/$job.done")" = 0 ] || { echo "$job: failed"; tail -20 "build/$job.log"; return 1; }
 }
 running() { [ -f "build/$1.log" ] && [ ! -f "build/$1.done" ]; }
+# save_logs: every log and part JSON so far -> $OUT/gpu-logs.tar.gz (replaced whole, never half-written)
+save_logs() {
+  [ -n "${OUT:-}" ] && [ $DRY = 0 ] || return 0
+  local tmp="$OUT/.gpu-logs.tar.gz.tmp"
+  (cd build && tar -czf "$tmp" --ignore-failed-read $(ls -d *.log gpu-parts llamacpp/toolkit.json \
+     llamacpp/configure.log llamacpp/build.log 2>/dev/null)) 2>/dev/null && mv -f "$tmp" "$OUT/gpu-logs.tar.gz"
+}
+# saving_logs_every N: save_logs every N seconds in the background until the call ends
+saving_logs_every() {
+  [ -n "${OUT:-}" ] && [ $DRY = 0 ] || return 0
+  (while sleep "$1"; do save_logs; done) &
+  SAVER=$!
+}
 
 setup_env() {
   mkdir -p build "$PARTS"
@@ -136,7 +162,11 @@ build_ours() {
   command -v ninja >/dev/null && gen=(-G Ninja)
   cmake -S . -B build/gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DDFLASH27B_CUDA=ON -DDFLASH27B_BUILD_TESTS=ON \
     -DDFLASH27B_CUDA_ARCHITECTURES="$ARCH" > build/gpu.configure.log 2>&1 || { tail -30 build/gpu.configure.log; return 1; }
-  cmake --build build/gpu -j "$(nproc)" 2>&1 | tail -5
+  # the whole log stays in build/gpu.build.log (and the logs tarball); the console gets its errors
+  if ! cmake --build build/gpu -j "$(nproc)" > build/gpu.build.log 2>&1; then
+    grep -m 30 -E "error|Error" build/gpu.build.log; tail -10 build/gpu.build.log; return 1
+  fi
+  tail -2 build/gpu.build.log
   python3 -c "
 from dflash27b._lib import load
 ffi, lib = load()
@@ -145,20 +175,34 @@ print('build info:', info, '| CUDA devices:', lib.dfl_cuda_device_count())
 assert 'sm_$ARCH' in info and lib.dfl_cuda_device_count() > 0, 'CUDA backend not built or no device visible'"
 }
 
+# start_background_jobs [small]: llama.cpp's build and the synthetic files, each its own job, side by side
+# (each writer is single-threaded); `small` also writes the 0.8B file only part3 reads
 start_background_jobs() {
   if [ $SKIP_LLAMACPP = 0 ] && [ ! -x build/llamacpp/bin/llama-bench ] && ! running llamacpp; then
     if [ -s "$GPU/llamacpp-src.tar.gz" ]; then
-      background llamacpp nice -n 10 bash "$GPU/build_llamacpp_cuda.sh" "$GPU/llamacpp-src.tar.gz" build/llamacpp "$ARCH"
+      background llamacpp nice -n 10 bash bench/gpu_llamacpp.sh "$GPU/llamacpp-src.tar.gz" build/llamacpp "$ARCH"
     else
       echo "no $GPU/llamacpp-src.tar.gz carried: llama.cpp is not measured (bench/gpu_prepare.sh makes it)"
     fi
   fi
-  if { [ ! -s build/synth-27b.gguf ] || [ ! -s build/synth-27b-draft/model.safetensors ] ||
-       [ ! -s build/synth-0.8b.gguf ]; } && ! running synth; then
-    background synth nice -n 5 bash -c "python3 -m dflash27b.cli synth build/synth-27b.gguf --shape 27b --ftype q4_k_m \
-      && python3 -m dflash27b.cli synth build/synth-27b-draft --shape 27b --drafter \
-      && python3 -m dflash27b.cli synth build/synth-0.8b.gguf --shape 0.8b --ftype q4_k_m"
+  [ -s build/synth-27b.gguf ] || running synth27 ||
+    background synth27 nice -n 5 python3 -m dflash27b.cli synth build/synth-27b.gguf --shape 27b --ftype q4_k_m
+  [ -s build/synth-27b-draft/model.safetensors ] || running synthdraft ||
+    background synthdraft nice -n 5 python3 -m dflash27b.cli synth build/synth-27b-draft --shape 27b --drafter
+  if [ "${1:-}" = small ]; then
+    [ -s build/synth-0.8b.gguf ] || running synth08 ||
+      background synth08 nice -n 5 python3 -m dflash27b.cli synth build/synth-0.8b.gguf --shape 0.8b --ftype q4_k_m
   fi
+}
+# wait_for_synth SECONDS [small]: the synthetic files part2 (and with small, part3) reads
+wait_for_synth() {
+  local j ok=0
+  for j in synth27 synthdraft ${2:+synth08}; do
+    if running $j || [ -f build/$j.done ]; then wait_for $j "$1" || ok=1; fi
+  done
+  [ $DRY = 1 ] || { [ -s build/synth-27b.gguf ] && [ -s build/synth-27b-draft/model.safetensors ]; } || ok=1
+  [ -z "${2:-}" ] || [ $DRY = 1 ] || [ -s build/synth-0.8b.gguf ] || ok=1
+  return $ok
 }
 
 sanitize() {
@@ -209,15 +253,19 @@ part1() {
   run 300 "build (sm_$ARCH)" build_ours || return 1
   run 120 "backend ops on the GPU vs the CPU backend (batches 1..512)" \
     bash -c "build/gpu/dfl_backend_ops > build/backend_ops.log 2>&1; rc=\$?; grep -v ': ok$' build/backend_ops.log | tail -20; exit \$rc"
+  # in `first` the rerun is capped (and stops at its first failure): it only says whether graphs are to blame
+  local rerun=240 maxfail=()
+  [ "$PART" = first ] && { rerun=60; maxfail=(--maxfail=1); }
   run 240 "pytest -m cuda" python3 -m pytest -q -p no:cacheprovider -m cuda -rxs --junitxml=build/gpu-pytest.xml \
     tests/test_cuda_ops.py tests/test_cuda_forward.py ||
-    run 240 "pytest -m cuda again with graph mode off (DFLASH27B_CUDA_GRAPHS=0): do the failures follow it?" \
-      env DFLASH27B_CUDA_GRAPHS=0 python3 -m pytest -q -p no:cacheprovider -m cuda -rxs tests/test_cuda_forward.py
+    run $rerun "pytest -m cuda again with graph mode off (DFLASH27B_CUDA_GRAPHS=0): do the failures follow it?" \
+      env DFLASH27B_CUDA_GRAPHS=0 python3 -m pytest -q -p no:cacheprovider -m cuda -rxs "${maxfail[@]}" \
+      tests/test_cuda_forward.py
   run 120 "exactness on the bundled pair (CUDA AR vs CPU AR, chain / DDTree / sampled DDTree vs CUDA AR)" \
     python3 bench/gpu_bench.py exact --device cuda --out "$PARTS/exact.json"
   checks_summary
   step "background jobs"
-  for j in llamacpp synth; do
+  for j in llamacpp synth27 synthdraft synth08; do
     if running $j; then echo "$j: still running ($(tail -c 200 build/$j.log | tr '\n' ' '))"
     elif [ -f build/$j.done ]; then echo "$j: done, exit $(cat build/$j.done)"; fi
   done
@@ -227,9 +275,7 @@ part2() {
   [ -f build/gpu/libdflash27b.so ] || [ $DRY = 1 ] || run 300 "build (sm_$ARCH)" build_ours || return 1
   start_background_jobs
   step "synthetic 27B Q4_K_M target + 27B-shaped drafter"
-  if running synth || [ ! -s build/synth-27b-draft/model.safetensors ]; then
-    wait_for synth 300 || { status=1; return 1; }
-  fi
+  wait_for_synth 300 || { status=1; return 1; }
   ls -la build/synth-27b.gguf build/synth-27b-draft 2>/dev/null
   if [ $SKIP_LLAMACPP = 0 ]; then
     step "llama.cpp build"
@@ -246,16 +292,21 @@ part2() {
     --out "$PARTS/ours.json"
 }
 
-# part2 shortened for one budgeted call: one repeat, verify at 2 / 8 / 23 nodes, shorter runs
+# part2 shortened for one budgeted call: ours first (one repeat, verify at 2 / 8 / 23 nodes, shorter runs), then
+# llama-bench with what is left: its CUDA build (~5-6 min on 16 cores) runs in the background meanwhile
 part2_short() {
   start_background_jobs
   step "synthetic 27B Q4_K_M target + 27B-shaped drafter"
-  if running synth || [ ! -s build/synth-27b-draft/model.safetensors ]; then
-    wait_for synth 240 || { status=1; return 1; }
-  fi
+  wait_for_synth 240 || { status=1; return 1; }
+  run 300 "ours on the same file, short: decode, prefill, verify 2/8/23, DDTree-22, oracle, memory" \
+    python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
+    --repeats 1 --n-decode 64 --nodes 2,8,23 --steps-tokens 16 --out "$PARTS/ours.json"
   if [ $SKIP_LLAMACPP = 0 ]; then
     step "llama.cpp build"
-    if [ -x build/llamacpp/bin/llama-bench ] || wait_for llamacpp 120; then
+    # llama-bench itself needs ~60 s of what is left (load 16 GB, pp8192, tg128)
+    local wait_s=$(( $(left) - 60 ))
+    [ $wait_s -gt 0 ] || wait_s=0
+    if [ -x build/llamacpp/bin/llama-bench ] || wait_for llamacpp $wait_s; then
       run 120 "llama-bench on the same file (tg128, pp512, pp8192; -fa 1 -ngl 99; 1 repeat)" \
         python3 bench/gpu_bench.py llamacpp --bench build/llamacpp/bin/llama-bench --model build/synth-27b.gguf \
         --reps 1 --out "$PARTS/llamacpp.json"
@@ -263,16 +314,13 @@ part2_short() {
       status=1
     fi
   fi
-  run 300 "ours on the same file, short: decode, prefill, verify 2/8/23, DDTree-22, oracle, memory" \
-    python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
-    --repeats 1 --n-decode 64 --nodes 2,8,23 --steps-tokens 16 --out "$PARTS/ours.json"
 }
 
 part3() {
   [ -f build/gpu/libdflash27b.so ] || [ $DRY = 1 ] || run 300 "build (sm_$ARCH)" build_ours || return 1
-  if [ $DRY = 0 ] && [ ! -s build/synth-27b-draft/model.safetensors ]; then
-    start_background_jobs
-    wait_for synth 300 || { status=1; return 1; }
+  if [ $DRY = 0 ]; then
+    start_background_jobs small
+    wait_for_synth 300 small || { status=1; return 1; }
   fi
   sanitize
   checks_summary
@@ -282,6 +330,9 @@ part3() {
   run 150 "27B + drafter under a 24 GiB cap: 128K context, Q4_0 KV, DDTree-22 after a 4K prompt" \
     python3 bench/gpu_bench.py vram24 --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/vram24.json"
+  run 180 "the same at 262K context with the drafter in Q8_0 (--draft-type q8_0)" \
+    python3 bench/gpu_bench.py vram24 --target build/synth-27b.gguf --draft build/synth-27b-draft \
+    --ctx 262144 --draft-type q8_0 --out "$PARTS/vram24_262k.json"
   run 90 "draft model: a 0.8B-shaped qwen35 drafting for the 27B (chain / DDTree, block 5 and 9)" \
     python3 bench/gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf \
     --out "$PARTS/draftmodel.json"
@@ -295,13 +346,14 @@ record() {
   out=$(python3 bench/gpu_bench.py record --parts "$PARTS" --commit "$COMMIT" | tee /dev/stderr | sed -n 's/^wrote //p' | head -1)
   if [ -n "${OUT:-}" ] && [ -n "$out" ]; then
     cp "$out" "${out%.json}.md" "$OUT"/
-    tar -czf "$OUT/gpu-parts.tar.gz" -C build gpu-parts 2>/dev/null || true
   fi
+  save_logs
 }
 
 main() {
   step "gpu_bench.sh $PART (arch $ARCH, commit ${COMMIT:-from .gpu/commit}$([ "$BUDGET" -gt 0 ] && echo ", budget ${BUDGET}s"))"
   setup_env || return 1
+  saving_logs_every 20
   case $PART in
     part1) part1 ;;
     part2) part2; record ;;
@@ -309,14 +361,18 @@ main() {
     all) part1; part2; part3; record ;;
     first) part1; part2_short; record ;;
   esac
+  [ -z "$SAVER" ] || kill "$SAVER" 2>/dev/null
+  save_logs
   echo
   [ $status = 0 ] && echo "gpu_bench $PART: OK" || echo "gpu_bench $PART: FAILED (see the steps above)"
   return $status
 }
 
-LOG=build/gpu_bench-$PART.log
+[[ "${BASH_SOURCE[0]}" == "$0" ]] || return 0
+parse_args "$@"
 mkdir -p build
-main 2>&1 | tee "$LOG"
-rc=${PIPESTATUS[0]}
-[ -n "${OUT:-}" ] && [ $DRY = 0 ] && cp "$LOG" "$OUT"/ 2>/dev/null
-exit "$rc"
+# the console log goes to $OUT line by line, so a call killed at its limit still brings it back
+LOGS=("build/gpu_bench-$PART.log")
+[ -n "${OUT:-}" ] && [ $DRY = 0 ] && LOGS+=("$OUT/gpu_bench-$PART.log")
+main 2>&1 | tee "${LOGS[@]}"
+exit "${PIPESTATUS[0]}"

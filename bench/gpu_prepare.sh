@@ -2,8 +2,8 @@
 # gpu_prepare.sh — run HERE (a machine with network), before asking for GPU time: puts in .gpu/ (git-ignored)
 # everything bench/gpu_bench.sh needs on a bare GPU machine with no network:
 #   .gpu/whl/                 the wheels listed in bench/gpu_wheels.txt (Python 3.12, manylinux x86-64)
-#   .gpu/llamacpp-src.tar.gz  llama.cpp's source, made by ../shared/peer/llamacpp_src.sh (kept if present)
-#   .gpu/build_llamacpp_cuda.sh  the peer's build script (shared/ beside the checkout does not travel)
+#   .gpu/llamacpp-src.tar.gz  llama.cpp's source, made by ../shared/peer/llamacpp_src.sh (kept if present);
+#                             bench/gpu_llamacpp.sh builds it there
 #   .gpu/commit               the HEAD the record will name
 # Then call the device tool with carry [".gpu"] and the commands it prints.
 # Usage: bash bench/gpu_prepare.sh [--check]     (--check: only verify .gpu/ is complete, download nothing)
@@ -29,7 +29,6 @@ if [ $check_only = 1 ]; then
   ok=1
   [ ${#missing[@]} = 0 ] || { echo "missing wheels: ${missing[*]}"; ok=0; }
   [ -s $DIR/llamacpp-src.tar.gz ] || { echo "missing $DIR/llamacpp-src.tar.gz"; ok=0; }
-  [ -x $DIR/build_llamacpp_cuda.sh ] || { echo "missing $DIR/build_llamacpp_cuda.sh"; ok=0; }
   [ $ok = 1 ] && echo "$DIR is complete ($(du -sh $DIR | cut -f1))"
   [ $ok = 1 ]; exit
 fi
@@ -41,7 +40,6 @@ if [ ${#missing[@]} -gt 0 ]; then
     -d $DIR/whl "${missing[@]}"
 fi
 [ -s $DIR/llamacpp-src.tar.gz ] || bash "$SHARED/peer/llamacpp_src.sh" $DIR/llamacpp-src.tar.gz
-cp "$SHARED/peer/build_llamacpp_cuda.sh" $DIR/ && chmod +x $DIR/build_llamacpp_cuda.sh
 git rev-parse HEAD > $DIR/commit
 echo "$DIR: $(du -sh $DIR | cut -f1) ($(ls $DIR/whl | wc -l) wheels); commit $(cat $DIR/commit)"
 [ -z "$(git status --porcelain --untracked-files=no)" ] || echo "warning: uncommitted changes: the record will name $(cat $DIR/commit) but measure the working tree"

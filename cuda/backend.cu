@@ -75,6 +75,9 @@ void upload_tensors(const std::vector<std::pair<const void*, size_t>>& parts, De
     CUDA_CHECK(cudaMemcpy(d, p.first, p.second, cudaMemcpyHostToDevice));
     W.dev[p.first] = d;
   }
+  // A pageable cudaMemcpy returns once the bytes are staged, on the legacy stream, which the forward's
+  // non-blocking stream does not wait for: the upload is complete only after this.
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // Every tensor the forward reads: matrices, then f32 vectors.

@@ -141,7 +141,8 @@ __device__ void store_kv(DType kvt, const float* v, int len, uint8_t* dst) {
         const float d = vmax / -8.f, id = d != 0.f ? 1.f / d : 0.f;
         store_u16(o + kQ4_0_d, f32_to_f16_bits(d));
         for (int j = 0; j < 16; ++j) {
-          int q0 = (int)(x[j] * id + 8.5f), q1 = (int)(x[j + 16] * id + 8.5f);
+          // rounded twice, as the CPU's quantiser: a fused x*id+8.5 truncates differently at .5 edges
+          int q0 = (int)__fadd_rn(__fmul_rn(x[j], id), 8.5f), q1 = (int)__fadd_rn(__fmul_rn(x[j + 16], id), 8.5f);
           q0 = q0 < 0 ? 0 : (q0 > 15 ? 15 : q0);
           q1 = q1 < 0 ? 0 : (q1 > 15 ? 15 : q1);
           o[kQ4_0_qs + j] = (uint8_t)(q0 | (q1 << 4));

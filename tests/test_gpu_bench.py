@@ -80,9 +80,6 @@ def test_prepare_check_names_what_is_missing(tmp_path):
         name, ver = w.split("==")
         (whl / f"{name.replace('-', '_')}-{ver}-py3-none-any.whl").write_bytes(b"x")
     (tmp_path / "gpu" / "llamacpp-src.tar.gz").write_bytes(b"x")
-    script = tmp_path / "gpu" / "build_llamacpp_cuda.sh"
-    script.write_text("#!/bin/sh\n")
-    script.chmod(0o755)
     run = subprocess.run(["bash", "bench/gpu_prepare.sh", "--check"], cwd=ROOT, env=env, capture_output=True,
                          text=True)
     assert run.returncode == 0 and "is complete" in run.stdout, run.stdout
@@ -136,9 +133,10 @@ def test_gpu_bench_sh_first_fits_one_call():
     r = _sh("--dry-run", "first")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "budget 540s" in r.stdout
+    # ours before llama-bench: llama.cpp's CUDA build (~5-6 min on 16 cores) would starve ours otherwise
     order = ["build (sm_90)", "dfl_backend_ops", "pytest -m cuda", "gpu_bench.py exact --device cuda",
-             "gpu_bench.py llamacpp --bench build/llamacpp/bin/llama-bench --model build/synth-27b.gguf --reps 1",
              "gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft --repeats 1",
+             "gpu_bench.py llamacpp --bench build/llamacpp/bin/llama-bench --model build/synth-27b.gguf --reps 1",
              "gpu_bench.py record"]
     at = [r.stdout.index(s) for s in order]
     assert at == sorted(at), at
@@ -148,6 +146,120 @@ def test_gpu_bench_sh_first_fits_one_call():
     assert tight.returncode == 1, tight.stdout + tight.stderr
     assert "build (sm_90): SKIPPED (the time budget is spent)" in tight.stdout
     assert "gpu_bench.py record" in tight.stdout
+
+
+def _sourced(script: str, tmp_path: Path, path_dirs: tuple[Path, ...] = (), **env) -> subprocess.CompletedProcess:
+    """Runs bash code after sourcing gpu_bench.sh (which then defines its functions and runs nothing)."""
+    e = {k: v for k, v in os.environ.items() if k != "OUT"}
+    e.update(env)
+    e["PATH"] = os.pathsep.join([*map(str, path_dirs), e["PATH"]])
+    return subprocess.run(["bash", "-c", f"source bench/gpu_bench.sh\n{script}"], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("#!/usr/bin/env bash\n" + body)
+    (folder / name).chmod(0o755)
+
+
+def test_a_step_that_is_a_shell_function_really_runs(tmp_path):
+    """`run` puts each step under `timeout`, which runs programs, not shell functions: the build step
+    (build_ours) exited 127 at once in the first version. Here the real build_ours runs through `run` with
+    stub cmake and python3 on PATH, which record how they were called."""
+    calls = tmp_path / "calls"
+    stubs = tmp_path / "bin"
+    _stub(stubs, "cmake", f'echo "cmake $*" >> {calls}; [ "$1" != --build ] || echo "[2/2] Linking libdflash27b.so"\n')
+    _stub(stubs, "python3", f'echo "python3 $*" >> {calls}; echo "build info: stub"\n')
+    r = _sourced('ARCH=90a; run 30 "build (sm_$ARCH)" build_ours; echo "rc=$? status=$status"', tmp_path, (stubs,))
+    assert "rc=0 status=0" in r.stdout, r.stdout + r.stderr
+    log = calls.read_text().splitlines()
+    assert log[0].startswith("cmake -S . -B build/gpu") and "-DDFLASH27B_CUDA_ARCHITECTURES=90a" in log[0], log
+    assert log[1].startswith("cmake --build build/gpu") and log[2].startswith("python3 -c"), log
+    assert "Linking libdflash27b.so" in r.stdout  # the build log's tail reaches the console
+
+
+def test_a_failing_build_names_its_errors_and_fails_the_part(tmp_path):
+    stubs = tmp_path / "bin"
+    _stub(stubs, "cmake", '[ "$1" != --build ] || { echo "cuda/x.cu(3): error: bad thing"; exit 1; }\n')
+    r = _sourced('run 30 "build (sm_90)" build_ours; echo "rc=$? status=$status"', tmp_path, (stubs,))
+    assert "rc=1 status=1" in r.stdout and "cuda/x.cu(3): error: bad thing" in r.stdout, r.stdout + r.stderr
+    assert "build (sm_90): FAILED (exit 1)" in r.stdout
+
+
+def test_a_step_past_its_limit_is_killed_and_named(tmp_path):
+    import time
+    t0 = time.monotonic()
+    r = _sourced('slow() { sleep 30; echo never; }; run 1 "slow step" slow; echo "rc=$? status=$status"', tmp_path)
+    assert time.monotonic() - t0 < 20
+    assert "slow step: timed out after 1s" in r.stdout and "rc=124 status=1" in r.stdout, r.stdout + r.stderr
+    assert "never" not in r.stdout
+
+
+def test_logs_reach_out_while_the_call_runs(tmp_path):
+    """The device tool returns what is under $OUT even when it kills the call at its limit: every step
+    refreshes $OUT/gpu-logs.tar.gz with the logs and parts so far."""
+    out = tmp_path / "out"
+    out.mkdir()
+    parts = ROOT / "build" / "gpu-parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    marker = ROOT / "build" / "gpu_bench-selftest.log"
+    marker.write_text("step log\n")
+    try:
+        r = _sourced('quick() { echo hi; }; run 10 "quick" quick', tmp_path, OUT=str(out))
+        assert r.returncode == 0, r.stdout + r.stderr
+        listing = subprocess.run(["tar", "-tzf", str(out / "gpu-logs.tar.gz")], capture_output=True, text=True)
+        assert "gpu_bench-selftest.log" in listing.stdout and "gpu-parts/" in listing.stdout, listing.stdout
+        assert not list(out.glob(".*tmp"))
+    finally:
+        marker.unlink()
+
+
+def test_llamacpp_build_checks_the_toolkit_first(tmp_path):
+    """No cuBLAS (the toolkit's or the nvidia-cublas wheel's): one line and exit 3 in seconds, nothing
+    configured; the findings in toolkit.json. With cuBLAS but no libcuda stub, VMM is dropped."""
+    bare = tmp_path / "cuda"
+    (bare / "bin").mkdir(parents=True)
+    env = dict(os.environ, CUDA_ROOT=str(bare), PYTHON="false")
+    r = subprocess.run(["bash", "bench/gpu_llamacpp.sh", str(tmp_path / "src.tar.gz"), str(tmp_path / "b")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3 and "no cuBLAS" in r.stdout, r.stdout + r.stderr
+    tk = json.loads((tmp_path / "b" / "toolkit.json").read_text())
+    assert tk["cublas"] is None and tk["no_vmm"] is True and not (tmp_path / "b" / "configure.log").exists()
+    # cuBLAS present, no stub: configure gets -DGGML_CUDA_NO_VMM=ON (cmake stubbed: it records its arguments)
+    (bare / "lib64").mkdir()
+    (bare / "lib64" / "libcublas.so.13").write_bytes(b"")
+    src = tmp_path / "src" / "llama.cpp"
+    src.mkdir(parents=True)
+    subprocess.run(["tar", "-czf", str(tmp_path / "src.tar.gz"), "-C", str(tmp_path / "src"), "llama.cpp"], check=True)
+    stubs = tmp_path / "bin"
+    _stub(stubs, "cmake", f'echo "$*" >> {tmp_path}/cmake.args\n')
+    env["PATH"] = f"{stubs}{os.pathsep}{env['PATH']}"
+    r = subprocess.run(["bash", "bench/gpu_llamacpp.sh", str(tmp_path / "src.tar.gz"), str(tmp_path / "b")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    args = (tmp_path / "cmake.args").read_text()
+    assert "-DGGML_CUDA=ON" in args and "-DGGML_CUDA_NO_VMM=ON" in args and "-DCMAKE_CUDA_ARCHITECTURES=90" in args
+    assert json.loads((tmp_path / "b" / "toolkit.json").read_text())["cublas_from"] == "toolkit"
+
+
+def test_nvcc_build_rounds_where_the_source_says(tmp_path):
+    """nvcc fuses a*b+c into one FMA unless told not to; the CPU and the emulator never do. Every nvcc
+    compile of the backend must carry --fmad=false (and -lineinfo for the sanitizers)."""
+    import shutil
+    if not shutil.which("nvcc") and not Path("/usr/local/cuda/bin/nvcc").exists():
+        pytest.skip("no nvcc")
+    env = dict(os.environ)
+    env["PATH"] = "/usr/local/cuda/bin" + os.pathsep + env["PATH"]
+    b = tmp_path / "b"
+    r = subprocess.run(["cmake", "-S", str(ROOT), "-B", str(b), "-G", "Ninja", "-DDFLASH27B_CUDA=ON",
+                        "-DDFLASH27B_CUDA_ARCHITECTURES=90"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cmds = subprocess.run(["ninja", "-C", str(b), "-t", "commands", "dflash27b"], capture_output=True, text=True)
+    nvcc = [c for c in cmds.stdout.splitlines() if "nvcc" in c.split(" ", 1)[0] and " -c " in c]
+    assert len(nvcc) == len(list((ROOT / "cuda").glob("*.cu"))), cmds.stdout[-2000:]
+    for c in nvcc:
+        assert "--fmad=false" in c and "-lineinfo" in c, c
 
 
 def test_parse_junit(tmp_path):
@@ -276,10 +388,19 @@ def test_vram24_in_the_record():
     part = {"ctx": 131072, "cap_bytes": 24 * 2**30, "plan_bytes": 22 * 2**30, "peak_bytes": 21 * 2**30,
             "exact": True, "kv_type": "q4_0", "notes": []}
     rec = gb.assemble({"vram24": part}, "c", "H100", gb._dt.datetime(2026, 11, 23))
-    assert rec["vram24"] == {"ctx": 131072, "peak_bytes": 21 * 2**30, "plan_bytes": 22 * 2**30,
-                             "cap_bytes": 24 * 2**30, "exact": True}
-    assert "24 GiB cap: ctx 131072, peak 21.00 GiB, plan 22.00 GiB" in gb.markdown(rec)
-    assert gb.assemble({}, "c", "H100", gb._dt.datetime(2026, 11, 23))["vram24"] is None
+    assert rec["vram24"] == {"ctx": 131072, "draft_type": None, "peak_bytes": 21 * 2**30,
+                             "plan_bytes": 22 * 2**30, "cap_bytes": 24 * 2**30, "exact": True}
+    assert "24 GiB cap: ctx 131072, drafter stored, peak 21.00 GiB, plan 22.00 GiB" in gb.markdown(rec)
+    empty = gb.assemble({}, "c", "H100", gb._dt.datetime(2026, 11, 23))
+    assert empty["vram24"] is None and empty["vram24_262k"] is None
+    # the 262K run beside it: the drafter in Q8_0, its own row; a refusal is a note naming the run
+    big = dict(part, ctx=262144, draft_type="q8_0", plan_bytes=int(23.19 * 2**30))
+    rec = gb.assemble({"vram24": part, "vram24_262k": big}, "c", "H100", gb._dt.datetime(2026, 11, 23))
+    assert rec["vram24_262k"]["ctx"] == 262144 and rec["vram24_262k"]["draft_type"] == "q8_0"
+    assert "ctx 262144, drafter q8_0" in gb.markdown(rec)
+    refused = gb.assemble({"vram24_262k": {"ctx": 262144, "error": "plan too big", "notes": []}}, "c", "H100",
+                          gb._dt.datetime(2026, 11, 23))
+    assert "vram24_262k: plan too big" in refused["notes"]
 
 
 def test_attention_grouping_section():
