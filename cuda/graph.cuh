@@ -72,7 +72,7 @@ void issue_kernel(const void* fn, const uint8_t* args, dim3 grid, dim3 block, si
   size_t i = 0;
   std::apply([&](auto&... e) { ((std::memcpy(&e, args + L[i++], sizeof e)), ...); }, t);
   auto kernel = reinterpret_cast<void (*)(P...)>(const_cast<void*>(fn));
-  ::emu::launch(grid, block, smem, [kernel, t] { std::apply(kernel, t); });
+  ::emu::launch(grid, block, smem, [kernel, t] { std::apply(kernel, t); }, fn);
   (void)s;
 #else
   void* argv[sizeof...(P) + 1];

@@ -260,12 +260,43 @@ inline void fiber_entry() {
   std::abort();
 }
 
-inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
+// Dynamic shared memory a kernel may ask for: 48 KiB unless cudaFuncSetAttribute raised it (up to 227 KiB
+// on sm_90). The GPU refuses such a launch; the emulator stops there, so it is found without one.
+inline constexpr size_t kSmemDefault = 48u << 10, kSmemOptInMax = 227u << 10;
+inline std::vector<std::pair<const void*, size_t>>& smem_opt_in() {
+  static std::vector<std::pair<const void*, size_t>> v;
+  return v;
+}
+inline size_t smem_limit(const void* fn) {
+  for (auto& e : smem_opt_in())
+    if (e.first == fn) return e.second;
+  return kSmemDefault;
+}
+
+// The launch configurations the GPU refuses (cudaErrorInvalidConfiguration / ...OutOfResources) stop here.
+inline void check_launch(dim3 grid, dim3 block, size_t smem, const void* fn) {
+  const unsigned long long nt = (unsigned long long)block.x * block.y * block.z;
+  const char* bad = nt == 0 || nt > 1024 ? "threads per block (max 1024)"
+                    : block.z > 64 ? "block.z (max 64)"
+                    : grid.y > 65535 || grid.z > 65535 ? "grid.y / grid.z (max 65535)"
+                    : fn && smem > smem_limit(fn) ? "dynamic shared memory over the kernel's limit (48 KiB unless "
+                                                    "cudaFuncAttributeMaxDynamicSharedMemorySize raised it)"
+                    : smem > kSmemOptInMax ? "dynamic shared memory (max 227 KiB)"
+                    : nullptr;
+  if (bad) {
+    std::fprintf(stderr, "emu: launch refused: %s: grid (%u,%u,%u) block (%u,%u,%u) dynamic smem %zu\n", bad, grid.x,
+                 grid.y, grid.z, block.x, block.y, block.z, smem);
+    std::abort();
+  }
+}
+
+// fn: the kernel (for its shared-memory opt-in); null for the emulator's own launches
+inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body, const void* fn = nullptr) {
   if (capturing) {
-    capturing->work.push_back([grid, block, smem, body] { launch(grid, block, smem, body); });
+    capturing->work.push_back([grid, block, smem, body, fn] { launch(grid, block, smem, body, fn); });
     return;
   }
-  if (smem > (160u << 10)) { std::fprintf(stderr, "emu: %zu bytes of dynamic shared memory\n", smem); std::abort(); }
+  check_launch(grid, block, smem, fn);
   const int nt = (int)(block.x * block.y * block.z);
   static std::vector<char*> stacks;
   while ((int)stacks.size() < nt) stacks.push_back(static_cast<char*>(std::malloc(kStack)));
@@ -402,6 +433,25 @@ struct cudaDeviceProp {
 inline const char* cudaGetErrorName(int) { return "emulated"; }
 inline const char* cudaGetErrorString(int) { return "emulated"; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+// While this thread captures a stream (cudaStreamCaptureModeThreadLocal), the runtime refuses calls that
+// may synchronise or allocate (and invalidates the capture); the emulator stops on them instead.
+namespace emu {
+inline void unsafe_during_capture(const char* api) {
+  if (!capturing) return;
+  std::fprintf(stderr, "emu: %s is not allowed while this thread captures a stream\n", api);
+  std::abort();
+}
+}  // namespace emu
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+template <class F>
+inline cudaError_t cudaFuncSetAttribute(F* fn, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  if (value < 0 || (size_t)value > emu::kSmemOptInMax) return 1;  // cudaErrorInvalidValue
+  for (auto& e : emu::smem_opt_in())
+    if (e.first == (const void*)fn) return e.second = (size_t)value, cudaSuccess;
+  emu::smem_opt_in().push_back({(const void*)fn, (size_t)value});
+  return cudaSuccess;
+}
 inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
 inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
@@ -416,6 +466,7 @@ inline cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
 }
 // Exactly n bytes (256-aligned), so a sanitizer sees any read past the end.
 inline cudaError_t cudaMalloc(void** p, size_t n) {
+  emu::unsafe_during_capture("cudaMalloc");
   if (posix_memalign(p, 256, n ? n : 1) != 0) {
     *p = nullptr;
     return 2;
@@ -425,13 +476,22 @@ inline cudaError_t cudaMalloc(void** p, size_t n) {
 }
 template <class T>
 inline cudaError_t cudaMalloc(T** p, size_t n) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
-inline cudaError_t cudaFree(void* p) { std::free(p); return cudaSuccess; }
+inline cudaError_t cudaFree(void* p) { emu::unsafe_during_capture("cudaFree"); std::free(p); return cudaSuccess; }
 inline cudaError_t cudaMallocHost(void** p, size_t n) {  // pinned host memory: plain memory here
+  emu::unsafe_during_capture("cudaMallocHost");
   *p = std::malloc(n ? n : 1);
   return *p ? cudaSuccess : 2;
 }
-inline cudaError_t cudaFreeHost(void* p) { std::free(p); return cudaSuccess; }
-inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) { std::memmove(d, s, n); return cudaSuccess; }
+inline cudaError_t cudaFreeHost(void* p) {
+  emu::unsafe_during_capture("cudaFreeHost");
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) {
+  emu::unsafe_during_capture("cudaMemcpy (synchronous)");
+  std::memmove(d, s, n);
+  return cudaSuccess;
+}
 inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t = nullptr) {
   if (emu::capturing) return emu::capturing->work.push_back([=] { std::memmove(d, s, n); }), cudaSuccess;
   std::memmove(d, s, n);
@@ -454,8 +514,14 @@ inline cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t = null
 }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { *s = nullptr; return cudaSuccess; }
 inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  emu::unsafe_during_capture("cudaStreamSynchronize");
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize() {
+  emu::unsafe_during_capture("cudaDeviceSynchronize");
+  return cudaSuccess;
+}
 // Events hold the host time they were recorded at (launches are synchronous).
 inline cudaError_t cudaEventCreate(cudaEvent_t* e) { *e = new double(0.0); return cudaSuccess; }
 #define cudaEventDisableTiming 2
@@ -466,7 +532,10 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
   return cudaSuccess;
 }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) {
+  emu::unsafe_during_capture("cudaEventSynchronize");
+  return cudaSuccess;
+}
 // Graphs (see emu::Graph): capture on any stream records; an instantiated graph is a copy of the record.
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed };
 typedef emu::Graph* cudaGraph_t;

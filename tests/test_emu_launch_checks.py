@@ -1,0 +1,59 @@
+"""The CPU emulator of the CUDA backend refuses what a GPU refuses at launch, so it is found without one:
+dynamic shared memory over 48 KiB without cudaFuncSetAttribute's opt-in (227 KiB at most), more than 1024
+threads a block, grid.y over 65535, and calls that synchronise or allocate
+while the thread captures a stream. Each case of tests/cpp/emu_launch_checks.cpp runs as its own process."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp("emu") / "emu_launch_checks"
+    r = subprocess.run([cxx, "-std=c++17", "-O1", "-DDFL_EMU=1", "-I", str(ROOT / "cuda" / "emu" / "shim"),
+                        str(ROOT / "tests" / "cpp" / "emu_launch_checks.cpp"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
+def _case(exe: Path, name: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(exe), name], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("name,ran", [("smem48k", 1), ("smem64k_opt_in", 1), ("capture_async", 11)])
+def test_allowed_launches_run(checks, name, ran):
+    r = _case(checks, name)
+    assert r.returncode == 0 and r.stdout.strip() == f"ran {ran}", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name,why", [
+    ("smem64k", "dynamic shared memory over the kernel's limit"),
+    ("block1025", "threads per block (max 1024)"),
+    ("grid_y", "grid.y / grid.z (max 65535)"),
+])
+def test_refused_launches_stop_with_the_reason(checks, name, why):
+    r = _case(checks, name)
+    assert r.returncode != 0 and "emu: launch refused: " + why in r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name,api", [("capture_sync", "cudaMemcpy (synchronous)"), ("capture_malloc", "cudaMalloc")])
+def test_unsafe_calls_while_capturing_stop(checks, name, api):
+    """Graph mode captures on the calling thread (cudaStreamCaptureModeThreadLocal): a synchronising or
+    allocating call there would invalidate the capture on a GPU."""
+    r = _case(checks, name)
+    assert r.returncode != 0 and f"emu: {api} is not allowed while this thread captures a stream" in r.stderr, \
+        r.stdout + r.stderr
+
+
+def test_opt_in_beyond_the_device_maximum_is_an_error(checks):
+    assert _case(checks, "smem_opt_in_too_big").returncode == 4
