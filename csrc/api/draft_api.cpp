@@ -95,69 +95,72 @@ static dfl::DrafterParams drafter_params(const dfl_drafter_params* p) {
 int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_drafter_params* p) {
   return dfl::api_guard([&] {
     if (!c) dfl::fail("context is NULL");
-    c->gen->set_drafter(nullptr);
+    c->dflash.reset();
     c->drafter.reset();
+    c->refresh_proposers();
     if (!d) return;
+    // on the context's backend: it takes the captured target features there
     c->drafter = std::make_unique<dfl::Drafter>(*d->d, c->ctx->model(), drafter_params(p), &c->ctx->backend());
-    c->gen->set_drafter(c->drafter.get());
+    c->dflash = std::make_unique<dfl::DFlashProposer>(*c->drafter);
+    c->refresh_proposers();
   });
 }
 
 int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m) {
   return dfl::api_guard([&] {
     if (!c) dfl::fail("context is NULL");
-    c->gen->set_draft_model(nullptr);
     c->draft_model.reset();
+    c->refresh_proposers();
     if (!m) return;
     c->draft_model = std::make_unique<dfl::DraftModelProposer>(*m->m, c->ctx->model(), c->ctx->params());
-    c->gen->set_draft_model(c->draft_model.get());
+    c->refresh_proposers();
   });
 }
 
 int64_t dfl_context_draft_state_bytes(const dfl_context* c) {
   if (!c) return -1;
   if (c->draft_model) return (int64_t)c->draft_model->state_bytes();
-  return c->drafter ? (int64_t)c->drafter->state_bytes() : 0;
+  return c->dflash ? (int64_t)c->dflash->state_bytes() : 0;
 }
 
 int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user) {
   return dfl::api_guard([&] {
     if (!c) dfl::fail("context is NULL");
-    if (!fn) {
-      c->gen->set_draft_source(nullptr);
-      return;
-    }
-    c->gen->set_draft_source([fn, user](int32_t root_pos, int32_t root, int n, int32_t* toks) {
-      if (fn(user, root_pos, root, n, toks) != 0) dfl::fail("draft hook failed at position %d", root_pos);
-    });
+    c->chain_hook.reset();
+    if (fn)
+      c->chain_hook = std::make_unique<dfl::ChainHookProposer>([fn, user](int32_t root_pos, int32_t root, int n,
+                                                                          int32_t* toks) {
+        if (fn(user, root_pos, root, n, toks) != 0) dfl::fail("draft hook failed at position %d", root_pos);
+      });
+    c->refresh_proposers();
   });
 }
 
 int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user) {
   return dfl::api_guard([&] {
     if (!c) dfl::fail("context is NULL");
-    if (!fn) {
-      c->gen->set_tree_source(nullptr);
-      return;
-    }
-    c->gen->set_tree_source([fn, user](int32_t root_pos, int32_t root, int cap, int32_t* toks, int32_t* parents) {
-      const int32_t n = fn(user, root_pos, root, cap, toks, parents);
-      if (n < 0) dfl::fail("tree hook failed at position %d", root_pos);
-      return (int)n;
-    });
+    c->tree_hook.reset();
+    if (fn)
+      c->tree_hook = std::make_unique<dfl::TreeHookProposer>([fn, user](int32_t root_pos, int32_t root, int cap,
+                                                                        int32_t* toks, int32_t* parents) {
+        const int32_t n = fn(user, root_pos, root, cap, toks, parents);
+        if (n < 0) dfl::fail("tree hook failed at position %d", root_pos);
+        return (int)n;
+      });
+    c->refresh_proposers();
   });
 }
 
 int dfl_context_set_topk_hook(dfl_context* c, dfl_topk_hook fn, void* user) {
   return dfl::api_guard([&] {
     if (!c) dfl::fail("context is NULL");
-    if (!fn) {
-      c->gen->set_topk_source(nullptr);
-      return;
-    }
-    c->gen->set_topk_source([fn, user](int32_t root_pos, int32_t root, int L, int K, int32_t* ids, float* logp) {
-      if (fn(user, root_pos, root, L, K, ids, logp) != 0) dfl::fail("top-k hook failed at position %d", root_pos);
-    });
+    c->topk_hook.reset();
+    if (fn)
+      c->topk_hook = std::make_unique<dfl::TopkHookProposer>([fn, user](int32_t root_pos, int32_t root, int L, int K,
+                                                                        int32_t* ids, float* logp) {
+        if (fn(user, root_pos, root, L, K, ids, logp) != 0) dfl::fail("top-k hook failed at position %d", root_pos);
+      });
+    c->refresh_proposers();
   });
 }
 

@@ -8,8 +8,10 @@
 #include "model/dflash_draft.h"
 #include "model/drafter.h"
 #include "model/qwen35.h"
-#include "spec/generator.h"
+#include "spec/dflash_proposer.h"
 #include "spec/draft_model.h"
+#include "spec/generator.h"
+#include "spec/hook_proposers.h"
 
 struct dfl_model {
   std::unique_ptr<dfl::Model> m;
@@ -23,8 +25,16 @@ struct dfl_context {
   std::unique_ptr<dfl::Context> ctx;
   std::unique_ptr<dfl::Generator> gen;
   std::unique_ptr<dfl::Drafter> drafter;  // attached drafter runtime (on ctx's threads)
+  std::unique_ptr<dfl::DFlashProposer> dflash;           // ... as the generator sees it
   std::unique_ptr<dfl::DraftModelProposer> draft_model;  // or an attached draft model (its own context)
+  // the C API's hooks (tests, oracles): they draft before any attached drafter
+  std::unique_ptr<dfl::Proposer> chain_hook, tree_hook, topk_hook;
   mutable std::string backend_name;        // dfl_context_backend's string
+
+  // Hands the generator every attached proposer, most preferred first.
+  void refresh_proposers() {
+    gen->set_proposers({chain_hook.get(), tree_hook.get(), topk_hook.get(), draft_model.get(), dflash.get()});
+  }
 };
 
 struct dfl_drafter {

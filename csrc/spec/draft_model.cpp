@@ -73,8 +73,10 @@ void DraftModelProposer::sync(const int32_t* hist, int32_t s) {
   if ((int)seen_.size() < s) feed(hist + seen_.size(), s - (int)seen_.size(), (int32_t)seen_.size());
 }
 
-void DraftModelProposer::propose_topk(const int32_t* hist, int32_t s, int32_t root, int L, int K, int32_t* ids,
-                                      float* logp) {
+void DraftModelProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) {
+  const int32_t* hist = r.hist;
+  const int32_t s = r.root_pos, root = r.root;
+  const int L = r.L;
   if (s + L > ctx_.params().n_ctx) fail("draft model: %d + %d positions exceed its context %d", s, L, ctx_.params().n_ctx);
   sync(hist, s);  // agree with the target on [0, s)
   // the root, then the draft's own greedy chain: one token per forward,
@@ -104,8 +106,12 @@ void DraftModelProposer::propose_topk(const int32_t* hist, int32_t s, int32_t ro
   }
 }
 
-DraftTree DraftModelProposer::propose_tree(const int32_t* hist, int32_t s, int32_t root, int L, int budget, int width,
-                                           int K, bool chain_seed) {
+DraftTree DraftModelProposer::propose_tree(const DraftRequest& r, const TreeParams& tp, int K) {
+  const int32_t* hist = r.hist;
+  const int32_t s = r.root_pos, root = r.root;
+  int L = r.L;
+  const int budget = tp.budget, width = tp.expand;
+  const bool chain_seed = tp.chain_seed;
   if (width < 1 || K < 1) fail("draft model: expanding branches needs width >= 1 and K >= 1 (got %d, %d)", width, K);
   const Qwen35Config& c = ctx_.model().cfg;
   K = std::min(K, c.n_vocab);

@@ -23,31 +23,39 @@
 
 #include "model/context.h"
 #include "spec/ddtree.h"
+#include "spec/proposer.h"
 
 namespace dfl {
 
-class DraftModelProposer {
+// Draft tokens per step of a draft model unless the request sets a block (root + 8).
+constexpr int kDraftModelBlock = 9;
+
+class DraftModelProposer final : public Proposer {
  public:
   // draft: a qwen35 model with the target's vocabulary size (the caller checks
   // the tokens themselves); p: the target context's parameters (device, KV type, ...).
   DraftModelProposer(const Model& draft, const Model& target, const ContextParams& p);
-  void reset();
+  const char* name() const override { return "draft model"; }
+  unsigned capabilities() const override { return Rank | Chain | Expand; }
+  int default_block() const override { return kDraftModelBlock; }
+  void reset() override;
+  void prompt_done(const int32_t* prompt, int n) override { sync(prompt, n); }
   // Makes the draft context hold exactly hist[0, s): keeps the common prefix,
   // rolls the delta-net state back to it from a snapshot, feeds the rest (the
   // prompt's prefill when called at the start of a request).
   void sync(const int32_t* hist, int32_t s);
-  // hist[0, s): the target's committed tokens; root: the token at position s.
+  // r.hist[0, s): the target's committed tokens; r.root: the token at position s = r.root_pos.
   // Writes ids/logp [L][K]: per depth 1..L the draft's top-K (log-softmax,
   // descending), its greedy token first.
-  void propose_topk(const int32_t* hist, int32_t s, int32_t root, int L, int K, int32_t* ids, float* logp);
+  void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override;
   // Expanding branches: the `budget` most probable nodes (cumulative draft
   // log-probability; a parent always before its children) of a tree grown L
   // depths deep from the root, running `width` nodes per depth with K
   // children each.  Costs L draft forwards of 1, 1 + width, ... nodes.
   // chain_seed: the greedy path is always run and comes first in the tree.
-  DraftTree propose_tree(const int32_t* hist, int32_t s, int32_t root, int L, int budget, int width, int K,
-                         bool chain_seed);
-  size_t state_bytes() const;
+  // (budget = tp.budget, width = tp.expand, chain_seed = tp.chain_seed)
+  DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K) override;
+  size_t state_bytes() const override;
 
  private:
   void feed(const int32_t* tokens, int n, int32_t pos0);  // commits n tokens at pos0.. (no logits)

@@ -1,4 +1,4 @@
-// generator.cpp — AR and chain-speculative greedy decoding on Context::forward.
+// generator.cpp — the decode loop: AR, chain, DDTree and auto steps on Context::forward, drafts from Proposers.
 #include "spec/generator.h"
 
 #include <algorithm>
@@ -11,7 +11,27 @@ static double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Lowest index wins ties, so the choice never depends on scan order.
+void Generator::set_proposers(std::vector<Proposer*> ps) {
+  proposers_.clear();
+  features_ = nullptr;
+  for (Proposer* p : ps) {
+    if (!p) continue;
+    proposers_.push_back(p);
+    if (!features_ && p->feature_layers()) features_ = p;
+  }
+}
+
+Proposer* Generator::first(Proposer::Capability c) const {
+  for (Proposer* p : proposers_)
+    if (p->can(c)) return p;
+  return nullptr;
+}
+
+int Generator::default_block() const {
+  for (Proposer* p : proposers_)
+    if (p->default_block() > 0) return p->default_block();
+  return 0;
+}
 
 void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, int n_keep) {
   const Qwen35Config& c = ctx_.model().cfg;
@@ -28,20 +48,21 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   block_ = 1;
   if (p.mode == DecodeMode::DDTree || p.mode == DecodeMode::Auto) {
     const bool is_auto = p.mode == DecodeMode::Auto;
-    if (!drafter_ && !draft_model_ && !topk_source_ && (is_auto || !tree_source_))
+    // auto prices trees it builds from a ranking; ddtree also takes a proposer that gives whole trees
+    if (!first(Proposer::Rank) && (is_auto || !first(Proposer::Tree)))
       fail("%s mode needs a drafter (none is attached)", is_auto ? "auto" : "ddtree");
     if (p.tree.budget < 0) fail("tree budget must be >= 0 (got %d)", p.tree.budget);
     if (p.tree.topk < 0) fail("top-K must be >= 0 (got %d)", p.tree.topk);
     if (p.tree.expand < 0) fail("tree expansion width must be >= 0 (got %d)", p.tree.expand);
-    if (p.tree.expand > 0 && !draft_model_)
+    if (p.tree.expand > 0 && !first(Proposer::Expand))
       fail("expanding branches (tree expansion width %d) needs a draft model; 0 drafts the tree from one pass",
            p.tree.expand);
-    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : draft_model_ ? kDraftModelBlock : 1;
+    block_ = p.block_size > 0 ? p.block_size : default_block() > 0 ? default_block() : 1;
     if (p.tree.budget + 1 > ctx_.params().n_batch)
       fail("tree budget %d exceeds the context's batch size %d (minus the root)", p.tree.budget, ctx_.params().n_batch);
   } else if (p.mode == DecodeMode::Chain) {
-    if (!drafter_ && !draft_model_ && !source_) fail("chain mode needs a drafter (none is attached)");
-    block_ = p.block_size > 0 ? p.block_size : drafter_ ? drafter_->config().block_size : draft_model_ ? kDraftModelBlock : 0;
+    if (!first(Proposer::Chain)) fail("chain mode needs a drafter (none is attached)");
+    block_ = p.block_size > 0 ? p.block_size : default_block();
     if (block_ < 1) fail("chain mode needs a block size (no drafter to take it from)");
     if (block_ > ctx_.params().n_batch)
       fail("block size %d exceeds the context's batch size %d", block_, ctx_.params().n_batch);
@@ -58,17 +79,15 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   steps_.clear();
   if (n_keep == 0) ctx_.reset();
   hist_.assign(prompt, prompt + n_prompt);
-  if (draft_model_) draft_model_->reset();
-  if (drafter_) {
-    drafter_->reset();
-    if (n_keep > 0 && capturing()) drafter_->skip_features(0, n_keep);
-  }
+  for (Proposer* q : proposers_) q->reset();
+  if (n_keep > 0 && capturing()) features_->take_features(0, n_keep, nullptr, nullptr);  // kept: skipped
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
   prefill(prompt, n_prompt, n_keep);
-  // a draft model reads the prompt now, with the prefill, not inside the first step's draft time (what auto
-  // mode prices drafting by)
-  if (draft_model_ && p.mode != DecodeMode::AR) draft_model_->sync(prompt, n_prompt);
+  // a proposer with a context of its own reads the prompt now, with the prefill, not inside the first step's
+  // draft time (what auto mode prices drafting by)
+  if (p.mode != DecodeMode::AR)
+    for (Proposer* q : proposers_) q->prompt_done(prompt, n_prompt);
   stats_.prefill_s = since(t0);
   first_emitted_ = false;
   done_ = false;
@@ -82,9 +101,9 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
 void Generator::prefill(const int32_t* prompt, int n, int first) {
   const int chunk = ctx_.params().n_batch;
   const bool cap = capturing();
-  if (cap) capture_ = drafter_->config().target_layer_ids;
+  if (cap) capture_ = *features_->feature_layers();
   // Only the newest `capacity` positions can reach the drafter: capture those.
-  const int first_captured = cap ? std::max(0, n - drafter_->capacity()) : n;
+  const int first_captured = cap ? std::max(0, n - features_->feature_capacity()) : n;
   for (int off = first; off < n; off += chunk) {
     const int m = std::min(chunk, n - off);
     pos_.resize(m);
@@ -109,11 +128,8 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
       o.hidden_on_backend = true;
     }
     ctx_.forward(b, o, true);
-    if (cap) {
-      // The ring skips positions it could never serve; it only needs the count.
-      if (grab) drafter_->push_features_from_backend(off, m, ctx_.captured(), nullptr);
-      else drafter_->skip_features(off, m);
-    }
+    // positions the proposer could never read are skipped: it only needs the count
+    if (cap) features_->take_features(off, m, grab ? ctx_.captured() : nullptr, nullptr);
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
   pending_ = need_rows() ? pick(logits_.data(), n) : top_ids_[0];
@@ -189,19 +205,7 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
   }
   if (V < 2) return;
   auto t0 = Clock::now();
-  if (source_) {
-    source_(s, pending_, V - 1, tokens_.data() + 1);
-  } else if (draft_model_) {
-    top_ids_.resize(V - 1), top_logp_.resize(V - 1);
-    draft_model_->propose_topk(hist_.data(), s, pending_, V - 1, 1, top_ids_.data(), top_logp_.data());
-    for (int i = 1; i < V; ++i) tokens_[i] = top_ids_[i - 1];
-  } else {
-    for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
-    // the drafter's argmax per position, ranked where its logits are
-    top_ids_.resize(V - 1), top_logp_.resize(V - 1);
-    drafter_->propose_topk(tokens_.data(), V, 1, top_ids_.data(), top_logp_.data());
-    for (int i = 1; i < V; ++i) tokens_[i] = top_ids_[i - 1];
-  }
+  first(Proposer::Chain)->propose_chain(request(s, V), tokens_.data() + 1);
   rec.draft_s = since(t0);
 }
 
@@ -209,46 +213,33 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   const int n_vocab = ctx_.model().cfg.n_vocab;
   // Nodes that fit: the budget, the KV room left and the verify batch.
   const int cap = std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1});
-  auto t0 = Clock::now();
-  if (tree_source_ && p_.mode == DecodeMode::DDTree) {
-    tokens_.resize(cap + 1);
-    parent_.resize(cap + 1);
-    const int n = tree_source_(s, pending_, cap, tokens_.data() + 1, parent_.data() + 1);
-    if (n < 0 || n > cap) fail("tree hook returned %d nodes (capacity %d)", n, cap);
-    tokens_.resize(n + 1);
-    parent_.resize(n + 1);
-    depth_.assign(n + 1, 0);
-    for (int i = 1; i <= n; ++i) {
-      if (parent_[i] < 0 || parent_[i] >= i) fail("tree hook: node %d has parent %d (must be in 0..%d)", i, parent_[i], i - 1);
-      depth_[i] = depth_[parent_[i]] + 1;
-    }
-    rec.draft_s = since(t0);
-    return;
-  }
-  if (V < 2 || cap <= 0) {
-    tokens_.resize(1), parent_.resize(1), depth_.resize(1);
-    return;
-  }
-  if (drafter_)
-    for (int i = 1; i < V; ++i) tokens_[i] = drafter_->config().mask_token_id;
   TreeParams tp = p_.tree;
   tp.budget = cap;
-  if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
-  const int K = ddtree_k(tp, n_vocab);
-  // Expanding branches: the draft model builds the tree itself; else one draft pass, then the builder.
-  const bool expand = draft_model_ && tp.expand > 0;
+  auto t0 = Clock::now();
   DraftTree t;
-  if (expand) {
-    t = draft_model_->propose_tree(hist_.data(), s, pending_, V - 1, cap, tp.expand, K, tp.chain_seed);
+  Proposer* whole = p_.mode == DecodeMode::DDTree ? first(Proposer::Tree) : nullptr;
+  if (whole) {  // a proposer that gives the whole tree (a hook): verified as given
+    t = whole->propose_tree(request(s, V), tp, 0);
+    rec.draft_s = since(t0);
   } else {
-    top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
-    if (topk_source_) topk_source_(s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
-    else if (draft_model_) draft_model_->propose_topk(hist_.data(), s, pending_, V - 1, K, top_ids_.data(), top_logp_.data());
-    else drafter_->propose_topk(tokens_.data(), V, K, top_ids_.data(), top_logp_.data());
+    if (V < 2 || cap <= 0) {
+      tokens_.resize(1), parent_.resize(1), depth_.resize(1);
+      return;
+    }
+    if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
+    const int K = ddtree_k(tp, n_vocab);
+    // Expanding branches: the proposer grows the tree itself; else one ranking, then the builder.
+    Proposer* expander = tp.expand > 0 ? first(Proposer::Expand) : nullptr;
+    if (expander) {
+      t = expander->propose_tree(request(s, V), tp, K);
+    } else {
+      top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
+      first(Proposer::Rank)->propose_topk(request(s, V), K, top_ids_.data(), top_logp_.data());
+    }
+    rec.draft_s = since(t0);
+    t0 = Clock::now();
+    if (!expander) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
   }
-  rec.draft_s = since(t0);
-  t0 = Clock::now();
-  if (!expand) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
@@ -266,7 +257,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     parent_[i] = t.parent[i - 1];
     depth_[i] = t.depth[i - 1];
   }
-  rec.tree_s = since(t0);
+  if (!whole) rec.tree_s = since(t0);
 }
 
 int Generator::step(std::vector<int32_t>& out) {
@@ -366,9 +357,9 @@ int Generator::step(std::vector<int32_t>& out) {
   if (!ar) {
     ctx_.commit_path(path.data(), a + 1);
     // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace)
-    if (cap) drafter_->push_features_from_backend(s, a + 1, ctx_.captured(), path.data());
+    if (cap) features_->take_features(s, a + 1, ctx_.captured(), path.data());
   } else if (cap) {
-    drafter_->push_features_from_backend(s, 1, ctx_.captured(), nullptr);  // auto: the ring stays whole
+    features_->take_features(s, 1, ctx_.captured(), nullptr);  // auto's AR steps: the features stay whole
   }
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);

@@ -1,15 +1,18 @@
 // generator.h — the decode loop as an explicit state machine.
 //
-//   begin:  PREFILL (target over the prompt; features into the drafter's ring)
+//   begin:  PREFILL (target over the prompt; features to the proposer that reads them)
 //   next:   EMIT the prefill's token, then one STEP per call:
-//           DRAFT (one drafter forward proposes a block) ->
+//           DRAFT (a Proposer, spec/proposer.h, proposes a chain or a tree) ->
 //           VERIFY (one target forward over [root, drafts], chain parents) ->
 //           ACCEPT (longest prefix equal to the target's argmax, + bonus) ->
 //           COMMIT (commit_path gathers the accepted nodes' KV and states;
-//                   their features go into the ring)            ... -> DONE
-// AR mode is the same STEP with a block of one token and no drafter.  Auto
+//                   their features go to the proposer)          ... -> DONE
+// AR mode is the same STEP with a block of one token and no proposer.  Auto
 // mode asks the AutoController (spec/adaptive.h) each step whether to draft
-// and how large a tree to verify; its AR steps still feed the drafter's ring.
+// and how large a tree to verify; its AR steps still feed the proposer's features.
+// The Generator holds proposers in order of preference and picks, each step,
+// the first that gives the shape the mode needs (chain, ranking, tree): it has
+// no branch per kind of drafter.
 // It prints nothing and records each step (tokens committed, times, target
 // forwards, auto's choice) for the stats.
 #pragma once
@@ -18,10 +21,9 @@
 #include <vector>
 
 #include "model/context.h"
-#include "model/drafter.h"
 #include "spec/adaptive.h"
-#include "spec/draft_model.h"
 #include "spec/ddtree.h"
+#include "spec/proposer.h"
 #include "spec/sampler.h"
 #include "util/error.h"
 
@@ -29,9 +31,6 @@ namespace dfl {
 
 enum class StopReason : int { Running = 0, Length = 1, Eos = 2, ContextFull = 3 };
 enum class DecodeMode : int { AR = 0, Chain = 1, DDTree = 2, Auto = 3 };
-
-// Draft tokens per step of a draft model unless the request sets a block (root + 8).
-constexpr int kDraftModelBlock = 9;
 
 struct GenParams {
   int max_new_tokens = 256;
@@ -76,17 +75,6 @@ struct StepRecord {
   double expected = 0, est_tok_s = 0, est_ar_tok_s = 0;
 };
 
-// Test hooks replacing the drafter.  Chain: writes n draft tokens for the
-// block whose root `root` sits at position root_pos.  Tree: writes up to cap
-// nodes (tokens, parents; parent 0 = the root, node i's parent < i) and
-// returns how many.
-using DraftSource = std::function<void(int32_t root_pos, int32_t root, int n, int32_t* tokens)>;
-using TreeSource =
-    std::function<int(int32_t root_pos, int32_t root, int cap, int32_t* tokens, int32_t* parents)>;
-// Test hook replacing the drafter's ranked output (ddtree and auto): writes
-// the top-K ids and log-probs of depths 1..L ([L][K]) for the block whose
-// root sits at root_pos — e.g. an oracle that knows the continuation.
-using TopkSource = std::function<void(int32_t root_pos, int32_t root, int L, int K, int32_t* ids, float* logp)>;
 // Called after each prefill chunk with (tokens done, total); returning false
 // abandons the prefill (a progress bar, or a daemon whose client went away).
 using PrefillProgress = std::function<bool(int done, int total)>;
@@ -94,17 +82,9 @@ using PrefillProgress = std::function<bool(int done, int total)>;
 class Generator {
  public:
   explicit Generator(Context& ctx) : ctx_(ctx) {}
-  // The drafter computes on the context's backend (it takes the captured features there).
-  void set_drafter(Drafter* d) {
-    if (d && &d->backend() != &ctx_.backend()) fail("the drafter must run on its context's backend");
-    drafter_ = d;
-  }
-  Drafter* drafter() const { return drafter_; }
-  void set_draft_source(DraftSource src) { source_ = std::move(src); }
-  void set_tree_source(TreeSource src) { tree_source_ = std::move(src); }
-  void set_topk_source(TopkSource src) { topk_source_ = std::move(src); }
-  // A draft model (classic draft-model speculation) in place of a DFlash drafter.
-  void set_draft_model(DraftModelProposer* dm) { draft_model_ = dm; }
+  // The attached proposers, most preferred first (the caller owns them).  The first that reads target
+  // features gets them; a step drafts with the first that gives the shape its mode needs.
+  void set_proposers(std::vector<Proposer*> ps);
   const AutoController& auto_controller() const { return auto_; }
   void set_prefill_progress(PrefillProgress fn) { progress_ = std::move(fn); }
 
@@ -128,6 +108,11 @@ class Generator {
   void record_logprob(int node, int32_t token);
   void prefill(const int32_t* prompt, int n, int first);
   int step(std::vector<int32_t>& out);
+  // The first attached proposer with capability c (null: none).
+  Proposer* first(Proposer::Capability c) const;
+  // Draft tokens per step when the request sets none: the first positive default (0: none).
+  int default_block() const;
+  DraftRequest request(int32_t s, int V) const { return DraftRequest{s, pending_, hist_.data(), V - 1}; }
   void draft_chain(int32_t s, int V, StepRecord& rec);
   void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe);
   bool is_eos(int32_t t) const;
@@ -137,14 +122,11 @@ class Generator {
   int32_t pick(const float* row, int64_t pos, const int32_t* extra = nullptr, int n_extra = 0);
   // Whole logits rows must come back (sampling or penalties), not just the device's top-k.
   bool need_rows() const { return !greedy() || p_.sampler.penalized(); }
-  bool capturing() const { return drafter_ && p_.mode != DecodeMode::AR; }
+  bool capturing() const { return features_ && p_.mode != DecodeMode::AR; }
 
   Context& ctx_;
-  Drafter* drafter_ = nullptr;
-  DraftModelProposer* draft_model_ = nullptr;
-  DraftSource source_;
-  TreeSource tree_source_;
-  TopkSource topk_source_;
+  std::vector<Proposer*> proposers_;
+  Proposer* features_ = nullptr;  // the proposer the target's hidden features go to
   // Auto mode: kept across requests (the costs belong to this device and pair);
   // the drafted tree of the step in flight (builder order) for its observation.
   AutoController auto_;

@@ -1,0 +1,40 @@
+// dflash_proposer.h — a DFlash drafter (model/drafter.h) as a Proposer.
+//
+// One drafter forward over [root, mask x L] ranks every depth at once; the
+// target features it conditions on arrive through take_features, into the
+// drafter's ring (committed positions only, in position order).
+#pragma once
+#include <vector>
+
+#include "model/drafter.h"
+#include "spec/proposer.h"
+
+namespace dfl {
+
+class DFlashProposer final : public Proposer {
+ public:
+  explicit DFlashProposer(Drafter& d) : d_(d) {}
+  const char* name() const override { return "dflash"; }
+  unsigned capabilities() const override { return Rank | Chain; }
+  int default_block() const override { return d_.config().block_size; }
+  void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override {
+    block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
+    block_[0] = r.root;
+    d_.propose_topk(block_.data(), r.L + 1, K, ids, logp);
+  }
+  void reset() override { d_.reset(); }
+  const std::vector<int32_t>* feature_layers() const override { return &d_.config().target_layer_ids; }
+  int feature_capacity() const override { return d_.capacity(); }
+  void take_features(int32_t pos0, int n, const float* captured, const int32_t* rows) override {
+    if (captured) d_.push_features_from_backend(pos0, n, captured, rows);
+    else d_.skip_features(pos0, n);
+  }
+  size_t state_bytes() const override { return d_.state_bytes(); }
+  Drafter& drafter() { return d_; }
+
+ private:
+  Drafter& d_;
+  std::vector<int32_t> block_;  // the block the drafter reads: root, then mask tokens
+};
+
+}  // namespace dfl

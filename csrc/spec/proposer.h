@@ -1,0 +1,76 @@
+// proposer.h — every draft source behind one interface.
+//
+// The Generator verifies what a Proposer drafts; it never knows which kind of
+// drafter it holds.  A proposer answers in one of three shapes, each a
+// capability it declares:
+//   Rank   per depth 1..L below the root, its K best tokens with log-probs
+//          ([L][K], best first): chain mode takes the top-1 path, DDTree and
+//          auto build their best-first tree from it;
+//   Chain  a chain of L tokens (a proposer that cannot rank: a test hook);
+//   Tree   a whole tree under a node budget (a tree hook; a draft model
+//          expanding branches with Expand).
+// Its lifecycle follows the request: reset at begin, the kept prefix of a
+// prefix-cache hit, the prompt after the prefill, and every committed step.
+// A proposer that reads the target's hidden features (DFlash) names the
+// layers; the Generator captures them in the same forward and hands each
+// committed position's rows over (prefill chunks, then accepted paths) — the
+// feature ring is the proposer's, not the loop's.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "spec/ddtree.h"
+
+namespace dfl {
+
+// The block to draft: root at root_pos, L tokens below it; hist[0, root_pos) are the committed tokens.
+struct DraftRequest {
+  int32_t root_pos = 0;
+  int32_t root = 0;
+  const int32_t* hist = nullptr;
+  int L = 0;
+};
+
+class Proposer {
+ public:
+  enum Capability : unsigned { Rank = 1u, Chain = 2u, Tree = 4u, Expand = 8u };
+  virtual ~Proposer() = default;
+  virtual const char* name() const = 0;
+  virtual unsigned capabilities() const = 0;
+  bool can(Capability c) const { return (capabilities() & c) != 0; }
+  // Draft tokens per step, the root included, when the request sets none (0: no default).
+  virtual int default_block() const { return 0; }
+
+  // Rank: ids / logp [r.L][K].
+  virtual void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp);
+  // Chain: r.L tokens; by default the top-1 of each depth.
+  virtual void propose_chain(const DraftRequest& r, int32_t* tokens);
+  // Tree: at most tp.budget nodes in builder order (DraftTree: parent before child, parent 0 = the root).
+  // Log-probs are filled where the proposer knows them (a hook's tree carries 0).  Tree: always this shape;
+  // Expand: this shape when the request asks for expanding branches (tp.expand > 0).
+  virtual DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K);
+
+  // Lifecycle: every attached proposer is reset when a request begins; in a request that drafts (any mode
+  // but AR) it then sees the prompt once the target has it (a proposer with a context of its own catches up)
+  // and, when it reads features, every committed position (a prefix-cache hit's kept positions as skipped).
+  virtual void reset() {}
+  virtual void prompt_done(const int32_t* /*prompt*/, int /*n*/) {}
+
+  // Target features (DFlash): the target layers whose output to capture (null: none), how many of the newest
+  // positions can still reach the drafter, and the captured rows of committed positions: rows[i] of
+  // `captured` (on the target's backend) is position pos0 + i; rows null = consecutive; captured null = the
+  // positions are skipped (never needed).
+  virtual const std::vector<int32_t>* feature_layers() const { return nullptr; }
+  virtual int feature_capacity() const { return 0; }
+  virtual void take_features(int32_t /*pos0*/, int /*n*/, const float* /*captured*/, const int32_t* /*rows*/) {}
+
+  // Bytes of state it keeps per context (KV, rings, snapshots): what a memory plan counts.
+  virtual size_t state_bytes() const { return 0; }
+
+ private:
+  std::vector<int32_t> chain_ids_;  // propose_chain's top-1 ranking
+  std::vector<float> chain_logp_;
+};
+
+}  // namespace dfl
