@@ -1,6 +1,6 @@
 """The CUDA backend's own source, run where there is no GPU.
 
-CMake's DFLASH27B_CUDA_EMU=ON compiles cuda/*.cu as C++ against cuda/emu/shim,
+CMake's DFLASH27B_CUDA_EMU=ON compiles csrc/backend/cuda/*.cu as C++ against csrc/backend/cuda/emu/shim,
 whose launch runs every CTA's threads as fibers (barriers and warp shuffles
 as written).  This builds that library plus tests/cpp/backend_ops.cpp into
 build/emu-tests once, then runs
@@ -95,3 +95,19 @@ def test_backend_under_address_sanitizer(tmp_path):
                PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200, env=env)
     assert run.returncode == 0 and "decode ok" in run.stdout, run.stdout[-2000:] + run.stderr[-6000:]
+
+
+def test_backend_ops_families_and_ctest(emu_build):
+    """One CTest case per op family (`ctest --test-dir BUILD -R backend_ops.matmul`); --only runs a family,
+    an unknown one is refused; --time reports each family's wall time."""
+    exe = str(emu_build / "dfl_backend_ops")
+    fams = subprocess.run([exe, "--list"], capture_output=True, text=True).stdout.split()
+    assert {"matmul", "attention", "gdn", "mma", "row_topk"} <= set(fams)
+    listed = subprocess.run(["ctest", "--test-dir", str(emu_build), "-N"], capture_output=True, text=True).stdout
+    for f in fams:
+        assert f"backend_ops.{f}" in listed, listed
+    one = subprocess.run([exe, "--only", "row_topk", "--time", "7"], capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0 and "row_topk" in one.stdout and "time row_topk" in one.stdout
+    assert " matmul " not in one.stdout
+    bad = subprocess.run([exe, "--only", "bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown op family 'bogus'" in bad.stderr

@@ -1,10 +1,10 @@
-"""CUDA matmul kernels (cuda/matmul.cu) against numpy on gguf-dequantized
+"""CUDA matmul kernels (csrc/backend/cuda/matmul.cu) against numpy on gguf-dequantized
 weights and against the CPU backend's dfl_matmul.
 
 Tests marked `cuda` need a GPU (conftest skips them without one; on the lent
 GPU machine bench/gpu_bench.sh runs them).  The others run everywhere: the
 no-GPU behaviour of the entry points, and the kernels' source executed on the
-CPU by the emulator in cuda/emu (built with g++ when the build has CUDA).
+CPU by the emulator in csrc/backend/cuda/emu (built with g++ when the build has CUDA).
 
 dfl_cuda_matmul is the float kernels (activations kept in f32); dfl_cuda_matmul_exact
 the batch-invariant kernels the forward uses (test_cuda_matmul_exact_equals_cpu).
@@ -156,12 +156,12 @@ def cuda_matmul_exact(tid: int, raw: np.ndarray, rows: int, cols: int, x: np.nda
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "F16", "BF16"])
 def test_cuda_matmul_exact_equals_cpu(name):
-    """The exact matmul (cuda/matmul_exact.cuh) gives a token the same bits for every n (a decode, each
+    """The exact matmul (csrc/backend/cuda/matmul_exact.cuh) gives a token the same bits for every n (a decode, each
     kernel width, a verify of 9..64 tokens, more than one weight pass).  Quantised weights are the CPU's
     arithmetic: == dfl_matmul.  K-quants: the dp4a matvec for n <= 8, the tensor-core kernel above;
     Q8_0 / Q4_0: whole-block integer sums in 8 float chains by block index, the dp4a matvec for n <= 8,
     the tensor-core kernel above (the CPU's arithmetic on its AVX2 and scalar builds alike).  F16 /
-    BF16: the tf32 tensor cores with x split into two tf32 parts (cuda/matmul_half.cu), within f32
+    BF16: the tf32 tensor cores with x split into two tf32 parts (csrc/backend/cuda/matmul_half.cu), within f32
     rounding of the CPU's f32 dot products (about 3e-7 of the largest output on the emulator)."""
     tid, raw, wf, x = make_case(name, 70, seed=11)
     cols = wf.shape[1]
@@ -304,15 +304,15 @@ def test_build_info_names_cuda_archs_when_built():
 
 @pytest.mark.slow
 def test_kernels_on_cpu_emulator(tmp_path):
-    """The kernel source itself (cuda/matmul_kernels.cuh, cuda/formats.cuh) run on the CPU
-    by cuda/emu/emu_matmul.cpp: decoders bit-exact vs the reference dequantizers, matvec
+    """The kernel source itself (csrc/backend/cuda/matmul_kernels.cuh, csrc/backend/cuda/formats.cuh) run on the CPU
+    by csrc/backend/cuda/emu/emu_matmul.cpp: decoders bit-exact vs the reference dequantizers, matvec
     and tiled kernels within 1e-5 of an f64 reference, batch invariance for n <= 8."""
     cxx = shutil.which("g++")
     if not cxx:
         pytest.skip("no g++")
     exe = tmp_path / "emu_matmul"
-    cmd = [cxx, "-std=c++20", "-O2", "-DDFL_EMU", "-Wno-unknown-pragmas", f"-I{ROOT / 'cuda/emu/shim'}",
-           f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'include'}", str(ROOT / "cuda/emu/emu_matmul.cpp"),
+    cmd = [cxx, "-std=c++20", "-O2", "-DDFL_EMU", "-Wno-unknown-pragmas", f"-I{ROOT / 'csrc/backend/cuda/emu/shim'}",
+           f"-I{ROOT / 'csrc/backend/cuda'}", f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'include'}", str(ROOT / "csrc/backend/cuda/emu/emu_matmul.cpp"),
            str(ROOT / "csrc/quant/quant.cpp"), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]

@@ -19,7 +19,7 @@ def checks(tmp_path_factory):
     if not cxx:
         pytest.skip("no C++ compiler")
     exe = tmp_path_factory.mktemp("emu") / "emu_launch_checks"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-DDFL_EMU=1", "-I", str(ROOT / "cuda" / "emu" / "shim"),
+    r = subprocess.run([cxx, "-std=c++17", "-O1", "-DDFL_EMU=1", "-I", str(ROOT / "csrc" / "backend" / "cuda" / "emu" / "shim"),
                         str(ROOT / "tests" / "cpp" / "emu_launch_checks.cpp"), "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

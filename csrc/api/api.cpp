@@ -3,7 +3,7 @@
 // Every entry point runs its body inside `guard`, which turns dfl::Error (and
 // any other exception, e.g. bad_alloc) into DFL_ERROR plus a message for
 // dfl_last_error(); no C++ exception ever crosses the ABI.
-#include "dflash27b.h"
+#include "dflash27b_dev.h"  // the public ABI and the tool entry points
 
 #include <algorithm>
 #include <chrono>
@@ -15,8 +15,8 @@
 
 #include "api/handles.h"
 #include "api/last_error.h"
-#include "model/context.h"
-#include "ops/cpu_ops.h"
+#include "runtime/context.h"
+#include "backend/cpu/cpu_ops.h"
 #include "quant/quant.h"
 #include "quant/simd.h"
 #include "spec/ddtree.h"

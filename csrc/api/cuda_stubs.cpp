@@ -1,10 +1,10 @@
 // cuda_stubs.cpp — the CUDA entry points of a build without the CUDA backend.
 //
-// CMake compiles this file only when no cuda/*.cu is built, so each entry
+// CMake compiles this file only when no csrc/backend/cuda/*.cu is built, so each entry
 // point of include/dflash27b.h's CUDA section has exactly one definition.
 #include "api/last_error.h"
-#include "dflash27b.h"
-#include "model/backend.h"
+#include "dflash27b_dev.h"  // the public ABI and the tool entry points
+#include "backend/backend.h"
 #include "util/error.h"
 
 #pragma GCC visibility push(default)

@@ -6,7 +6,7 @@
 
 #include "api/handles.h"
 #include "api/last_error.h"
-#include "dflash27b.h"
+#include "dflash27b_dev.h"  // the public ABI and the tool entry points
 #include "model/dflash_draft.h"
 
 namespace {

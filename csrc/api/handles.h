@@ -4,9 +4,9 @@
 #include <memory>
 #include <string>
 
-#include "model/context.h"
+#include "runtime/context.h"
 #include "model/dflash_draft.h"
-#include "model/drafter.h"
+#include "runtime/drafter.h"
 #include "model/qwen35.h"
 #include "spec/dflash_proposer.h"
 #include "spec/draft_model.h"

@@ -7,7 +7,7 @@
 #include <exception>
 #include <new>
 
-#include "dflash27b.h"
+#include "dflash27b_dev.h"  // the public ABI and the tool entry points
 
 namespace dfl {
 

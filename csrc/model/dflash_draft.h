@@ -71,6 +71,18 @@ struct DraftModel {
   std::vector<float> hidden_norm, norm; // [H]
   std::vector<DraftLayerWeights> layers;
   uint64_t weight_bytes = 0;            // bytes of all tensors in the file
+
+  // Its own tensors in a fixed order (the target's embedding and lm_head it reads are the target's):
+  // mat(const Weight&) per matrix, vec(const std::vector<float>&) per non-empty f32 vector.
+  template <class Mat, class Vec>
+  void for_each_tensor(Mat&& mat, Vec&& vec) const {
+    auto v = [&](const std::vector<float>& x) { if (!x.empty()) vec(x); };
+    mat(fc), v(hidden_norm), v(norm);
+    for (const DraftLayerWeights& L : layers) {
+      for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down}) mat(*w);
+      for (const std::vector<float>* x : {&L.input_norm, &L.post_norm, &L.q_norm, &L.k_norm}) v(*x);
+    }
+  }
 };
 
 // z-lab's build_target_layer_ids(N target layers, n draft layers).

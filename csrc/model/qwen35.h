@@ -13,6 +13,7 @@
 #include "gguf/gguf.h"
 #include "model/rope.h"
 #include "quant/blocks.h"
+#include "quant/weight.h"
 
 namespace dfl {
 
@@ -48,16 +49,6 @@ struct Qwen35Config {
   int kv_dim() const { return n_head_kv * head_dim; }
 };
 
-// A 2-D weight matrix: `rows` outputs of `cols` inputs, each row `row_bytes`.
-struct Weight {
-  DType type = DType::F32;
-  const uint8_t* data = nullptr;
-  int64_t cols = 0;
-  int64_t rows = 0;
-  size_t row_bytes = 0;
-  const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
-};
-
 struct LayerWeights {
   std::vector<float> attn_norm, post_norm;
   Weight ffn_gate, ffn_up, ffn_down;
@@ -77,6 +68,23 @@ struct Model {
   std::vector<float> output_norm;
   std::vector<LayerWeights> layers;
   uint64_t weight_bytes = 0;  // bytes of all weight tensors (what one AR step reads)
+
+  // The one list of the tensors the forward reads, in a fixed order: mat(const Weight&) for each matrix
+  // present, vec(const std::vector<float>&) for each f32 vector present.  Uploads and plans walk it.
+  template <class Mat, class Vec>
+  void for_each_tensor(Mat&& mat, Vec&& vec) const {
+    auto m = [&](const Weight& w) { if (w.data) mat(w); };
+    auto v = [&](const std::vector<float>& x) { if (!x.empty()) vec(x); };
+    m(tok_embd), m(output), v(output_norm);
+    for (const LayerWeights& l : layers) {
+      for (const Weight* w : {&l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.wq, &l.wk, &l.wv, &l.wo, &l.wqkv, &l.wgate,
+                              &l.wbeta, &l.walpha, &l.ssm_out})
+        m(*w);
+      for (const std::vector<float>* x : {&l.attn_norm, &l.post_norm, &l.q_norm, &l.k_norm, &l.conv1d, &l.dt_bias,
+                                          &l.ssm_a, &l.ssm_norm})
+        v(*x);
+    }
+  }
 };
 
 // Loads and validates; throws dfl::Error naming the file and the problem.

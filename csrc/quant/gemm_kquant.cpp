@@ -28,9 +28,9 @@
 #include <cmath>
 #include <vector>
 
-#include "model/qwen35.h"
 #include "quant/quant.h"
 #include "quant/simd.h"
+#include "quant/weight.h"
 #include "util/error.h"
 
 

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/topk.h"
+
 namespace dfl {
 
 struct TreeParams {
@@ -42,8 +44,5 @@ int ddtree_k(const TreeParams& p, int n_vocab);
 // The same tree from each depth's top-K already ranked (ids, log-probs [L][K]
 // as topk_logprobs gives them), e.g. computed on the GPU next to the logits.
 DraftTree build_ddtree_topk(const int32_t* ids, const float* logp, int L, int K, const TreeParams& p);
-
-// Top-k of log-softmax(row): tokens by descending log-prob, lower id first on ties.
-void topk_logprobs(const float* row, int n_vocab, int k, int32_t* tokens, float* logp);
 
 }  // namespace dfl

@@ -1,4 +1,4 @@
-// dflash_proposer.h — a DFlash drafter (model/drafter.h) as a Proposer.
+// dflash_proposer.h — a DFlash drafter (runtime/drafter.h) as a Proposer.
 //
 // One drafter forward over [root, mask x L] ranks every depth at once; the
 // target features it conditions on arrive through take_features, into the
@@ -6,7 +6,7 @@
 #pragma once
 #include <vector>
 
-#include "model/drafter.h"
+#include "runtime/drafter.h"
 #include "spec/proposer.h"
 
 namespace dfl {

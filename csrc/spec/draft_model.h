@@ -21,7 +21,7 @@
 #include <memory>
 #include <vector>
 
-#include "model/context.h"
+#include "runtime/context.h"
 #include "spec/ddtree.h"
 #include "spec/proposer.h"
 

@@ -20,7 +20,7 @@
 #include <functional>
 #include <vector>
 
-#include "model/context.h"
+#include "runtime/context.h"
 #include "spec/adaptive.h"
 #include "spec/ddtree.h"
 #include "spec/proposer.h"

@@ -22,11 +22,11 @@ class DFlashError(RuntimeError):
     """An error reported by the core (bad file, bad argument, context full, ...)."""
 
 
-def _header_path() -> Path:
-    for cand in (_HERE / "include" / "dflash27b.h", _HERE.parent.parent / "include" / "dflash27b.h"):
+def _header_path(name: str = "dflash27b.h") -> Path:
+    for cand in (_HERE / "include" / name, _HERE.parent.parent / "include" / name):
         if cand.is_file():
             return cand
-    raise DFlashError("dflash27b.h not found next to the package; reinstall dflash27b")
+    raise DFlashError(f"{name} not found next to the package; reinstall dflash27b")
 
 
 def _library_path() -> Path:
@@ -51,7 +51,9 @@ def load():
     global _ffi, _lib
     if _lib is None:
         ffi = cffi.FFI()
+        # the public ABI, then the tool entry points the tests and benchmarks call
         ffi.cdef(_cdef_from_header(_header_path().read_text()))
+        ffi.cdef(_cdef_from_header(_header_path("dflash27b_dev.h").read_text()))
         ffi.cdef("#define DFL_OK 0\n#define DFL_ERROR -1")
         _lib = ffi.dlopen(str(_library_path()))
         _ffi = ffi

@@ -8,10 +8,12 @@
 // model shapes (the tiny test model's heads, and Qwen3.5-27B's head sizes).
 //
 // Built by CMake with -DDFLASH27B_BUILD_TESTS=ON, against the GPU (nvcc) or
-// the CPU emulator (-DDFLASH27B_CUDA_EMU=ON); tests/test_cuda_backend_ops.py
+// the CPU emulator (-DDFLASH27B_CUDA_EMU=ON); tests/test_cuda_emulated.py
 // builds and runs it.  Prints one line per case, then "ALL OK" (exit 0) or
 // "FAIL" (exit 1).  Usage: dfl_backend_ops [max_batch]
 #include <algorithm>
+#include <cctype>
+#include <chrono>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -21,18 +23,18 @@
 #include <string>
 #include <vector>
 
-#include "dflash27b.h"
-#include "model/backend.h"
-#include "model/context.h"
+#include "dflash27b_dev.h"  // the public ABI and the tool entry points
+#include "backend/backend.h"
+#include "runtime/context.h"
 #include "quant/quant.h"
 #include "random_blocks.h"
 
 namespace dfl {
 void set_last_error(const char*) {}  // api.cpp's, for the CUDA objects' C entry points
 namespace cuda {
-int mma_selftest(int M, int N, int K, uint32_t seed);       // cuda/mma.cuh: the int8 tensor-core instruction
+int mma_selftest(int M, int N, int K, uint32_t seed);       // csrc/backend/cuda/mma.cuh: the int8 tensor-core instruction
 int mma_tf32_selftest(int M, int N, int K, uint32_t seed);  // and the tf32 one
-void set_attention_rows(int toks, int heads);  // cuda/backend.cu: pin the attention CTA grouping (0 = auto)
+void set_attention_rows(int toks, int heads);  // csrc/backend/cuda/backend.cu: pin the attention CTA grouping (0 = auto)
 }
 }
 
@@ -40,7 +42,7 @@ using namespace dfl;
 
 namespace {
 
-// The formats the CUDA backend's matmul takes through the batch-invariant kernels (cuda/matmul_exact.cuh):
+// The formats the CUDA backend's matmul takes through the batch-invariant kernels (csrc/backend/cuda/matmul_exact.cuh):
 // every n gives a token the same bits.  The quantised ones are also the CPU's bits (cuda_cpu_bits).
 bool cuda_exact_matmul(DType t) {
   return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q8_0 || t == DType::Q4_0 ||
@@ -52,6 +54,29 @@ bool cuda_cpu_bits(DType t) {
 
 std::mt19937 rng(1234);
 int failures = 0;
+
+// Op families (--only a,b runs those; --list names them); --time prints each family's wall time, both backends
+// and the checks included (on a GPU the CPU side dominates: a smoke timing, not a benchmark).
+const char* const kFamilies[] = {"mma", "graph", "embed", "rmsnorm", "matmul", "row_topk", "elementwise",
+                                 "attention", "kv_commit", "gdn"};
+std::vector<std::string> only;  // empty: every family
+std::vector<std::pair<std::string, double>> family_ms;
+struct Family {  // `if (Family f("matmul"); f.on) ...`: runs the statement when selected, timing it
+  std::string name;
+  bool on;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  explicit Family(const char* n) : name(n), on(only.empty() || std::find(only.begin(), only.end(), name) != only.end()) {}
+  ~Family() {
+    if (!on) return;
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (auto& e : family_ms)
+      if (e.first == name) {
+        e.second += ms;
+        return;
+      }
+    family_ms.push_back({name, ms});
+  }
+};
 
 std::vector<float> randn(size_t n, float scale = 1.f) {
   std::normal_distribution<float> N(0.f, 1.f);
@@ -212,7 +237,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
 
   // graph mode (on unless DFLASH27B_CUDA_GRAPHS=0): a recorded segment is replayed only while its bytes
   // repeat — it reads the device's data as it is now, and a changed argument is issued anew
-  if (!std::strcmp(shape, "tiny")) {
+  if (Family f("graph"); f.on && !std::strcmp(shape, "tiny")) {
     const char* env = std::getenv("DFLASH27B_CUDA_GRAPHS");
     const bool on = !env || std::strcmp(env, "0");
     dfl_cuda_graphs g{};
@@ -243,7 +268,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     cud->begin_chunk(P);
 
     // embed, every format
-    for (int i = 0; i < 8; ++i) {
+    if (Family f("embed"); f.on) for (int i = 0; i < 8; ++i) {
       Buf a(*cpu, (size_t)n * H * 4), b(*cud, (size_t)n * H * 4);
       b.poison();
       cpu->embed(M.layers[i].ffn_up, a.f());
@@ -251,7 +276,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       check(label("embed", tname(kFormats[i]), n), b.get((size_t)n * H), a.get((size_t)n * H), 0.0);
     }
     // rmsnorm with and without weights, and in place
-    {
+    if (Family f("rmsnorm"); f.on) {
       auto x = randn((size_t)n * H, 2.f);
       for (int with_w = 0; with_w < 2; ++with_w) {
         Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4), ya(*cpu, x.size() * 4), yb(*cud, x.size() * 4);
@@ -271,7 +296,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     // matmul, every format (the CPU quantises activations to int8 for quantised weights; K-quants, Q8_0
     // and Q4_0 on CUDA take the exact kernels, which do the same: bit for bit the CPU's result on every
     // CPU build; F16 / BF16 the tf32 tensor cores, within f32 rounding)
-    for (int i = 0; i < 8; ++i) {
+    if (Family f("matmul"); f.on) for (int i = 0; i < 8; ++i) {
       const Weight& W = M.layers[i].ffn_gate;
       auto x = randn((size_t)n * H);
       Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4), ya(*cpu, (size_t)n * W.rows * 4),
@@ -283,7 +308,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       check(label("matmul", tname(W.type), n), yb.get((size_t)n * W.rows), ya.get((size_t)n * W.rows), tol);
     }
     // a verify batch's matmul gives each token exactly its n = 1 (AR step) result
-    for (int i = 0; i < 8; ++i) {
+    if (Family f("matmul"); f.on) for (int i = 0; i < 8; ++i) {
       const Weight& W = M.layers[i].ffn_gate;
       auto x = randn((size_t)n * H);
       Buf xb(*cud, x.size() * 4), yb(*cud, (size_t)n * W.rows * 4), y1(*cud, (size_t)W.rows * 4);
@@ -313,7 +338,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     }
     // consecutive matmuls of one input quantise it once (CudaBackend::act_q_of_); an op that changes the
     // input (here an add) makes the next matmul quantise it again
-    for (int i = 0; i < 8; ++i) {
+    if (Family f("matmul"); f.on) for (int i = 0; i < 8; ++i) {
       const Weight& W = M.layers[i].ffn_gate;
       if (!cuda_exact_matmul(W.type)) continue;
       auto x = randn((size_t)n * H), z = randn((size_t)n * H);
@@ -346,7 +371,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
             W.type == DType::BF16 || W.type == DType::F16 ? tol : 2e-2);
     }
     // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse)
-    for (int k : {1, 22}) {
+    if (Family f("row_topk"); f.on) for (int k : {1, 22}) {
       const int cols = 3001;
       auto x = randn((size_t)n * cols, 3.f);
       for (int t = 0; t < n; ++t) x[(size_t)t * cols + 17] = x[(size_t)t * cols + 1500] = 50.f;  // a tie at the top
@@ -365,7 +390,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       check(label("row_topk", "k=" + std::to_string(k) + " logp", n), lb.get((size_t)n * k), la.get((size_t)n * k), 1e-6);
     }
     // scale
-    {
+    if (Family f("elementwise"); f.on) {
       auto x = randn((size_t)n * H);
       Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4);
       xa.put(x), xb.put(x);
@@ -374,7 +399,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       check(label("scale", "", n), xb.get(x.size()), xa.get(x.size()), 0.0);
     }
     // add, swiglu
-    {
+    if (Family f("elementwise"); f.on) {
       const size_t cnt = (size_t)n * c.n_ff;
       auto x = randn(cnt), y = randn(cnt);
       Buf xa(*cpu, cnt * 4), xb(*cud, cnt * 4), ya(*cpu, cnt * 4), yb(*cud, cnt * 4);
@@ -395,7 +420,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
   for (DType kvt : kKvTypes) cases.push_back({kvt, true, false});
   cases.push_back({DType::F32, false, false});
   cases.push_back({DType::F32, false, true});
-  for (const Case& cs : cases) {
+  if (Family f("attention"); f.on) for (const Case& cs : cases) {
     const DType kvt = cs.kvt;
     Backend* cpu_k = cpu.get();
     Backend* cud_k = cud.get();
@@ -491,7 +516,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
 
   // commit of a path's K/V rows (begin_commit + kv_commit): the same bytes on both sides, and the rows
   // where a sequential move puts them; the cache around them untouched
-  for (DType kvt : kKvTypes)
+  if (Family f("kv_commit"); f.on) for (DType kvt : kKvTypes)
     for (int n : sizes) {
       const int base = 5;
       const size_t kv_row = row_bytes(kvt, c.kv_dim()), bytes = (size_t)(base + n + 2) * kv_row;
@@ -520,7 +545,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     }
 
   // gated delta-net, chain (commit) and tree (verify, per-node states), for each recurrent state type
-  for (DType st : {DType::F32, DType::BF16, DType::F16})
+  if (Family f("gdn"); f.on) for (DType st : {DType::F32, DType::BF16, DType::F16})
   for (int n : sizes) {
     if (st != DType::F32 && n > 64) continue;
     for (int commit = 1; commit >= 0; --commit) {
@@ -641,13 +666,41 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int max_batch = argc > 1 ? std::atoi(argv[1]) : 512;
+  int max_batch = 512;
+  bool timing = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--time") {
+      timing = true;
+    } else if (a == "--list") {
+      for (const char* f : kFamilies) std::printf("%s\n", f);
+      return 0;
+    } else if (a == "--only" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t p = 0, q; p <= list.size(); p = q + 1) {
+        q = list.find(',', p);
+        if (q == std::string::npos) q = list.size();
+        const std::string fam = list.substr(p, q - p);
+        if (std::find_if(std::begin(kFamilies), std::end(kFamilies), [&](const char* k) { return fam == k; }) ==
+            std::end(kFamilies)) {
+          std::fprintf(stderr, "unknown op family '%s' (--list names them)\n", fam.c_str());
+          return 2;
+        }
+        only.push_back(fam);
+      }
+    } else if (!a.empty() && std::isdigit((unsigned char)a[0])) {
+      max_batch = std::atoi(a.c_str());
+    } else {
+      std::fprintf(stderr, "usage: dfl_backend_ops [--only FAMILY,...] [--list] [--time] [max_batch]\n");
+      return 2;
+    }
+  }
   std::vector<int> sizes;
   for (int n : {1, 2, 7, 16, 23, 64, 512})
     if (n <= max_batch) sizes.push_back(n);
   try {
     // the MMA instructions the exact kernels build on, and their fragment maps, against the definition
-    for (auto [M, N, K] : {std::array<int, 3>{16, 8, 32}, {48, 40, 128}, {64, 64, 512}}) {
+    if (Family f("mma"); f.on) for (auto [M, N, K] : {std::array<int, 3>{16, 8, 32}, {48, 40, 128}, {64, 64, 512}}) {
       for (int tf32 = 0; tf32 < 2; ++tf32) {
         const uint32_t seed = (uint32_t)(M * N + K);
         const int bad = tf32 ? cuda::mma_tf32_selftest(M, N, K, seed) : cuda::mma_selftest(M, N, K, seed);
@@ -671,6 +724,8 @@ int main(int argc, char** argv) {
     std::printf("error: %s\nFAIL\n", e.what());
     return 1;
   }
+  if (timing)
+    for (auto& [name, ms] : family_ms) std::printf("time %-12s %10.1f ms\n", name.c_str(), ms);
   std::printf(failures ? "FAIL (%d cases)\n" : "ALL OK\n", failures);
   return failures ? 1 : 0;
 }

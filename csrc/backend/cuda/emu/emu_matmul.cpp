@@ -6,7 +6,7 @@
 // reference, with batch invariance for n <= 8.
 //
 // tests/test_cuda_ops.py builds and runs it: g++ -std=c++20 -DDFL_EMU
-// -I cuda/emu/shim -I cuda -I csrc -I include, plus csrc/quant/quant.cpp.
+// -I csrc/backend/cuda/emu/shim -I cuda -I csrc -I include, plus csrc/quant/quant.cpp.
 // Prints one line per case and "ALL OK" (exit 0) or "FAIL" (exit 1).
 #include <algorithm>
 #include <cmath>

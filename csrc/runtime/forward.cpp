@@ -14,8 +14,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "model/backend.h"
-#include "model/context.h"
+#include "backend/backend.h"
+#include "runtime/context.h"
 #include "quant/quant.h"
 
 namespace dfl {
@@ -67,15 +67,13 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
   const Qwen35Config& c = m.cfg;
   check_state_type(p.state_type);
   MemoryPlan mp;
+  // the matrices' bytes as stored, then the f32 vectors the loader made
   mp.weights = m.weight_bytes;
-  for (auto* v : {&m.output_norm}) mp.weights += v->size() * 4;
+  m.for_each_tensor([](const Weight&) {}, [&](const std::vector<float>& v) { mp.weights += v.size() * 4; });
   const size_t kv_row = row_bytes(p.kv_type, c.kv_dim());
   const size_t conv = (size_t)(c.conv_kernel - 1) * c.conv_channels() * 4,
                rec = (size_t)c.ssm_nv * c.ssm_dk * c.ssm_dv * row_bytes(p.state_type, 1);  // bytes
   for (int l = 0; l < c.n_layer; ++l) {
-    const LayerWeights& w = m.layers[l];
-    for (auto* v : {&w.attn_norm, &w.post_norm, &w.q_norm, &w.k_norm, &w.conv1d, &w.dt_bias, &w.ssm_a, &w.ssm_norm})
-      mp.weights += v->size() * 4;
     if (c.is_recurrent[l]) {
       mp.recurrent += conv + rec;
       mp.tree_state += (uint64_t)max_nodes * GdnNodeLayout(c).stride * 4;

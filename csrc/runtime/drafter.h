@@ -17,7 +17,7 @@
 #include <memory>
 #include <vector>
 
-#include "model/backend.h"
+#include "backend/backend.h"
 #include "model/dflash_draft.h"
 #include "model/qwen35.h"
 #include "util/threadpool.h"

@@ -14,13 +14,13 @@
 #include <vector>
 
 #include "api/last_error.h"
-#include "common.cuh"
-#include "launch.cuh"
-#include "dflash27b.h"
-#include "matmul.cuh"
-#include "matmul_exact.cuh"
-#include "graph.cuh"
-#include "profile.cuh"
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/launch.cuh"
+#include "dflash27b_dev.h"  // the public ABI and the tool entry points
+#include "backend/cuda/matmul.cuh"
+#include "backend/cuda/matmul_exact.cuh"
+#include "backend/cuda/graph.cuh"
+#include "backend/cuda/profile.cuh"
 #include "quant/quant.h"
 
 namespace dfl {

@@ -23,7 +23,7 @@
 #include "matmul.cuh"
 #include "matmul_exact.cuh"
 #include "profile.cuh"
-#include "model/backend.h"
+#include "backend/backend.h"
 #include "quant/quant.h"
 
 namespace dfl {
@@ -83,23 +83,8 @@ void upload_tensors(const std::vector<std::pair<const void*, size_t>>& parts, De
 // Every tensor the forward reads: matrices, then f32 vectors.
 void upload_model(const Model& m, DeviceWeights& W) {
   std::vector<std::pair<const void*, size_t>> parts;
-  auto mat = [&](const Weight& w) {
-    if (w.data) parts.push_back({w.data, (size_t)w.rows * w.row_bytes});
-  };
-  auto vec = [&](const std::vector<float>& v) {
-    if (!v.empty()) parts.push_back({v.data(), v.size() * 4});
-  };
-  mat(m.tok_embd);
-  mat(m.output);
-  vec(m.output_norm);
-  for (const LayerWeights& l : m.layers) {
-    for (const Weight* w : {&l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.wq, &l.wk, &l.wv, &l.wo, &l.wqkv, &l.wgate,
-                            &l.wbeta, &l.walpha, &l.ssm_out})
-      mat(*w);
-    for (const std::vector<float>* v : {&l.attn_norm, &l.post_norm, &l.q_norm, &l.k_norm, &l.conv1d, &l.dt_bias,
-                                        &l.ssm_a, &l.ssm_norm})
-      vec(*v);
-  }
+  m.for_each_tensor([&](const Weight& w) { parts.push_back({w.data, (size_t)w.rows * w.row_bytes}); },
+                    [&](const std::vector<float>& v) { parts.push_back({v.data(), v.size() * 4}); });
   upload_tensors(parts, W);
 }
 

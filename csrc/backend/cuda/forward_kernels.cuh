@@ -1,4 +1,4 @@
-// forward_kernels.cuh — the CUDA twins of csrc/ops/cpu_backend.cpp's ops
+// forward_kernels.cuh — the CUDA twins of csrc/backend/cpu/cpu_backend.cpp's ops
 // (every op but matmul, which is matmul_kernels.cuh).
 //
 // Each kernel computes a token's values from that token's inputs alone, in a
@@ -6,7 +6,7 @@
 // not depend on the batch.  They agree with the CPU within f32 rounding: the
 // CPU sums some norms in double and quantises activations for K-quant matmuls;
 // tests state the tolerances.  Written against the small set of intrinsics the
-// CPU emulator (cuda/emu) provides, so CI runs this source too.
+// CPU emulator (csrc/backend/cuda/emu) provides, so CI runs this source too.
 #pragma once
 #include "common.cuh"
 #include "formats.cuh"

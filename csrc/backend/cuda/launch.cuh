@@ -4,7 +4,7 @@
 // bytes (graph.cuh).  While the calling thread records the stream (a backend
 // op in graph mode) the launch joins the recorded segment; otherwise it is
 // issued now: cudaLaunchKernel on the GPU, and under the CPU emulator
-// (DFL_EMU, cuda/emu) the kernel's CTAs run as fibers, so the whole backend's
+// (DFL_EMU, csrc/backend/cuda/emu) the kernel's CTAs run as fibers, so the whole backend's
 // source can be executed where there is no GPU.
 #pragma once
 #include <type_traits>

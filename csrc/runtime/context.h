@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "model/backend.h"
+#include "backend/backend.h"
 #include "model/qwen35.h"
 #include "util/threadpool.h"
 

@@ -9,10 +9,10 @@
 #include <cstring>
 #include <unordered_map>
 
-#include "model/backend.h"
-#include "ops/cpu_ops.h"
+#include "backend/backend.h"
+#include "backend/cpu/cpu_ops.h"
 #include "quant/quant.h"
-#include "spec/ddtree.h"
+#include "backend/topk.h"
 
 namespace dfl {
 namespace {

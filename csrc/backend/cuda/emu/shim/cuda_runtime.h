@@ -353,7 +353,7 @@ inline T __shfl_xor_sync(unsigned, T v, int o) {
 }
 
 namespace emu {
-// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (fragment maps in cuda/mma.cuh): every lane posts its A
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (fragment maps in csrc/backend/cuda/mma.cuh): every lane posts its A
 // and B registers (the buffer alternates as the shuffles' slots do, with the same counter), then computes
 // its own four D elements from the warp's assembled A and B, in exact integer arithmetic (int32 wrapping,
 // as the instruction without .satfinite).
@@ -387,7 +387,7 @@ inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint3
   }
 }
 
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (fragment maps in cuda/mma.cuh): the same exchange;
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (fragment maps in csrc/backend/cuda/mma.cuh): the same exchange;
 // each D element is c + the 8 products (exact: tf32 x tf32 fits f32) summed in 80-bit extended precision
 // and truncated toward zero to f32, the operands read as tf32 (low 13 bits ignored, as the instruction
 // does).  The ISA leaves the sum's order and rounding open; published measurements of the tensor cores

@@ -1,5 +1,5 @@
 // cpu_ops.cpp — CPU implementations of the row ops used by the forward.
-#include "ops/cpu_ops.h"
+#include "backend/cpu/cpu_ops.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,12 +1,12 @@
 // drafter.cpp — DFlash block forward over a feature ring and draft KV ring.
-#include "model/drafter.h"
+#include "runtime/drafter.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "quant/quant.h"
-#include "spec/ddtree.h"
+#include "backend/topk.h"
 #include "util/error.h"
 
 namespace dfl {
@@ -35,17 +35,8 @@ Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterPara
   // The drafter's tensors join the backend's weights (the target's embedding and
   // lm_head are the target model's, already there).
   std::vector<std::pair<const void*, size_t>> t;
-  auto mat = [&](const Weight& w) { t.push_back({w.data, (size_t)w.rows * w.row_bytes}); };
-  auto vec = [&](const std::vector<float>& v) {
-    if (!v.empty()) t.push_back({v.data(), v.size() * 4});
-  };
-  mat(d_.fc);
-  vec(d_.hidden_norm);
-  vec(d_.norm);
-  for (const DraftLayerWeights& L : d_.layers) {
-    for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down}) mat(*w);
-    for (const std::vector<float>* v : {&L.input_norm, &L.post_norm, &L.q_norm, &L.k_norm}) vec(*v);
-  }
+  d_.for_each_tensor([&](const Weight& w) { t.push_back({w.data, (size_t)w.rows * w.row_bytes}); },
+                     [&](const std::vector<float>& v) { t.push_back({v.data(), v.size() * 4}); });
   be_->add_weights(&d_, t);
   // z-lab: q/k RMSNorm per head, RoPE (maybe scaled) over the whole head.
   attn_ = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.rope, c.rms_eps, false, DType::F32};

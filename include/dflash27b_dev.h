@@ -1,0 +1,150 @@
+/* dflash27b_dev.h — libdflash27b's entry points for tests, tools and benchmarks: single ops and kernels
+ * with their references, the draft hooks, a standalone drafter, CUDA timing and profiling switches.  Not a
+ * stable interface: they change with the engine.  Include after dflash27b.h. */
+#ifndef DFLASH27B_DEV_H
+#define DFLASH27B_DEV_H
+#include "dflash27b.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The auto-mode chooser alone (tests): the budget in [min_budget, n] that
+ * maximises expected tokens/s for a drafted tree whose nodes, in the DDTree
+ * builder's order, have these depths and path log-probabilities, given costs
+ * in seconds (verify time by node count, root included) and a calibration
+ * per depth (index = depth; missing = 1).  with_draft prices the draft in. */
+typedef struct {
+  double ar_s, draft_s, tree_s, commit_s;
+  int32_t n_verify;
+  int32_t verify_nodes[64];
+  double verify_s[64];
+  int32_t n_calib;
+  double depth_calib[64];
+} dfl_auto_estimates;
+typedef struct {
+  int32_t budget;          /* 0 = AR */
+  double expected_tokens;
+  double tok_s, ar_tok_s;
+} dfl_auto_choice;
+int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
+                    int32_t min_budget, int32_t with_draft, dfl_auto_choice* out);
+
+/* ---- op entry points for tests and tools ---- */
+/* The sampler alone: the token for absolute position pos drawn from logits. */
+int32_t dfl_sample(const float* logits, int32_t n_vocab, float temperature, int32_t top_k, float top_p, float min_p,
+                   uint64_t seed, int64_t pos);
+/* DDTree construction from draft logits [L][n_vocab] (depths 1..L): writes up
+ * to cap nodes in topological order (node i+1 = tokens[i] at depth[i], parent
+ * parents[i], 0 = the root) and returns how many, -1 on error. */
+int32_t dfl_build_ddtree(const float* logits, int32_t L, int32_t n_vocab, int32_t budget, int32_t topk,
+                         int32_t chain_seed, int32_t cap, int32_t* tokens, int32_t* depth, int32_t* parents);
+/* Runs `iters` parallel loops of varied shapes on one pool of n_threads and
+ * checks every index is visited exactly once per loop; -1 with a message if not. */
+int dfl_selftest_threadpool(int32_t n_threads, int64_t iters);
+/* Streams `bytes` of memory with n_threads threads; returns GB/s read (best of 3). */
+double dfl_measure_read_bandwidth(int64_t bytes, int32_t n_threads);
+int dfl_dequantize(uint32_t type, const void* src, int64_t n, float* dst);
+int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst); /* F32/F16/BF16/Q8_0/Q4_0 */
+/* y[t][r] = W[r] . x[t] for a rows x cols weight of `type` (row-major blocks) */
+int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
+               int32_t n_threads);
+/* K-quants, Q8_0 and Q4_0: the arithmetic dfl_matmul's kernels (and the CUDA
+ * backend's) must reproduce bit for bit, computed one output at a time (tests) */
+int dfl_matmul_reference(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
+                         float* y);
+
+/* ==================== CUDA op entry points (tests and tools) ====================
+ * Present in every build.  When the library was built without the CUDA
+ * backend (dfl_build_info() says "cuda: not built"), dfl_cuda_device_count()
+ * returns 0 and the others fail with "CUDA backend not built".  Without a
+ * driver or GPU they fail with "no usable CUDA device: ...". */
+/* dfl_matmul on the GPU (device 0), host pointers: uploads w and x, runs,
+ * downloads y.  Activations stay f32 (no int8 quantisation, unlike the CPU). */
+int dfl_cuda_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y);
+/* The batch-invariant matmul the CUDA forward uses, host pointers: a token's row of
+ * y is the same bits for every n.  Q4_K/Q5_K/Q6_K/Q8_0/Q4_0 (dp4a for up to 8
+ * tokens, int8 tensor cores above): activations quantised as the CPU quantises
+ * them, the CPU's integer sums and float steps, so y is bit-identical to
+ * dfl_matmul's on every CPU build; F16/BF16: tf32 tensor
+ * cores with x split into two tf32 parts, within f32 rounding of dfl_matmul. */
+int dfl_cuda_matmul_exact(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n,
+                          float* y);
+/* Milliseconds per call of the CUDA matmul on random device-resident weights
+ * and activations (CUDA events, no host transfers timed); -1 on error.
+ * exact != 0: the batch-invariant kernels of dfl_cuda_matmul_exact, which the
+ * forward uses (activation quantisation included); 0: the float kernels. */
+double dfl_cuda_bench_matmul(uint32_t type, int64_t rows, int64_t cols, int32_t n, int32_t iters, int32_t exact);
+/* Device-to-device copy bandwidth of a `bytes` buffer, GB/s counting bytes
+ * read + written (the bandwidth floor the GPU record compares with); -1 on error. */
+double dfl_cuda_bench_copy(int64_t bytes, int32_t iters);
+/* The library's device memory: bytes it holds now and the peak since the last
+ * reset (every cudaMalloc it makes: weights, KV, states, workspace, plans),
+ * and the device's free / total memory as the driver reports them. */
+typedef struct {
+  uint64_t allocated, peak, device_free, device_total;
+} dfl_cuda_memory;
+int dfl_cuda_memory_stats(dfl_cuda_memory* out, int32_t reset_peak);
+/* Per-op GPU time of every CUDA context in the process.  on != 0 clears the
+ * table and starts recording (two events on the stream around each backend op,
+ * read at the context's next host sync); 0 stops.  Off, it costs nothing. */
+int dfl_cuda_profile(int32_t on);
+/* The table as JSON: {"ops": [{"op": name, "calls": N, "ms": total, "bytes": B}, ...]},
+ * slowest first; a matmul's name carries its format, shape and token count,
+ * B is what the op must read at least (a matmul's weights, a copy's bytes).
+ * *len gets the length without the NUL; fails when cap <= *len. */
+int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len);
+/* What graph mode did in every CUDA context of the process (DFLASH27B_CUDA_GRAPHS,
+ * on by default; off while the profile is on): a context records its ops' launches
+ * and issues them in segments, replaying a segment as a CUDA graph once the same
+ * bytes (kernels, shapes, arguments) have been seen before.  direct_ops: launches,
+ * copies and fills issued one by one; replayed_ops: issued inside graphs;
+ * graph_launches; captures: graphs built.  reset != 0 zeroes the counts after reading. */
+typedef struct {
+  int64_t direct_ops, replayed_ops, graph_launches, captures;
+} dfl_cuda_graphs;
+int dfl_cuda_graph_stats(dfl_cuda_graphs* out, int32_t reset);
+/* Graph mode for every CUDA context of the process from now on: 1 on, 0 off, -1 back to what
+ * DFLASH27B_CUDA_GRAPHS said when each was created (so one run can time a step both ways). */
+int dfl_cuda_graph_mode(int32_t mode);
+/* Attention's CTA grouping for every CUDA context from now on: toks tokens x heads query heads of one
+ * KV head per CTA (each clipped to what the shape and shared memory allow), or 0, 0 for the automatic
+ * choice (the default).  Speed only, to compare: a query row's arithmetic is the same whatever the
+ * grouping, so results do not change. */
+int dfl_cuda_attention_rows(int32_t toks, int32_t heads);
+
+/* Test hook: when set, chain steps take their drafts from fn instead of the
+ * drafter: fn writes n tokens for the block whose root token sits at
+ * root_pos and returns 0 (nonzero aborts the step with an error). */
+typedef int32_t (*dfl_draft_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t n, int32_t* tokens);
+int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user);
+/* Test hook for ddtree steps: fn writes up to cap nodes (tokens[i], parents[i]
+ * for node i+1; parent 0 is the root, a node's parent precedes it) and returns
+ * how many (0..cap), or -1 to abort the step with an error. */
+typedef int32_t (*dfl_tree_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t cap, int32_t* tokens,
+                                 int32_t* parents);
+int dfl_context_set_tree_hook(dfl_context* c, dfl_tree_hook fn, void* user);
+/* Test hook for ddtree and auto steps, in place of the drafter's ranked
+ * output: fn writes the top-k token ids and log-probs of depths 1..L
+ * ([L][k], descending per depth) for the block whose root sits at root_pos,
+ * and returns 0 (nonzero aborts the step).  An oracle drafter is one. */
+typedef int32_t (*dfl_topk_hook)(void* user, int32_t root_pos, int32_t root_token, int32_t L, int32_t k,
+                                 int32_t* ids, float* logp);
+int dfl_context_set_topk_hook(dfl_context* c, dfl_topk_hook fn, void* user);
+
+/* A standalone drafter runtime (tests and tools): push the features of
+ * committed positions, then propose a block rooted at the next position. */
+typedef struct dfl_drafter dfl_drafter;
+dfl_drafter* dfl_drafter_new(const dfl_draft* d, const dfl_model* target, const dfl_drafter_params* p);
+void dfl_drafter_free(dfl_drafter* r);
+int dfl_drafter_reset(dfl_drafter* r);
+int32_t dfl_drafter_n_pos(const dfl_drafter* r);
+/* features: [n][len(target_layer_ids) * hidden] for positions pos0 .. pos0+n-1 (pos0 = n_pos) */
+int dfl_drafter_push_features(dfl_drafter* r, int32_t pos0, int32_t n, const float* features);
+/* block_tokens[0] is the root at position n_pos; logits: [n_block-1][n_vocab] */
+int dfl_drafter_propose(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, float* logits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
