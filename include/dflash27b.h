@@ -56,6 +56,11 @@ int dfl_model_layer_is_recurrent(const dfl_model* m, int32_t layer);
 int32_t dfl_model_tensor_count(const dfl_model* m);
 /* name valid while the model lives */
 int dfl_model_tensor_info(const dfl_model* m, int32_t i, const char** name, uint32_t* type, int64_t ne[4]);
+/* Every metadata key of a GGUF file as one JSON object {key: value} (arrays as JSON arrays; NaN and infinities
+ * as Python's json writes them; bytes that are not UTF-8 as U+FFFD), read by the validating reader the
+ * model loader uses.  Returns a string to release with dfl_string_free, or NULL (dfl_last_error says why). */
+char* dfl_gguf_metadata_json(const char* path);
+void dfl_string_free(char* s);
 
 typedef struct {
   int32_t n_ctx;

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._lib import DFlashError
+from .gguf_meta import read_gguf_metadata
 
 _REPO_ID = re.compile(r"^(?P<owner>[A-Za-z0-9][\w.-]*)/(?P<name>[\w.-]+)(?::(?P<quant>[\w.-]+))?$")
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
@@ -137,9 +138,7 @@ def _refuse_gguf_draft(p: Path) -> None:
         with open(p, "rb") as f:
             if f.read(4) != b"GGUF":
                 return
-        from gguf import GGUFReader
-        field = GGUFReader(str(p)).fields.get("general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field else "?"
+        arch = str(read_gguf_metadata(p).get("general.architecture", "?"))
     except Exception:  # noqa: BLE001  an unreadable GGUF: still a GGUF
         arch = "?"
     if "dflash" in arch.lower():
@@ -207,22 +206,18 @@ class DraftEntry:
 
 
 def _gguf_facts(path: Path) -> dict:
-    from gguf import GGUFReader, LlamaFileType
-    r = GGUFReader(str(path))
+    from gguf import LlamaFileType  # the names of llama.cpp's file types, nothing read with it
 
-    def val(key):
-        f = r.fields.get(key)
-        return None if f is None else f.contents()
-
-    arch = val("general.architecture") or "?"
-    ft = val("general.file_type")
+    meta = read_gguf_metadata(path)
+    arch = meta.get("general.architecture") or "?"
+    ft = meta.get("general.file_type")
     try:
         quant = LlamaFileType(ft).name.replace("MOSTLY_", "") if ft is not None else "?"
     except ValueError:
         quant = str(ft)
-    toks = r.fields.get("tokenizer.ggml.tokens")
-    return {"arch": arch, "quant": quant, "n_layer": int(val(f"{arch}.block_count") or 0),
-            "n_embd": int(val(f"{arch}.embedding_length") or 0), "n_vocab": len(toks.data) if toks else 0}
+    return {"arch": arch, "quant": quant, "n_layer": int(meta.get(f"{arch}.block_count") or 0),
+            "n_embd": int(meta.get(f"{arch}.embedding_length") or 0),
+            "n_vocab": len(meta.get("tokenizer.ggml.tokens") or ())}
 
 
 def _draft_facts(d: Path) -> dict | None:

@@ -6,19 +6,18 @@ pipeline llama.cpp applies to `tokenizer.ggml.pre = qwen35`: specials split out 
 regex split ("isolated"), GPT-2 byte mapping, ranked merges. There is deliberately no NFC normaliser
 (llama.cpp has none; HF's tokenizer.json does, so the two differ only on non-NFC input).
 
-Metadata is read with a small KV-only GGUF parser (`read_gguf_metadata`) because `gguf.GGUFReader` is slow
-on 248K-entry string arrays; it stops before the tensor infos.
+Metadata comes from the core's GGUF reader (`read_gguf_metadata`, the one the model loader validates with).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from .gguf_meta import read_gguf_metadata  # noqa: F401  (re-exported: the tokenizer's source)
 
 QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -37,68 +36,6 @@ CHATML_TEMPLATE = (
 
 
 # ----------------------------------------------------------------------------------------------------------
-# GGUF metadata (KV section only)
-
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Return every GGUF key -> value (arrays of numbers as lists, strings decoded). Tensor infos are skipped."""
-    import numpy as np
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        buf = memoryview(mm)
-        try:
-            if bytes(buf[:4]) != b"GGUF":
-                raise ValueError(f"{path}: not a GGUF file")
-            version, _n_tensors, n_kv = struct.unpack_from("<Iqq", buf, 4)
-            if version not in (2, 3):
-                raise ValueError(f"{path}: unsupported GGUF version {version}")
-            off = 24
-
-            def string(o: int) -> tuple[str, int]:
-                (n,) = struct.unpack_from("<Q", buf, o)
-                return str(buf[o + 8:o + 8 + n], "utf-8", "replace"), o + 8 + n
-
-            def value(t: int, o: int) -> tuple[Any, int]:
-                if t == 8:
-                    return string(o)
-                if t in _SCALAR:
-                    fmt = _SCALAR[t]
-                    return struct.unpack_from(fmt, buf, o)[0], o + struct.calcsize(fmt)
-                if t == 9:
-                    et, n = struct.unpack_from("<IQ", buf, o)
-                    o += 12
-                    if et == 8:
-                        out = []
-                        unpack = struct.Struct("<Q").unpack_from
-                        for _ in range(n):
-                            (ln,) = unpack(buf, o)
-                            out.append(str(buf[o + 8:o + 8 + ln], "utf-8", "replace"))
-                            o += 8 + ln
-                        return out, o
-                    if et in _NP:
-                        dt = np.dtype(_NP[et])
-                        arr = np.frombuffer(buf, dtype=dt, count=n, offset=o).tolist()
-                        return arr, o + n * dt.itemsize
-                    out = []
-                    for _ in range(n):
-                        v, o = value(et, o)
-                        out.append(v)
-                    return out, o
-                raise ValueError(f"{path}: bad GGUF value type {t}")
-
-            meta: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key, off = string(off)
-                (vt,) = struct.unpack_from("<I", buf, off)
-                meta[key], off = value(vt, off + 4)
-            return meta
-        finally:
-            del buf
-
-
 # ----------------------------------------------------------------------------------------------------------
 # byte <-> unicode table of GPT-2 byte-level BPE
 
