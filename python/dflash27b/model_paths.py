@@ -41,19 +41,25 @@ def _ggufs(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*.gguf") if "mmproj" not in p.name.lower() and p.is_file())
 
 
-def _snapshot(repo_dir: Path) -> tuple[Path | None, str]:
-    """The snapshot refs/main points at (else the newest), and a note for error messages."""
-    snaps = repo_dir / "snapshots"
-    ref = repo_dir / "refs" / "main"
-    if ref.is_file():
-        commit = ref.read_text().strip()
-        if (snaps / commit).is_dir():
-            return snaps / commit, ""
-    if snaps.is_dir():
-        dirs = sorted((p for p in snaps.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
-        if dirs:
-            return dirs[-1], ""
-    return None, f"{repo_dir} has no snapshot"
+def _hf_snapshots() -> dict[str, Path]:
+    """Model repo id -> the snapshot its refs/main points at (else its newest revision), as huggingface_hub's
+    cache scan reads the cache (repos it finds corrupt are left out)."""
+    hub = hf_hub_cache()
+    if not hub.is_dir():
+        return {}
+    from huggingface_hub import scan_cache_dir
+    try:
+        info = scan_cache_dir(hub)
+    except Exception:  # noqa: BLE001  not a cache at all: nothing in it
+        return {}
+    out = {}
+    for r in info.repos:
+        if r.repo_type != "model" or not r.revisions:
+            continue
+        main = [v for v in r.revisions if "main" in v.refs]
+        rev = main[0] if main else max(r.revisions, key=lambda v: v.last_modified)
+        out[r.repo_id] = Path(rev.snapshot_path)
+    return out
 
 
 def _pick_gguf(d: Path, quant: str | None, what: str) -> tuple[Path | None, str]:
@@ -83,8 +89,8 @@ def _candidates(owner: str, name: str) -> list[tuple[Path, str]]:
     out: list[tuple[Path, str]] = []
     repo = hf_hub_cache() / f"models--{owner}--{name}"
     if repo.is_dir():
-        snap, why = _snapshot(repo)
-        out.append((snap, f"Hugging Face cache {repo}") if snap else (repo, why))
+        snap = _hf_snapshots().get(f"{owner}/{name}")
+        out.append((snap, f"Hugging Face cache {repo}") if snap else (repo, f"{repo} has no snapshot"))
     md = models_dir()
     if md is not None:
         for d in (md / owner / name, md / name):
@@ -246,12 +252,7 @@ def _draft_facts(d: Path) -> dict | None:
 def _roots() -> list[tuple[Path, str]]:
     """(directory, display name) of every model location: HF cache snapshots and the models directory."""
     out = []
-    hub = hf_hub_cache()
-    if hub.is_dir():
-        for repo in sorted(hub.glob("models--*")):
-            snap, _ = _snapshot(repo)
-            if snap is not None:
-                out.append((snap, repo.name[len("models--"):].replace("--", "/")))
+    out += [(snap, repo) for repo, snap in sorted(_hf_snapshots().items())]
     md = models_dir()
     if md is not None and md.is_dir():
         out.append((md, ""))
