@@ -6,6 +6,7 @@ package holds the Decoder, the CLI and the model tools.
 __version__ = "0.1.0"
 
 from ._lib import DFlashError  # noqa: E402
-from .decoder import Decoder, GenerateResult, GenerateStats  # noqa: E402
+from .decoder import Decoder  # noqa: E402
+from .results import GenerateResult, GenerateStats  # noqa: E402
 
 __all__ = ["Decoder", "DFlashError", "GenerateResult", "GenerateStats", "__version__"]

@@ -281,26 +281,32 @@ class Context:
                        chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0, seed: int = 0, n_keep: int = 0, n_logprobs: int = -1,
                        penalties: tuple[float, float, float, int] = (1.0, 0.0, 0.0, 64), tree_expand: int = 0) -> None:
-        """penalties: (repeat, frequency, presence, repeat_last_n) as llama.cpp's.
-        n_keep: prompt tokens whose state the context already holds (restored from a prefix cache).
-        tree_expand: with a draft model, the branches run per depth (0 = the tree from one draft pass)."""
+        """The raw call, values passed to the core unchecked (tests of the core's own refusals); Decoder uses
+        begin() with a validated GenParams.  penalties: (repeat, frequency, presence, repeat_last_n)."""
+        rp, fp, pp, rn = penalties
+        self._begin(prompt, eos_ids, n_keep, dict(
+            max_new_tokens=max_new_tokens, ignore_eos=1 if ignore_eos else 0, mode=mode, block_size=block_size,
+            tree_budget=tree_budget, tree_topk=tree_topk, chain_seed=1 if chain_seed else 0, tree_expand=tree_expand,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed & 0xFFFFFFFFFFFFFFFF,
+            n_logprobs=n_logprobs, repeat_penalty=rp, frequency_penalty=fp, presence_penalty=pp, repeat_last_n=rn))
+
+    def begin(self, prompt, params, eos_ids, mode: int, block_size: int, n_keep: int = 0) -> None:
+        """Starts a decode with a GenParams (params.py) whose seed is resolved; mode and block size as the
+        Decoder resolved them.  n_keep: prompt tokens the context already holds (a prefix-cache hit)."""
+        self._begin(prompt, eos_ids, n_keep, {**params.c_fields(), "mode": mode, "block_size": block_size})
+
+    def _begin(self, prompt, eos_ids, n_keep: int, c_fields: dict) -> None:
         ffi = self._ffi
         prompt = _i32(prompt)
         if len(prompt) == 0:
             raise DFlashError("empty prompt: give at least one token")
         self._eos = _i32(sorted(eos_ids))
         gp = ffi.new("dfl_gen_params*", self._lib.dfl_gen_default_params())
-        gp.max_new_tokens, gp.ignore_eos = max_new_tokens, 1 if ignore_eos else 0
         gp.n_eos, gp.eos_ids = len(self._eos), self._p(self._eos)
-        gp.mode, gp.block_size = mode, block_size
-        gp.tree_budget, gp.tree_topk, gp.chain_seed = tree_budget, tree_topk, 1 if chain_seed else 0
-        gp.tree_expand = tree_expand
-        gp.temperature, gp.top_k, gp.top_p, gp.min_p = temperature, top_k, top_p, min_p
-        gp.seed = seed & 0xFFFFFFFFFFFFFFFF
-        gp.n_logprobs = n_logprobs
-        gp.repeat_penalty, gp.frequency_penalty, gp.presence_penalty, gp.repeat_last_n = penalties
+        for k, v in c_fields.items():  # dfl_gen_params members by name
+            setattr(gp, k, v)
         check(self._lib.dfl_generate_begin_keep(self.handle, self._p(prompt), len(prompt), n_keep, gp))
-        self._buf = np.empty(max(256, block_size + 1, tree_budget + 2), np.int32)
+        self._buf = np.empty(max(256, gp.block_size + 1, gp.tree_budget + 2), np.int32)
 
     def generate_next(self) -> list[int]:
         n = check(self._lib.dfl_generate_next(self.handle, self._p(self._buf), len(self._buf)))

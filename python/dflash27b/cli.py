@@ -15,7 +15,8 @@ import click
 
 from . import __version__
 from ._lib import DFlashError, load
-from .decoder import DEVICES, KV_TYPES, MODES, STATE_TYPES, Decoder, bundled_pair, format_memory_plan, resolve_device
+from .params import cli_options, params_from_cli
+from .decoder import DEVICES, KV_TYPES, STATE_TYPES, Decoder, bundled_pair, format_memory_plan, resolve_device
 
 
 def _version_line() -> str:
@@ -109,42 +110,13 @@ def main() -> None:
               "or a Hugging Face repo id from the local cache")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
               help="use the daemon serving on this Unix socket instead of loading models here")
-@click.option("--mode", type=click.Choice(MODES), default=None,
-              help="decoding mode; auto picks AR or a DDTree budget each step from measured cost and "
-              "acceptance [default: auto with a drafter, else ar]")
-@click.option("--budget", type=click.IntRange(min=0), default=22, show_default=True,
-              help="ddtree: draft nodes verified per step; auto: the largest budget it may choose")
-@click.option("--topk", type=click.IntRange(min=0), default=0, show_default=True,
-              help="ddtree: candidates per depth (0 = the budget)")
-@click.option("--chain-seed/--no-chain-seed", default=True, show_default=True,
-              help="ddtree: insert the drafter's greedy chain before best-first expansion")
-@click.option("--tree-expand", type=click.IntRange(min=0), default=0, show_default=True,
-              help="ddtree/auto with a draft model (-md FILE.gguf): 0 = the tree from one draft pass (its greedy "
-              "path with per-depth alternatives); W = expanding branches, W nodes run per depth")
-@click.option("--temp", "temperature", type=float, default=0.0, show_default=True,
-              help="sampling temperature (0 = greedy)")
-@click.option("--top-k", type=int, default=0, show_default=True, help="top-k filter (0 = off)")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="top-p filter, in (0, 1] (1 = off)")
-@click.option("--min-p", type=float, default=0.0, show_default=True, help="min-p filter, in [0, 1] (0 = off)")
-@click.option("-s", "--seed", type=int, default=None, help="sampling seed (default: a fresh one, shown in --json)")
-@click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
-              help="divide (multiply when negative) the logits of recently seen tokens (1 = off), as llama.cpp")
-@click.option("--repeat-last-n", type=click.IntRange(min=-1), default=64, show_default=True,
-              help="tokens the penalties look back over, prompt included (-1 = all, 0 = off)")
-@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
-              help="lower a seen token's logit by this times its count (0 = off)")
-@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
-              help="lower a seen token's logit by this once (0 = off)")
+@cli_options
 @click.option("--draft-max", type=click.IntRange(min=1), default=None,
               help="draft tokens per step (llama.cpp's name; the same as --block-size N+1)")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="tokens per draft block incl. the root [default: the drafter's]")
 @click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
               help="target positions the drafter keeps as context")
 @_memory_options
 @click.option("--prompt-ids", help="prompt as comma-separated token ids instead of text")
-@click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=0))
-@click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-generation tokens")
 @click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -152,18 +124,22 @@ def main() -> None:
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
-def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed, tree_expand, temperature, top_k, top_p, min_p, seed,
-             repeat_penalty, repeat_last_n, frequency_penalty, presence_penalty, draft_max, block_size, feature_ring, draft_type, state_type, prompt_ids, max_new_tokens, ignore_eos, ctx,
-             kv_type, device, threads, raw, as_json, compare):
+def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_type, state_type, prompt_ids, ctx,
+             kv_type, device, threads, raw, as_json, compare, **settings):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None and bundled_pair() is None and socket_path is None:
         _fail("no target model given: pass -m/--target PATH.gguf")
     if (prompt is None) == (prompt_ids is None):
         _fail("give exactly one of PROMPT or --prompt-ids")
+    try:
+        params = params_from_cli(settings)
+    except DFlashError as e:
+        _fail(str(e))
     if draft_max is not None:
-        if block_size is not None and block_size != draft_max + 1:
-            _fail(f"--draft-max {draft_max} and --block-size {block_size} disagree (the block is the root + the drafts)")
-        block_size = draft_max + 1
+        if params.block_size is not None and params.block_size != draft_max + 1:
+            _fail(f"--draft-max {draft_max} and --block-size {params.block_size} disagree (the block is the root + "
+                  "the drafts)")
+        params = params.with_(block_size=draft_max + 1)
     if socket_path is not None and (target or draft):
         _fail("--socket uses the daemon's models: drop -m/-md (they were given to `dflash27b serve`)")
     try:
@@ -176,19 +152,12 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
                               feature_ring=feature_ring, draft_type=draft_type, state_type=state_type,
                               on_memory_plan=_plan_printer(device))
         with dec:
-            kw = dict(ignore_eos=ignore_eos, chat=not raw, mode=mode, block_size=block_size, budget=budget, topk=topk,
-                      chain_seed=chain_seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                      seed=seed)
-            if tree_expand:
-                kw["expand"] = tree_expand
-            if (repeat_penalty, frequency_penalty, presence_penalty) != (1.0, 0.0, 0.0):
-                kw.update(repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                          frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+            kw = dict(chat=not raw, params=params)
             ar = None
             if compare:
-                ar = dec.generate(p, max_new_tokens, **{**kw, "mode": "ar"})
+                ar = dec.generate(p, chat=not raw, params=params.with_(mode="ar"))
             if as_json:
-                r = dec.generate(p, max_new_tokens, **kw)
+                r = dec.generate(p, **kw)
                 obj = {"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}
                 if ar is not None:
                     obj["ar"] = {"tokens": ar.tokens, "stats": ar.stats.to_dict(), "same_tokens": ar.tokens == r.tokens,
@@ -198,7 +167,7 @@ def generate(prompt, target, draft, socket_path, mode, budget, topk, chain_seed,
             bar = _prefill_bar() if socket_path is None else None
             if bar is not None:
                 kw["on_prefill"] = bar
-            for piece in dec.stream(p, max_new_tokens, **kw):
+            for piece in dec.stream(p, **kw):
                 if bar is not None:
                     bar.close()
                 click.echo(piece, nl=False)

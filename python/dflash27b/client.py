@@ -10,7 +10,7 @@ import socket
 from typing import Iterator, Sequence
 
 from ._lib import DFlashError
-from .decoder import GenerateResult, GenerateStats
+from .results import GenerateResult, GenerateStats
 
 _TERMINAL = {"done", "error", "health", "shutdown"}
 
@@ -77,14 +77,18 @@ class RemoteDecoder:
             req = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
         else:
             req = {"prompt_ids": [int(t) for t in prompt]}
-        req.update(max_new_tokens=int(max_new_tokens), stream=stream)
-        if "cache" in kw:  # Decoder's keyword, the protocol's (llama-server's) field name
-            kw = dict(kw)
-            req["cache_prompt"] = bool(kw.pop("cache"))
-        req.update({k: v for k, v in kw.items() if v is not None})
+        kw = dict(kw)
+        params = kw.pop("params", None)  # a GenParams: its settings that differ from the defaults, keywords over them
+        settings = {**(params.to_mapping(only_changed=True) if params is not None else {}), **kw}
+        req["max_new_tokens"] = int(settings.pop("max_new_tokens", 256) if max_new_tokens is None else max_new_tokens)
+        settings.pop("max_new_tokens", None)
+        req["stream"] = stream
+        if "cache" in settings:  # Decoder's keyword, the protocol's (llama-server's) field name
+            req["cache_prompt"] = bool(settings.pop("cache"))
+        req.update({k: v for k, v in settings.items() if v is not None})
         return req
 
-    def events(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, chat: bool = False,
+    def events(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
                stream: bool = True, **kw) -> Iterator[dict]:
         """The raw event stream of one generate request (errors raised as DFlashError)."""
         self.last_events = []
@@ -94,7 +98,7 @@ class RemoteDecoder:
                 raise DFlashError(ev.get("message", "daemon error"))
             yield ev
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, chat: bool = False,
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
                **kw) -> Iterator[str]:
         for ev in self.events(prompt, max_new_tokens, chat=chat, stream=True, **kw):
             if ev["event"] == "token" and ev["text"]:
@@ -103,7 +107,7 @@ class RemoteDecoder:
                 self._last_done = ev
                 self._last_tokens = list(ev["tokens"])  # as Decoder keeps them
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, chat: bool = False,
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
                  **kw) -> GenerateResult:
         done = None
         for ev in self.events(prompt, max_new_tokens, chat=chat, stream=False, **kw):

@@ -8,7 +8,6 @@ tokenize/detokenize, stats fields) are the interface scripts rely on.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -16,76 +15,14 @@ import numpy as np
 
 from . import _handles
 from ._lib import TYPE_IDS, DFlashError, load
+from .params import MODES, GenParams
+from .results import GenerateResult, GenerateStats
 from .tokenizer import Tokenizer
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 STATE_TYPES = ("f32", "bf16", "f16")
 DEVICES = ("auto", "cpu", "cuda")
-MODES = ("ar", "chain", "ddtree", "auto")
 _MODE_IDS = {"ar": 0, "chain": 1, "ddtree": 2, "auto": 3}
-
-
-@dataclass(frozen=True)
-class GenerateStats:
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_s: float
-    decode_s: float
-    decode_tok_s: float
-    prefill_tok_s: float
-    steps: int
-    stop_reason: str
-    mode: str = "ar"
-    device: str = "cpu"
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
-    mean_accept: float = 1.0
-    block_size: int = 1
-    budget: int = 0
-    temperature: float = 0.0
-    seed: int = 0
-    # per decode step (z-lab's convention: tokens committed incl. the bonus; the prefill's token
-    # belongs to no step; the last step counts only tokens kept within max_new_tokens)
-    accept_lengths: list[int] = field(default_factory=list)
-    draft_ms: list[float] = field(default_factory=list)
-    tree_ms: list[float] = field(default_factory=list)
-    verify_ms: list[float] = field(default_factory=list)
-    commit_ms: list[float] = field(default_factory=list)
-    target_forwards: list[int] = field(default_factory=list)
-    tree_size: list[int] = field(default_factory=list)   # draft nodes verified per step
-    tree_depth: list[int] = field(default_factory=list)
-    # auto mode, per step: the budget chosen (0 = AR; -1 in the other modes), forced probes, and the
-    # estimates behind the choice (expected tokens, expected tok/s of the choice and of an AR step)
-    auto_budget: list[int] = field(default_factory=list)
-    probe: list[bool] = field(default_factory=list)
-    expected_tokens: list[float] = field(default_factory=list)
-    est_tok_s: list[float] = field(default_factory=list)
-    est_ar_tok_s: list[float] = field(default_factory=list)
-
-    @property
-    def auto_summary(self) -> str:
-        """Auto mode's choices in a few words: the share of AR steps and the speculative budgets."""
-        if self.mode != "auto" or not self.auto_budget:
-            return ""
-        spec = [b for b in self.auto_budget if b > 0]
-        out = f"{len(self.auto_budget) - len(spec)} AR + {len(spec)} tree steps"
-        if spec:
-            out += f" (budget {min(spec)}-{max(spec)}, mean {sum(spec) / len(spec):.1f})"
-        probes = sum(self.probe)
-        return out + (f", {probes} probes" if probes else "")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    tokens: list[int]
-    text: str
-    stats: GenerateStats
-    prompt_tokens: list[int] = field(default_factory=list)
-    # with generate(logprobs=k): per token {"token", "logprob", "top": [(id, logprob) x k]}, the log-softmax
-    # of the target's raw logits at that position (before temperature and filters)
-    logprobs: list[dict] | None = None
 
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "models"
@@ -95,31 +32,6 @@ def bundled_pair() -> tuple[Path, Path] | None:
     """(target GGUF, drafter dir) of the tiny pair shipped inside the package, if this install has it."""
     t, d = BUNDLED_DIR / "tiny-target.gguf", BUNDLED_DIR / "tiny-draft"
     return (t, d) if t.is_file() and (d / "config.json").is_file() else None
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
-    """Clear errors for parameters the sampler refuses (the core checks them too)."""
-    import math
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise DFlashError(f"temperature must be a finite number >= 0 (got {temperature!r})")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise DFlashError(f"top_k must be an integer >= 0 (0 = off; got {top_k!r})")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise DFlashError(f"top_p must be in (0, 1] (got {top_p!r})")
-    if not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
-        raise DFlashError(f"min_p must be in [0, 1] (got {min_p!r})")
-
-
-def check_penalties(repeat_penalty: float, frequency_penalty: float, presence_penalty: float,
-                    repeat_last_n: int) -> None:
-    import math
-    if not isinstance(repeat_penalty, (int, float)) or not math.isfinite(repeat_penalty) or repeat_penalty <= 0:
-        raise DFlashError(f"repeat_penalty must be a finite number > 0 (1 = off; got {repeat_penalty!r})")
-    for name, v in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
-        if not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise DFlashError(f"{name} must be a finite number (0 = off; got {v!r})")
-    if not isinstance(repeat_last_n, int) or repeat_last_n < -1:
-        raise DFlashError(f"repeat_last_n must be an integer >= -1 (-1 = all, 0 = off; got {repeat_last_n!r})")
 
 
 def cuda_build() -> str:
@@ -348,30 +260,27 @@ class Decoder:
             raise DFlashError(f"block_size must be >= 1 (got {bs})")
         return mode, bs
 
-    def stream_ids(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-                   chat: bool = False, mode: str | None = None, block_size: int | None = None,
-                   budget: int = 22, topk: int = 0, chain_seed: bool = True, temperature: float = 0.0,
-                   top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                   seed: int | None = None, on_prefill=None, cache: bool = True,
-                   logprobs: int | None = None, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
-                   presence_penalty: float = 0.0, repeat_last_n: int = 64,
-                   expand: int = 0) -> Iterator[list[int]]:
+    def _settings(self, params: GenParams | None, max_new_tokens: int | None, settings: dict) -> GenParams:
+        """The request's GenParams: params (else the defaults) with max_new_tokens and keyword settings over it;
+        a keyword that is not a setting is refused by name."""
+        if max_new_tokens is not None:
+            settings = {"max_new_tokens": max_new_tokens, **settings}
+        return GenParams.from_mapping(settings, strict=True, base=params or GenParams())
+
+    def stream_ids(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
+                   on_prefill=None, cache: bool = True, params: GenParams | None = None,
+                   **settings) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
+        Settings (GenParams fields, see generate()) come as `params` and/or keywords over it.
         `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
-        cache: use (and feed) the prefix cache when the Decoder has one.  logprobs: None, or k in 0..20 to
-        record each token's log-probability and its k most likely alternatives (`last_logprobs`)."""
-        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
-            raise DFlashError(f"logprobs must be an integer in 0..20 (got {logprobs!r})")
-        mode, bs = self._resolve_mode(mode, block_size)
-        if budget < 0 or topk < 0 or expand < 0:
-            raise DFlashError(f"budget, topk and expand must be >= 0 (got {budget}, {topk}, {expand})")
-        check_sampling(temperature, top_k, top_p, min_p)
-        check_penalties(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n)
-        if seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
-            seed = int.from_bytes(os.urandom(4), "little")
+        cache: use (and feed) the prefix cache when the Decoder has one."""
+        p = self._settings(params, max_new_tokens, settings)
+        mode, bs = self._resolve_mode(p.mode, p.block_size)
+        if p.seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
+            p = p.with_(seed=int.from_bytes(os.urandom(4), "little"))
         ids = self._prompt_ids(prompt, chat)
         self._last_prompt = ids
-        self._last_mode = (mode, bs, budget if mode in ("ddtree", "auto") else 0, float(temperature), int(seed))
+        self._last_mode = (mode, bs, p.budget if mode in ("ddtree", "auto") else 0, p.temperature, p.seed)
         pc = self.prefix_cache if cache else None
         n_keep = 0
         if pc is not None:
@@ -391,13 +300,8 @@ class Decoder:
         if progress is not None:
             self._ctx.set_prefill_progress(progress)
         try:
-            self._ctx.generate_begin(ids, max_new_tokens, ignore_eos, self.eos_ids, _MODE_IDS[mode],
-                                     bs if mode != "ar" else 0, budget, topk, chain_seed, temperature, top_k, top_p,
-                                     min_p, int(seed), n_keep=n_keep,
-                                     n_logprobs=-1 if logprobs is None else logprobs,
-                                     penalties=(repeat_penalty, frequency_penalty, presence_penalty, repeat_last_n),
-                                     tree_expand=expand)
-            self._want_logprobs = logprobs is not None
+            self._ctx.begin(ids, p, self.eos_ids, _MODE_IDS[mode], bs if mode != "ar" else 0, n_keep=n_keep)
+            self._want_logprobs = p.logprobs is not None
         finally:
             if progress is not None:
                 self._ctx.set_prefill_progress(None)
@@ -416,11 +320,11 @@ class Decoder:
                 if 0 < n <= len(held):
                     pc.save(self._ctx, held[:n])
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-               chat: bool = False, **kw) -> Iterator[str]:
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
+               **kw) -> Iterator[str]:
         """Yields text pieces as they are decoded (incomplete UTF-8 is held back); keywords as generate()."""
         sd = self.tokenizer.stream_decoder()
-        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, **kw):
+        for toks in self.stream_ids(prompt, max_new_tokens, chat=chat, **kw):
             piece = "".join(sd.push(t) for t in toks)
             if piece:
                 yield piece
@@ -428,18 +332,14 @@ class Decoder:
         if tail:
             yield tail
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, *, ignore_eos: bool = False,
-                 chat: bool = False, mode: str | None = None, block_size: int | None = None, budget: int = 22,
-                 topk: int = 0, chain_seed: bool = True, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                 on_prefill=None, cache: bool = True, logprobs: int | None = None, repeat_penalty: float = 1.0,
-                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 repeat_last_n: int = 64, expand: int = 0) -> GenerateResult:
-        """Decode.  mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a
-        tree of up to `budget` draft nodes, `topk` candidates per depth, optionally seeded with the
-        greedy chain, verified in one target forward) or "auto" (each step AR or the DDTree budget up to
-        `budget` that maximises expected tokens per second, from costs and acceptance measured while
-        decoding); default "auto" when a drafter is loaded.  Every mode gives AR's tokens.
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
+                 on_prefill=None, cache: bool = True, params: GenParams | None = None, **settings) -> GenerateResult:
+        """Decode.  Settings are GenParams fields (python/dflash27b/params.py), as `params` and/or keywords:
+        mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a tree of up to
+        `budget` draft nodes, `tree_topk` candidates per depth, optionally seeded with the greedy chain,
+        verified in one target forward) or "auto" (each step AR or the DDTree budget up to `budget` that
+        maximises expected tokens per second, from costs and acceptance measured while decoding); default
+        "auto" when a drafter is loaded.  Every mode gives AR's tokens.
 
         Sampling follows llama.cpp's order: top_k (0 = off), top_p (1 = off), min_p (0 = off), each on
         the softmax at temperature 1, then temperature (0 = greedy).  The token at position p is drawn
@@ -451,18 +351,13 @@ class Decoder:
         c * frequency_penalty + presence_penalty.  A verified tree node counts its own ancestors, so
         speculative output still equals AR's.  logprobs=k: each token's log-probability (of the raw logits)
         and its k most likely alternatives, in result.logprobs."""
+        p = self._settings(params, max_new_tokens, settings)
         tokens: list[int] = []
-        for toks in self.stream_ids(prompt, max_new_tokens, ignore_eos=ignore_eos, chat=chat, mode=mode,
-                                    block_size=block_size, budget=budget, topk=topk, chain_seed=chain_seed,
-                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                    on_prefill=on_prefill, cache=cache, logprobs=logprobs,
-                                    repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                    presence_penalty=presence_penalty, repeat_last_n=repeat_last_n,
-                                    expand=expand):
+        for toks in self.stream_ids(prompt, chat=chat, on_prefill=on_prefill, cache=cache, params=p):
             tokens.extend(toks)
         return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt),
-                              logprobs=self.last_logprobs() if logprobs is not None else None)
+                              logprobs=self.last_logprobs() if p.logprobs is not None else None)
 
     def last_logprobs(self, start: int = 0) -> list[dict]:
         """The last decode's per-token log-probabilities (from token index start), when it asked for them."""

@@ -56,6 +56,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mode": (lambda v: v is None or v in MODES, f"must be one of {', '.join(MODES)}"),
     "budget": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "topk": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
+    "tree_topk": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "block_size": (lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1"),
     "chain_seed": (lambda v: isinstance(v, bool), "must be true or false"),
     # a draft model's tree: 0 = from one draft pass, w = expanding branches, w nodes run per depth
@@ -116,9 +117,12 @@ class Job:
 
 
 def _decode_kwargs(p: dict) -> dict:
-    keys = ("mode", "budget", "topk", "block_size", "chain_seed", "expand", "temperature", "top_k", "top_p", "min_p",
-            "seed", "ignore_eos", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
-    return {k: p[k] for k in keys if k in p}
+    keys = ("mode", "budget", "tree_topk", "block_size", "chain_seed", "expand", "temperature", "top_k", "top_p",
+            "min_p", "seed", "ignore_eos", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n")
+    out = {k: p[k] for k in keys if k in p}
+    if "topk" in p:  # the protocol's first name for tree_topk
+        out["tree_topk"] = p["topk"]
+    return out
 
 
 class StopMatcher:

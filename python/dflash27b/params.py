@@ -1,0 +1,227 @@
+"""GenParams: one generation request's settings, typed and validated once, wherever the request comes from.
+
+The C core takes them as `dfl_gen_params` (include/dflash27b.h).  Here each setting is a field of one frozen
+dataclass whose metadata says everything the rest of the package needs: the C member it fills (copied by
+name, `to_c`), how it is checked, the CLI option `dflash27b generate` offers for it (`cli_options` builds
+them), its help, and older spellings still accepted.  The CLI, `Decoder`, the daemon and the HTTP front all
+build a GenParams (`from_mapping(strict=True)` for requests off the wire), so a new setting is one field here,
+one member in the C struct, and its test.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, Callable, Mapping
+
+from ._lib import DFlashError
+
+MODES = ("ar", "chain", "ddtree", "auto")
+
+
+# ---- checks: each returns the value (normalised) or raises with the field's name --------------------------
+class SettingError(DFlashError):
+    """A generation setting out of its range: `name must be what (got value)`; the wire formats quote the name."""
+
+    def __init__(self, name: str, what: str, value: Any, plain: str | None = None):
+        self.name, self.what, self.value = name, what, value
+        super().__init__(f"{name} must be {plain or what} (got {repr(value)[:80]})")
+
+
+def _bad(name: str, what: str, v, plain: str | None = None) -> SettingError:
+    return SettingError(name, what, v, plain)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int(lo: int | None = None, hi: int | None = None, note: str = "", optional: bool = False) -> Callable:
+    def check(name, v):
+        if v is None and optional:
+            return None
+        if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            rng = (f"in {lo}..{hi}" if hi is not None else f">= {lo}") if lo is not None else ""
+            null = " (or null)" if optional else ""
+            raise _bad(name, f"an integer {rng}{note}{null}".replace("  ", " "), v,
+                       plain=f"{rng}, an integer{note}{null}" if lo is not None and hi is None else None)
+        return int(v)
+    return check
+
+
+def _num(what: str, ok: Callable[[float], bool]) -> Callable:
+    def check(name, v):
+        if not _is_num(v) or not ok(v):
+            raise _bad(name, what, v)
+        return float(v)
+    return check
+
+
+def _bool(name, v):
+    if not isinstance(v, bool):
+        raise _bad(name, "true or false", v)
+    return v
+
+
+def _mode(name, v):
+    if v is not None and v not in MODES:
+        raise SettingError(name, f"one of {', '.join(MODES)} (unknown mode {v!r})", v)
+    return v
+
+
+def _setting(default, check: Callable, help: str, *, c: str | None = None, cli: tuple[str, ...] = (),
+             to_c: Callable | None = None, aliases: tuple[str, ...] = (), cli_type: Any = None):
+    """A GenParams field: default, check(name, value) -> value, help; c = the dfl_gen_params member it fills
+    (to_c converts), cli = the generate command's option names, aliases = deprecated spellings."""
+    return field(default=default, metadata={"check": check, "help": help, "c": c, "cli": cli, "to_c": to_c,
+                                            "aliases": aliases, "cli_type": cli_type})
+
+
+@dataclass(frozen=True)
+class GenParams:
+    max_new_tokens: int = _setting(256, _int(0), "tokens to generate at most", c="max_new_tokens",
+                                   cli=("-n", "--max-new-tokens"))
+    ignore_eos: bool = _setting(False, _bool, "keep generating past end-of-generation tokens", c="ignore_eos",
+                                cli=("--ignore-eos",), to_c=int)
+    mode: str | None = _setting(None, _mode, "decode mode: auto (each step AR or the DDTree budget expected "
+                                "fastest; the default with a drafter), ar, chain or ddtree", cli=("--mode",))
+    block_size: int | None = _setting(None, _int(1, optional=True), "draft block incl. the root (chain, ddtree) "
+                                      "[default: the drafter's]", cli=("--block-size",))
+    budget: int = _setting(22, _int(0), "DDTree node budget (auto: the largest it may choose)", c="tree_budget",
+                           cli=("--budget",))
+    tree_topk: int = _setting(0, _int(0), "DDTree candidates per depth (0 = the budget)", c="tree_topk",
+                              cli=("--tree-topk",), aliases=("topk",))
+    chain_seed: bool = _setting(True, _bool, "insert the drafter's greedy chain into the tree first",
+                                c="chain_seed", cli=("--chain-seed/--no-chain-seed",), to_c=int)
+    expand: int = _setting(0, _int(0), "a draft model's tree by expanding branches: nodes run per depth "
+                           "(0 = one draft pass)", c="tree_expand", cli=("--tree-expand",))
+    temperature: float = _setting(0.0, _num("a number >= 0", lambda v: v >= 0), "sampling temperature "
+                                  "(0 = greedy)", c="temperature", cli=("--temp", "--temperature"))
+    top_k: int = _setting(0, _int(0, note=" (0 = off)"), "top-k filter (0 = off)", c="top_k", cli=("--top-k",))
+    top_p: float = _setting(1.0, _num("a number in (0, 1]", lambda v: 0 < v <= 1), "top-p filter (1 = off)", c="top_p",
+                            cli=("--top-p",))
+    min_p: float = _setting(0.0, _num("a number in [0, 1]", lambda v: 0 <= v <= 1), "min-p filter (0 = off)", c="min_p",
+                            cli=("--min-p",))
+    seed: int | None = _setting(None, _int(0, 2**64 - 1, optional=True), "sampling seed (default: a fresh one, "
+                                "reported in the stats)", c="seed", cli=("-s", "--seed"),
+                                to_c=lambda v: v & 0xFFFFFFFFFFFFFFFF)
+    repeat_penalty: float = _setting(1.0, _num("a number > 0 (1 = off)", lambda v: v > 0),
+                                     "divide the logit of tokens seen in the last repeat_last_n (1 = off)",
+                                     c="repeat_penalty", cli=("--repeat-penalty",))
+    repeat_last_n: int = _setting(64, _int(-1, note=" (-1 = all, 0 = off)"), "tokens the penalties look back "
+                                  "over (-1 = all)", c="repeat_last_n", cli=("--repeat-last-n",))
+    frequency_penalty: float = _setting(0.0, _num("a number (0 = off)", lambda v: True),
+                                        "subtract count x this from seen tokens' logits", c="frequency_penalty",
+                                        cli=("--frequency-penalty",))
+    presence_penalty: float = _setting(0.0, _num("a number (0 = off)", lambda v: True),
+                                       "subtract this from seen tokens' logits", c="presence_penalty",
+                                       cli=("--presence-penalty",))
+    logprobs: int | None = _setting(None, _int(0, 20, optional=True), "record each token's log-probability and "
+                                    "its k most likely alternatives", c="n_logprobs",
+                                    to_c=lambda v: -1 if v is None else v)
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = f.metadata["check"](f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, v)
+
+    # -- construction ------------------------------------------------------------------------------------
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def aliases(cls) -> dict[str, str]:
+        return {a: f.name for f in fields(cls) for a in f.metadata["aliases"]}
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any], strict: bool = True, base: "GenParams | None" = None) -> "GenParams":
+        """The settings in m (missing ones from base, else the defaults).  strict: a key that is not a setting
+        is refused by name (requests off the wire); else it is left for the caller.  A deprecated spelling is
+        accepted with a warning; None means "the default" only for fields whose default is None."""
+        known, alias = set(cls.names()), cls.aliases()
+        vals: dict[str, Any] = {}
+        for k, v in m.items():
+            name = alias.get(k, k)
+            if name not in known:
+                if strict:
+                    raise DFlashError(f"unknown generation setting {k!r}")
+                continue
+            if name != k:
+                warnings.warn(f"{k!r} is deprecated: use {name!r}", DeprecationWarning, stacklevel=3)
+            if name in vals:
+                raise DFlashError(f"{name!r} given twice (as {k!r} too)")
+            vals[name] = v
+        return replace(base, **vals) if base is not None else cls(**vals)
+
+    def with_(self, **kw) -> "GenParams":
+        return self.from_mapping(kw, strict=True, base=self)
+
+    def to_mapping(self, only_changed: bool = False) -> dict[str, Any]:
+        """The settings as a dict (only_changed: those that differ from the defaults), e.g. for the wire."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not only_changed or v != (f.default if f.default is not MISSING else None):
+                out[f.name] = v
+        return out
+
+    def c_fields(self) -> dict[str, Any]:
+        """dfl_gen_params member -> value for every setting the C struct carries (the seed must be resolved)."""
+        out = {}
+        for f in fields(self):
+            c = f.metadata["c"]
+            if c is not None:
+                v = getattr(self, f.name)
+                out[c] = f.metadata["to_c"](v) if f.metadata["to_c"] else v
+        return out
+
+
+def cli_options(command: Callable) -> Callable:
+    """Decorates a click command with one option per GenParams field that has CLI names (defaults from the
+    dataclass), plus the deprecated spellings as hidden options; the command receives them as keyword
+    arguments named after the fields (use `params_from_cli`)."""
+    import click
+
+    for f in reversed(fields(GenParams)):
+        names = f.metadata["cli"]
+        if not names:
+            continue
+        default = f.default
+        kw: dict[str, Any] = {"help": f.metadata["help"]}
+        if names[0].startswith("--") and "/" in names[0]:
+            kw.update(default=default, show_default=True)
+        elif f.type in ("bool",) or isinstance(default, bool):
+            kw.update(is_flag=True, default=default)
+        elif f.name == "mode":
+            kw.update(type=click.Choice(MODES), default=None)
+        else:
+            kw.update(default=default, show_default=default is not None)
+            kw["type"] = float if isinstance(default, float) else int
+        command = click.option(*names, f.name, **kw)(command)
+        for a in f.metadata["aliases"]:  # deprecated spellings: accepted, hidden, warned about
+            command = click.option(f"--{a.replace('_', '-')}", f"_alias_{a}", default=None, hidden=True,
+                                   type=kw.get("type"), help=f"deprecated: {names[-1]}")(command)
+    return command
+
+
+def params_from_cli(kwargs: dict[str, Any]) -> GenParams:
+    """Pops the GenParams options (and their deprecated spellings) out of a click command's kwargs."""
+    vals = {name: kwargs.pop(name) for name in GenParams.names() if name in kwargs}
+    for a, name in GenParams.aliases().items():
+        v = kwargs.pop(f"_alias_{a}", None)
+        if v is not None:
+            import click
+            click.echo(f"warning: --{a.replace('_', '-')} is deprecated, use "
+                       f"{_cli_name(name)}", err=True)
+            vals[name] = v
+    return GenParams.from_mapping(vals)
+
+
+def _cli_name(field_name: str) -> str:
+    f = next(f for f in fields(GenParams) if f.name == field_name)
+    return f.metadata["cli"][-1].split("/")[0]
