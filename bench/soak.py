@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 API_KEY = "soak-key"
@@ -126,8 +126,9 @@ def rss_and_fds(pid: int) -> tuple[int, int]:
 
 def probe_health(port: int, seconds: float, out: mp.Queue) -> None:
     import httpx
-    lat, fails = [], 0
-    t_end = time.monotonic() + seconds
+    lat, fails, slow = [], 0, []
+    t_start = time.monotonic()
+    t_end = t_start + seconds
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
         while time.monotonic() < t_end and len(lat) < 100000:
             t0 = time.perf_counter()
@@ -136,12 +137,14 @@ def probe_health(port: int, seconds: float, out: mp.Queue) -> None:
             except httpx.HTTPError:
                 ok = False
             lat.append(time.perf_counter() - t0)
+            if lat[-1] > 0.05 and len(slow) < 100:
+                slow.append((round(time.monotonic() - t_start, 1), round(lat[-1] * 1e3, 1)))
             fails += not ok
             time.sleep(0.05)
     out.put({"n": len(lat), "failed": fails, "max_ms": max(lat) * 1e3 if lat else None,
              "p99_ms": sorted(lat)[int(len(lat) * 0.99)] * 1e3 if lat else None,
              "median_ms": sorted(lat)[len(lat) // 2] * 1e3 if lat else None,
-             "over_100ms": sum(x > 0.1 for x in lat)})
+             "over_100ms": sum(x > 0.1 for x in lat), "over_50ms_at_s_ms": slow})
 
 
 # -- clients ----------------------------------------------------------------------------------------------------------
@@ -394,7 +397,7 @@ async def _act(kind, c, port, sock, rng, refs, t, long_tokens):
         await do_socket_malformed(sock, t)
 
 
-# -- the run ------------------------------------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------------------------
 
 async def load(a, port: int, sock: str, pid: int, refs: dict, t: Tally) -> dict:
     """Run the clients; sample the daemon's RSS and fds.  The RSS baseline is taken once the warm-up is over:
@@ -504,7 +507,7 @@ def _record(a, t: Tally, rss, health, fds_idle, fds_end, counters, shutdown, log
             "exact_replies": t.exact, "clear_4xx": t.clear_4xx, "timeouts": dict(t.timeouts),
             "health_probe": health, "rss": rss, "fds": {"idle_before": fds_idle, "idle_after": fds_end},
             "daemon": {k: counters[k] for k in ("served", "cancelled", "after_cancel", "cancel_latency_max_s",
-                                                  "cache")},
+                                                  "loop_lag_max_s", "cache")},
             "shutdown": shutdown, "failures": t.failures, "checks": checks, "pass": all(checks.values())}
 
 

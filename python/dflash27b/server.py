@@ -294,7 +294,7 @@ class Job:
     """One queued request.  `emit` may be called from any thread and hands events to the loop."""
 
     def __init__(self, params: dict, loop: asyncio.AbstractEventLoop, service: "DecodeService",
-                 timeout: float | None):
+                 timeout: float | None, arrived: float | None = None):
         self.params = params
         self.loop = loop
         self.service = service
@@ -304,7 +304,7 @@ class Job:
         self.cancel_time: float | None = None    # monotonic, set just after the flag
         self.state = WAITING
         self.timeout = timeout
-        self.arrived = time.monotonic()
+        self.arrived = time.monotonic() if arrived is None else arrived
         self.deadline = self.arrived + timeout if timeout else None
         self.timer: asyncio.TimerHandle | None = None   # the deadline on the loop, for a waiting job
 
@@ -401,18 +401,19 @@ class DecodeService:
         mine, cap = params.get("timeout"), self.request_timeout or None
         return min(x for x in (mine, cap) if x) if (mine or cap) else None
 
-    def submit(self, params: dict, loop: asyncio.AbstractEventLoop) -> tuple[Job, int]:
-        """Queue a prepared request; returns the job and how many requests are ahead of it."""
+    def submit(self, params: dict, loop: asyncio.AbstractEventLoop, arrived: float | None = None) -> tuple[Job, int]:
+        """Queue a prepared request (from the loop); returns the job and how many requests are ahead of it.
+        `arrived`: when the request came in (monotonic), where its deadline counts from."""
         timeout = self.timeout_for(params)
-        job = Job(params, loop, self, timeout)
+        job = Job(params, loop, self, timeout, arrived)
         with self._lock:
             if not self.accepting:
                 raise RequestError("the daemon is shutting down and takes no new requests", SHUTDOWN)
             ahead = len(self._waiting) + (self.running is not None)
             self._waiting.append(job)
+        if job.deadline is not None:  # a waiting job times out at its deadline, not when it reaches the worker
+            job.timer = loop.call_later(max(0.0, job.deadline - time.monotonic()), job.cancel, TIMEOUT)
         self._queue.put(job)
-        if timeout:  # a waiting job times out at its deadline, not when it reaches the worker
-            job.timer = loop.call_later(timeout, job.cancel, TIMEOUT)
         return job, ahead
 
     def queue_length(self) -> int:
@@ -814,6 +815,7 @@ class Daemon:
         self._open_requests = 0
         self._connections: set[asyncio.Task] = set()
         self._http_server = None
+        self.loop_lag_max_s = 0.0   # the longest the event loop was late: how long a request could wait unread
 
     # -- health -----------------------------------------------------------------------------------------------
     def health(self) -> dict:
@@ -824,17 +826,18 @@ class Daemon:
                 "device": d.device, "n_ctx": d.n_ctx, "default_mode": d.default_mode, "queue": s.queue_length(),
                 "served": s.served, "cancelled": dict(c.by_reason),
                 "after_cancel": {"steps": c.steps_after, "tokens": c.tokens_after},
-                "cancel_latency_max_s": round(c.latency_max_s, 4),
+                "cancel_latency_max_s": round(c.latency_max_s, 4), "loop_lag_max_s": round(self.loop_lag_max_s, 4),
                 "uptime_s": round(time.time() - s.started, 3), "rss_bytes": _rss_bytes(), "pid": os.getpid(),
                 "cache": d.prefix_cache.stats() if d.prefix_cache is not None else None}
 
     # -- requests, from either front ---------------------------------------------------------------------------
     async def admit(self, params: dict) -> tuple[Job, int]:
         """Prepare (render, tokenize, check against the context; off the loop) and queue a validated request."""
+        arrived = time.monotonic()
         if not self.service.accepting:
             raise RequestError("the daemon is shutting down and takes no new requests", SHUTDOWN)
         prepared = await asyncio.to_thread(self.service.prepare, params)
-        return self.service.submit(prepared, asyncio.get_running_loop())
+        return self.service.submit(prepared, asyncio.get_running_loop(), arrived)
 
     def request_opened(self) -> None:
         self._open_requests += 1
@@ -1045,9 +1048,17 @@ class Daemon:
         if self.listeners is not None:
             self.listeners.close()
 
+    async def _watch_loop_lag(self, period: float = 0.05) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(period)
+            self.loop_lag_max_s = max(self.loop_lag_max_s, loop.time() - t - period)
+
     async def serve(self, ready: Callable[[], None] | None = None) -> None:
         self._stop = asyncio.Event()
         self._install_signal_handlers(asyncio.get_running_loop())
+        lag = asyncio.create_task(self._watch_loop_lag())
         servers: list = []
         try:
             servers = await self._start()
@@ -1056,6 +1067,7 @@ class Daemon:
             await self._stop.wait()
             await self._drain(servers)
         finally:
+            lag.cancel()
             await self._close(servers)
 
     def run(self) -> None:
