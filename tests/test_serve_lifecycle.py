@@ -237,6 +237,7 @@ def test_shutdown_mid_stream_ends_every_stream_explicitly(tmp_path, how):
             assert socket_request(s.sock, {"op": "shutdown"})[-1]["event"] == "shutdown"
         rc = s.proc.wait(grace + 5)
         took = time.monotonic() - t0
+        print(f"{how}: exit {took:.2f} s after the signal (grace {grace:g} s)")
         for t in [first, *others]:
             t.join(5)
     finally:
