@@ -134,3 +134,12 @@ def test_guard_flags_need_http(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash27b.cli", "serve", "--socket", str(tmp_path / "s.sock"),
                         "--api-key", "k"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "--http" in r.stderr and not (tmp_path / "s.sock").exists()
+
+
+def test_host_names_are_compared_without_port_case_or_trailing_dot():
+    from dflash27b.http_guard import allowed_hosts, host_name
+    names = allowed_hosts("::1", ("llm.lan:8000", "LLM2.LAN.", "fe80::1"))
+    assert {"localhost", "127.0.0.1", "[::1]", "llm.lan", "llm2.lan", "[fe80::1]"} <= names
+    assert [host_name(h) for h in (b"LLM.lan.:80", b"[fe80::1]:8000", b"127.0.0.1", b"a:b:c", b"", None)] == [
+        "llm.lan", "[fe80::1]", "127.0.0.1", None, None, None]
+    assert allowed_hosts("127.0.0.1", ("*",)) is None

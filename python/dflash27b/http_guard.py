@@ -68,8 +68,10 @@ def allowed_hosts(bound: str, extra: tuple[str, ...]) -> set[str] | None:
         return None
     names = {"localhost", "127.0.0.1", "[::1]"}
     for h in (bound, *extra):
-        h = h.strip().lower().rstrip(".")
-        names.add(f"[{h.strip('[]')}]" if ":" in h else h)
+        h = h.strip().lower()
+        if h.count(":") > 1 and not h.startswith("["):
+            h = f"[{h}]"   # a bare IPv6 address, as a Host header brackets it
+        names.add(host_name(h.encode()) or h)   # a port given with the name is dropped
     return names
 
 
