@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -267,6 +268,66 @@ def _parse_http(s: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _Bytes(click.ParamType):
+    """A byte count: 4194304, 4M, 512K, 1G."""
+    name = "bytes"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        v = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:], 1)
+        digits = v[:-1] if scale > 1 else v
+        if not digits.isdigit() or int(digits) * scale < 1024:
+            self.fail(f"expected a byte count of at least 1024 (e.g. 4M, 512K), got {value!r}", param, ctx)
+        return int(digits) * scale
+
+
+def _serve_options(f):
+    """The limits and exposure flags of `serve`."""
+    opts = [
+        click.option("--api-key", envvar="DFLASH27B_API_KEY", default=None,
+                     help="HTTP: require `Authorization: Bearer KEY` on every endpoint but /health "
+                          "[env DFLASH27B_API_KEY; prefer it to the flag, which `ps` shows]"),
+        click.option("--allow-host", multiple=True,
+                     help="HTTP: a Host name to answer besides the bound address and localhost (repeatable; "
+                          "'*' = any: only behind a proxy that checks it)"),
+        click.option("--cors-origin", multiple=True,
+                     help="HTTP: a browser origin allowed to call the API, e.g. https://app.example "
+                          "(repeatable; none = CORS off)"),
+        click.option("--max-body", type=_Bytes(), default="4M", show_default=True,
+                     help="largest request: HTTP body (413 beyond) or socket request line"),
+        click.option("--read-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+                     help="HTTP: seconds to receive a request's headers, then its body (408 beyond)"),
+        click.option("--request-timeout", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="seconds a request may take from arrival, queue wait included (0 = no limit); "
+                          "requests may ask for less with the `timeout` field"),
+        click.option("--shutdown-grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
+                     help="on SIGTERM / shutdown: seconds the running request may take to finish"),
+        click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
+                     help="HTTP: concurrent connections before 503"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _stopped_while_loading(signum, frame):
+    click.echo("error: stopped by SIGTERM while loading the models", err=True)
+    raise SystemExit(1)
+
+
+def _check_http_flags(http, api_key, allow_host, cors_origin) -> None:
+    from click.core import ParameterSource
+    key_flag = click.get_current_context().get_parameter_source("api_key") == ParameterSource.COMMANDLINE
+    given = [name for name, v in (("--api-key", api_key and key_flag), ("--allow-host", allow_host),
+                                  ("--cors-origin", cors_origin)) if v]
+    if given and http is None:
+        _fail(f"{', '.join(given)} guard the HTTP front: give --http HOST:PORT too")
+    if api_key is not None and not api_key.strip():
+        _fail("--api-key is empty")
+
+
 @main.command()
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
               help="serve newline-delimited JSON on this Unix socket (created mode 0600)")
@@ -284,17 +345,15 @@ def _parse_http(s: str) -> tuple[str, int]:
 @click.option("--cache-mem", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="GiB of host memory for the prefix cache: earlier conversations' states, so a chat's next turn "
                    "prefills only what is new (0 = off; requests may pass cache_prompt=false)")
+@_serve_options
 def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, threads, draft_type, state_type,
-          feature_ring, cache_mem):
+          feature_ring, cache_mem, api_key, allow_host, cors_origin, max_body, read_timeout, request_timeout,
+          shutdown_grace, max_connections):
     """Keep the models loaded and serve requests (protocol: docs/PROTOCOL.md)."""
-    from .server import Daemon, check_socket_free
+    from .server import Daemon, Listeners, ServeOptions
     if socket_path is None and http is None:
         _fail("give --socket PATH and/or --http HOST:PORT")
-    if socket_path is not None:
-        try:
-            check_socket_free(socket_path)  # refuse before spending seconds loading models
-        except DFlashError as e:
-            _fail(str(e))
+    _check_http_flags(http, api_key, allow_host, cors_origin)
     hp = _parse_http(http) if http else None
     if hp is not None:
         try:
@@ -303,19 +362,31 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
             _fail(str(e))
     if target is None and bundled_pair() is None:
         _fail("no target model given: pass -m/--target")
+    options = ServeOptions(max_body=max_body, request_timeout=request_timeout, shutdown_grace=shutdown_grace,
+                           read_timeout=read_timeout, api_key=api_key, allow_hosts=tuple(allow_host),
+                           cors_origins=tuple(cors_origin), max_connections=max_connections)
+    try:
+        listeners = Listeners(socket_path, hp).open()  # a busy port or path fails now, not after the load
+    except DFlashError as e:
+        _fail(str(e))
+    # until the daemon's own handlers are in place, SIGTERM ends the load cleanly (the socket file removed)
+    signal.signal(signal.SIGTERM, _stopped_while_loading)
     try:
         with _loading("loading models"):
             dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
                           feature_ring=feature_ring, draft_type=draft_type, state_type=state_type,
                           cache_mem=int(cache_mem * 2**30), on_memory_plan=_plan_printer(device))
         name = model_name or Path(dec.target).stem
-        d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True))
+        d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True), options=options,
+                   listeners=listeners)
         click.echo(f"loaded {dec.target}" + (f" + {dec.draft}" if dec.draft else "") +
                    f" ({dec.device}, ctx {ctx}, kv {kv_type}, default mode {dec.default_mode})", err=True)
         d.run()
         dec.close()
     except DFlashError as e:
         _fail(str(e))
+    finally:
+        listeners.close()
 
 
 @main.command("plan")

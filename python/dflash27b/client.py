@@ -1,7 +1,10 @@
 """Client of the resident daemon (`dflash27b serve --socket PATH`): `Decoder.connect(PATH)` returns one.
 
 Speaks docs/PROTOCOL.md; `generate`/`stream` mirror `Decoder`'s so a script can switch between an
-in-process decoder and a daemon by changing one line.
+in-process decoder and a daemon by changing one line.  Besides Decoder's keywords they take the protocol's
+request fields, e.g. `timeout=SECONDS` (the daemon ends the request at that deadline: a `done` whose
+stop_reason is "timeout", or an error with code "timeout" if it never started).  Error events raise
+`RequestError`, a DFlashError whose `code` says why (bad_request, timeout, shutdown, internal).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Iterator, Sequence
 
 from ._lib import DFlashError
 from .results import GenerateResult, GenerateStats
+from .server import RequestError
 
 _TERMINAL = {"done", "error", "health", "shutdown"}
 
@@ -95,7 +99,7 @@ class RemoteDecoder:
         for ev in self.request(self._request_obj(prompt, max_new_tokens, chat, stream, kw)):
             self.last_events.append(ev)
             if ev.get("event") == "error":
-                raise DFlashError(ev.get("message", "daemon error"))
+                raise RequestError(ev.get("message", "daemon error"), ev.get("code", "bad_request"))
             yield ev
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,

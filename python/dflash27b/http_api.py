@@ -3,44 +3,56 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or SSE streaming with
 `data: [DONE]`), GET /health, POST /tokenize, POST /detokenize, GET /metrics (Prometheus text), as
 llama-server offers them.  Every OpenAI request field is honoured, a no-op where it cannot change the answer,
-or refused with 400 naming it.  Requests go through the daemon's one decode queue, like socket requests.
-OpenAI's sampling fields map onto the engine's; `mode`, `budget`, `top_k`, `min_p`, `ignore_eos` may be
-passed as extra body fields (openai client: `extra_body={...}`).  Chat prompts use the GGUF's template.
+or refused with 400 naming it; null means "not given", as in OpenAI's API.  Requests go through the
+daemon's one decode queue, like socket requests, and a request whose client disconnects (streamed or not)
+is cancelled at the next decode step.  OpenAI's sampling fields map onto the engine's; `mode`, `budget`,
+`top_k`, `min_p`, `ignore_eos`, `timeout`, ... may be passed as extra body fields (openai client:
+`extra_body={...}`).  Chat prompts use the GGUF's template.  The guards in front of the app (Host, API key,
+CORS, body limits, read deadlines) are in http_guard.py.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from ._lib import DFlashError
-from .server import parse_generate
+from .server import (BAD_REQUEST, CHAT_ROLES, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, Job, RequestError,
+                     parse_generate, parse_off_loop)
 
 try:
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
-    from starlette.routing import Route
     import uvicorn
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.routing import Route
+
+    from .http_guard import ApiKeyGuard, BodyGuard, HostGuard, allowed_hosts, deadline_protocol, error_body
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise DFlashError("the HTTP front needs starlette and uvicorn: pip install 'dflash27b[serve]'") from e
 
+# engine fields a body may carry besides OpenAI's (openai client: extra_body)
 _EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "expand", "top_k", "min_p", "ignore_eos",
-          "cache_prompt", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty")
+          "cache_prompt", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty", "timeout")
 
 # Every OpenAI request field is honoured, accepted as a no-op where it cannot change the answer, or refused
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.
 _HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-             "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs"} | set(_EXTRA)
-_NO_OP = {"user", "metadata", "store", "service_tier", "modalities", "parallel_tool_calls"}
+             "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
+             "return_tokens_as_token_ids"} | set(_EXTRA)
+# no-ops, with the type OpenAI gives them (a wrong type is still a 400)
+_NO_OP = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "true or false"),
+          "service_tier": (str, "a string"), "parallel_tool_calls": (bool, "true or false")}
+_TYPED = {"model": (str, "a string"), "stream": (bool, "true or false"),
+          "return_tokens_as_token_ids": (bool, "true or false")}
 
 
 def _neutral(k: str, v) -> bool:
-    """Values of the not-yet-honoured fields that ask for nothing (so the answer cannot change)."""
-    if v is None:
-        return True
+    """Values of the not-honoured fields that ask for nothing (so the answer cannot change)."""
     return {
         "logit_bias": v == {},
         "response_format": isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
@@ -51,6 +63,7 @@ def _neutral(k: str, v) -> bool:
         "echo": v is False,
         "suffix": v == "",
         "best_of": v == 1,
+        "modalities": v == ["text"],
     }.get(k, False)
 
 
@@ -59,285 +72,585 @@ _WHY = {"logit_bias": "logit biases are not applied",
         "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
         "functions": "function calls are not supported", "function_call": "function calls are not supported",
         "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
-        "best_of": "only best_of=1 is supported"}
+        "best_of": "only best_of=1 is supported", "modalities": "only [\"text\"] output is supported"}
+
+_MESSAGE_FIELD_WHY = {"name": "participant names are not passed to the chat template",
+                      "tool_calls": "tool calls are not supported", "tool_call_id": "tool calls are not supported",
+                      "function_call": "function calls are not supported", "audio": "audio is not supported",
+                      "refusal": "refusals are not passed to the chat template"}
+
+STATUS = {BAD_REQUEST: 400, TIMEOUT: 503, SHUTDOWN: 503, INTERNAL: 500, CLIENT_GONE: 499}
 
 
-def _check_fields(body: dict) -> None:
+def _fail(message: str) -> RequestError:
+    return RequestError(message)
+
+
+def _typed(v, t) -> bool:
+    return isinstance(v, t) and not (t is not bool and isinstance(v, bool))
+
+
+# -- an OpenAI body -> an engine request ----------------------------------------------------------------------
+
+@dataclass
+class Shape:
+    """How the reply is written: the HTTP side of the request."""
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    token_ids: bool = False   # vLLM's return_tokens_as_token_ids: tokens spelled "token_id:N"
+
+
+def _check_fields(body: dict, chat: bool) -> None:
     for k, v in body.items():
-        if k in _HONOURED or k in _NO_OP:
-            continue
-        if k in _WHY:
+        if k in _NO_OP or k in _TYPED:
+            t, what = _NO_OP.get(k) or _TYPED[k]
+            if not _typed(v, t):
+                raise _fail(f"'{k}' must be {what}")
+        elif k in _WHY:
             if not _neutral(k, v):
-                raise DFlashError(f"'{k}' is not supported: {_WHY[k]}")
-            continue
-        raise DFlashError(f"unknown request field '{k}'")
+                raise _fail(f"'{k}' is not supported: {_WHY[k]}")
+        elif k not in _HONOURED:
+            raise _fail(f"unknown request field '{k}'")
+    if ("messages" if not chat else "prompt") in body:
+        raise _fail(f"'{'messages' if not chat else 'prompt'}' belongs to /v1/"
+                    f"{'chat/completions' if not chat else 'completions'}")
+    n = body.get("n", 1)
+    if not _typed(n, int):
+        raise _fail("'n' must be an integer (only n=1 is supported)")
+    if n != 1:
+        raise _fail("only n=1 is supported")
+
+
+def _stream_shape(body: dict, chat: bool) -> Shape:
+    shape = Shape(chat, stream=body.get("stream", False), token_ids=body.get("return_tokens_as_token_ids", False))
     so = body.get("stream_options")
-    if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"} or
-                           not isinstance(so.get("include_usage", False), bool)):
-        raise DFlashError("'stream_options' takes only {\"include_usage\": true|false}")
+    if so is not None:
+        if not shape.stream:
+            raise _fail("'stream_options' is only allowed with \"stream\": true")
+        if not isinstance(so, dict) or set(so) - {"include_usage"} or not isinstance(so.get("include_usage", False),
+                                                                                        bool):
+            raise _fail("'stream_options' takes only {\"include_usage\": true|false}")
+        shape.include_usage = so.get("include_usage", False)
+    return shape
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _content_text(content, where: str) -> str:
+    """A message's content: a string, or a list of text parts (joined); anything else is refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _fail(f"{where}.content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise _fail(f"{where}.content[{j}]: {repr(kind) + ' parts are' if kind else 'a part without a type is'}"
+                        " not supported (text only)")
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            raise _fail(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": string}}")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
-def _to_engine(body: dict, chat: bool) -> dict:
-    """OpenAI request body -> a daemon generate request (validated by parse_generate)."""
-    _check_fields(body)
-    req: dict = {}
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list):
-            raise DFlashError("'messages' must be a list of {role, content}")
-        norm = []
-        for m in msgs:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, list):  # content parts: keep the text ones
-                c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
-            norm.append({"role": m.get("role") if isinstance(m, dict) else None, "content": c})
-        req["messages"] = norm
-    else:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-            req["prompt_ids"] = p
-        elif isinstance(p, str):
-            req["prompt"] = p
-        else:
-            raise DFlashError("'prompt' must be a string or a list of token ids (one prompt per request)")
+def _chat_messages(msgs) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise _fail("'messages' must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _fail(f"{where} must be an object {{role, content}}")
+        for k, v in m.items():
+            if k in ("role", "content") or v is None:
+                continue
+            if k in _MESSAGE_FIELD_WHY:
+                raise _fail(f"{where}: '{k}' is not supported: {_MESSAGE_FIELD_WHY[k]}")
+            raise _fail(f"{where}: unknown field '{k}'")
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise _fail(f"{where}: '{role}' messages are not supported: tool calls are not supported")
+        if role not in CHAT_ROLES:
+            raise _fail(f"{where}.role must be one of {', '.join(CHAT_ROLES)} (got {role!r})")
+        out.append({"role": role, "content": _content_text(m.get("content"), where)})
+    return out
+
+
+def _prompt(p) -> dict:
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]   # one prompt given as a batch of one
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, list) and p and all(_typed(t, int) for t in p):
+        return {"prompt_ids": p}
+    raise _fail("'prompt' must be a string or a list of token ids (one prompt per request)")
+
+
+def _logprobs(body: dict, chat: bool) -> dict:
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if chat:  # logprobs: bool, top_logprobs: 0..20 alternatives
         if lp is not None and not isinstance(lp, bool):
-            raise DFlashError("'logprobs' must be true or false")
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
-            raise DFlashError("'top_logprobs' must be an integer in 0..20")
+            raise _fail("'logprobs' must be true or false")
+        if top is not None and (not _typed(top, int) or not 0 <= top <= 20):
+            raise _fail("'top_logprobs' must be an integer in 0..20")
         if top and not lp:
-            raise DFlashError("'top_logprobs' needs 'logprobs': true")
-        if lp:
-            req["logprobs"] = top or 0
-    else:  # completions: logprobs = the number of alternatives (0..20)
-        if top is not None:
-            raise DFlashError("'top_logprobs' is a chat field; completions take 'logprobs': k")
-        if lp is not None:
-            if not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20:
-                raise DFlashError("'logprobs' must be an integer in 0..20")
-            req["logprobs"] = lp
-    n = body.get("max_completion_tokens", body.get("max_tokens"))
-    if n is not None:
-        req["max_new_tokens"] = n
-    if body.get("n", 1) != 1:
-        raise DFlashError("only n=1 is supported")
+            raise _fail("'top_logprobs' needs 'logprobs': true")
+        return {"logprobs": top or 0} if lp else {}
+    if top is not None:  # completions: logprobs = the number of alternatives (0..20)
+        raise _fail("'top_logprobs' is a chat field; completions take 'logprobs': k")
+    if lp is None:
+        return {}
+    if not _typed(lp, int) or not 0 <= lp <= 20:
+        raise _fail("'logprobs' must be an integer in 0..20")
+    return {"logprobs": lp}
+
+
+def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
+    """An OpenAI request body -> (a validated daemon generate request, how to write the reply)."""
+    body = {k: v for k, v in body.items() if v is not None}   # OpenAI: null = not given
+    _check_fields(body, chat)
+    shape = _stream_shape(body, chat)
+    if chat:
+        req = {"messages": _chat_messages(body.get("messages"))}
+    else:
+        if "prompt" not in body:
+            raise _fail("'prompt' is required")
+        req = _prompt(body["prompt"])
+    req.update(_logprobs(body, chat))
+    names = {}
+    for k in ("max_tokens", "max_completion_tokens"):   # the newer name wins where both are given
+        if k in body:
+            req["max_new_tokens"], names["max_new_tokens"] = body[k], k
     # OpenAI's default temperature is 1.0 (sampling); pass temperature=0 for greedy, exact decoding
-    req["temperature"] = 1.0 if body.get("temperature") is None else body["temperature"]
-    for k in ("top_p", "seed", "stop"):
-        if body.get(k) is not None:
-            req[k] = body[k]
-    for k in _EXTRA:
+    req["temperature"] = body.get("temperature", 1.0)
+    for k in ("top_p", "seed", "stop", *_EXTRA):
         if k in body:
             req[k] = body[k]
-    req["stream"] = bool(body.get("stream", False))
-    return parse_generate(req)
+    req["stream"] = shape.stream
+    return parse_generate(req, names), shape
+
+
+# -- replies ----------------------------------------------------------------------------------------------------
+
+class TokenSpelling:
+    """A token's text in replies: its text when its bytes are UTF-8, else OpenAI's `bytes:\\xNN...` spelling
+    (so two partial-character tokens never share a key); "token_id:N" with return_tokens_as_token_ids."""
+
+    def __init__(self, tokenizer, as_ids: bool):
+        self.tok, self.as_ids = tokenizer, as_ids
+
+    def text(self, t: int) -> str:
+        if self.as_ids:
+            return f"token_id:{t}"
+        b = self.tok.token_bytes(t)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+    def entry(self, t: int, logprob: float) -> dict:
+        return {"token": self.text(t), "logprob": logprob, "bytes": list(self.tok.token_bytes(t))}
+
+
+class LogprobShaper:
+    """OpenAI's logprobs shapes: chat {"content": [...]}, completions {"tokens", "token_logprobs",
+    "top_logprobs", "text_offset"}.  Offsets run on across the chunks of one reply."""
+
+    def __init__(self, tokenizer, shape: Shape):
+        self.spell = TokenSpelling(tokenizer, shape.token_ids)
+        self.chat = shape.chat
+        self._chars = tokenizer.stream_decoder()   # text offsets count the reply's decoded characters
+        self._offset = 0
+
+    def __call__(self, entries: list[dict] | None) -> dict | None:
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{**self.spell.entry(e["token"], e["logprob"]),
+                                 "top_logprobs": [self.spell.entry(i, p) for i, p in e["top"]]} for e in entries]}
+        return {"tokens": [self.spell.text(e["token"]) for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.spell.text(i): p for i, p in e["top"]} for e in entries],
+                "text_offset": [self._advance(e["token"]) for e in entries]}
+
+    def _advance(self, t: int) -> int:
+        at = self._offset
+        self._offset += len(self._chars.push(t))
+        return at
 
 
 def _finish(stop_reason: str) -> str:
-    return "length" if stop_reason in ("length", "context_full") else "stop"
+    # a deadline is a limit like max_tokens (llama-server maps its time limit to "length" too)
+    return "length" if stop_reason in ("length", "context_full", "timeout") else "stop"
+
+
+def _usage(stats: dict) -> dict:
+    return {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["generated_tokens"],
+            "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"],
+            "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
+
+
+def _ours(stats: dict) -> dict:
+    return {k: stats[k] for k in ("mode", "mean_accept", "decode_tok_s", "stop_reason")}
+
+
+class Reply:
+    """The OpenAI objects of one reply (JSON body, or SSE chunks)."""
+
+    def __init__(self, shape: Shape, model: str, tokenizer):
+        self.shape = shape
+        self.id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created, self.model = int(time.time()), model
+        self.kind = "chat.completion" if shape.chat else "text_completion"
+        self.logprobs = LogprobShaper(tokenizer, shape)
+
+    def _head(self, chunk: bool) -> dict:
+        kind = self.kind + ".chunk" if chunk and self.shape.chat else self.kind
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, lps=None,
+              extra: dict | None = None) -> bytes:
+        if self.shape.chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(lps)}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self.logprobs(lps)}
+        return sse({**self._head(True), "choices": [choice], **(extra or {})})
+
+    def usage_chunk(self, stats: dict) -> bytes:   # OpenAI's shape: one more chunk, no choices, the usage
+        return sse({**self._head(True), "choices": [], "usage": _usage(stats)})
+
+    def body(self, done: dict) -> dict:
+        fin, lps = _finish(done["stats"]["stop_reason"]), self.logprobs(done.get("logprobs"))
+        if self.shape.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]}, "finish_reason": fin,
+                      "logprobs": lps}
+        else:
+            choice = {"index": 0, "text": done["text"], "finish_reason": fin, "logprobs": lps}
+        return {**self._head(False), "choices": [choice], "usage": _usage(done["stats"]),
+                "dflash27b": _ours(done["stats"])}
+
+
+def sse(obj: dict) -> bytes:
+    import json
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def error_response(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> Response:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return Response(error_body(status, message, kind), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def _request_error(e: RequestError) -> Response:
+    return error_response(STATUS.get(e.code, 400), str(e))
+
+
+async def wait_disconnect(receive) -> None:
+    """Returns when the client has gone (the body was read before, so nothing else arrives)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream:
+    """A job's reply as server-sent events, ending in `data: [DONE]`.  The job is cancelled the moment the
+    client disconnects; a job ended by the daemon (shutdown, a queue timeout, an error) ends the stream with
+    an `{"error": {...}}` object naming why."""
+
+    def __init__(self, job: Job, reply: Reply, daemon):
+        self.job, self.reply, self.daemon = job, reply, daemon
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.daemon.request_opened()
+        watcher = asyncio.create_task(self._watch(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+            async for data in self._chunks():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass   # the client went away while we wrote
+        finally:
+            watcher.cancel()
+            self.job.cancel(CLIENT_GONE)   # no-op when it finished
+            self.daemon.request_closed()
+
+    async def _watch(self, receive) -> None:
+        await wait_disconnect(receive)
+        self.job.cancel(CLIENT_GONE)
+
+    async def _chunks(self):
+        r = self.reply
+        if r.shape.chat:
+            yield r.chunk(None, first=True)
+        while (ev := await self.job.events.get()) is not None:
+            if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
+                yield r.chunk(ev["text"], lps=ev.get("logprobs"))
+            elif ev["event"] == "done":
+                stats = ev["stats"]
+                yield r.chunk(None if r.shape.chat else "", _finish(stats["stop_reason"]),
+                              extra={"dflash27b": _ours(stats)})
+                if r.shape.include_usage:
+                    yield r.usage_chunk(stats)
+            elif ev["event"] == "error":
+                code = STATUS.get(ev.get("code"), 400)
+                yield sse({"error": {"message": ev["message"], "type": "server_error" if code >= 500 else
+                                     "invalid_request_error", "code": code}})
+        yield b"data: [DONE]\n\n"
+
+
+# -- endpoints --------------------------------------------------------------------------------------------------
+
+class OpenAIFront:
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.service = daemon.service
+        self.decoder = daemon.decoder
+        self._bucket = (0, 0.0, 0, 0.0)   # llama-server's throughput gauges cover the time since the last scrape
+
+    async def _json_body(self, request: Request) -> dict:
+        body = await parse_off_loop(await request.body())
+        if not isinstance(body, dict):
+            raise _fail("the request body must be a JSON object")
+        return body
+
+    async def models(self, _: Request):
+        d = self.decoder
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.daemon.model_name, "object": "model", "created": int(self.service.started),
+            "owned_by": "dflash27b", "meta": {"target": d.target, "draft": d.draft, "n_ctx": d.n_ctx}}]})
+
+    async def health(self, request: Request):
+        state = request.scope.get("state", {})
+        h = self.daemon.health()
+        status = 200 if self.service.accepting else 503
+        if state.get("authorised") is False:   # --api-key set, none given: liveness only, no paths or pid
+            return JSONResponse({"status": h["status"]}, status_code=status)
+        return JSONResponse(h, status_code=status)
+
+    async def chat_completions(self, request: Request):
+        return await self._completion(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self._completion(request, chat=False)
+
+    async def _completion(self, request: Request, chat: bool):
+        try:
+            params, shape = to_engine(await self._json_body(request), chat)
+            job, _ = await self.daemon.admit(params)
+        except RequestError as e:
+            return _request_error(e)
+        reply = Reply(shape, self.daemon.model_name, self.decoder.tokenizer)
+        if shape.stream:
+            return EventStream(job, reply, self.daemon)
+        return await self._result(job, reply, request)
+
+    async def _result(self, job: Job, reply: Reply, request: Request):
+        """Wait for a non-streamed job's end; the client's disconnect cancels it at the next step."""
+        self.daemon.request_opened()
+        gone = asyncio.create_task(wait_disconnect(request.receive))
+        try:
+            while True:
+                get = asyncio.create_task(job.events.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    job.cancel(CLIENT_GONE)
+                    return Response(status_code=499)   # nobody reads it
+                ev = get.result()
+                if ev is None:
+                    return error_response(500, "the request ended without a result")
+                if ev["event"] == "done":
+                    return JSONResponse(reply.body(ev))
+                if ev["event"] == "error":
+                    return error_response(STATUS.get(ev.get("code"), 400), ev["message"])
+        finally:
+            gone.cancel()
+            job.cancel(CLIENT_GONE)   # no-op when it finished
+            self.daemon.request_closed()
+
+    async def tokenize(self, request: Request):
+        """llama-server's /tokenize: {"content", "add_special"?, "parse_special"?, "with_pieces"?}; a piece that
+        is not whole UTF-8 comes as its list of bytes, as llama-server gives it."""
+        try:
+            body = await self._json_body(request)
+            unknown = set(body) - {"content", "add_special", "parse_special", "with_pieces"}
+            if unknown:
+                raise _fail(f"unknown request field '{sorted(unknown)[0]}'")
+            if not isinstance(body.get("content"), str):
+                raise _fail("'content' must be a string")
+            for k in ("add_special", "parse_special", "with_pieces"):
+                if k in body and not isinstance(body[k], bool):
+                    raise _fail(f"'{k}' must be true or false")
+            if body.get("add_special"):
+                raise _fail("'add_special' is not supported: Qwen3.5's tokenizer adds no BOS token")
+        except RequestError as e:
+            return _request_error(e)
+        ids = await asyncio.to_thread(self.service.prompts.encode, body["content"],
+                                      parse_special=body.get("parse_special", True))
+        if not body.get("with_pieces"):
+            return JSONResponse({"tokens": ids})
+        return JSONResponse({"tokens": [{"id": t, "piece": self._piece(t)} for t in ids]})
+
+    def _piece(self, t: int) -> str | list[int]:
+        b = self.decoder.tokenizer.token_bytes(t)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(b)
+
+    async def detokenize(self, request: Request):
+        try:
+            body = await self._json_body(request)
+            toks, n_vocab = body.get("tokens"), self.service.n_vocab
+            if set(body) - {"tokens"} or not isinstance(toks, list) or not all(
+                    _typed(t, int) and 0 <= t < n_vocab for t in toks):
+                raise _fail(f"the body must be {{\"tokens\": [ids in 0..{n_vocab - 1}]}}")
+        except RequestError as e:
+            return _request_error(e)
+        return JSONResponse({"content": await asyncio.to_thread(self.decoder.detokenize, toks)})
+
+    async def metrics(self, _: Request):
+        """Prometheus text: our dflash27b_* names, and llama-server's llamacpp:* names where the meaning is
+        the same (so its dashboards work)."""
+        rows = self._our_metrics() + self._llamacpp_metrics()
+        text = "".join(f"# HELP {n} {d}\n# TYPE {n} {t}\n" + "".join(f"{n}{lab} {v}\n" for lab, v in vals)
+                       for n, t, d, vals in rows)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    def _our_metrics(self) -> list:
+        s, h = self.service, self.daemon.health()
+        cache, steps, c = h.get("cache") or {}, s.decode_steps_total, s.cancel_stats
+        one = lambda v: [("", v)]  # noqa: E731
+        return [(f"dflash27b_{n}", t, d, v) for n, t, d, v in [
+            ("requests_total", "counter", "generate requests served", one(s.served)),
+            ("requests_cancelled_total", "counter", "requests ended early, by reason",
+             [(f'{{reason="{r}"}}', k) for r, k in c.by_reason.items()]),
+            ("steps_after_cancel_total", "counter", "decode steps started after their request was cancelled",
+             one(c.steps_after)),
+            ("tokens_after_cancel_total", "counter", "tokens decoded by steps started after a cancel",
+             one(c.tokens_after)),
+            ("cancel_latency_max_seconds", "gauge", "longest time from a cancel to the decode letting go",
+             one(round(c.latency_max_s, 6))),
+            ("prompt_tokens_total", "counter", "prompt tokens of served requests", one(s.prompt_tokens_total)),
+            ("prompt_tokens_cached_total", "counter", "prompt tokens restored from the prefix cache",
+             one(s.cached_tokens_total)),
+            ("tokens_predicted_total", "counter", "tokens generated", one(s.generated_tokens_total)),
+            ("decode_steps_total", "counter", "decode steps (target forwards after prefill)", one(steps)),
+            ("decode_seconds_total", "counter", "seconds spent decoding", one(round(s.decode_seconds_total, 6))),
+            ("mean_accept_length", "gauge", "tokens per decode step, all requests (bonus included)",
+             one(round((s.generated_tokens_total - s.served) / steps, 4) if steps else 0)),
+            ("queue_length", "gauge", "requests running or waiting", one(h["queue"])),
+            ("prefix_cache_bytes", "gauge", "bytes held by the prefix cache", one(cache.get("bytes", 0))),
+            ("prefix_cache_checkpoints", "gauge", "prefix cache checkpoints", one(cache.get("checkpoints", 0))),
+            ("prefix_cache_hits_total", "counter", "requests that reused a cached prefix", one(cache.get("hits", 0))),
+            ("resident_memory_bytes", "gauge", "daemon resident set size", one(h["rss_bytes"])),
+        ]]
+
+    def _llamacpp_metrics(self) -> list:
+        """llama-server's /metrics names and meanings: prompt tokens are those processed (not restored from
+        a cache); the two throughput gauges cover the time since the previous scrape, as llama-server's do."""
+        s = self.service
+        now = (s.prefilled_tokens_total, s.prefill_seconds_total, s.generated_tokens_total, s.decode_seconds_total)
+        d = [a - b for a, b in zip(now, self._bucket)]
+        self._bucket = now
+        running, waiting = s.counts()
+        return [(f"llamacpp:{n}", t, dsc, [("", v)]) for n, t, dsc, v in [
+            ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", s.prefilled_tokens_total),
+            ("prompt_seconds_total", "counter", "Prompt process time", round(s.prefill_seconds_total, 6)),
+            ("tokens_predicted_total", "counter", "Number of generation tokens processed.", s.generated_tokens_total),
+            ("tokens_predicted_seconds_total", "counter", "Predict process time", round(s.decode_seconds_total, 6)),
+            ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
+             round(d[0] / d[1], 3) if d[1] > 0 else 0.0),
+            ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
+             round(d[2] / d[3], 3) if d[3] > 0 else 0.0),
+            ("requests_processing", "gauge", "Number of requests processing.", running),
+            ("requests_deferred", "gauge", "Number of requests deferred.", waiting),
+        ]]
+
+
+# -- the app and its server ------------------------------------------------------------------------------------
+
+async def _http_error(_: Request, exc: HTTPException):
+    return error_response(exc.status_code, exc.detail or "error", headers=getattr(exc, "headers", None))
+
+
+async def _bug(_: Request, exc: Exception):   # Starlette logs it (a traceback is right for a bug)
+    return error_response(500, "internal server error (the daemon's log has the details)")
+
+
+def _routes(front: OpenAIFront) -> list[Route]:
+    return [Route("/v1/models", front.models, methods=["GET"]),
+            Route("/health", front.health, methods=["GET"]),
+            Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
+            Route("/v1/completions", front.completions, methods=["POST"]),
+            Route("/tokenize", front.tokenize, methods=["POST"]),
+            Route("/detokenize", front.detokenize, methods=["POST"]),
+            Route("/metrics", front.metrics, methods=["GET"])]
+
+
+def _guards(options, bound_host: str) -> list[Middleware]:
+    """Outermost first: Host, CORS (only with --cors-origin), API key, body checks."""
+    guards = [Middleware(HostGuard, allowed=allowed_hosts(bound_host, options.allow_hosts))]
+    if options.cors_origins:
+        guards.append(Middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+                                 allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type",
+                                                                               "x-api-key"]))
+    if options.api_key:
+        guards.append(Middleware(ApiKeyGuard, key=options.api_key))
+    guards.append(Middleware(BodyGuard, max_body=options.max_body, read_timeout=options.read_timeout))
+    return guards
 
 
 def make_app(daemon) -> Starlette:
-    service = daemon.service
-
-    async def models(_: Request):
-        return JSONResponse({"object": "list", "data": [{
-            "id": daemon.model_name, "object": "model", "created": int(service.started), "owned_by": "dflash27b",
-            "meta": {"target": daemon.decoder.target, "draft": daemon.decoder.draft, "n_ctx": daemon.decoder.n_ctx}}]})
-
-    async def health(_: Request):
-        return JSONResponse(daemon.health())
-
-    async def completion(request: Request, chat: bool):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"malformed JSON body: {e}")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        try:
-            params = _to_engine(body, chat)
-        except DFlashError as e:
-            return _error(400, str(e))
-        stream = params["stream"]
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-        params["stream"] = True  # always stream internally; the HTTP shape decides what is sent
-        job, _ = service.submit(params, asyncio.get_running_loop())
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created, model = int(time.time()), daemon.model_name
-        kind = "chat.completion" if chat else "text_completion"
-
-        def usage(stats):
-            return {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["generated_tokens"],
-                    "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"],
-                    "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}}
-
-        dec = daemon.decoder
-
-        def piece(t: int) -> dict:
-            text = dec.detokenize([t])
-            return {"token": text, "bytes": list(text.encode("utf-8"))}
-
-        def logprobs_of(lps: list[dict] | None):
-            """OpenAI's shape: chat {"content": [...]}, completions {"tokens", "token_logprobs", ...}."""
-            if lps is None:
-                return None
-            if chat:
-                return {"content": [{**piece(e["token"]), "logprob": e["logprob"],
-                                     "top_logprobs": [{**piece(i), "logprob": p} for i, p in e["top"]]} for e in lps]}
-            toks = [piece(e["token"])["token"] for e in lps]
-            offs, o = [], 0
-            for t in toks:
-                offs.append(o)
-                o += len(t)
-            return {"tokens": toks, "token_logprobs": [e["logprob"] for e in lps],
-                    "top_logprobs": [{piece(i)["token"]: p for i, p in e["top"]} for e in lps], "text_offset": offs}
-
-        def chunk(text: str | None, finish: str | None, first: bool = False, lps: list[dict] | None = None) -> str:
-            if chat:
-                delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs_of(lps)}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs_of(lps)}
-            return "data: " + json.dumps({"id": rid, "object": kind + ".chunk" if chat else kind,
-                                          "created": created, "model": model, "choices": [choice]}) + "\n\n"
-
-        async def events():
-            try:
-                while True:
-                    ev = await job.events.get()
-                    if ev is None:
-                        return
-                    yield ev
-            finally:
-                job.cancel()  # no-op when finished; frees the slot when the HTTP client went away
-
-        if stream:
-            async def sse():
-                if chat:
-                    yield chunk(None, None, first=True)
-                async for ev in events():
-                    if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
-                        yield chunk(ev["text"], None, lps=ev.get("logprobs"))
-                    elif ev["event"] == "done":
-                        yield chunk(None if chat else "", _finish(ev["stats"]["stop_reason"]))
-                        if include_usage:  # OpenAI's shape: one more chunk, no choices, the usage
-                            yield "data: " + json.dumps({"id": rid, "object": kind + ".chunk" if chat else kind,
-                                                         "created": created, "model": model, "choices": [],
-                                                         "usage": usage(ev["stats"])}) + "\n\n"
-                    elif ev["event"] == "error":
-                        yield "data: " + json.dumps({"error": {"message": ev["message"], "type": "server_error"}}) + "\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        async for ev in events():
-            if ev["event"] == "error":
-                return _error(400, ev["message"])
-            if ev["event"] == "done":
-                fin = _finish(ev["stats"]["stop_reason"])
-                lps = logprobs_of(ev.get("logprobs"))
-                choice = ({"index": 0, "message": {"role": "assistant", "content": ev["text"]}, "finish_reason": fin,
-                           "logprobs": lps}
-                          if chat else {"index": 0, "text": ev["text"], "finish_reason": fin, "logprobs": lps})
-                return JSONResponse({"id": rid, "object": kind, "created": created, "model": model,
-                                     "choices": [choice], "usage": usage(ev["stats"]),
-                                     "dflash27b": {k: ev["stats"][k] for k in ("mode", "mean_accept", "decode_tok_s")}})
-        return _error(500, "the request ended without a result", "server_error")
-
-    async def body_of(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DFlashError(f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise DFlashError("the request body must be a JSON object")
-        return body
-
-    async def tokenize(request: Request):
-        """llama-server's /tokenize: {"content", "add_special"?, "parse_special"?, "with_pieces"?}."""
-        try:
-            body = await body_of(request)
-            unknown = set(body) - {"content", "add_special", "parse_special", "with_pieces"}
-            if unknown:
-                raise DFlashError(f"unknown request field '{sorted(unknown)[0]}'")
-            if not isinstance(body.get("content"), str):
-                raise DFlashError("'content' must be a string")
-            if body.get("add_special"):
-                raise DFlashError("'add_special' is not supported: Qwen3.5's tokenizer adds no BOS token")
-            ids = daemon.decoder.tokenize(body["content"], parse_special=bool(body.get("parse_special", True)))
-        except DFlashError as e:
-            return _error(400, str(e))
-        if body.get("with_pieces"):
-            return JSONResponse({"tokens": [{"id": t, "piece": daemon.decoder.detokenize([t])} for t in ids]})
-        return JSONResponse({"tokens": ids})
-
-    async def detokenize(request: Request):
-        try:
-            body = await body_of(request)
-            toks = body.get("tokens")
-            n_vocab = daemon.decoder.info["n_vocab"]
-            if set(body) - {"tokens"} or not isinstance(toks, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab for t in toks):
-                raise DFlashError(f"the body must be {{\"tokens\": [ids in 0..{n_vocab - 1}]}}")
-        except DFlashError as e:
-            return _error(400, str(e))
-        return JSONResponse({"content": daemon.decoder.detokenize(toks)})
-
-    async def metrics(_: Request):
-        """Prometheus text exposition: requests, tokens, accept length, queue, cache."""
-        from starlette.responses import PlainTextResponse
-        h = daemon.health()
-        cache = h.get("cache") or {}
-        steps = service.decode_steps_total
-        rows = [
-            ("requests_total", "counter", "generate requests served", service.served),
-            ("prompt_tokens_total", "counter", "prompt tokens of served requests", service.prompt_tokens_total),
-            ("prompt_tokens_cached_total", "counter", "prompt tokens restored from the prefix cache",
-             service.cached_tokens_total),
-            ("tokens_predicted_total", "counter", "tokens generated", service.generated_tokens_total),
-            ("decode_steps_total", "counter", "decode steps (target forwards after prefill)", steps),
-            ("decode_seconds_total", "counter", "seconds spent decoding", round(service.decode_seconds_total, 6)),
-            ("mean_accept_length", "gauge", "tokens per decode step, all requests (bonus included)",
-             round((service.generated_tokens_total - service.served) / steps, 4) if steps else 0),
-            ("queue_length", "gauge", "requests running or waiting", h["queue"]),
-            ("prefix_cache_bytes", "gauge", "bytes held by the prefix cache", cache.get("bytes", 0)),
-            ("prefix_cache_checkpoints", "gauge", "prefix cache checkpoints", cache.get("checkpoints", 0)),
-            ("prefix_cache_hits_total", "counter", "requests that reused a cached prefix", cache.get("hits", 0)),
-            ("resident_memory_bytes", "gauge", "daemon resident set size", h["rss_bytes"]),
-        ]
-        text = "".join(f"# HELP dflash27b_{n} {d}\n# TYPE dflash27b_{n} {t}\ndflash27b_{n} {v}\n" for n, t, d, v in rows)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-    async def chat_completions(request: Request):
-        return await completion(request, chat=True)
-
-    async def completions(request: Request):
-        return await completion(request, chat=False)
-
-    return Starlette(routes=[
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ])
+    host = daemon.http[0] if daemon.http else "127.0.0.1"
+    return Starlette(routes=_routes(OpenAIFront(daemon)), middleware=_guards(daemon.options, host),
+                     exception_handlers={HTTPException: _http_error, Exception: _bug})
 
 
 class _Server(uvicorn.Server):
-    @contextlib.contextmanager
     def capture_signals(self):
-        yield  # the daemon owns SIGINT/SIGTERM and stops this server itself
+        import contextlib
+        return contextlib.nullcontext()  # the daemon owns SIGINT/SIGTERM and stops this server itself
 
 
-def make_http_server(daemon, host: str, port: int) -> "uvicorn.Server":
-    config = uvicorn.Config(make_app(daemon), host=host, port=port, log_level="warning", lifespan="off")
-    return _Server(config)
+class HttpFront:
+    """The running uvicorn server of a daemon."""
+
+    def __init__(self, server: _Server, task: asyncio.Task):
+        self.server, self.task = server, task
+
+    def stop_listening(self) -> None:
+        for s in getattr(self.server, "servers", []):
+            s.close()
+
+    async def close(self, timeout: float) -> None:
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        except (asyncio.TimeoutError, Exception):
+            self.server.force_exit = True
+            self.task.cancel()
+            try:
+                await self.task
+            except BaseException:
+                pass
+
+
+async def start_http(daemon, sock) -> HttpFront:
+    """Serve the app on an already listening socket (bound before the models loaded)."""
+    o = daemon.options
+    config = uvicorn.Config(make_app(daemon), log_level="warning", lifespan="off",
+                            http=deadline_protocol(o.read_timeout), timeout_keep_alive=5,
+                            limit_concurrency=o.max_connections, timeout_graceful_shutdown=1,
+                            server_header=False, h11_max_incomplete_event_size=64 * 1024)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise DFlashError("the HTTP server did not start")
+        await asyncio.sleep(0.01)
+    return HttpFront(server, task)

@@ -1,0 +1,210 @@
+"""The OpenAI field table and response shapes (issue 38, findings 8, 9, 10): nulls where OpenAI allows them,
+`developer` as `system`, image / audio parts and `name` refused, strict types, no exception names in messages;
+logprob and /tokenize shapes as OpenAI and llama-server give them; llama-server's metric names.  A daemon on
+the tiny test target (random weights, so byte tokens show up among the alternatives), loopback only."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dflash27b import Decoder
+from serve_util import serve, sse_events
+
+DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled"
+CTX = 256
+CLASS_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b")
+MSGS = [{"role": "user", "content": "Write a stack class."}]
+
+
+@pytest.fixture(scope="module")
+def d(tiny_f32_gguf, tmp_path_factory):
+    s = serve(tmp_path_factory.mktemp("oai"), "-m", str(tiny_f32_gguf), "-md", str(DISTILLED), ctx=CTX)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_f32_gguf):
+    with Decoder(tiny_f32_gguf, DISTILLED, ctx=CTX, threads=1) as dec:
+        yield dec
+
+
+def _chat(d, **kw):
+    return httpx.post(d.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8, "temperature": 0,
+                                                             **kw}, timeout=30)
+
+
+def _completion(d, **kw):
+    return httpx.post(d.url + "/v1/completions", json={"prompt": "def fibonacci(n):", "max_tokens": 8,
+                                                        "temperature": 0, **kw}, timeout=30)
+
+
+def _refused(r, needle: str) -> None:
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert needle in msg and not CLASS_NAME.search(msg), msg
+
+
+# -- finding 8: the field table -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["false", "true", 0, 1])
+def test_stream_must_be_a_boolean(d, value):
+    _refused(_completion(d, stream=value), "'stream'")
+    _refused(_chat(d, stream=value), "'stream'")
+
+
+def test_nulls_where_openai_allows_them(d, local):
+    want = local.generate(local.chat_prompt(MSGS), 8, cache=False).text
+    nulls = dict(n=None, frequency_penalty=None, presence_penalty=None, logprobs=None, top_logprobs=None,
+                 stop=None, seed=None, user=None, stream=None, stream_options=None, logit_bias=None,
+                 response_format=None, tools=None, tool_choice=None, max_completion_tokens=None, top_p=None,
+                 metadata=None, service_tier=None, parallel_tool_calls=None, modalities=None)
+    r = _chat(d, **nulls)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    r = _completion(d, n=None, frequency_penalty=None, presence_penalty=None, logprobs=None, echo=None,
+                    suffix=None, best_of=None, stop=None, seed=None, user=None)
+    assert r.status_code == 200, r.text
+
+
+def test_developer_role_is_the_system_role(d, local):
+    msgs = [{"role": "developer", "content": "You write Python."}, *MSGS]
+    want = local.generate(local.chat_prompt([{"role": "system", "content": "You write Python."}, *MSGS]), 8,
+                          cache=False).text
+    r = httpx.post(d.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+
+
+@pytest.mark.parametrize("message,needle", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+     "image_url"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "input_audio",
+                                                                   "input_audio": {"data": "AA==", "format": "wav"}}]},
+     "input_audio"),
+    ({"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}, "file"),
+    ({"role": "user", "content": "hi", "name": "alice"}, "'name'"),
+    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "tool"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}, "tool"),
+    ({"role": "user", "content": "hi", "colour": "red"}, "'colour'"),
+    ({"role": "wizard", "content": "hi"}, "'wizard'"),
+    ({"role": "user", "content": 5}, "content"),
+    ({"role": "user", "content": [{"type": "text"}]}, "text"),
+])
+def test_unhonoured_message_parts_are_refused(d, message, needle):
+    r = httpx.post(d.url + "/v1/chat/completions", json={"messages": [message], "max_tokens": 2}, timeout=30)
+    _refused(r, needle)
+
+
+def test_text_parts_and_null_fields_of_a_message_are_fine(d, local):
+    want = local.generate(local.chat_prompt(MSGS), 8, cache=False).text
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a stack "}, {"type": "text",
+                                                                                       "text": "class."}],
+              "name": None}]
+    r = httpx.post(d.url + "/v1/chat/completions", json={"messages": parts, "max_tokens": 8, "temperature": 0},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"max_tokens": 10**30}, "'max_tokens'"),
+    ({"max_tokens": 2**31}, "'max_tokens'"),
+    ({"seed": -1}, "'seed'"),
+    ({"n": 2}, "n=1"),
+    ({"n": "1"}, "'n'"),
+    ({"model": 5}, "'model'"),
+    ({"temperature": "0"}, "'temperature'"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"user": 5}, "'user'"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_strict_types_and_clear_messages(d, body, needle):
+    _refused(_completion(d, **body), needle)
+
+
+def test_lone_surrogates_and_overflows_never_leak_exception_names(d):
+    for body in ({"prompt": "\ud800"}, {"prompt": [1, 2**40]}, {"prompt": "x", "logprobs": 2**70}):
+        r = httpx.post(d.url + "/v1/completions", content=_dumps_raw(body),
+                       headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and not CLASS_NAME.search(r.json()["error"]["message"]), r.text
+    r = httpx.post(d.url + "/v1/chat/completions", content=_dumps_raw({"messages": [
+        {"role": "user", "content": "\udc00"}]}), headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+
+
+def _dumps_raw(obj) -> bytes:
+    import json
+    return json.dumps(obj).encode()   # ensure_ascii: lone surrogates travel as \ud800 escapes
+
+
+# -- finding 9: logprob and tokenize shapes --------------------------------------------------------------------
+
+def test_streamed_text_offset_continues_across_chunks(d):
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    full = httpx.post(d.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    with httpx.stream("POST", d.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        chunks = [e for e in sse_events(r.iter_lines()) if isinstance(e, dict) and e["choices"]]
+    offsets = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    tokens = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(offsets) == 24 and offsets == full["logprobs"]["text_offset"]
+    assert tokens == full["logprobs"]["tokens"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] > 0
+
+
+def test_completion_top_logprobs_keys_are_distinct(d, local):
+    """Byte tokens (partial UTF-8) get OpenAI's `bytes:\\xNN` spelling, so k alternatives give k keys."""
+    r = _completion(d, prompt="def fibonacci(n):", max_tokens=16, logprobs=20, ignore_eos=True).json()
+    lp = r["choices"][0]["logprobs"]
+    assert [len(t) for t in lp["top_logprobs"]] == [20] * 16
+    keys = {k for t in lp["top_logprobs"] for k in t}
+    assert any(k.startswith("bytes:\\x") for k in keys), "the test wants byte tokens among the alternatives"
+    # vLLM's return_tokens_as_token_ids: "token_id:N" keys, exact ids
+    r = _completion(d, prompt="def fibonacci(n):", max_tokens=4, logprobs=3, ignore_eos=True,
+                    return_tokens_as_token_ids=True).json()
+    lp = r["choices"][0]["logprobs"]
+    gen = local.generate("def fibonacci(n):", 4, ignore_eos=True, cache=False).tokens
+    assert lp["tokens"] == [f"token_id:{t}" for t in gen]
+    assert all(len(t) == 3 and all(k.startswith("token_id:") for k in t) for t in lp["top_logprobs"])
+
+
+def test_chat_logprob_bytes_are_the_token_bytes(d, local):
+    r = _chat(d, max_tokens=12, logprobs=True, top_logprobs=20, ignore_eos=True).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    for e in content:
+        assert len(e["top_logprobs"]) == 20
+        assert len({bytes(a["bytes"]) for a in e["top_logprobs"]}) == 20
+        for a in e["top_logprobs"]:
+            b = bytes(a["bytes"])
+            try:
+                assert a["token"] == b.decode("utf-8")
+            except UnicodeDecodeError:
+                assert a["token"] == "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+def test_tokenize_pieces_keep_partial_utf8(d, local):
+    text = "日本語 héllo 🙂 ok"
+    pieces = httpx.post(d.url + "/tokenize", json={"content": text, "with_pieces": True}, timeout=30).json()["tokens"]
+    assert [p["id"] for p in pieces] == local.tokenize(text)
+    raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert raw == text.encode()
+    assert any(isinstance(p["piece"], list) for p in pieces), "the test wants a token that is part of a character"
+
+
+# -- finding 10: llama-server's metric names --------------------------------------------------------------------
+
+def test_metrics_export_llama_server_names(d):
+    assert _completion(d, max_tokens=6, ignore_eos=True).status_code == 200
+    text = httpx.get(d.url + "/metrics", timeout=10).text
+    vals = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+                 "tokens_predicted_seconds_total", "prompt_tokens_seconds", "predicted_tokens_seconds",
+                 "requests_processing", "requests_deferred"):
+        assert f"llamacpp:{name}" in vals, name
+        assert f"# TYPE llamacpp:{name} " in text
+    assert vals["llamacpp:tokens_predicted_total"] >= 6 and vals["llamacpp:prompt_tokens_total"] >= 1
+    assert vals["llamacpp:requests_processing"] == 0 and vals["llamacpp:requests_deferred"] == 0
+    assert vals["dflash27b_tokens_predicted_total"] == vals["llamacpp:tokens_predicted_total"]
