@@ -143,7 +143,7 @@ typedef struct {
   int32_t tree_budget; /* ddtree: draft nodes per step (default 22); auto: the largest it may choose */
   int32_t tree_topk;   /* ddtree: candidates per depth; 0 = the budget */
   int32_t chain_seed;  /* ddtree: insert the drafter's greedy chain first (default 1) */
-  /* sampling (llama.cpp order: top-k, top-p, min-p, temperature); temperature 0 = greedy */
+  /* sampling (llama.cpp order: top-k, typical-p, top-p, min-p, temperature); temperature 0 = greedy */
   float temperature;   /* >= 0 */
   int32_t top_k;       /* 0 = off */
   float top_p;         /* (0, 1]; 1 = off */
@@ -161,6 +161,7 @@ typedef struct {
   int32_t tree_expand; /* ddtree/auto with a draft model: 0 (default) = the tree from one draft pass (its greedy
                           path with per-depth alternatives); w > 0 = expanding branches, each depth running the w
                           most probable nodes of the one before (tree_topk children each) */
+  float typical_p;     /* locally typical sampling, after top-k (llama.cpp's typ_p): (0, 1]; 1 = off */
 } dfl_gen_params;
 
 dfl_gen_params dfl_gen_default_params(void);

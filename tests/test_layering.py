@@ -4,15 +4,14 @@ C++ (csrc/), lowest first:
   util -> quant -> gguf, safetensors -> model (descriptions and loaders) -> backend (backend.h, cpu/, cuda/)
   -> runtime (context, forward, drafter) -> spec (generator, proposers, sampler, trees) -> api
 Python (python/dflash27b): no import circles between the package's modules (imports anywhere in a module
-count, inside functions too: a circle there is still a module that cannot be understood without the other).
+count, inside functions too: a circle there is still a module that cannot be understood without the other;
+only `if TYPE_CHECKING:` imports, which never run, are left out).
 """
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -47,6 +46,9 @@ def test_csrc_includes_point_down():
 def _imports(path: Path, package: str) -> set[str]:
     """The package's modules `path` imports (relative and absolute forms)."""
     tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):  # imports for type annotations only (`if TYPE_CHECKING:`) never run: skip them
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
     out: set[str] = set()
     mod_parts = [package, *path.relative_to(ROOT / "python" / package).with_suffix("").parts]
     for node in ast.walk(tree):
@@ -66,7 +68,6 @@ def _imports(path: Path, package: str) -> set[str]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="client <-> decoder and http_api <-> server: broken up with GenParams (issue 39)")
 def test_python_modules_import_no_circle():
     package = "dflash27b"
     base = ROOT / "python" / package

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash27b._lib import DFlashError, load
@@ -62,3 +63,41 @@ def test_with_and_to_mapping_round_trip():
     p = GenParams(temperature=0.7, seed=3).with_(mode="ddtree", budget=16)
     assert GenParams.from_mapping(p.to_mapping()) == p
     assert p.to_mapping(only_changed=True) == {"mode": "ddtree", "budget": 16, "temperature": 0.7, "seed": 3}
+
+
+# -- a setting added through GenParams alone on the Python side: typical_p (llama.cpp's typ_p) ----------------
+
+@pytest.fixture(scope="module")
+def pair():
+    from dflash27b import Decoder
+    with Decoder(threads=2) as d:  # the bundled tiny pair
+        yield d
+
+
+def test_typical_p_keeps_the_tokens_nearest_the_entropy(pair):
+    """With typical_p tiny only the token whose surprise is closest to the entropy survives, so sampling
+    is deterministic: each AR token is that token of the model's own distribution (numpy on its logits)."""
+    r = pair.generate("def fibonacci(n):", 12, mode="ar", temperature=1.0, typical_p=1e-6, seed=5, ignore_eos=True)
+    ids = list(r.prompt_tokens) + r.tokens
+    lg = pair.logits(ids[:-1]).astype(np.float64)[len(r.prompt_tokens) - 1:]
+    logp = lg - lg.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ent = -(np.exp(logp) * logp).sum(-1, keepdims=True)
+    want = np.argmin(np.abs(-logp - ent), axis=-1)
+    assert r.tokens == want.tolist()
+    assert r.tokens != pair.generate("def fibonacci(n):", 12, mode="ar", temperature=1.0, seed=5,
+                                     ignore_eos=True).tokens  # it changed something
+
+
+def test_typical_p_speculative_equals_ar_and_reaches_every_front(pair):
+    kw = dict(temperature=0.8, typical_p=0.6, seed=11, ignore_eos=True)
+    ar = pair.generate("def f(x):", 24, mode="ar", **kw).tokens
+    assert pair.generate("def f(x):", 24, mode="ddtree", budget=8, **kw).tokens == ar
+    assert pair.generate("def f(x):", 24, mode="chain", **kw).tokens == ar
+    from dflash27b.http_api import to_engine
+    from dflash27b.serve_protocol import RequestError, parse_generate
+    assert parse_generate({"prompt": "x", "typical_p": 0.5})["params"].typical_p == 0.5
+    req, _ = to_engine({"prompt": "x", "typical_p": 0.5, "max_tokens": 3}, chat=False)
+    assert req["params"].typical_p == 0.5 and req["params"].max_new_tokens == 3
+    with pytest.raises(RequestError, match="'typical_p' must be a number in \\(0, 1\\]"):
+        parse_generate({"prompt": "x", "typical_p": 0})

@@ -132,7 +132,7 @@ def test_request_timeout_while_queued_is_an_error_at_the_deadline(d):
 
 def test_client_passes_timeout_and_raises_coded_errors(d):
     from dflash27b import Decoder
-    from dflash27b.server import RequestError
+    from dflash27b.serve_protocol import RequestError
     remote = Decoder.connect(d.sock)
     r = remote.generate("def f(x):", 3000, ignore_eos=True, timeout=0.3)
     assert r.stats.stop_reason == "timeout" and 0 < r.stats.generated_tokens < 3000

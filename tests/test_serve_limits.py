@@ -212,7 +212,7 @@ def _texts():
 @pytest.mark.parametrize("pre", ["qwen35", "qwen2"])
 def test_piecewise_tokenizing_equals_tokenizing_the_whole(pair, pre):
     """The prompt is tokenized in pieces cut where the pre-split always cuts: the ids equal one encode()."""
-    from dflash27b.server import PIECE_CHARS, PromptTokenizer
+    from dflash27b.serve_protocol import PIECE_CHARS, PromptTokenizer
     from dflash27b.tokenizer import Tokenizer, read_gguf_metadata
     meta = read_gguf_metadata(pair[0])
     meta["tokenizer.ggml.pre"] = pre
@@ -228,7 +228,7 @@ def test_piecewise_tokenizing_equals_tokenizing_the_whole(pair, pre):
 
 
 def test_piecewise_tokenizing_stops_past_the_limit(pair):
-    from dflash27b.server import PromptTokenizer, PromptTooLong
+    from dflash27b.serve_protocol import PromptTokenizer, PromptTooLong
     from dflash27b.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(pair[0])
     pt = PromptTokenizer(tok)

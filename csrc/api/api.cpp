@@ -305,6 +305,7 @@ dfl_gen_params dfl_gen_default_params(void) {
   p.frequency_penalty = d.sampler.frequency_penalty;
   p.presence_penalty = d.sampler.presence_penalty;
   p.repeat_last_n = d.sampler.repeat_last_n;
+  p.typical_p = d.sampler.typical_p;
   return p;
 }
 
@@ -340,6 +341,7 @@ int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_pro
       gp.sampler.frequency_penalty = p->frequency_penalty;
       gp.sampler.presence_penalty = p->presence_penalty;
       gp.sampler.repeat_last_n = p->repeat_last_n;
+      gp.sampler.typical_p = p->typical_p;
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);

@@ -14,6 +14,7 @@ void validate_sampler(const SamplerParams& p) {
   if (p.top_k < 0) fail("top_k must be >= 0 (0 = off; got %d)", p.top_k);
   if (!(p.top_p > 0.f && p.top_p <= 1.f)) fail("top_p must be in (0, 1] (got %g)", (double)p.top_p);
   if (!(p.min_p >= 0.f && p.min_p <= 1.f)) fail("min_p must be in [0, 1] (got %g)", (double)p.min_p);
+  if (!(p.typical_p > 0.f && p.typical_p <= 1.f)) fail("typical_p must be in (0, 1] (got %g)", (double)p.typical_p);
   if (!(p.repeat_penalty > 0.f) || !std::isfinite(p.repeat_penalty))
     fail("repeat_penalty must be a finite number > 0 (1 = off; got %g)", (double)p.repeat_penalty);
   if (!std::isfinite(p.frequency_penalty)) fail("frequency_penalty must be a finite number (got %g)", (double)p.frequency_penalty);
@@ -70,6 +71,33 @@ int32_t sample_token(const float* logits, int n_vocab, const SamplerParams& p, i
     n = (size_t)p.top_k;
   } else {
     std::sort(cand.begin(), cand.end(), better);
+  }
+  // locally typical (Meister et al., llama.cpp's typ_p): keep the tokens whose surprise -log p is closest to
+  // the entropy H until their mass reaches typical_p, then back in logit order (ties by id) for the rest
+  if (p.typical_p < 1.f) {
+    const float mx = cand[0].first;
+    std::vector<double> e(n);
+    double sum = 0.0;
+    for (size_t i = 0; i < n; ++i) sum += e[i] = std::exp((double)cand[i].first - mx);
+    double ent = 0.0;
+    for (size_t i = 0; i < n; ++i) ent -= e[i] / sum * std::log(e[i] / sum);
+    std::vector<std::pair<double, size_t>> dev(n);  // (|surprise - H|, rank in logit order)
+    for (size_t i = 0; i < n; ++i) dev[i] = {std::fabs(-std::log(e[i] / sum) - ent), i};
+    std::stable_sort(dev.begin(), dev.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    double cum = 0.0;
+    size_t keep = n;
+    for (size_t i = 0; i < n; ++i) {
+      cum += e[dev[i].second] / sum;
+      if (cum >= p.typical_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+    std::vector<size_t> ranks(keep);
+    for (size_t i = 0; i < keep; ++i) ranks[i] = dev[i].second;
+    std::sort(ranks.begin(), ranks.end());
+    for (size_t i = 0; i < keep; ++i) cand[i] = cand[ranks[i]];
+    n = keep;
   }
   // top-p and min-p on the softmax (temperature 1) of the survivors
   if (p.top_p < 1.f || p.min_p > 0.f) {

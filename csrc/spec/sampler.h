@@ -20,6 +20,7 @@ struct SamplerParams {
   int top_k = 0;            // <= 0: off
   float top_p = 1.f;        // 1: off; must be in (0, 1]
   float min_p = 0.f;        // 0: off; must be in [0, 1]
+  float typical_p = 1.f;    // 1: off; must be in (0, 1]: locally typical sampling, after top-k
   uint64_t seed = 0;
   // Repetition penalties, applied first, as llama.cpp's penalties sampler: for
   // each token seen c > 0 times in the last repeat_last_n tokens of the

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 from ._lib import DFlashError
 from .results import GenerateResult, GenerateStats
-from .server import RequestError
+from .serve_protocol import RequestError
 
 _TERMINAL = {"done", "error", "health", "shutdown"}
 

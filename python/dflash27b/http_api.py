@@ -18,8 +18,10 @@ import uuid
 from dataclasses import dataclass
 
 from ._lib import DFlashError
-from .server import (BAD_REQUEST, CHAT_ROLES, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, Job, RequestError,
-                     parse_generate, parse_off_loop)
+from .decode_service import Job
+from .params import GenParams
+from .serve_protocol import (BAD_REQUEST, CHAT_ROLES, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, RequestError,
+                             parse_generate, parse_off_loop)
 
 try:
     import uvicorn
@@ -35,9 +37,11 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise DFlashError("the HTTP front needs starlette and uvicorn: pip install 'dflash27b[serve]'") from e
 
-# engine fields a body may carry besides OpenAI's (openai client: extra_body)
-_EXTRA = ("mode", "budget", "topk", "block_size", "chain_seed", "expand", "top_k", "min_p", "ignore_eos",
-          "cache_prompt", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty", "timeout")
+# engine fields a body may carry besides OpenAI's (openai client: extra_body): every generation setting
+# (GenParams, its old spellings too) but those OpenAI names itself, and the protocol's cache_prompt and timeout
+_OPENAI_SPELLED = {"max_new_tokens", "logprobs", "temperature", "top_p", "seed"}
+_EXTRA = tuple(n for n in (*GenParams.names(), *GenParams.aliases()) if n not in _OPENAI_SPELLED) + \
+    ("cache_prompt", "timeout")
 
 # Every OpenAI request field is honoured, accepted as a no-op where it cannot change the answer, or refused
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.

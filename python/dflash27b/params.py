@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 from ._lib import DFlashError
 
 MODES = ("ar", "chain", "ddtree", "auto")
+INT32_MAX = 2**31 - 1  # the C struct's int32 members: larger values are refused here, not truncated there
 
 
 # ---- checks: each returns the value (normalised) or raises with the field's name --------------------------
@@ -40,15 +41,16 @@ def _is_num(v) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def _int(lo: int | None = None, hi: int | None = None, note: str = "", optional: bool = False) -> Callable:
+def _int(lo: int, hi: int = INT32_MAX, note: str = "", optional: bool = False) -> Callable:
+    top = "2^31 - 1" if hi == INT32_MAX else str(hi)
+
     def check(name, v):
         if v is None and optional:
             return None
-        if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-            rng = (f"in {lo}..{hi}" if hi is not None else f">= {lo}") if lo is not None else ""
+        if not _is_int(v) or not lo <= v <= hi:
             null = " (or null)" if optional else ""
-            raise _bad(name, f"an integer {rng}{note}{null}".replace("  ", " "), v,
-                       plain=f"{rng}, an integer{note}{null}" if lo is not None and hi is None else None)
+            raise _bad(name, f"an integer in {lo}..{top}{note}{null}", v,
+                       plain=f">= {lo}, an integer up to {top}{note}{null}" if hi == INT32_MAX else None)
         return int(v)
     return check
 
@@ -106,9 +108,11 @@ class GenParams:
                             cli=("--top-p",))
     min_p: float = _setting(0.0, _num("a number in [0, 1]", lambda v: 0 <= v <= 1), "min-p filter (0 = off)", c="min_p",
                             cli=("--min-p",))
-    seed: int | None = _setting(None, _int(0, 2**64 - 1, optional=True), "sampling seed (default: a fresh one, "
+    typical_p: float = _setting(1.0, _num("a number in (0, 1]", lambda v: 0 < v <= 1), "locally typical sampling "
+                                "after top-k (1 = off)", c="typical_p", cli=("--typical-p", "--typical"))
+    seed: int | None = _setting(None, _int(0, 2**32 - 1, optional=True), "sampling seed (default: a fresh one, "
                                 "reported in the stats)", c="seed", cli=("-s", "--seed"),
-                                to_c=lambda v: v & 0xFFFFFFFFFFFFFFFF)
+                                to_c=int)
     repeat_penalty: float = _setting(1.0, _num("a number > 0 (1 = off)", lambda v: v > 0),
                                      "divide the logit of tokens seen in the last repeat_last_n (1 = off)",
                                      c="repeat_penalty", cli=("--repeat-penalty",))

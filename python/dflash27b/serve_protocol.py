@@ -1,0 +1,302 @@
+"""The daemon's request protocol, shared by the socket server and the HTTP front: request JSON parsed with
+limits (depth, number size, lone surrogates), generate requests validated (the protocol's own fields here,
+the generation settings as a GenParams), prompts rendered and tokenized no further than the context, stop
+strings matched on the text, and the error codes a request can end with (docs/PROTOCOL.md)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ._lib import DFlashError
+from .params import GenParams, SettingError
+from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
+
+if TYPE_CHECKING:  # the service hands a Decoder in; importing it here would close a circle via the client
+    from .decoder import Decoder
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_BODY = 4 << 20   # bytes of one request: an HTTP body or a socket request line
+MAX_JSON_DEPTH = 64          # nesting of arrays / objects in a request
+MAX_INT_DIGITS = 100         # longer JSON integers are refused while parsing (Python's own limit is 4300)
+INT32_MAX = 2**31 - 1        # the core's ints
+
+# why a request ended early; error events carry one of these as `code` (plus bad_request / internal)
+CLIENT_GONE, TIMEOUT, SHUTDOWN = "client_gone", "timeout", "shutdown"
+CANCEL_REASONS = (CLIENT_GONE, TIMEOUT, SHUTDOWN)
+BAD_REQUEST, INTERNAL = "bad_request", "internal"
+
+
+class RequestError(DFlashError):
+    """A request that cannot be served as asked; `code` says why (bad_request, timeout, shutdown, ...)."""
+
+    def __init__(self, message: str, code: str = BAD_REQUEST):
+        super().__init__(message)
+        self.code = code
+
+
+# -- request JSON -------------------------------------------------------------------------------------------
+
+class _Refused(Exception):
+    """A JSON value we refuse while parsing (its message is the client's)."""
+
+
+def _parse_int(digits: str) -> int:
+    n = len(digits.lstrip("-"))
+    if n > MAX_INT_DIGITS:
+        raise _Refused(f"a number with {n} digits (more than {MAX_INT_DIGITS})")
+    return int(digits)
+
+
+def _parse_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise _Refused(f"the number {text[:40]} is out of range")
+    return v
+
+
+def _parse_constant(name: str):
+    raise _Refused(f"{name} is not a JSON value")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_tree(obj: Any) -> None:
+    """Depth and strings of a parsed request: iterative, so no input can exhaust the stack."""
+    stack = [(obj, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise _Refused(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    _check_string(k)
+                stack.append((x, depth + 1))
+        elif isinstance(v, str):
+            _check_string(v)
+
+
+def _check_string(s: str) -> None:
+    m = _SURROGATE.search(s)
+    if m:
+        raise _Refused(f"a string holds a lone UTF-16 surrogate (\\u{ord(m.group()):04x}), which is not text")
+
+
+def parse_json_request(data: bytes | str) -> Any:
+    """A request's JSON with limits: UTF-8, nesting depth, integer size, finite numbers, no lone surrogates.
+    Raises RequestError with a message for the client (never an exception class name)."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"request is not valid UTF-8 (byte {e.start})") from None
+    try:
+        obj = json.loads(data, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        _check_tree(obj)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except _Refused as e:
+        raise RequestError(f"refused JSON: {e}") from None
+    except RecursionError:  # the parser's own guard, long before the stack could run out
+        raise RequestError(f"refused JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    return obj
+
+
+# -- generate requests --------------------------------------------------------------------------------------
+
+_PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int_in(lo: int, hi: int = INT32_MAX, note: str = "") -> tuple[Callable[[Any], bool], str]:
+    top = "2^31 - 1" if hi == INT32_MAX else str(hi)
+    return (lambda v: _is_int(v) and lo <= v <= hi), f"must be an integer in {lo}..{top}{note}"
+
+
+def _good_messages(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in CHAT_ROLES
+        and isinstance(m["content"], str) for m in v)
+
+
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "op": (lambda v: v == "generate", "must be 'generate'"),
+    "id": (lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "must be a string or an integer"),
+    "prompt": (lambda v: isinstance(v, str), "must be a string"),
+    "messages": (_good_messages, "must be a non-empty list of {\"role\": one of " + ", ".join(CHAT_ROLES)
+                 + ", \"content\": string} (no other keys)"),
+    "prompt_ids": (lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(t) and 0 <= t <= INT32_MAX
+                                                                         for t in v),
+                   "must be a non-empty list of token ids (integers >= 0)"),
+    "stop": (lambda v: isinstance(v, str) and v != "" or (isinstance(v, list) and len(v) <= 16 and all(
+        isinstance(s, str) and s for s in v)), "must be a non-empty string or a list of up to 16 of them"),
+    "stream": (lambda v: isinstance(v, bool), "must be true or false"),
+    # llama-server's name: false decodes without the prefix cache (neither reads nor feeds it)
+    "cache_prompt": (lambda v: isinstance(v, bool), "must be true or false"),
+    # seconds from arrival to the end of the request, queue wait included (capped by --request-timeout)
+    "timeout": (lambda v: _is_num(v) and 0 < v <= 1e6, "must be a number of seconds in (0, 1e6]"),
+}
+
+
+def parse_generate(req: dict, names: Mapping[str, str] | None = None) -> dict:
+    """Validate a generate request: the protocol's own fields here, the generation settings as a GenParams
+    (params.py) under "params".  Returns it with defaults filled.  Raises RequestError naming the field (as
+    `names` spells it for the client, e.g. the OpenAI front's max_tokens for max_new_tokens)."""
+    names = names or {}
+    settings = {k: v for k, v in req.items() if k not in _FIELDS}
+    known_settings = set(GenParams.names()) | set(GenParams.aliases())
+    unknown = sorted(set(settings) - known_settings)
+    if unknown:
+        known = sorted(set(_FIELDS) | set(GenParams.names()))
+        raise RequestError(f"unknown request field {unknown[0]!r} (known: {', '.join(known)})")
+    given = [k for k in _PROMPT_FIELDS if k in req]
+    if len(given) != 1:
+        raise RequestError("a generate request needs exactly one of 'prompt', 'messages', 'prompt_ids'"
+                           + (f" (got {', '.join(given)})" if given else ""))
+    for k, v in req.items():
+        if k in _FIELDS:
+            ok, why = _FIELDS[k]
+            if not ok(v):
+                raise RequestError(f"field {names.get(k, k)!r} {why} (got {json.dumps(v)[:80]})")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the protocol keeps accepting 'topk'
+            params = GenParams.from_mapping(settings, strict=True)
+    except SettingError as e:
+        raise RequestError(f"field {names.get(e.name, e.name)!r} must be {e.what} (got {json.dumps(e.value)[:80]})") \
+            from None
+    except DFlashError as e:
+        raise RequestError(str(e)) from None
+    out = {"stream": True, "stop": [], **{k: v for k, v in req.items() if k in _FIELDS}, "params": params}
+    if isinstance(out["stop"], str):
+        out["stop"] = [out["stop"]]
+    return out
+
+
+# -- prompts: rendered and tokenized before they queue, never further than the context --------------------------
+
+# Places where the tokenizer's pre-split (the qwen35 / qwen2 regex) always cuts, whatever follows: after a
+# newline before an ASCII letter or digit, and between an ASCII letter and " " + letter.  No regex match spans
+# them, so tokenizing the pieces gives the same ids as tokenizing the whole text (tests check it).
+_CUT = re.compile(r"\n(?=[A-Za-z0-9])|(?<=[A-Za-z]) (?=[A-Za-z])")
+PIECE_CHARS = 8192   # about 5 ms of tokenizing: the GIL is given back between pieces
+
+
+class PromptTooLong(RequestError):
+    pass
+
+
+class PromptTokenizer:
+    """Tokenizes a prompt piece by piece and stops as soon as it cannot fit `limit` tokens."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        added = [t for t, ty in zip(tokenizer.tokens, tokenizer.token_types)
+                 if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        # a special token holding a newline or a space could span a cut: then do not cut
+        self.can_cut = not any("\n" in t or " " in t for t in added)
+        self._max_token_bytes = None
+
+    @property
+    def max_token_bytes(self) -> int:
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(self.tok.token_bytes(i)) for i in range(self.tok.vocab_size))
+        return self._max_token_bytes
+
+    def pieces(self, text: str):
+        """(piece, is_last): `text` cut where tokenizing the pieces equals tokenizing the whole."""
+        start = 0
+        while True:
+            m = _CUT.search(text, start + PIECE_CHARS) if self.can_cut else None
+            if m is None:
+                yield text[start:], True
+                return
+            cut = m.end() if m.group() == "\n" else m.start()
+            yield text[start:cut], False
+            start = cut
+
+    def encode(self, text: str, limit: int | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of `text` (as Decoder.tokenize); past `limit` tokens raises PromptTooLong("N" or
+        "at least N") without tokenizing the rest."""
+        if limit is not None:
+            # every token covers at most max_token_bytes bytes: a text this long cannot fit, tokenized or not
+            at_least = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+            if at_least > limit:
+                raise PromptTooLong(f"at least {at_least}")
+        ids: list[int] = []
+        for piece, last in self.pieces(text):
+            ids += self.tok.encode(piece, parse_special=parse_special)
+            if limit is not None and len(ids) > limit:
+                raise PromptTooLong(str(len(ids)) if last else f"at least {len(ids)}")
+        return ids
+
+
+def too_long(count: str, n_ctx: int) -> RequestError:
+    return RequestError(f"prompt of {count} tokens does not fit the context length {n_ctx} "
+                        "(leave room for at least one new token)")
+
+
+def chat_text(decoder: Decoder, messages: list[dict]) -> str:
+    """Messages rendered with the GGUF's template; `developer` (OpenAI's newer name for the system role) is
+    passed as `system` to templates that do not know it."""
+    import jinja2
+    template = decoder.tokenizer.chat_template or ""
+    if "developer" not in template:
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    try:
+        return decoder.chat_prompt(messages)
+    except jinja2.TemplateError as e:
+        raise RequestError(f"the chat template refused the messages: {e.message or 'template error'}") from None
+
+
+class StopMatcher:
+    """Text-level stop strings: finds the first occurrence and holds back a possible partial match."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """Append decoded text; returns (text safe to emit now, stopped)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += piece
+        if self.stops:
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                out, self.sent = self.text[self.sent:], len(self.text)
+                return out, True
+        safe = max(self.sent, len(self.text) - self.hold) if self.stops else len(self.text)
+        out, self.sent = self.text[self.sent:safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+async def parse_off_loop(data: bytes | str) -> Any:
+    """parse_json_request, on a helper thread for anything big enough to be felt by the loop."""
+    if len(data) < 65536:
+        return parse_json_request(data)
+    return await asyncio.to_thread(parse_json_request, data)
+
+
+def event_error(message: str, code: str = BAD_REQUEST) -> dict:
+    return {"event": "error", "message": message, "code": code}
