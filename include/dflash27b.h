@@ -239,6 +239,8 @@ typedef struct {
   float rope_factor;             /* 1 when unscaled */
   float rope_attention_factor;   /* yarn's cos/sin scaling; 1 otherwise */
   uint64_t weight_bytes;         /* bytes of all tensors in model.safetensors (0 from dfl_draft_config_info) */
+  int32_t generation;            /* 1: DFlashDraftModel, 2: DFlash2DraftModel (loads; cannot draft yet) */
+  int32_t conv_kernel_size, conv_group_size, selector_top_k, selector_rank;  /* DFlash2; 0 otherwise */
 } dfl_draft_info;
 
 dfl_draft* dfl_draft_load(const char* path, const dfl_model* target);

@@ -33,6 +33,11 @@ void fill_info(const char* path, const dfl::DraftConfig& c, dfl_draft_info* o) {
   std::snprintf(o->rope_type, sizeof o->rope_type, "%s", c.rope_type.c_str());
   o->rope_factor = c.rope.factor;
   o->rope_attention_factor = c.rope.attn_factor;
+  o->generation = c.dflash2 ? 2 : 1;
+  o->conv_kernel_size = c.conv_kernel;
+  o->conv_group_size = c.conv_group;
+  o->selector_top_k = c.selector_top_k;
+  o->selector_rank = c.selector_rank;
 }
 }  // namespace
 

@@ -229,8 +229,12 @@ struct Loader {
     w.row_bytes = (size_t)(t.nbytes() / (uint64_t)rows);
     return w;
   }
-  std::vector<float> vec(const std::string& name, int64_t n) {
-    const STTensor& t = get(name, {n});
+  std::vector<float> vec(const std::string& name, int64_t n) { return f32(name, {n}); }
+  // any shape, read as f32 values in row-major order
+  std::vector<float> f32(const std::string& name, std::vector<int64_t> shape) {
+    const STTensor& t = get(name, shape);
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
     std::vector<float> out((size_t)n);
     // The mapping need not be aligned for the element type: copy first.
     std::vector<uint8_t> tmp(t.nbytes());
@@ -239,6 +243,35 @@ struct Loader {
     return out;
   }
 };
+
+// 1 for DFlashDraftModel (or no `architectures`: older configs), 2 for DFlash2DraftModel; anything else is refused.
+int draft_architecture(const JsonValue& root, const std::string& path) {
+  const JsonValue* a = root.find("architectures");
+  if (!a || a->is_null()) return 1;
+  if (!a->is_array() || a->arr.size() != 1 || !a->arr[0].is_string())
+    fail("%s: config key 'architectures' should be a list of one name", path.c_str());
+  const std::string& name = a->arr[0].str;
+  if (name == "DFlashDraftModel") return 1;
+  if (name == "DFlash2DraftModel") return 2;
+  fail("%s: architectures '%s' is not a DFlash drafter (DFlashDraftModel or DFlash2DraftModel)", path.c_str(),
+       name.c_str());
+}
+
+// DFlash2's keys, read from dflash_config only (as vLLM does) and checked against the shapes they imply.
+void parse_dflash2(const Cfg& c, DraftConfig& d) {
+  const char* p = c.path.c_str();
+  auto req = [&](const char* key, int64_t lo, int64_t hi) {
+    const JsonValue* v = c.dflash ? c.dflash->find(key) : nullptr;
+    if (!v || v->is_null()) fail("%s: missing config key 'dflash_config.%s' (a DFlash2 drafter needs it)", p, key);
+    return (int)c.as_int(v, key, lo, hi);
+  };
+  d.conv_kernel = req("conv_kernel_size", 1, d.block_size);
+  d.conv_group = req("conv_group_size", 1, d.hidden);
+  if (d.hidden % d.conv_group != 0)
+    fail("%s: conv_group_size %d does not divide hidden_size %d", p, d.conv_group, d.hidden);
+  d.selector_top_k = req("selector_top_k", 1, std::min(d.n_vocab, 64));
+  d.selector_rank = req("selector_rank", 1, 1 << 16);
+}
 
 }  // namespace
 
@@ -262,6 +295,7 @@ DraftConfig parse_draft_config(const std::string& path) {
     fail("%s: config key 'dflash_config' should be an object, found %s", path.c_str(), json_kind_name(dfc->kind));
   Cfg c{root, dfc && dfc->is_object() ? dfc : nullptr, path};
   DraftConfig d;
+  d.dflash2 = draft_architecture(root, path) == 2;
 
   d.n_layer = (int)c.req_int("num_hidden_layers", 1, 1024);
   d.hidden = (int)c.req_int("hidden_size", 1, kMaxDim);
@@ -360,6 +394,12 @@ DraftConfig parse_draft_config(const std::string& path) {
   d.input_embedding_scale = (float)c.opt_num("input_embedding_scale", 1.0);
   d.output_multiplier = (float)c.opt_num("output_multiplier", 1.0);
   d.final_logit_softcapping = (float)c.opt_num("final_logit_softcapping", 0.0);
+  if (!(d.output_multiplier > 0.f) || !std::isfinite(d.output_multiplier))
+    fail("%s: config key 'output_multiplier' must be positive, found %g", path.c_str(), (double)d.output_multiplier);
+  if (!(d.final_logit_softcapping >= 0.f) || !std::isfinite(d.final_logit_softcapping))
+    fail("%s: config key 'final_logit_softcapping' must be >= 0 (0 or null: off), found %g", path.c_str(),
+         (double)d.final_logit_softcapping);
+  if (d.dflash2) parse_dflash2(c, d);
   return d;
 }
 
@@ -446,17 +486,33 @@ std::unique_ptr<DraftModel> load_draft(const std::string& path, std::optional<DT
     l.gate = L.mat(p + "mlp.gate_proj.weight", F, H);
     l.up = L.mat(p + "mlp.up_proj.weight", F, H);
     l.down = L.mat(p + "mlp.down_proj.weight", H, F);
+    if (c.dflash2) {
+      const int64_t K = c.conv_kernel, G = c.conv_groups();
+      for (auto [conv, name] : {std::pair{&l.attn_conv, "attention_conv"}, std::pair{&l.mlp_conv, "mlp_conv"}}) {
+        conv->base = L.f32(p + name + ".base_kernel", {2, K, H});
+        conv->proj = L.mat(p + name + ".kernel_projection.weight", 2 * K * G, H);
+      }
+    }
+  }
+  if (c.dflash2) {
+    const int64_t R = c.selector_rank, V = c.n_vocab;
+    m->selector.hidden_projection = L.mat("candidate_selector.hidden_projection.weight", R, H);
+    m->selector.predecessor = L.mat("candidate_selector.predecessor_codebook", V, R);
+    m->selector.successor = L.mat("candidate_selector.successor_codebook", V, R);
   }
   for (const STTensor& t : m->file->tensors()) {
     if (!L.used.count(t.name))
-      fail("%s: unexpected tensor '%s' (not part of a %d-layer DFlash drafter)", st_path.c_str(), t.name.c_str(),
-           c.n_layer);
+      fail("%s: unexpected tensor '%s' (not part of a %d-layer %s drafter)", st_path.c_str(), t.name.c_str(),
+           c.n_layer, c.dflash2 ? "DFlash2" : "DFlash");
     m->weight_bytes += t.nbytes();
   }
   if (weight_type) {
     std::vector<Weight*> mats{&m->fc};
     for (DraftLayerWeights& l : m->layers)
-      for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down}) mats.push_back(w);
+      for (Weight* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down, &l.attn_conv.proj, &l.mlp_conv.proj})
+        if (w->data) mats.push_back(w);
+    for (Weight* w : {&m->selector.hidden_projection, &m->selector.predecessor, &m->selector.successor})
+      if (w->data) mats.push_back(w);
     for (Weight* w : mats) {
       const uint64_t before = (uint64_t)w->rows * w->row_bytes;
       *w = convert_matrix(*w, *weight_type, m->converted);

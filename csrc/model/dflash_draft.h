@@ -49,10 +49,27 @@ struct DraftConfig {
   float input_embedding_scale = 1.f;
   float output_multiplier = 1.f;
   float final_logit_softcapping = 0.f;  // 0: off
+  // DFlash2 (architectures ["DFlash2DraftModel"]; docs/research/dflash2-spec.md): a dynamic grouped causal
+  // convolution of conv_kernel taps around each layer's attention and MLP (kernels per token from a
+  // projection, one per group of conv_group channels), and a candidate selector ranking transitions between
+  // each position's selector_top_k candidates through two vocab x selector_rank codebooks
+  bool dflash2 = false;
+  int conv_kernel = 0;      // conv_kernel_size
+  int conv_group = 0;       // conv_group_size (channels per group)
+  int selector_top_k = 0;
+  int selector_rank = 0;
+  int conv_groups() const { return conv_group > 0 ? hidden / conv_group : 0; }
 
   int q_dim() const { return n_head * head_dim; }
   int kv_dim() const { return n_head_kv * head_dim; }
   int fc_in() const { return hidden * (int)target_layer_ids.size(); }
+};
+
+// DFlash2's dynamic grouped convolution around a sublayer: a static kernel [side][tap][channel] (side 0
+// before the sublayer, 1 after) plus, per token, a projection of its normed input giving [side][tap][group].
+struct DraftConvWeights {
+  std::vector<float> base;  // base_kernel [2][conv_kernel][H]
+  Weight proj;              // kernel_projection [2 * conv_kernel * groups, H]
 };
 
 struct DraftLayerWeights {
@@ -60,6 +77,13 @@ struct DraftLayerWeights {
   std::vector<float> q_norm, k_norm;         // [head_dim]
   Weight wq, wk, wv, wo;                     // q_proj [q_dim, H], k/v [kv_dim, H], o [H, q_dim]
   Weight gate, up, down;                     // [F, H], [F, H], [H, F]
+  DraftConvWeights attn_conv, mlp_conv;      // DFlash2 only
+};
+
+// DFlash2's candidate selector: transition score of candidate b after a = <pred[a] * (P h), succ[b]>.
+struct DraftSelectorWeights {
+  Weight hidden_projection;  // P [rank, H]
+  Weight predecessor, successor;  // codebooks [vocab, rank]
 };
 
 struct DraftModel {
@@ -70,6 +94,7 @@ struct DraftModel {
   Weight fc;                            // [H, H * n_target_layers]
   std::vector<float> hidden_norm, norm; // [H]
   std::vector<DraftLayerWeights> layers;
+  DraftSelectorWeights selector;        // DFlash2 only
   uint64_t weight_bytes = 0;            // bytes of all tensors in the file
 
   // Its own tensors in a fixed order (the target's embedding and lm_head it reads are the target's):
@@ -77,11 +102,17 @@ struct DraftModel {
   template <class Mat, class Vec>
   void for_each_tensor(Mat&& mat, Vec&& vec) const {
     auto v = [&](const std::vector<float>& x) { if (!x.empty()) vec(x); };
-    mat(fc), v(hidden_norm), v(norm);
+    auto m = [&](const Weight& w) { if (w.data) mat(w); };
+    m(fc), v(hidden_norm), v(norm);
     for (const DraftLayerWeights& L : layers) {
-      for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down}) mat(*w);
-      for (const std::vector<float>* x : {&L.input_norm, &L.post_norm, &L.q_norm, &L.k_norm}) v(*x);
+      for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate, &L.up, &L.down, &L.attn_conv.proj,
+                              &L.mlp_conv.proj})
+        m(*w);
+      for (const std::vector<float>* x : {&L.input_norm, &L.post_norm, &L.q_norm, &L.k_norm, &L.attn_conv.base,
+                                          &L.mlp_conv.base})
+        v(*x);
     }
+    for (const Weight* w : {&selector.hidden_projection, &selector.predecessor, &selector.successor}) m(*w);
   }
 };
 

@@ -24,6 +24,10 @@ Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterPara
     : d_(draft), t_(target), cap_(p.ring_capacity) {
   const DraftConfig& c = d_.cfg;
   validate_pair(c, target.cfg);
+  if (c.dflash2)
+    fail("%s: a DFlash2 drafter (it loads and validates; `dflash27b models` and `plan` count it) cannot draft yet: "
+         "its grouped convolutions and candidate selector are not implemented; use a DFlash drafter, a draft "
+         "model (-md SMALL.gguf) or --mode ar", d_.config_path.c_str());
   if (cap_ <= 0) fail("feature ring capacity must be positive (got %d)", cap_);
   if (backend) {
     be_ = backend;

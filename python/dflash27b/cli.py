@@ -491,7 +491,8 @@ def models_cmd(as_json):
             dt.add_row(d.name, f"[red]refused: {d.error}[/red]", "", "", "", "", "", f"{d.size / 1e9:.2f} GB")
             continue
         layers = (f"{d.target_layers} " if d.target_layers else "") + str(d.target_layer_ids)
-        dt.add_row(d.name, str(d.hidden), layers, str(d.vocab), str(d.block_size), d.rope, d.sliding or "-",
+        name = d.name + (" [yellow](DFlash2: listed, cannot draft yet)[/yellow]" if d.generation == 2 else "")
+        dt.add_row(name, str(d.hidden), layers, str(d.vocab), str(d.block_size), d.rope, d.sliding or "-",
                    f"{d.size / 1e9:.2f} GB")
     con.print(tt)
     con.print(dt)

@@ -51,6 +51,11 @@ def drafter_weight_bytes(info: dict, draft_type: str | None) -> int:
     Q, KV = info["n_head"] * D, info["n_head_kv"] * D
     mats = H * H * info["n_target_layers"] + L * (2 * Q * H + 2 * KV * H + 3 * F * H)
     vecs = 2 * H + L * (2 * H + 2 * D)
+    if info.get("generation") == 2:  # DFlash2: per layer two conv projections and base kernels; the selector
+        K, G = info["conv_kernel_size"], H // info["conv_group_size"]
+        R, V = info["selector_rank"], info["n_vocab"]
+        mats += L * 2 * (2 * K * G * H) + R * H + 2 * V * R   # ... its projection and its two codebooks
+        vecs += L * 2 * (2 * K * H)
     elem = stored / (mats + vecs)  # one dtype in the file
     per_mat = {"bf16": 2.0, "q8_0": 34 / 32}[draft_type]
     return int(round(mats * per_mat + vecs * elem))

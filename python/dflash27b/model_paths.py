@@ -209,6 +209,7 @@ class DraftEntry:
     rope: str = ""                  # "default", "linear x8", "yarn x4" ...
     sliding: str = ""               # "3/5 layers, window 2048", "" when none slides
     error: str = ""                 # the config reader's refusal, when it refuses the file
+    generation: int = 1             # 2: DFlash2 (loads and is listed; cannot draft yet)
 
 
 def _gguf_facts(path: Path) -> dict:
@@ -233,7 +234,8 @@ def _draft_facts(d: Path) -> dict | None:
         cfg = json.loads((d / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict) or "DFlashDraftModel" not in (cfg.get("architectures") or []):
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if not isinstance(archs, list) or not {"DFlashDraftModel", "DFlash2DraftModel"} & set(map(str, archs)):
         return None
     from ._handles import draft_config_info
     try:
@@ -246,7 +248,7 @@ def _draft_facts(d: Path) -> dict | None:
                if i["n_sliding_layers"] else "")
     return {"hidden": i["hidden"], "target_layers": i["num_target_layers"],
             "target_layer_ids": i["target_layer_ids"], "vocab": i["n_vocab"], "mask_token_id": i["mask_token_id"],
-            "block_size": i["block_size"], "rope": rope, "sliding": sliding}
+            "block_size": i["block_size"], "rope": rope, "sliding": sliding, "generation": i["generation"]}
 
 
 def _roots() -> list[tuple[Path, str]]:
@@ -262,7 +264,7 @@ def _roots() -> list[tuple[Path, str]]:
 def drafter_matches(t: TargetEntry, d: DraftEntry) -> bool:
     """The loader's pair checks (hidden size, vocabulary, mask token, captured layers inside the target),
     plus the target depth the drafter was made for when its config names one."""
-    return (t.arch == "qwen35" and not d.error and d.hidden == t.n_embd and d.vocab == t.n_vocab
+    return (t.arch == "qwen35" and not d.error and d.generation == 1 and d.hidden == t.n_embd and d.vocab == t.n_vocab
             and 0 <= d.mask_token_id < t.n_vocab and bool(d.target_layer_ids)
             and all(0 <= i < t.n_layer for i in d.target_layer_ids)
             and d.target_layers in (0, t.n_layer))

@@ -1,0 +1,149 @@
+"""DFlash2 drafters in the published layout (architectures ["DFlash2DraftModel"]; docs/research/dflash2-spec.md):
+config.json with conv_kernel_size / conv_group_size / selector_top_k / selector_rank in dflash_config, and
+model.safetensors with the DFlash drafter's tensors plus attention_conv / mlp_conv per layer and the candidate
+selector's projection and two codebooks.  They load with every shape validated, are listed by
+`dflash27b models`, count in the drafter's weight bytes, and are refused by name when asked to draft (the
+forward is issue 42's next step).  Malformed ones get one-line errors naming the key or tensor."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash27b._lib import DFlashError
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+BUNDLED = Path(__file__).resolve().parent.parent / "python" / "dflash27b" / "models"
+DFLASH2_KEYS = {"block_size": 8, "conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16,
+                "selector_rank": 32}
+
+
+def _write_dflash2(d: Path, cfg_edit=None, tensors_edit=None) -> Path:
+    """The bundled tiny drafter turned into a DFlash2 checkpoint of the published layout (random new tensors)."""
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((BUNDLED / "tiny-draft" / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg.pop("block_size", None)
+    cfg["dflash_config"].update(DFLASH2_KEYS)
+    cfg["is_causal"] = False
+    if cfg_edit:
+        cfg_edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(BUNDLED / "tiny-draft" / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    H, V, K, R = 256, 4096, 2, 32
+    G = H // 16
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+    for i in range(2):
+        for conv in ("attention_conv", "mlp_conv"):
+            t[f"layers.{i}.{conv}.base_kernel"] = rnd(2, K, H)
+            t[f"layers.{i}.{conv}.kernel_projection.weight"] = rnd(2 * K * G, H)
+    t["candidate_selector.hidden_projection.weight"] = rnd(R, H)
+    t["candidate_selector.predecessor_codebook"] = rnd(V, R)
+    t["candidate_selector.successor_codebook"] = rnd(V, R)
+    if tensors_edit:
+        tensors_edit(t)
+    save_file(t, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def target():
+    from dflash27b._handles import Model
+    m = Model(str(BUNDLED / "tiny-target.gguf"))
+    yield m
+    m.close()
+
+
+def test_published_layout_loads_and_counts(tmp_path, target):
+    from dflash27b._handles import Draft, draft_config_info
+    d = _write_dflash2(tmp_path / "d2")
+    info = draft_config_info(d)
+    assert info["generation"] == 2 and info["block_size"] == 8
+    assert (info["conv_kernel_size"], info["conv_group_size"], info["selector_top_k"], info["selector_rank"]) == \
+        (2, 16, 16, 32)
+    dr = Draft(str(d), target)
+    assert dr.info["generation"] == 2
+    assert dr.info["weight_bytes"] == sum(v.numel() * 2 for v in load_file(str(d / "model.safetensors")).values())
+    q8 = Draft(str(d), target, weight_type="q8_0")  # the new matrices convert too
+    assert q8.info["weight_bytes"] < dr.info["weight_bytes"]
+    from dflash27b.memory_plan import drafter_weight_bytes  # the plan counts every part, codebooks included
+    assert drafter_weight_bytes(dr.info, "q8_0") == q8.info["weight_bytes"]
+    assert drafter_weight_bytes(dr.info, "bf16") == dr.info["weight_bytes"]
+    v1 = draft_config_info(BUNDLED / "tiny-draft")
+    assert v1["generation"] == 1 and v1["selector_top_k"] == 0
+
+
+def test_drafting_with_it_is_refused_by_name(tmp_path):
+    from dflash27b import Decoder
+    d = _write_dflash2(tmp_path / "d2")
+    with pytest.raises(DFlashError, match="DFlash2 drafter .* cannot draft yet"):
+        Decoder(BUNDLED / "tiny-target.gguf", d, threads=1)
+
+
+def test_models_lists_it(tmp_path, monkeypatch):
+    from dflash27b import model_paths
+    md = tmp_path / "models"
+    shutil.copytree(BUNDLED / "tiny-draft", md / "z" / "Tiny-DFlash")
+    _write_dflash2(md / "z" / "Tiny-DFlash2")
+    shutil.copy(BUNDLED / "tiny-target.gguf", md / "z" / "tiny-target.gguf")
+    monkeypatch.setenv("DFLASH27B_MODELS", str(md))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "nohub"))
+    targets, drafts = model_paths.scan()
+    gens = {d.path.name: d.generation for d in drafts}
+    assert gens == {"Tiny-DFlash": 1, "Tiny-DFlash2": 2}, gens
+    t = targets[0]
+    assert [d.path.name for d in drafts if model_paths.drafter_matches(t, d)] == ["Tiny-DFlash"]
+
+
+def _cfg(f):
+    return dict(cfg_edit=f)
+
+
+def _ten(f):
+    return dict(tensors_edit=f)
+
+
+MALFORMED = {
+    "no conv_kernel_size": (_cfg(lambda c: c["dflash_config"].pop("conv_kernel_size")),
+                            "missing config key 'dflash_config.conv_kernel_size'"),
+    "group does not divide hidden": (_cfg(lambda c: c["dflash_config"].update(conv_group_size=24)),
+                                     "conv_group_size 24 does not divide hidden_size 256"),
+    "kernel longer than the block": (_cfg(lambda c: c["dflash_config"].update(conv_kernel_size=9)),
+                                     "config key 'conv_kernel_size' = 9 is out of range"),
+    "selector_top_k zero": (_cfg(lambda c: c["dflash_config"].update(selector_top_k=0)),
+                            "config key 'selector_top_k' = 0 is out of range"),
+    "selector_rank a string": (_cfg(lambda c: c["dflash_config"].update(selector_rank="32")),
+                               "config key 'selector_rank' should be an integer"),
+    "unknown architecture": (_cfg(lambda c: c.update(architectures=["DFlash3DraftModel"])),
+                             "architectures 'DFlash3DraftModel' is not a DFlash drafter"),
+    "negative softcap": (_cfg(lambda c: c["dflash_config"].update(final_logit_softcapping=-1)),
+                         "'final_logit_softcapping' must be >= 0"),
+    "codebook of the wrong rank": (_ten(lambda t: t.update({"candidate_selector.successor_codebook":
+                                                            torch.zeros(4096, 16, dtype=torch.bfloat16)})),
+                                   "tensor 'candidate_selector.successor_codebook' has shape [4096, 16], expected "
+                                   "[4096, 32]"),
+    "missing predecessor codebook": (_ten(lambda t: t.pop("candidate_selector.predecessor_codebook")),
+                                     "missing tensor 'candidate_selector.predecessor_codebook'"),
+    "conv base kernel of another width": (_ten(lambda t: t.update({"layers.1.mlp_conv.base_kernel":
+                                                                   torch.zeros(2, 3, 256, dtype=torch.bfloat16)})),
+                                          "tensor 'layers.1.mlp_conv.base_kernel' has shape [2, 3, 256]"),
+    "a stray tensor": (_ten(lambda t: t.update({"mask_embedding": torch.zeros(256, dtype=torch.bfloat16)})),
+                       "unexpected tensor 'mask_embedding' (not part of a 2-layer DFlash2 drafter)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_dflash2_gets_one_line_naming_it(tmp_path, target, case):
+    from dflash27b._handles import Draft
+    edit, msg = MALFORMED[case]
+    d = _write_dflash2(tmp_path / "bad", **edit)
+    with pytest.raises(DFlashError) as e:
+        Draft(str(d), target)
+    assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
