@@ -143,6 +143,10 @@ int32_t dfl_drafter_n_pos(const dfl_drafter* r);
 int dfl_drafter_push_features(dfl_drafter* r, int32_t pos0, int32_t n, const float* features);
 /* block_tokens[0] is the root at position n_pos; logits: [n_block-1][n_vocab] */
 int dfl_drafter_propose(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, float* logits);
+/* DFlash2: the candidate selector's chain for the block (path: n_block - 1 tokens) and, when not NULL, each
+ * position's candidates (cand_ids / cand_logp: [n_block - 1][selector_top_k], log-prob desc, id asc). */
+int dfl_drafter_propose_path(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, int32_t* path,
+                             int32_t* cand_ids, float* cand_logp);
 
 #ifdef __cplusplus
 }

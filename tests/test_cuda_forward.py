@@ -393,3 +393,18 @@ def test_cuda_op_profile_counts_every_op_of_a_step(cuda_dec):
     assert lib.dfl_cuda_profile_report(buf, n[0] + 1, n) == 0
     assert json.loads(ffi.string(buf).decode()) == {"ops": []}
     assert lib.dfl_cuda_profile_report(buf, n[0], n) != 0  # too small: an error saying the size, not a cut
+
+
+def test_cuda_dflash2_drafter_equals_ar_and_the_cpu(tmp_path):
+    """A DFlash2 drafter on the GPU: its grouped convolutions (Backend::grouped_conv) and selector path give
+    chain and DDTree output == CUDA AR, and the same drafts as on the CPU (chain accept lengths equal)."""
+    from test_dflash2_load import BUNDLED, _write_dflash2
+    d = _write_dflash2(tmp_path / "d2")
+    t = BUNDLED / "tiny-target.gguf"
+    with Decoder(t, d, device="cuda", ctx=512, threads=2) as g, Decoder(t, d, device="cpu", ctx=512, threads=2) as c:
+        ar = g.generate("def f(x):", N_NEW, ignore_eos=True, mode="ar").tokens
+        gc = g.generate("def f(x):", N_NEW, ignore_eos=True, mode="chain")
+        assert gc.tokens == ar
+        assert g.generate("def f(x):", N_NEW, ignore_eos=True, mode="ddtree", budget=8).tokens == ar
+        cc = c.generate("def f(x):", N_NEW, ignore_eos=True, mode="chain")
+        assert gc.stats.accept_lengths == cc.stats.accept_lengths

@@ -2,8 +2,8 @@
 config.json with conv_kernel_size / conv_group_size / selector_top_k / selector_rank in dflash_config, and
 model.safetensors with the DFlash drafter's tensors plus attention_conv / mlp_conv per layer and the candidate
 selector's projection and two codebooks.  They load with every shape validated, are listed by
-`dflash27b models`, count in the drafter's weight bytes, and are refused by name when asked to draft (the
-forward is issue 42's next step).  Malformed ones get one-line errors naming the key or tensor."""
+`dflash27b models`, count in the drafter's weight bytes, and draft (chain from the candidate selector's path) with output
+equal to AR's.  Malformed ones get one-line errors naming the key or tensor."""
 from __future__ import annotations
 
 import json
@@ -80,11 +80,19 @@ def test_published_layout_loads_and_counts(tmp_path, target):
     assert v1["generation"] == 1 and v1["selector_top_k"] == 0
 
 
-def test_drafting_with_it_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chain_ddtree_auto_equal_ar(tmp_path, sampled):
+    """Drafting with a DFlash2 drafter (its selector's path as the chain, its draft distribution for trees)
+    changes no token: chain, DDTree and auto == AR, greedy and seeded."""
     from dflash27b import Decoder
     d = _write_dflash2(tmp_path / "d2")
-    with pytest.raises(DFlashError, match="DFlash2 drafter .* cannot draft yet"):
-        Decoder(BUNDLED / "tiny-target.gguf", d, threads=1)
+    kw = dict(temperature=0.8, top_p=0.9, seed=4) if sampled else {}
+    with Decoder(BUNDLED / "tiny-target.gguf", d, threads=2) as dec:
+        ar = dec.generate("def fibonacci(n):", 40, mode="ar", ignore_eos=True, **kw).tokens
+        for mode, extra in (("chain", {}), ("ddtree", {"budget": 12}), ("auto", {})):
+            r = dec.generate("def fibonacci(n):", 40, mode=mode, ignore_eos=True, **extra, **kw)
+            assert r.tokens == ar, mode
+            assert r.stats.block_size == 8 or mode == "auto"
 
 
 def test_models_lists_it(tmp_path, monkeypatch):

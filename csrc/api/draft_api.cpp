@@ -220,5 +220,15 @@ int dfl_drafter_propose(dfl_drafter* r, int32_t n_block, const int32_t* block_to
   });
 }
 
+int dfl_drafter_propose_path(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, int32_t* path,
+                             int32_t* cand_ids, float* cand_logp) {
+  return dfl::api_guard([&] {
+    if (!r) dfl::fail("drafter is NULL");
+    if (!block_tokens) dfl::fail("block_tokens is NULL");
+    if (!path) dfl::fail("path is NULL");
+    r->r->propose_path(block_tokens, n_block, path, cand_ids, cand_logp);
+  });
+}
+
 }  // extern "C"
 #pragma GCC visibility pop

@@ -149,6 +149,12 @@ class Backend {
   virtual void scale(float* x, float s, size_t count) = 0;
   // g = silu(g) * u over count values.
   virtual void swiglu(float* g, const float* u, size_t count) = 0;
+  // DFlash2's grouped dynamic causal convolution over one draft block of n rows of width H, groups of H / G
+  // channels, T taps: out[i][c] = sum over t < T of (base[side][t][c] + delta[i][side][t][c / (H / G)]) * u[i - t][c],
+  // rows before the block's first as zero.  base [2][T][H] is a backend vector, delta [n][2][T][G] the
+  // kernel projection's output; per element the coefficient is summed first, then the taps in order t = 0..T-1.
+  virtual void grouped_conv(const float* u, const float* base, const float* delta, int side, int n, int H, int T,
+                            int G, float* out) = 0;
   // Per chunk token: each q head of qg and each k head of kk gets its RMSNorm
   // and NeoX RoPE at the token's position; K and V rows are written
   // (converted to kv_type) to the plan's kv_slot0 + t.  n_head may be 0 (K/V only).

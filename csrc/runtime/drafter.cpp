@@ -24,10 +24,6 @@ Drafter::Drafter(const DraftModel& draft, const Model& target, const DrafterPara
     : d_(draft), t_(target), cap_(p.ring_capacity) {
   const DraftConfig& c = d_.cfg;
   validate_pair(c, target.cfg);
-  if (c.dflash2)
-    fail("%s: a DFlash2 drafter (it loads and validates; `dflash27b models` and `plan` count it) cannot draft yet: "
-         "its grouped convolutions and candidate selector are not implemented; use a DFlash drafter, a draft "
-         "model (-md SMALL.gguf) or --mode ar", d_.config_path.c_str());
   if (cap_ <= 0) fail("feature ring capacity must be positive (got %d)", cap_);
   if (backend) {
     be_ = backend;
@@ -95,6 +91,10 @@ void Drafter::ensure_scratch(int rows) {
   g_ = BackendBuf(be, r * c.n_ff * 4);
   u_ = BackendBuf(be, r * c.n_ff * 4);
   ctx_ = BackendBuf(be, r * c.hidden * 4);
+  if (c.dflash2) {
+    dl_ = BackendBuf(be, r * 2 * c.conv_kernel * c.conv_groups() * 4);
+    cv_ = BackendBuf(be, r * c.hidden * 4);
+  }
   scratch_rows_ = rows;
 }
 
@@ -253,6 +253,45 @@ void Drafter::propose_topk(const int32_t* block_tokens, int n_block, int k, int3
   std::memcpy(logp, both.data() + n * 4, n * 4);
 }
 
+void Drafter::propose_path(const int32_t* block_tokens, int n_block, int32_t* path, int32_t* cand_ids,
+                           float* cand_logp) {
+  const DraftConfig& c = d_.cfg;
+  if (!c.dflash2) fail("internal: the candidate selector belongs to DFlash2 drafters");
+  const int rows = n_block - 1, K = c.selector_top_k, Rk = c.selector_rank;
+  std::vector<int32_t> ids((size_t)rows * K);
+  std::vector<float> lp((size_t)rows * K);
+  propose_topk(block_tokens, n_block, K, ids.data(), lp.data());  // the block forward; hn_ = its final-normed rows
+  Backend& be = *be_;
+  const size_t ng = (size_t)rows * Rk;
+  if (sel_.bytes < ng * 4) sel_ = BackendBuf(be, ng * 4);
+  be.matmul(d_.selector.hidden_projection, hn_.f(), rows, sel_.f());
+  std::vector<float> g(ng), a((size_t)Rk), b((size_t)Rk);
+  be.download(g.data(), sel_.f(), ng * 4);
+  auto code = [&](const Weight& w, int32_t tok, float* out) {  // a codebook row, from the host copy of the weights
+    std::vector<uint8_t> raw(w.row_bytes);
+    std::memcpy(raw.data(), w.row(tok), w.row_bytes);
+    dequantize_row(w.type, raw.data(), out, Rk);
+  };
+  int32_t prev = block_tokens[0];
+  for (int t = 0; t < rows; ++t) {
+    code(d_.selector.predecessor, prev, a.data());
+    const float* gt = g.data() + (size_t)t * Rk;
+    for (int r = 0; r < Rk; ++r) a[(size_t)r] *= gt[r];
+    int best = 0;
+    float best_s = 0.f;
+    for (int j = 0; j < K; ++j) {
+      code(d_.selector.successor, ids[(size_t)t * K + j], b.data());
+      float s = 0.f;
+      for (int r = 0; r < Rk; ++r) s += a[(size_t)r] * b[(size_t)r];
+      s += lp[(size_t)t * K + j];
+      if (j == 0 || s > best_s) best = j, best_s = s;
+    }
+    path[t] = prev = ids[(size_t)t * K + best];
+  }
+  if (cand_ids) std::memcpy(cand_ids, ids.data(), ids.size() * 4);
+  if (cand_logp) std::memcpy(cand_logp, lp.data(), lp.size() * 4);
+}
+
 void Drafter::forward_block(const int32_t* block_tokens, int n_block) {
   const DraftConfig& c = d_.cfg;
   const Qwen35Config& tc = t_.cfg;
@@ -283,25 +322,40 @@ void Drafter::forward_block(const int32_t* block_tokens, int n_block) {
   be.embed(t_.tok_embd, x_.f());
   if (c.input_embedding_scale != 1.f) be.scale(x_.f(), c.input_embedding_scale, (size_t)B * H);
 
+  // DFlash2: each sublayer between two grouped dynamic convolutions whose per-token kernels come from one
+  // projection of the sublayer's normed input (side 0 on that input, side 1 on the sublayer's output)
+  const int T = c.conv_kernel, G = c.conv_groups();
+  auto conv_in = [&](const DraftConvWeights& cw) -> const float* {  // hn_ -> the sublayer's input
+    if (!c.dflash2) return hn_.f();
+    be.matmul(cw.proj, hn_.f(), B, dl_.f());
+    be.grouped_conv(hn_.f(), be.vec(cw.base), dl_.f(), 0, B, H, T, G, cv_.f());
+    return cv_.f();
+  };
+  auto add_out = [&](const DraftConvWeights& cw) {  // x += the sublayer's output (out_), convolved for DFlash2
+    if (c.dflash2) be.grouped_conv(out_.f(), be.vec(cw.base), dl_.f(), 1, B, H, T, G, cv_.f());
+    be.add(x_.f(), c.dflash2 ? cv_.f() : out_.f(), (size_t)B * H);
+  };
   for (int l = 0; l < c.n_layer; ++l) {
     const DraftLayerWeights& L = d_.layers[l];
     use_plan(l);
     be.rmsnorm(x_.f(), be.vec(L.input_norm), B, H, c.rms_eps, hn_.f());
-    be.matmul(L.wq, hn_.f(), B, q_.f());
-    be.matmul(L.wk, hn_.f(), B, kb_.f());
-    be.matmul(L.wv, hn_.f(), B, vb_.f());
+    const float* a_in = conv_in(L.attn_conv);
+    be.matmul(L.wq, a_in, B, q_.f());
+    be.matmul(L.wk, a_in, B, kb_.f());
+    be.matmul(L.wv, a_in, B, vb_.f());
     const AttnLayer A{attn_, k_[l].u8(), v_[l].u8(), be.vec(L.q_norm), be.vec(L.k_norm)};  // plan: slots cap..
     be.attn_store(q_.f(), kb_.f(), vb_.f(), A);
     be.attention(q_.f(), A, att_.f());
     be.matmul(L.wo, att_.f(), B, out_.f());
-    be.add(x_.f(), out_.f(), (size_t)B * H);
+    add_out(L.attn_conv);
 
     be.rmsnorm(x_.f(), be.vec(L.post_norm), B, H, c.rms_eps, hn_.f());
-    be.matmul(L.gate, hn_.f(), B, g_.f());
-    be.matmul(L.up, hn_.f(), B, u_.f());
+    const float* m_in = conv_in(L.mlp_conv);
+    be.matmul(L.gate, m_in, B, g_.f());
+    be.matmul(L.up, m_in, B, u_.f());
     be.swiglu(g_.f(), u_.f(), (size_t)B * c.n_ff);
     be.matmul(L.down, g_.f(), B, out_.f());
-    be.add(x_.f(), out_.f(), (size_t)B * H);
+    add_out(L.mlp_conv);
   }
 
   // The draft's own final norm, then the target's lm_head for positions 1..B-1.

@@ -64,6 +64,13 @@ class Drafter {
   // The same forward, returning per position 1..n_block-1 only the top-k ids
   // and log-probs [(n_block-1)][k] (computed where the logits are).
   void propose_topk(const int32_t* block_tokens, int n_block, int k, int32_t* ids, float* logp);
+  // DFlash2: the candidate selector's path for the block (n_block - 1 tokens): per position its
+  // selector_top_k candidates, each scored by its log-probability (the transformed logit up to the row's
+  // constant) plus the transition <pred[prev] * (P h), succ[cand]> from the token chosen before it, the root
+  // first; greedy, the first of equal scores (candidates in (log-prob desc, id asc) order).  With
+  // cand_ids / cand_logp [n_block - 1][selector_top_k] the candidates too.
+  void propose_path(const int32_t* block_tokens, int n_block, int32_t* path, int32_t* cand_ids = nullptr,
+                    float* cand_logp = nullptr);
 
   // Bytes held by the ring and the draft KV cache (constant in context length).
   size_t state_bytes() const;
@@ -93,6 +100,8 @@ class Drafter {
   // scratch (backend memory) for `scratch_rows_` rows
   int scratch_rows_ = 0;
   BackendBuf x_, hn_, q_, kb_, vb_, att_, out_, g_, u_, ctx_;
+  BackendBuf dl_, cv_;  // DFlash2: the conv kernels' projection [rows][2][T][G], a convolved row block
+  BackendBuf sel_;      // DFlash2: P h of the block's rows [rows][selector_rank]
   BackendBuf logits_;  // [(block - 1)][n_vocab], grown on demand
   BackendBuf top_;     // top-k ids then log-probs
   ChunkPlan plan_a_, plan_b_;

@@ -2,7 +2,9 @@
 //
 // One drafter forward over [root, mask x L] ranks every depth at once; the
 // target features it conditions on arrive through take_features, into the
-// drafter's ring (committed positions only, in position order).
+// drafter's ring (committed positions only, in position order).  A DFlash2
+// drafter's chain is its candidate selector's path; its ranking (for trees) is
+// the per-depth draft distribution, as DFlash's.
 #pragma once
 #include <vector>
 
@@ -21,6 +23,13 @@ class DFlashProposer final : public Proposer {
     block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
     block_[0] = r.root;
     d_.propose_topk(block_.data(), r.L + 1, K, ids, logp);
+  }
+  // DFlash2: the candidate selector's path; DFlash: the top-1 of each depth
+  void propose_chain(const DraftRequest& r, int32_t* tokens) override {
+    if (!d_.config().dflash2) return Proposer::propose_chain(r, tokens);
+    block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
+    block_[0] = r.root;
+    d_.propose_path(block_.data(), r.L + 1, tokens);
   }
   void reset() override { d_.reset(); }
   const std::vector<int32_t>* feature_layers() const override { return &d_.config().target_layer_ids; }

@@ -58,7 +58,7 @@ int failures = 0;
 // Op families (--only a,b runs those; --list names them); --time prints each family's wall time, both backends
 // and the checks included (on a GPU the CPU side dominates: a smoke timing, not a benchmark).
 const char* const kFamilies[] = {"mma", "graph", "embed", "rmsnorm", "matmul", "row_topk", "elementwise",
-                                 "attention", "kv_commit", "gdn"};
+                                 "attention", "kv_commit", "gdn", "grouped_conv"};
 std::vector<std::string> only;  // empty: every family
 std::vector<std::pair<std::string, double>> family_ms;
 struct Family {  // `if (Family f("matmul"); f.on) ...`: runs the statement when selected, timing it
@@ -410,6 +410,28 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       cpu->swiglu(xa.f(), ya.f(), cnt);
       cud->swiglu(xb.f(), yb.f(), cnt);
       check(label("swiglu", "", n), xb.get(cnt), xa.get(cnt), 1e-6);
+    }
+    // DFlash2's grouped dynamic causal convolution, both sides, 2 and 3 taps: the same operations in the same
+    // order on both backends (bit for bit), and the block's first row never reads a row before it
+    if (Family f("grouped_conv"); f.on && n <= 64) {
+      const int G = H / 16;
+      for (int T : {2, 3}) {
+        auto u = randn((size_t)n * H), base = randn((size_t)2 * T * H), delta = randn((size_t)n * 2 * T * G);
+        Buf ua(*cpu, u.size() * 4), ub(*cud, u.size() * 4), da(*cpu, delta.size() * 4), db(*cud, delta.size() * 4);
+        Buf ba(*cpu, base.size() * 4), bb(*cud, base.size() * 4), oa(*cpu, u.size() * 4), ob(*cud, u.size() * 4);
+        ua.put(u), ub.put(u), da.put(delta), db.put(delta), ba.put(base), bb.put(base);
+        ob.poison();
+        for (int side = 0; side < 2; ++side) {
+          cpu->grouped_conv(ua.f(), ba.f(), da.f(), side, n, H, T, G, oa.f());
+          cud->grouped_conv(ub.f(), bb.f(), db.f(), side, n, H, T, G, ob.f());
+          check(label("grouped_conv", "taps " + std::to_string(T) + " side " + std::to_string(side), n),
+                ob.get(u.size()), oa.get(u.size()), 0.0);
+        }
+        std::vector<float> row0 = oa.get((size_t)H), want((size_t)H);
+        for (int ch = 0; ch < H; ++ch)
+          want[(size_t)ch] = (base[(size_t)(T + 0) * H + ch] + delta[(size_t)(T + 0) * G + ch / 16]) * u[(size_t)ch];
+        check(label("grouped_conv", "row 0 is causal", n), row0, want, 0.0);
+      }
     }
   }
 

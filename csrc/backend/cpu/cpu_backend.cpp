@@ -91,6 +91,23 @@ class CpuBackend final : public Backend {
     else pool_.parallel_for((int64_t)count, 4096, part);
   }
 
+  void grouped_conv(const float* u, const float* base, const float* delta, int side, int n, int H, int T, int G,
+                    float* out) override {
+    const int gs = H / G;
+    for (int i = 0; i < n; ++i) {
+      const float* d = delta + ((size_t)i * 2 + side) * T * G;
+      for (int c = 0; c < H; ++c) {
+        float acc = 0.f;
+        for (int t = 0; t < T && t <= i; ++t) {
+          const float coef = base[((size_t)side * T + t) * H + c] + d[(size_t)t * G + c / gs];
+          const float term = coef * u[(size_t)(i - t) * H + c];
+          acc = t == 0 ? term : acc + term;
+        }
+        out[(size_t)i * H + c] = acc;
+      }
+    }
+  }
+
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
     const AttnShape& a = L.s;
     const int hd = a.head_dim, qs = a.q_stride(), kvd = a.n_head_kv * hd;

@@ -394,6 +394,12 @@ class CudaBackend final : public Backend {
     const OpScope op(*this, "swiglu");
     launch(fwd::swiglu_kernel, dim3(elementwise_grid(count)), dim3(256), 0, stream_, g, u, (int64_t)count);
   }
+  void grouped_conv(const float* u, const float* base, const float* delta, int side, int n, int H, int T, int G,
+                    float* out) override {
+    const OpScope op(*this, "grouped_conv");
+    launch(fwd::grouped_conv_kernel, dim3(elementwise_grid((size_t)n * H)), dim3(256), 0, stream_, u, base, delta,
+           side, n, H, T, G, out);
+  }
 
   void attn_store(float* qg, float* kk, const float* vv, const AttnLayer& L) override {
     const OpScope op(*this, "attn_store");

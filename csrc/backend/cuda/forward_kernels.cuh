@@ -94,6 +94,25 @@ __global__ void swiglu_kernel(float* g, const float* __restrict__ u, int64_t n) 
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     g[i] = silu_f(g[i]) * u[i];
 }
+// DFlash2's grouped dynamic causal convolution (Backend::grouped_conv): one thread per (row, channel), the
+// CPU's operations in its order (coefficient summed first, taps t = 0.. added one by one).
+__global__ void grouped_conv_kernel(const float* __restrict__ u, const float* __restrict__ base,
+                                    const float* __restrict__ delta, int side, int n, int H, int T, int G,
+                                    float* __restrict__ out) {
+  const int gs = H / G;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < (int64_t)n * H;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int i = (int)(e / H), c = (int)(e % H);
+    const float* d = delta + ((int64_t)i * 2 + side) * T * G;
+    float acc = 0.f;
+    for (int t = 0; t < T && t <= i; ++t) {
+      const float coef = __fadd_rn(base[((int64_t)side * T + t) * H + c], d[(int64_t)t * G + c / gs]);
+      const float term = __fmul_rn(coef, u[(int64_t)(i - t) * H + c]);
+      acc = t == 0 ? term : __fadd_rn(acc, term);
+    }
+    out[e] = acc;
+  }
+}
 
 // ---------------------------------------------------------------- KV rows
 // Conversions as csrc/quant/quant.cpp::quantize_row (round to nearest even
