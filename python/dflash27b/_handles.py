@@ -447,6 +447,19 @@ class Drafter:
                                             self._ffi.cast("float*", out.ctypes.data)))
         return out
 
+    def propose_path(self, block_tokens, top_k: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """DFlash2: the candidate selector's chain, and each position's top_k candidates (ids, log-probs)."""
+        b = _i32(block_tokens)
+        path = np.empty(max(len(b) - 1, 1), np.int32)
+        ids = np.empty((max(len(b) - 1, 1), top_k), np.int32)
+        lp = np.empty((max(len(b) - 1, 1), top_k), np.float32)
+        ffi = self._ffi
+        check(self._lib.dfl_drafter_propose_path(self._h, len(b), ffi.cast("int32_t*", b.ctypes.data),
+                                                 ffi.cast("int32_t*", path.ctypes.data),
+                                                 ffi.cast("int32_t*", ids.ctypes.data),
+                                                 ffi.cast("float*", lp.ctypes.data)))
+        return path.tolist(), ids, lp
+
     def close(self) -> None:
         if getattr(self, "_h", None) is not None:
             self._lib.dfl_drafter_free(self._h)

@@ -1,0 +1,96 @@
+"""DFlash2 drafter forward and candidate-selector path against the independent PyTorch reference
+(tests/dflash2_ref.py, written from docs/research/dflash2-spec.md and cross-checked there against z-lab's own
+DFlash2 code): F32 weights, same features and block, logits within 1e-4 and the same selected path, across
+two draft calls (the second sees context K/V the first computed) and with strong convolutions and selector."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tiny_draft import make_tiny_draft
+
+pytestmark = pytest.mark.oracle
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from dflash2_ref import load_dflash2  # noqa: E402
+
+
+def to_dflash2(v1, out, scale: float, seed: int, **keys):
+    """A v1 tiny drafter (F32) made a DFlash2 one: the published keys and tensors, random at `scale` (0.5 makes
+    the convolutions and the selector move the result a lot)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((v1 / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg.setdefault("dflash_config", {}).update({"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16,
+                                                "selector_rank": 32, **keys})
+    (out / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(v1 / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    K, R, G = cfg["dflash_config"]["conv_kernel_size"], cfg["dflash_config"]["selector_rank"], H // 16
+    for i in range(L):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = torch.zeros(2, K, H)
+            base[:, 0] = 1.0
+            t[f"layers.{i}.{conv}.base_kernel"] = base + scale * torch.randn(2, K, H, generator=g)
+            t[f"layers.{i}.{conv}.kernel_projection.weight"] = scale * 0.1 * torch.randn(2 * K * G, H, generator=g)
+    t["candidate_selector.hidden_projection.weight"] = scale * torch.randn(R, H, generator=g)
+    t["candidate_selector.predecessor_codebook"] = torch.randn(V, R, generator=g)
+    t["candidate_selector.successor_codebook"] = torch.randn(V, R, generator=g)
+    save_file({k: v.float().contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_pair(tiny_hf_dir, tiny_f32_gguf):
+    from transformers import AutoModelForCausalLM
+
+    from dflash27b import _handles
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_hf_dir), dtype=torch.float32).eval()
+    return hf, _handles.Model(str(tiny_f32_gguf))
+
+
+CASES = {
+    "mild": dict(scale=0.05, seed=1),
+    "strong": dict(scale=0.5, seed=2),
+    "three taps, multiplier": dict(scale=0.3, seed=3, conv_kernel_size=3, output_multiplier=0.5),
+    "sliding, non-causal": dict(scale=0.3, seed=4, v1=dict(layer_types=["sliding_attention", "sliding_attention"],
+                                                           sliding_window=6, use_sliding_window=True,
+                                                           is_causal=False)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_selector_path_match_the_reference(case, target_pair, tmp_path):
+    from dflash27b import _handles
+    hf, target = target_pair
+    kw = dict(CASES[case])
+    v1 = make_tiny_draft(tmp_path / "v1", n_layers=2, block_size=8, dtype="f32", seed=7, **kw.pop("v1", {}))
+    d = to_dflash2(v1, tmp_path / "d2", **kw)
+    ref = load_dflash2(d)
+    E = hf.model.embed_tokens.weight.detach().double()
+    head = hf.lm_head.weight.detach().double()
+    draft = _handles.Draft(str(d), target)
+    B, mask, K = draft.info["block_size"], draft.info["mask_token_id"], draft.info["selector_top_k"]
+    width = draft.info["hidden"] * draft.info["n_target_layers"]
+    rng = np.random.default_rng(5)
+    dr = _handles.Drafter(draft, target, ring_capacity=4096, n_threads=2)
+    ctx, n_ctx = None, 0
+    for n_new, root in ((20, 17), (5, 901)):
+        f = rng.standard_normal((n_new, width)).astype(np.float32)
+        dr.push_features(f)
+        new = ref.context_kv(torch.from_numpy(f).double(), start=n_ctx)
+        ctx = new if ctx is None else ctx.extend(new)
+        n_ctx += n_new
+        block = [root] + [mask] * (B - 1)
+        out = ref.block_forward(ctx, block, n_ctx, E, head)
+        got = dr.propose(block)
+        err = float(np.abs(got - out.logits.numpy()).max())
+        assert err < 1e-4, err
+        path, ids, _ = dr.propose_path(block, K)
+        want = ref.greedy_path(root, out.logits, out.hidden, out.raw_logits)
+        assert ids.tolist() == want.cand_ids.tolist()
+        assert path == want.tokens, (path, want.tokens)
