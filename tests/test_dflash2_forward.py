@@ -38,8 +38,8 @@ def to_dflash2(v1, out, scale: float, seed: int, **keys):
             t[f"layers.{i}.{conv}.base_kernel"] = base + scale * torch.randn(2, K, H, generator=g)
             t[f"layers.{i}.{conv}.kernel_projection.weight"] = scale * 0.1 * torch.randn(2 * K * G, H, generator=g)
     t["candidate_selector.hidden_projection.weight"] = scale * torch.randn(R, H, generator=g)
-    t["candidate_selector.predecessor_codebook"] = torch.randn(V, R, generator=g)
-    t["candidate_selector.successor_codebook"] = torch.randn(V, R, generator=g)
+    t["candidate_selector.predecessor_codebook"] = (4 * scale) ** 0.5 * torch.randn(V, R, generator=g)
+    t["candidate_selector.successor_codebook"] = (4 * scale) ** 0.5 * torch.randn(V, R, generator=g)
     save_file({k: v.float().contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
     return out
 
@@ -94,3 +94,37 @@ def test_logits_and_selector_path_match_the_reference(case, target_pair, tmp_pat
         want = ref.greedy_path(root, out.logits, out.hidden, out.raw_logits)
         assert ids.tolist() == want.cand_ids.tolist()
         assert path == want.tokens, (path, want.tokens)
+
+
+def test_chain_decode_equals_zlab_dflash2_loop(tiny_hf_dir, tiny_f32_gguf, tmp_path, monkeypatch):
+    """z-lab's own decode loop (dflash_generate) with its DFlash2DraftModel, on the exact target, against ours in
+    chain mode with the same checkpoint: the same tokens and the same per-step acceptance lengths.  The drafter
+    is the distilled tiny one with light convolutions and a selector added, so it still accepts several tokens."""
+    import shutil
+
+    zl = pytest.importorskip("dflash.model")
+    if not hasattr(zl, "DFlash2DraftModel"):
+        pytest.skip("this dflash package has no DFlash2DraftModel")
+    from transformers import AutoModelForCausalLM
+
+    from dflash27b import Decoder
+    from test_zlab_generate import DISTILLED, training_prompts
+    from zlab_ref import ExactTarget, zlab_loop_on_cpu
+    zlab_loop_on_cpu(monkeypatch)
+    v1 = tmp_path / "v1"
+    shutil.copytree(DISTILLED, v1)
+    w = load_file(str(v1 / "model.safetensors"))
+    save_file({k: v.float().contiguous() for k, v in w.items()}, str(v1 / "model.safetensors"))
+    d = to_dflash2(v1, tmp_path / "d2", scale=0.02, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_hf_dir), dtype=torch.float32).eval()
+    draft = zl.DFlash2DraftModel.from_pretrained(str(d), dtype=torch.float32).eval()
+    target = ExactTarget(hf)
+    n_new, block = 48, 8
+    with Decoder(tiny_f32_gguf, d, kv_type="f32", threads=2) as dec:
+        for prompt in training_prompts(2):
+            ref = zl.dflash_generate(draft, target, torch.tensor([prompt]), n_new, None, block_size=block,
+                                     return_stats=True)
+            got = dec.generate(prompt, n_new, ignore_eos=True, mode="chain", block_size=block)
+            assert got.tokens == ref.output_ids[0, len(prompt):].tolist()
+            assert got.stats.accept_lengths == ref.acceptance_lengths
+            assert got.stats.mean_accept > 1.5
