@@ -343,7 +343,11 @@ record() {
   step "record"
   [ $DRY = 1 ] && { echo "(dry run) python3 bench/gpu_bench.py record --parts $PARTS --commit \$COMMIT"; return 0; }
   local out
-  out=$(python3 bench/gpu_bench.py record --parts "$PARTS" --commit "$COMMIT" | tee /dev/stderr | sed -n 's/^wrote //p' | head -1)
+  # the table goes to the console; `tee /dev/stderr` would reopen a redirected log file and write over it
+  local table
+  table=$(python3 bench/gpu_bench.py record --parts "$PARTS" --commit "$COMMIT")
+  printf '%s\n' "$table"
+  out=$(printf '%s\n' "$table" | sed -n 's/^wrote //p' | head -1)
   if [ -n "${OUT:-}" ] && [ -n "$out" ]; then
     cp "$out" "${out%.json}.md" "$OUT"/
   fi

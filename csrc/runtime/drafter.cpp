@@ -267,8 +267,9 @@ void Drafter::propose_path(const int32_t* block_tokens, int n_block, int32_t* pa
   be.matmul(d_.selector.hidden_projection, hn_.f(), rows, sel_.f());
   std::vector<float> g(ng), a((size_t)Rk), b((size_t)Rk);
   be.download(g.data(), sel_.f(), ng * 4);
-  auto code = [&](const Weight& w, int32_t tok, float* out) {  // a codebook row, from the host copy of the weights
-    std::vector<uint8_t> raw(w.row_bytes);
+  // codebook rows from the host copy of the weights (copied first: the mapping need not be aligned)
+  std::vector<uint8_t> raw(std::max(d_.selector.predecessor.row_bytes, d_.selector.successor.row_bytes));
+  auto code = [&](const Weight& w, int32_t tok, float* out) {
     std::memcpy(raw.data(), w.row(tok), w.row_bytes);
     dequantize_row(w.type, raw.data(), out, Rk);
   };

@@ -84,8 +84,9 @@ class RemoteDecoder:
         kw = dict(kw)
         params = kw.pop("params", None)  # a GenParams: its settings that differ from the defaults, keywords over them
         settings = {**(params.to_mapping(only_changed=True) if params is not None else {}), **kw}
-        req["max_new_tokens"] = int(settings.pop("max_new_tokens", 256) if max_new_tokens is None else max_new_tokens)
-        settings.pop("max_new_tokens", None)
+        if max_new_tokens is not None:
+            settings["max_new_tokens"] = max_new_tokens
+        req["max_new_tokens"] = int(settings.pop("max_new_tokens", 256))
         req["stream"] = stream
         if "cache" in settings:  # Decoder's keyword, the protocol's (llama-server's) field name
             req["cache_prompt"] = bool(settings.pop("cache"))

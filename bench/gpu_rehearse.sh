@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# gpu_rehearse.sh — runs, for real and without a GPU, the steps of bench/gpu_bench.sh that need none, through the
+# script's own functions (run under timeout, the background jobs, save_logs, record): the sm_90 nvcc build (its
+# device check then fails: no GPU), llama.cpp's toolkit check, the exactness part with the CPU standing in, the
+# test summary and the record, with OUT set.  --dry-run never calls timeout or the build; this does, so a script
+# error is found here, not on a lent GPU.  Needs nvcc and the .gpu/ llama.cpp tarball (bench/gpu_prepare.sh).
+# Usage: bash bench/gpu_rehearse.sh [OUT_DIR]      (leaves build/gpu*, build/llamacpp*; writes no bench/results file)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+tarball=$PWD/.gpu/llamacpp-src.tar.gz
+[ -s "$tarball" ] || { echo "gpu_rehearse.sh: run bench/gpu_prepare.sh first (no $tarball)" >&2; exit 2; }
+out=${1:-$(mktemp -d)}
+mkdir -p "$out" && out=$(realpath "$out")
+source bench/gpu_bench.sh
+# the carried wheels are for the GPU image's Python: this machine's own packages stand in
+GPU=$(mktemp -d); export GPU
+ln -s "$tarball" "$GPU/llamacpp-src.tar.gz"
+OUT=$out; export OUT
+BUDGET=600; T0=$SECONDS
+command -v nvcc > /dev/null || export PATH=/usr/local/cuda/bin:$PATH
+rm -rf build/gpu-parts build/llamacpp build/llamacpp.done
+setup_env || exit 1
+before=$(ls bench/results/)
+background llamacpp nice -n 10 bash bench/gpu_llamacpp.sh "$GPU/llamacpp-src.tar.gz" build/llamacpp "$ARCH"
+run 300 "build (sm_$ARCH)" build_ours
+build_rc=$?
+[ -f build/gpu/libdflash27b.so ] && [ -x build/gpu/dfl_backend_ops ] || { echo "REHEARSAL FAILED: the build"; exit 1; }
+wait_for llamacpp 120
+[ "$(cat build/llamacpp.done 2>/dev/null)" = 3 ] || [ "$(cat build/llamacpp.done 2>/dev/null)" = 0 ] ||
+  { echo "REHEARSAL FAILED: llama.cpp's build script"; cat build/llamacpp.log; exit 1; }
+run 120 "exactness (the CPU stands in)" python3 bench/gpu_bench.py exact --device cpu --n-new 16 \
+  --out "$PARTS/exact.json" || { echo "REHEARSAL FAILED: exact"; exit 1; }
+checks_summary
+record
+for f in bench/results/gpu-*; do  # the record of this rehearsal only (a CPU stood in): not a result
+  grep -qx "$(basename "$f")" <<< "$before" || rm -f "$f"
+done
+[ -s "$OUT/gpu-logs.tar.gz" ] && ls "$OUT"/gpu-*.json > /dev/null 2>&1 || { echo "REHEARSAL FAILED: nothing in OUT"; exit 1; }
+echo "rehearsal OK (build step exit $build_rc: the device check fails without a GPU); OUT: $OUT"
