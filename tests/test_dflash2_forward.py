@@ -4,44 +4,17 @@ DFlash2 code): F32 weights, same features and block, logits within 1e-4 and the 
 two draft calls (the second sees context K/V the first computed) and with strong convolutions and selector."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
-from tiny_draft import make_tiny_draft
+from tiny_draft import make_tiny_draft, to_dflash2
 
 pytestmark = pytest.mark.oracle
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dflash2_ref import load_dflash2  # noqa: E402
-
-
-def to_dflash2(v1, out, scale: float, seed: int, **keys):
-    """A v1 tiny drafter (F32) made a DFlash2 one: the published keys and tensors, random at `scale` (0.5 makes
-    the convolutions and the selector move the result a lot)."""
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((v1 / "config.json").read_text())
-    cfg["architectures"] = ["DFlash2DraftModel"]
-    cfg.setdefault("dflash_config", {}).update({"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16,
-                                                "selector_rank": 32, **keys})
-    (out / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(v1 / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    K, R, G = cfg["dflash_config"]["conv_kernel_size"], cfg["dflash_config"]["selector_rank"], H // 16
-    for i in range(L):
-        for conv in ("attention_conv", "mlp_conv"):
-            base = torch.zeros(2, K, H)
-            base[:, 0] = 1.0
-            t[f"layers.{i}.{conv}.base_kernel"] = base + scale * torch.randn(2, K, H, generator=g)
-            t[f"layers.{i}.{conv}.kernel_projection.weight"] = scale * 0.1 * torch.randn(2 * K * G, H, generator=g)
-    t["candidate_selector.hidden_projection.weight"] = scale * torch.randn(R, H, generator=g)
-    t["candidate_selector.predecessor_codebook"] = (4 * scale) ** 0.5 * torch.randn(V, R, generator=g)
-    t["candidate_selector.successor_codebook"] = (4 * scale) ** 0.5 * torch.randn(V, R, generator=g)
-    save_file({k: v.float().contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
-    return out
 
 
 @pytest.fixture(scope="module")

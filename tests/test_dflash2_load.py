@@ -6,7 +6,6 @@ selector's projection and two codebooks.  They load with every shape validated, 
 equal to AR's.  Malformed ones get one-line errors naming the key or tensor."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -15,42 +14,21 @@ import pytest
 from dflash27b._lib import DFlashError
 
 torch = pytest.importorskip("torch")
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from tiny_draft import to_dflash2  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parent.parent / "python" / "dflash27b" / "models"
-DFLASH2_KEYS = {"block_size": 8, "conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16,
-                "selector_rank": 32}
 
 
 def _write_dflash2(d: Path, cfg_edit=None, tensors_edit=None) -> Path:
-    """The bundled tiny drafter turned into a DFlash2 checkpoint of the published layout (random new tensors)."""
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((BUNDLED / "tiny-draft" / "config.json").read_text())
-    cfg["architectures"] = ["DFlash2DraftModel"]
-    cfg.pop("block_size", None)
-    cfg["dflash_config"].update(DFLASH2_KEYS)
-    cfg["is_causal"] = False
-    if cfg_edit:
-        cfg_edit(cfg)
-    (d / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(BUNDLED / "tiny-draft" / "model.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    H, V, K, R = 256, 4096, 2, 32
-    G = H // 16
-
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
-    for i in range(2):
-        for conv in ("attention_conv", "mlp_conv"):
-            t[f"layers.{i}.{conv}.base_kernel"] = rnd(2, K, H)
-            t[f"layers.{i}.{conv}.kernel_projection.weight"] = rnd(2 * K * G, H)
-    t["candidate_selector.hidden_projection.weight"] = rnd(R, H)
-    t["candidate_selector.predecessor_codebook"] = rnd(V, R)
-    t["candidate_selector.successor_codebook"] = rnd(V, R)
-    if tensors_edit:
-        tensors_edit(t)
-    save_file(t, str(d / "model.safetensors"))
-    return d
+    """The bundled tiny drafter turned into a DFlash2 checkpoint of the published layout (BF16, block 8,
+    non-causal as Qwen3.8's drafter)."""
+    def edit(cfg):
+        cfg["is_causal"] = False
+        if cfg_edit:
+            cfg_edit(cfg)
+    return to_dflash2(BUNDLED / "tiny-draft", d, scale=0.02, seed=0, dtype="bf16", cfg_edit=edit,
+                      tensors_edit=tensors_edit, block_size=8)
 
 
 @pytest.fixture(scope="module")

@@ -140,3 +140,46 @@ def write_draft(out: Path, cfg: dict, weights_from: Path | None = None, seed: in
     else:
         write_draft_weights(out, cfg, dtype, seed)
     return out
+
+
+def to_dflash2(v1: Path, out: Path, scale: float, seed: int, dtype: str = "f32", cfg_edit=None, tensors_edit=None,
+               **keys: Any) -> Path:
+    """A DFlash drafter directory made a DFlash2 one in the published layout (docs/research/dflash2-spec.md):
+    architectures DFlash2DraftModel, the conv / selector keys in dflash_config (defaults 2 taps, groups of 16,
+    top-16, rank 32; `keys` override or add, e.g. block_size), attention_conv / mlp_conv per layer (identity
+    base kernel plus noise) and the candidate selector, random at `scale` (0.5 makes them move the result a
+    lot).  Every tensor is written as `dtype` (f32 or bf16); cfg_edit / tensors_edit change the config dict /
+    the tensor dict before writing (malformed files)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(v1) / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg.setdefault("dflash_config", {}).update({"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16,
+                                                "selector_rank": 32, **keys})
+    if "block_size" in keys:
+        cfg.pop("block_size", None)
+    if cfg_edit:
+        cfg_edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(Path(v1) / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    K, R = keys.get("conv_kernel_size", 2), keys.get("selector_rank", 32)
+    G = H // 16
+    for i in range(L):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = torch.zeros(2, K, H)
+            base[:, 0] = 1.0
+            t[f"layers.{i}.{conv}.base_kernel"] = base + scale * torch.randn(2, K, H, generator=g)
+            t[f"layers.{i}.{conv}.kernel_projection.weight"] = scale * 0.1 * torch.randn(2 * K * G, H, generator=g)
+    t["candidate_selector.hidden_projection.weight"] = scale * torch.randn(R, H, generator=g)
+    t["candidate_selector.predecessor_codebook"] = (4 * scale) ** 0.5 * torch.randn(V, R, generator=g)
+    t["candidate_selector.successor_codebook"] = (4 * scale) ** 0.5 * torch.randn(V, R, generator=g)
+    if tensors_edit:
+        tensors_edit(t)
+    want = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    save_file({k: v.to(want).contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    return out
+
