@@ -199,7 +199,7 @@ def cli_options(command: Callable) -> Callable:
         kw: dict[str, Any] = {"help": f.metadata["help"]}
         if names[0].startswith("--") and "/" in names[0]:
             kw.update(default=default, show_default=True)
-        elif f.type in ("bool",) or isinstance(default, bool):
+        elif isinstance(default, bool):
             kw.update(is_flag=True, default=default)
         elif f.name == "mode":
             kw.update(type=click.Choice(MODES), default=None)

@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ._lib import DFlashError
-from .params import GenParams, SettingError
+from .params import INT32_MAX, GenParams, SettingError
 from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
 
 if TYPE_CHECKING:  # the service hands a Decoder in; importing it here would close a circle via the client
@@ -22,7 +22,6 @@ PROTOCOL_VERSION = 1
 DEFAULT_MAX_BODY = 4 << 20   # bytes of one request: an HTTP body or a socket request line
 MAX_JSON_DEPTH = 64          # nesting of arrays / objects in a request
 MAX_INT_DIGITS = 100         # longer JSON integers are refused while parsing (Python's own limit is 4300)
-INT32_MAX = 2**31 - 1        # the core's ints
 
 # why a request ended early; error events carry one of these as `code` (plus bad_request / internal)
 CLIENT_GONE, TIMEOUT, SHUTDOWN = "client_gone", "timeout", "shutdown"
