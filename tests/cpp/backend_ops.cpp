@@ -181,6 +181,20 @@ bool check(const std::string& what, const std::vector<float>& got, const std::ve
   const bool ok = !nan && rel <= tol;
   std::printf("%-58s rel err %.1e (tol %.0e)%s: %s\n", what.c_str(), rel, tol, nan ? ", unwritten (NaN)" : "",
               ok ? "ok" : "FAIL");
+  if (!ok) {  // where it fails: how many elements, the first few and the worst (a GPU log must explain itself)
+    size_t n_bad = 0, worst = 0;
+    double worst_err = -1;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double e = std::fabs((double)got[i] - ref[i]);
+      const bool bad = (std::isnan(got[i]) && !std::isnan(ref[i])) || (mref > 0 ? e / mref : e) > tol;
+      if (!bad) continue;
+      if (n_bad < 4) std::printf("    [%zu] got %.9g ref %.9g\n", i, got[i], ref[i]);
+      if (e > worst_err) worst_err = e, worst = i;
+      ++n_bad;
+    }
+    std::printf("    %zu of %zu elements off; worst [%zu] got %.9g ref %.9g\n", n_bad, ref.size(), worst, got[worst],
+                ref[worst]);
+  }
   failures += !ok;
   return ok;
 }
@@ -502,9 +516,22 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
           check(label("attn_store", kvn + " K cache", n),
                 dequant_rows(kvt, kcb.bytes_back(rows * kv_row), rows, kvd),
                 dequant_rows(kvt, kca.bytes_back(rows * kv_row), rows, kvd), ktol);
-          check(label("attn_store", kvn + " V cache", n),
-                dequant_rows(kvt, vcb.bytes_back(rows * kv_row), rows, kvd),
-                dequant_rows(kvt, vca.bytes_back(rows * kv_row), rows, kvd), 0.0);
+          if (!check(label("attn_store", kvn + " V cache", n),
+                     dequant_rows(kvt, vcb.bytes_back(rows * kv_row), rows, kvd),
+                     dequant_rows(kvt, vca.bytes_back(rows * kv_row), rows, kvd), 0.0) &&
+              kvt == DType::F16) {
+            // the bytes of the first differing values, with the input they were converted from
+            const auto gb = vcb.bytes_back(rows * kv_row), rb = vca.bytes_back(rows * kv_row);
+            int shown = 0;
+            for (size_t i = 0; i < rows * (size_t)kvd && shown < 6; ++i) {
+              if (gb[2 * i] == rb[2 * i] && gb[2 * i + 1] == rb[2 * i + 1]) continue;
+              const size_t r = i / kvd;
+              std::printf("    row %zu col %zu input %.9g: gpu %02x%02x cpu %02x%02x\n", r, i % kvd,
+                          r >= (size_t)n_past ? vv[(r - n_past) * kvd + i % kvd] : NAN, gb[2 * i + 1], gb[2 * i],
+                          rb[2 * i + 1], rb[2 * i]);
+              ++shown;
+            }
+          }
         }
       attend:
         // attention reads the same cache on both sides (the CPU's bytes), so only the op differs

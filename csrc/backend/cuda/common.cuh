@@ -122,8 +122,20 @@ __device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
   return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
 }
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) { return __uint_as_float((h & 0xffffu) << 16); }
-// Round to nearest even, as blocks.h's f32_to_f16.
-__device__ __forceinline__ uint32_t f32_to_f16_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
+// Round to nearest even, as blocks.h's f32_to_f16, widened to a 32-bit integer in the same asm block.
+// Why not __half_as_ushort(__float2half_rn(f)): with nvcc 13.0 for sm_90 the 16-bit register that
+// intrinsic leaves was stored byte-wise (st.global.u8) with its low byte lost (0x3c47 landed as
+// 0x3c01): every f16 KV row and Q8_0 / Q4_0 block scale on the first H100 (gpu-20261127-0552).
+// The emulator and the CPU never see PTX registers, so only a GPU run shows it.
+__device__ __forceinline__ uint32_t f32_to_f16_bits(float f) {
+#ifdef DFL_EMU
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  uint32_t r;
+  asm("{ .reg .b16 h; cvt.rn.f16.f32 h, %1; cvt.u32.u16 %0, h; }" : "=r"(r) : "f"(f));
+  return r;
+#endif
+}
 
 // Unaligned little-endian reads from a 2-byte aligned block (scalar; for
 // headers and the slow paths).

@@ -121,10 +121,9 @@ __device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) {
   const uint32_t u = __float_as_uint(f);
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
-__device__ __forceinline__ void store_u16(uint8_t* p, uint32_t h) {
-  p[0] = (uint8_t)h;
-  p[1] = (uint8_t)(h >> 8);
-}
+// One 16-bit store (every caller's address is even: f16 rows, and the 18 / 34-byte Q4_0 / Q8_0 blocks
+// start at even offsets of 2-byte aligned rows).
+__device__ __forceinline__ void store_u16(uint8_t* p, uint32_t h) { *reinterpret_cast<uint16_t*>(p) = (uint16_t)h; }
 
 // Writes values v[0..len) (len a multiple of 32 for the block formats) as a
 // row of `kvt` at dst; the CTA's threads split the work, reading v from shared memory.
@@ -408,6 +407,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
       float psum = __fadd_rn(p0, p1);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) psum = __fadd_rn(psum, __shfl_xor_sync(0xffffffffu, psum, o));
+      __syncwarp();  // every lane has read run_max[r] before lane 0 rewrites it (racecheck's hazard)
       if (lane == 0) {
         run_sum[r] = __fadd_rn(__fmul_rn(run_sum[r], c), psum);
         run_max[r] = new_max;

@@ -335,6 +335,12 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
 }  // namespace emu
 
 inline void __syncthreads() { emu::barrier_wait(emu::cta->bar, &emu::cta->live); }
+// The warp's live lanes meet (the mask is the full warp wherever the kernels call it).
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  emu::Cta& c = *emu::cta;
+  const int w = c.cur >> 5;
+  emu::barrier_wait(c.warp_bar[w], &c.warp_live[w]);
+}
 // Values pass through a per-warp slot buffer; the buffer alternates between
 // consecutive shuffles, so one barrier per shuffle suffices (a lane can only
 // rewrite a buffer after every lane has arrived at the next shuffle, i.e.
