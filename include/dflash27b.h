@@ -162,6 +162,8 @@ typedef struct {
                           path with per-depth alternatives); w > 0 = expanding branches, each depth running the w
                           most probable nodes of the one before (tree_topk children each) */
   float typical_p;     /* locally typical sampling, after top-k (llama.cpp's typ_p): (0, 1]; 1 = off */
+  int32_t tree_scores; /* ddtree/auto with a DFlash2 drafter: 0 (default) = the tree from its candidate selector's
+                          transition scores; 1 = from the draft probabilities alone, as a DFlash drafter's */
 } dfl_gen_params;
 
 dfl_gen_params dfl_gen_default_params(void);

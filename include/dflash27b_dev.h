@@ -39,6 +39,11 @@ int32_t dfl_sample(const float* logits, int32_t n_vocab, float temperature, int3
  * parents[i], 0 = the root) and returns how many, -1 on error. */
 int32_t dfl_build_ddtree(const float* logits, int32_t L, int32_t n_vocab, int32_t budget, int32_t topk,
                          int32_t chain_seed, int32_t cap, int32_t* tokens, int32_t* depth, int32_t* parents);
+/* The tree from a selector lattice (dfl_drafter_propose_lattice's arrays, L depths, K candidates); logp (when not
+ * NULL) gets each node's cumulative log-probability.  Returns the node count or -1. */
+int32_t dfl_build_ddtree_lattice(const int32_t* cand_ids, const float* cand_logp, const float* edge, int32_t L,
+                                 int32_t K, int32_t budget, int32_t chain_seed, int32_t cap, int32_t* tokens,
+                                 int32_t* depth, int32_t* parents, float* logp);
 /* Runs `iters` parallel loops of varied shapes on one pool of n_threads and
  * checks every index is visited exactly once per loop; -1 with a message if not. */
 int dfl_selftest_threadpool(int32_t n_threads, int64_t iters);
@@ -147,6 +152,11 @@ int dfl_drafter_propose(dfl_drafter* r, int32_t n_block, const int32_t* block_to
  * position's candidates (cand_ids / cand_logp: [n_block - 1][selector_top_k], log-prob desc, id asc). */
 int dfl_drafter_propose_path(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, int32_t* path,
                              int32_t* cand_ids, float* cand_logp);
+/* DFlash2: the selector's lattice (K = selector_top_k): cand_ids / cand_logp [n_block - 1][K] as above and
+ * edge [n_block - 1][K][K], edge[t][i][j] the score of candidate j of depth t after candidate i of depth t - 1
+ * (the root for t = 0: every row the root's). */
+int dfl_drafter_propose_lattice(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, int32_t* cand_ids,
+                                float* cand_logp, float* edge);
 
 #ifdef __cplusplus
 }

@@ -205,3 +205,7 @@ def test_ddtree_errors(tiny_f32_gguf, random_draft):
         with pytest.raises(DFlashError, match="must be >= 0"):
             d.generate([1, 2], 4, mode="ddtree", budget=-1)
         assert d.generate([1, 2], 4, mode="ddtree", budget=0).stats.accept_lengths == [1, 1, 1]
+        with pytest.raises(DFlashError, match="tree_scores"):
+            d.generate([1, 2], 4, mode="ddtree", tree_scores="beam")
+        with pytest.raises(DFlashError, match="tree_scores must be 0"):  # the core refuses a raw value too
+            d.context._begin([1, 2], [], 0, {"mode": 2, "max_new_tokens": 4, "tree_scores": 7})

@@ -60,14 +60,15 @@ def test_published_layout_loads_and_counts(tmp_path, target):
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_chain_ddtree_auto_equal_ar(tmp_path, sampled):
-    """Drafting with a DFlash2 drafter (its selector's path as the chain, its draft distribution for trees)
-    changes no token: chain, DDTree and auto == AR, greedy and seeded."""
+    """Drafting with a DFlash2 drafter (its selector's path as the chain; trees from its selector's lattice or
+    from its draft distribution alone) changes no token: chain, DDTree and auto == AR, greedy and seeded."""
     from dflash27b import Decoder
     d = _write_dflash2(tmp_path / "d2")
     kw = dict(temperature=0.8, top_p=0.9, seed=4) if sampled else {}
     with Decoder(BUNDLED / "tiny-target.gguf", d, threads=2) as dec:
         ar = dec.generate("def fibonacci(n):", 40, mode="ar", ignore_eos=True, **kw).tokens
-        for mode, extra in (("chain", {}), ("ddtree", {"budget": 12}), ("auto", {})):
+        for mode, extra in (("chain", {}), ("ddtree", {"budget": 12}), ("auto", {}),
+                            ("ddtree", {"budget": 12, "tree_scores": "draft"}), ("auto", {"tree_scores": "draft"})):
             r = dec.generate("def fibonacci(n):", 40, mode=mode, ignore_eos=True, **extra, **kw)
             assert r.tokens == ar, mode
             assert r.stats.block_size == 8 or mode == "auto"

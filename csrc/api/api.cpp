@@ -306,6 +306,7 @@ dfl_gen_params dfl_gen_default_params(void) {
   p.presence_penalty = d.sampler.presence_penalty;
   p.repeat_last_n = d.sampler.repeat_last_n;
   p.typical_p = d.sampler.typical_p;
+  p.tree_scores = (int32_t)d.tree.scores;
   return p;
 }
 
@@ -342,6 +343,9 @@ int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_pro
       gp.sampler.presence_penalty = p->presence_penalty;
       gp.sampler.repeat_last_n = p->repeat_last_n;
       gp.sampler.typical_p = p->typical_p;
+      if (p->tree_scores != 0 && p->tree_scores != 1)
+        dfl::fail("tree_scores must be 0 (the selector's) or 1 (the draft probabilities'), got %d", p->tree_scores);
+      gp.tree.scores = (dfl::TreeParams::Scores)p->tree_scores;
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);
@@ -473,6 +477,30 @@ int32_t dfl_build_ddtree(const float* logits, int32_t L, int32_t n_vocab, int32_
       if (tokens) tokens[i] = t.tokens[(size_t)i];
       if (depth) depth[i] = t.depth[(size_t)i];
       if (parents) parents[i] = t.parent[(size_t)i];
+    }
+    n = t.size();
+  });
+  return n;
+}
+
+int32_t dfl_build_ddtree_lattice(const int32_t* cand_ids, const float* cand_logp, const float* edge, int32_t L,
+                                 int32_t K, int32_t budget, int32_t chain_seed, int32_t cap, int32_t* tokens,
+                                 int32_t* depth, int32_t* parents, float* logp) {
+  int32_t n = -1;
+  guard([&] {
+    need(cand_ids, "cand_ids");
+    need(cand_logp, "cand_logp");
+    need(edge, "edge");
+    dfl::TreeParams tp;
+    tp.budget = budget;
+    tp.chain_seed = chain_seed != 0;
+    const dfl::DraftTree t = dfl::build_ddtree_lattice(cand_ids, cand_logp, edge, L, K, tp);
+    if (t.size() > cap) dfl::fail("tree of %d nodes exceeds the capacity %d", t.size(), cap);
+    for (int i = 0; i < t.size(); ++i) {
+      if (tokens) tokens[i] = t.tokens[(size_t)i];
+      if (depth) depth[i] = t.depth[(size_t)i];
+      if (parents) parents[i] = t.parent[(size_t)i];
+      if (logp) logp[i] = t.logp[(size_t)i];
     }
     n = t.size();
   });

@@ -230,5 +230,14 @@ int dfl_drafter_propose_path(dfl_drafter* r, int32_t n_block, const int32_t* blo
   });
 }
 
+int dfl_drafter_propose_lattice(dfl_drafter* r, int32_t n_block, const int32_t* block_tokens, int32_t* cand_ids,
+                                float* cand_logp, float* edge) {
+  return dfl::api_guard([&] {
+    if (!r) dfl::fail("drafter is NULL");
+    if (!block_tokens || !cand_ids || !cand_logp || !edge) dfl::fail("a lattice argument is NULL");
+    r->r->propose_lattice(block_tokens, n_block, cand_ids, cand_logp, edge);
+  });
+}
+
 }  // extern "C"
 #pragma GCC visibility pop

@@ -253,19 +253,17 @@ void Drafter::propose_topk(const int32_t* block_tokens, int n_block, int k, int3
   std::memcpy(logp, both.data() + n * 4, n * 4);
 }
 
-void Drafter::propose_path(const int32_t* block_tokens, int n_block, int32_t* path, int32_t* cand_ids,
-                           float* cand_logp) {
+void Drafter::propose_lattice(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp,
+                              float* edge) {
   const DraftConfig& c = d_.cfg;
   if (!c.dflash2) fail("internal: the candidate selector belongs to DFlash2 drafters");
   const int rows = n_block - 1, K = c.selector_top_k, Rk = c.selector_rank;
-  std::vector<int32_t> ids((size_t)rows * K);
-  std::vector<float> lp((size_t)rows * K);
-  propose_topk(block_tokens, n_block, K, ids.data(), lp.data());  // the block forward; hn_ = its final-normed rows
+  propose_topk(block_tokens, n_block, K, cand_ids, cand_logp);  // the block forward; hn_ = its final-normed rows
   Backend& be = *be_;
   const size_t ng = (size_t)rows * Rk;
   if (sel_.bytes < ng * 4) sel_ = BackendBuf(be, ng * 4);
   be.matmul(d_.selector.hidden_projection, hn_.f(), rows, sel_.f());
-  std::vector<float> g(ng), a((size_t)Rk), b((size_t)Rk);
+  std::vector<float> g(ng), a((size_t)K * Rk), b((size_t)K * Rk);
   be.download(g.data(), sel_.f(), ng * 4);
   // codebook rows from the host copy of the weights (copied first: the mapping need not be aligned)
   std::vector<uint8_t> raw(std::max(d_.selector.predecessor.row_bytes, d_.selector.successor.row_bytes));
@@ -273,21 +271,47 @@ void Drafter::propose_path(const int32_t* block_tokens, int n_block, int32_t* pa
     std::memcpy(raw.data(), w.row(tok), w.row_bytes);
     dequantize_row(w.type, raw.data(), out, Rk);
   };
-  int32_t prev = block_tokens[0];
   for (int t = 0; t < rows; ++t) {
-    code(d_.selector.predecessor, prev, a.data());
+    // predecessors: the root for the first depth (one row), else the candidates of the depth before
+    const int n_pred = t == 0 ? 1 : K;
     const float* gt = g.data() + (size_t)t * Rk;
-    for (int r = 0; r < Rk; ++r) a[(size_t)r] *= gt[r];
-    int best = 0;
-    float best_s = 0.f;
-    for (int j = 0; j < K; ++j) {
-      code(d_.selector.successor, ids[(size_t)t * K + j], b.data());
-      float s = 0.f;
-      for (int r = 0; r < Rk; ++r) s += a[(size_t)r] * b[(size_t)r];
-      s += lp[(size_t)t * K + j];
-      if (j == 0 || s > best_s) best = j, best_s = s;
+    for (int i = 0; i < n_pred; ++i) {
+      float* ai = a.data() + (size_t)i * Rk;
+      code(d_.selector.predecessor, t == 0 ? block_tokens[0] : cand_ids[(size_t)(t - 1) * K + i], ai);
+      for (int r = 0; r < Rk; ++r) ai[r] *= gt[r];
     }
-    path[t] = prev = ids[(size_t)t * K + best];
+    for (int j = 0; j < K; ++j) code(d_.selector.successor, cand_ids[(size_t)t * K + j], b.data() + (size_t)j * Rk);
+    for (int i = 0; i < K; ++i) {
+      float* e = edge + ((size_t)t * K + i) * K;
+      if (i >= n_pred) {  // the root's row stands for every row of the first depth
+        std::memcpy(e, edge + (size_t)t * K * K, (size_t)K * 4);
+        continue;
+      }
+      const float* ai = a.data() + (size_t)i * Rk;
+      for (int j = 0; j < K; ++j) {
+        const float* bj = b.data() + (size_t)j * Rk;
+        float s = 0.f;
+        for (int r = 0; r < Rk; ++r) s += ai[r] * bj[r];
+        e[j] = s + cand_logp[(size_t)t * K + j];
+      }
+    }
+  }
+}
+
+void Drafter::propose_path(const int32_t* block_tokens, int n_block, int32_t* path, int32_t* cand_ids,
+                           float* cand_logp) {
+  const int rows = n_block - 1, K = d_.cfg.selector_top_k;
+  std::vector<int32_t> ids((size_t)rows * K);
+  std::vector<float> lp((size_t)rows * K), edge((size_t)rows * K * K);
+  propose_lattice(block_tokens, n_block, ids.data(), lp.data(), edge.data());
+  int prev = 0;  // the chosen candidate of the depth before (the root's row for the first)
+  for (int t = 0; t < rows; ++t) {
+    const float* e = edge.data() + ((size_t)t * K + prev) * K;
+    int best = 0;
+    for (int j = 1; j < K; ++j)
+      if (e[j] > e[best]) best = j;
+    path[t] = ids[(size_t)t * K + best];
+    prev = best;
   }
   if (cand_ids) std::memcpy(cand_ids, ids.data(), ids.size() * 4);
   if (cand_logp) std::memcpy(cand_logp, lp.data(), lp.size() * 4);

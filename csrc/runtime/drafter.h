@@ -71,6 +71,11 @@ class Drafter {
   // cand_ids / cand_logp [n_block - 1][selector_top_k] the candidates too.
   void propose_path(const int32_t* block_tokens, int n_block, int32_t* path, int32_t* cand_ids = nullptr,
                     float* cand_logp = nullptr);
+  // DFlash2: the selector's whole lattice for the block: per depth t its candidates cand_ids / cand_logp
+  // [n_block - 1][K] and edge [n_block - 1][K][K], edge[t][i][j] = the score of candidate j of depth t after
+  // candidate i of depth t - 1 (the first depth's predecessor is the root: all its K rows are the root's).
+  // propose_path is the greedy walk of it.
+  void propose_lattice(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp, float* edge);
 
   // Bytes held by the ring and the draft KV cache (constant in context length).
   size_t state_bytes() const;

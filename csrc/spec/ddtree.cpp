@@ -17,6 +17,7 @@ struct Cand {
   float logw;      // cumulative log-prob of the path ending in this candidate
   uint64_t seq;    // push order: the tie-break
   int parent, depth, rank;
+  int pcand;       // the parent's candidate index at depth - 1 (0: the root)
 };
 struct Worse {
   bool operator()(const Cand& a, const Cand& b) const {
@@ -38,37 +39,51 @@ DraftTree build_ddtree(const float* logits, int L, int n_vocab, const TreeParams
   return build_ddtree_topk(tok.data(), lp.data(), L, K, p);
 }
 
-DraftTree build_ddtree_topk(const int32_t* tok, const float* lp, int L, int K, const TreeParams& p) {
+namespace {
+// Best-first under the budget.  child(d, pcand, r) = {candidate index, token, log-prob} of the r-th ranked
+// child at depth d (1-based) of a parent that is candidate pcand of depth d-1 (0 for the root); ranks are
+// in non-increasing log-prob order.
+struct Child {
+  int cand;
+  int32_t token;
+  float logp;
+};
+template <class ChildFn>
+DraftTree best_first(int L, int K, const TreeParams& p, const ChildFn& child) {
   if (L < 1) fail("a draft tree needs at least one drafted depth");
   if (p.budget < 0) fail("tree budget must be >= 0 (got %d)", p.budget);
   if (K < 1) fail("a draft tree needs at least one candidate per depth");
-  auto T = [&](int d, int r) { return tok[(size_t)(d - 1) * K + r]; };
-  auto LP = [&](int d, int r) { return lp[(size_t)(d - 1) * K + r]; };
-
   DraftTree t;
+  std::vector<int> node_cand;  // the candidate index of each node (1-based node index - 1)
   std::priority_queue<Cand, std::vector<Cand>, Worse> heap;
   uint64_t seq = 0;
   auto add = [&](const Cand& c) {
-    t.tokens.push_back(T(c.depth, c.rank));
+    const Child ch = child(c.depth, c.pcand, c.rank);
+    t.tokens.push_back(ch.token);
     t.depth.push_back(c.depth);
     t.parent.push_back(c.parent);
     t.logp.push_back(c.logw);
-    const int idx = t.size();  // 1-based index of the node just added
-    return idx;
+    node_cand.push_back(ch.cand);
+    return t.size();  // 1-based index of the node just added
   };
   auto push_sibling = [&](const Cand& c) {
     if (c.rank + 1 < K)
-      heap.push(Cand{c.logw - LP(c.depth, c.rank) + LP(c.depth, c.rank + 1), seq++, c.parent, c.depth, c.rank + 1});
+      heap.push(Cand{c.logw - child(c.depth, c.pcand, c.rank).logp + child(c.depth, c.pcand, c.rank + 1).logp,
+                     seq++, c.parent, c.depth, c.rank + 1, c.pcand});
+  };
+  auto first_child = [&](int idx, const Cand& c) {
+    const int pc = node_cand[(size_t)idx - 1];
+    return Cand{c.logw + child(c.depth + 1, pc, 0).logp, seq++, idx, c.depth + 1, 0, pc};
   };
   auto push_child = [&](int idx, const Cand& c) {
-    if (c.depth < L) heap.push(Cand{c.logw + LP(c.depth + 1, 0), seq++, idx, c.depth + 1, 0});
+    if (c.depth < L) heap.push(first_child(idx, c));
   };
 
   if (p.budget == 0) return t;
   if (p.chain_seed) {
     // The greedy chain first; its nodes' siblings join the heap, and only the
     // last one's first child (the others' first children are the chain).
-    Cand c{LP(1, 0), seq++, 0, 1, 0};
+    Cand c{child(1, 0, 0).logp, seq++, 0, 1, 0, 0};
     for (;;) {
       const int idx = add(c);
       push_sibling(c);
@@ -76,10 +91,10 @@ DraftTree build_ddtree_topk(const int32_t* tok, const float* lp, int L, int K, c
         if (t.size() < p.budget) push_child(idx, c);
         break;
       }
-      c = Cand{c.logw + LP(c.depth + 1, 0), seq++, idx, c.depth + 1, 0};
+      c = first_child(idx, c);
     }
   } else {
-    heap.push(Cand{LP(1, 0), seq++, 0, 1, 0});
+    heap.push(Cand{child(1, 0, 0).logp, seq++, 0, 1, 0, 0});
   }
   while (t.size() < p.budget && !heap.empty()) {
     const Cand c = heap.top();
@@ -89,6 +104,43 @@ DraftTree build_ddtree_topk(const int32_t* tok, const float* lp, int L, int K, c
     push_child(idx, c);
   }
   return t;
+}
+}  // namespace
+
+DraftTree build_ddtree_topk(const int32_t* tok, const float* lp, int L, int K, const TreeParams& p) {
+  return best_first(L, K, p, [&](int d, int, int r) {
+    const size_t i = (size_t)(d - 1) * K + r;
+    return Child{r, tok[i], lp[i]};
+  });
+}
+
+DraftTree build_ddtree_lattice(const int32_t* ids, const float* lp, const float* edge, int L, int K,
+                               const TreeParams& p) {
+  if (L < 1 || K < 1) return best_first(L, K, p, [](int, int, int) { return Child{0, 0, 0.f}; });
+  // Per (depth, parent candidate): the children in rank order and their log-probs.
+  std::vector<int> order((size_t)L * K * K);
+  std::vector<float> clp((size_t)L * K * K);
+  for (int d = 0; d < L; ++d) {
+    double mass = 0;  // the drafter's probability of this depth's candidates
+    for (int j = 0; j < K; ++j) mass += std::exp((double)lp[(size_t)d * K + j]);
+    const double log_mass = std::log(mass);
+    for (int i = 0; i < (d == 0 ? 1 : K); ++i) {
+      const float* e = edge + ((size_t)d * K + i) * K;
+      int* o = order.data() + ((size_t)d * K + i) * K;
+      std::iota(o, o + K, 0);
+      std::stable_sort(o, o + K, [&](int a, int b) { return e[a] > e[b]; });
+      const float mx = e[o[0]];
+      double z = 0;
+      for (int j = 0; j < K; ++j) z += std::exp((double)e[j] - mx);
+      const double lz = mx + std::log(z);
+      for (int r = 0; r < K; ++r) clp[((size_t)d * K + i) * K + r] = (float)(e[o[r]] - lz + log_mass);
+    }
+  }
+  return best_first(L, K, p, [&](int d, int pc, int r) {
+    const size_t row = ((size_t)(d - 1) * K + (d == 1 ? 0 : pc)) * K;
+    const int j = order[row + r];
+    return Child{j, ids[(size_t)(d - 1) * K + j], clp[row + r]};
+  });
 }
 
 }  // namespace dfl

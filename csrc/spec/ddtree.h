@@ -23,6 +23,10 @@ struct TreeParams {
   // alternatives (the builder above); w > 0 = expanding branches: each depth
   // runs the w most probable nodes of the depth before (draft_model.h).
   int expand = 0;
+  // A DFlash2 drafter only: build the tree from its candidate selector's transition scores (a child's order
+  // and probability depend on its parent's token, build_ddtree_lattice), or from the draft probabilities
+  // alone (each depth's ranking independent of the parent, as DFlash).
+  enum class Scores { Selector, Draft } scores = Scores::Selector;
 };
 
 // Non-root nodes in topological order (parent < index).  Index 0 is the root
@@ -44,5 +48,13 @@ int ddtree_k(const TreeParams& p, int n_vocab);
 // The same tree from each depth's top-K already ranked (ids, log-probs [L][K]
 // as topk_logprobs gives them), e.g. computed on the GPU next to the logits.
 DraftTree build_ddtree_topk(const int32_t* ids, const float* logp, int L, int K, const TreeParams& p);
+// The tree when a child's probability depends on its parent's token (DFlash2's candidate selector): depth d
+// has candidates ids[d-1][0..K) with draft log-probs logp[d-1][..]; edge[d-1][i][j] scores candidate j of
+// depth d after candidate i of depth d-1 (for depth 1 row 0 is the root's; the other rows are not read).
+// A child's log-prob is the draft mass of its depth's candidates, shared out by the softmax of its parent's
+// edge row: the candidates' order follows the selector, their total stays the drafter's.  Children rank by
+// edge score, the lower index first on ties, so rank 0 everywhere is the selector's greedy path.
+DraftTree build_ddtree_lattice(const int32_t* ids, const float* logp, const float* edge, int L, int K,
+                               const TreeParams& p);
 
 }  // namespace dfl

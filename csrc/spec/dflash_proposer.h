@@ -3,8 +3,9 @@
 // One drafter forward over [root, mask x L] ranks every depth at once; the
 // target features it conditions on arrive through take_features, into the
 // drafter's ring (committed positions only, in position order).  A DFlash2
-// drafter's chain is its candidate selector's path; its ranking (for trees) is
-// the per-depth draft distribution, as DFlash's.
+// drafter's chain is its candidate selector's path and its tree is built from
+// the selector's lattice (TreeParams::Scores::Selector) or, as DFlash's, from
+// the per-depth draft distribution alone (Scores::Draft).
 #pragma once
 #include <vector>
 
@@ -17,7 +18,7 @@ class DFlashProposer final : public Proposer {
  public:
   explicit DFlashProposer(Drafter& d) : d_(d) {}
   const char* name() const override { return "dflash"; }
-  unsigned capabilities() const override { return Rank | Chain; }
+  unsigned capabilities() const override { return Rank | Chain | (d_.config().dflash2 ? OwnTree : 0u); }
   int default_block() const override { return d_.config().block_size; }
   void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override {
     block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
@@ -30,6 +31,19 @@ class DFlashProposer final : public Proposer {
     block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
     block_[0] = r.root;
     d_.propose_path(block_.data(), r.L + 1, tokens);
+  }
+  DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K) override {
+    block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
+    block_[0] = r.root;
+    if (tp.scores == TreeParams::Scores::Draft) {
+      ids_.resize((size_t)r.L * K), logp_.resize((size_t)r.L * K);
+      d_.propose_topk(block_.data(), r.L + 1, K, ids_.data(), logp_.data());
+      return build_ddtree_topk(ids_.data(), logp_.data(), r.L, K, tp);
+    }
+    const int S = d_.config().selector_top_k;  // the lattice's candidates per depth
+    ids_.resize((size_t)r.L * S), logp_.resize((size_t)r.L * S), edge_.resize((size_t)r.L * S * S);
+    d_.propose_lattice(block_.data(), r.L + 1, ids_.data(), logp_.data(), edge_.data());
+    return build_ddtree_lattice(ids_.data(), logp_.data(), edge_.data(), r.L, S, tp);
   }
   void reset() override { d_.reset(); }
   const std::vector<int32_t>* feature_layers() const override { return &d_.config().target_layer_ids; }
@@ -44,6 +58,8 @@ class DFlashProposer final : public Proposer {
  private:
   Drafter& d_;
   std::vector<int32_t> block_;  // the block the drafter reads: root, then mask tokens
+  std::vector<int32_t> ids_;    // a tree's candidates [L][K]
+  std::vector<float> logp_, edge_;
 };
 
 }  // namespace dfl

@@ -228,8 +228,9 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     }
     if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
     const int K = ddtree_k(tp, n_vocab);
-    // Expanding branches: the proposer grows the tree itself; else one ranking, then the builder.
-    Proposer* expander = tp.expand > 0 ? first(Proposer::Expand) : nullptr;
+    // Expanding branches, or a drafter whose children depend on their parent: the proposer builds the
+    // tree itself; else one ranking, then the builder.
+    Proposer* expander = tp.expand > 0 ? first(Proposer::Expand) : first(Proposer::OwnTree);
     if (expander) {
       t = expander->propose_tree(request(s, V), tp, K);
     } else {

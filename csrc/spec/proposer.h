@@ -8,7 +8,8 @@
 //          auto build their best-first tree from it;
 //   Chain  a chain of L tokens (a proposer that cannot rank: a test hook);
 //   Tree   a whole tree under a node budget (a tree hook; a draft model
-//          expanding branches with Expand).
+//          expanding branches with Expand; a drafter whose children depend
+//          on their parent's token, DFlash2's selector, with OwnTree).
 // Its lifecycle follows the request: reset at begin, the kept prefix of a
 // prefix-cache hit, the prompt after the prefill, and every committed step.
 // A proposer that reads the target's hidden features (DFlash) names the
@@ -34,7 +35,7 @@ struct DraftRequest {
 
 class Proposer {
  public:
-  enum Capability : unsigned { Rank = 1u, Chain = 2u, Tree = 4u, Expand = 8u };
+  enum Capability : unsigned { Rank = 1u, Chain = 2u, Tree = 4u, Expand = 8u, OwnTree = 16u };
   virtual ~Proposer() = default;
   virtual const char* name() const = 0;
   virtual unsigned capabilities() const = 0;
@@ -48,7 +49,8 @@ class Proposer {
   virtual void propose_chain(const DraftRequest& r, int32_t* tokens);
   // Tree: at most tp.budget nodes in builder order (DraftTree: parent before child, parent 0 = the root).
   // Log-probs are filled where the proposer knows them (a hook's tree carries 0).  Tree: always this shape;
-  // Expand: this shape when the request asks for expanding branches (tp.expand > 0).
+  // Expand: this shape when the request asks for expanding branches (tp.expand > 0);
+  // OwnTree: this shape for DDTree and auto (best-first with log-probs, as the builder's), instead of Rank.
   virtual DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K);
 
   // Lifecycle: every attached proposer is reset when a request begins; in a request that drafts (any mode

@@ -24,7 +24,7 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dflash_torch import DraftNet  # noqa: E402
+from dflash_torch import DraftNet, GroupedConv, selector_loss  # noqa: E402
 
 from dflash27b import Decoder  # noqa: E402
 from dflash27b.tools.draft_format import draft_config  # noqa: E402
@@ -140,6 +140,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    ap.add_argument("--generation", type=int, choices=[1, 2], default=1,
+                    help="2: a DFlash2 drafter (grouped convolutions + candidate selector, trained jointly)")
+    ap.add_argument("--selector-rank", type=int, default=64)
+    ap.add_argument("--selector-top-k", type=int, default=16)
+    ap.add_argument("--conv-kernel-size", type=int, default=2)
+    ap.add_argument("--conv-group-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
 
@@ -169,12 +175,20 @@ def main(argv=None) -> int:
                        block_size=a.block, mask_token_id=mask_id, n_head=a.heads, n_head_kv=a.kv_heads,
                        head_dim=a.head_dim, ffn=a.ffn, target_layer_ids=ids,
                        dtype="bfloat16" if a.dtype == "bf16" else "float32")
+    if a.generation == 2:
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+        cfg["dflash_config"].update({"conv_kernel_size": a.conv_kernel_size, "conv_group_size": a.conv_group_size,
+                                     "selector_rank": a.selector_rank, "selector_top_k": a.selector_top_k})
     emb_np, head_np = target_tables(a.target)
     emb, head = torch.from_numpy(emb_np), torch.from_numpy(head_np)
     net = DraftNet(cfg)
     for p in net.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
+    for m in net.modules():  # the convolutions start as the identity
+        if isinstance(m, GroupedConv):
+            torch.nn.init.zeros_(m.kernel_projection.weight)
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=a.steps, pct_start=0.05)
     B = a.block
@@ -193,6 +207,9 @@ def main(argv=None) -> int:
         logits = h[:, 1:] @ head.T
         ce = F.cross_entropy(logits.reshape(-1, V), tk[:, 1:].reshape(-1), reduction="none").view(a.batch, B - 1)
         loss = (ce * weights).sum(1).mean() / weights.sum()
+        if a.generation == 2:
+            sel, cover = selector_loss(net, h, logits, tk, a.selector_top_k)
+            loss = loss + sel
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -200,7 +217,8 @@ def main(argv=None) -> int:
         sched.step()
         losses.append(loss.item())
         if step % 100 == 0 or step == a.steps - 1:
-            print(f"step {step:5d} loss {np.mean(losses[-100:]):.4f}", flush=True)
+            extra = f" (selector {sel.item():.4f}, true token a candidate in {cover:.0%} of rows)" if a.generation == 2 else ""
+            print(f"step {step:5d} loss {np.mean(losses[-100:]):.4f}{extra}", flush=True)
 
     from safetensors.torch import save_file
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -208,7 +226,8 @@ def main(argv=None) -> int:
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     log = {"args": vars(a), "loss_every_10_steps": [round(v, 4) for v in losses[::10]]}
-    plot_loss(losses, out / "loss.png", f"DFlash drafter distillation ({a.layers} layer(s), block {a.block})")
+    kind = "DFlash2" if a.generation == 2 else "DFlash"
+    plot_loss(losses, out / "loss.png", f"{kind} drafter distillation ({a.layers} layer(s), block {a.block})")
     if a.eval:
         log["eval"] = evaluate(a.target, out, a.eval)
         print(f"held-out mean accept: {log['eval']}", flush=True)

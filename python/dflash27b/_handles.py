@@ -460,6 +460,19 @@ class Drafter:
                                                  ffi.cast("float*", lp.ctypes.data)))
         return path.tolist(), ids, lp
 
+    def propose_lattice(self, block_tokens, top_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """DFlash2: the selector's lattice: candidates (ids, log-probs [B-1, K]) and edge scores [B-1, K, K]."""
+        b = _i32(block_tokens)
+        n = max(len(b) - 1, 1)
+        ids, lp = np.empty((n, top_k), np.int32), np.empty((n, top_k), np.float32)
+        edge = np.empty((n, top_k, top_k), np.float32)
+        ffi = self._ffi
+        check(self._lib.dfl_drafter_propose_lattice(self._h, len(b), ffi.cast("int32_t*", b.ctypes.data),
+                                                    ffi.cast("int32_t*", ids.ctypes.data),
+                                                    ffi.cast("float*", lp.ctypes.data),
+                                                    ffi.cast("float*", edge.ctypes.data)))
+        return ids, lp, edge
+
     def close(self) -> None:
         if getattr(self, "_h", None) is not None:
             self._lib.dfl_drafter_free(self._h)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 from ._lib import DFlashError
 
 MODES = ("ar", "chain", "ddtree", "auto")
+TREE_SCORES = ("selector", "draft")  # dfl_gen_params.tree_scores 0, 1
 INT32_MAX = 2**31 - 1  # the C struct's int32 members: larger values are refused here, not truncated there
 
 
@@ -75,12 +76,21 @@ def _mode(name, v):
     return v
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable:
+    def check(name, v):
+        if v not in choices:
+            raise SettingError(name, f"one of {', '.join(choices)}", v)
+        return v
+    return check
+
+
 def _setting(default, check: Callable, help: str, *, c: str | None = None, cli: tuple[str, ...] = (),
-             to_c: Callable | None = None, aliases: tuple[str, ...] = (), cli_type: Any = None):
+             to_c: Callable | None = None, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = ()):
     """A GenParams field: default, check(name, value) -> value, help; c = the dfl_gen_params member it fills
-    (to_c converts), cli = the generate command's option names, aliases = deprecated spellings."""
+    (to_c converts), cli = the generate command's option names, aliases = deprecated spellings, choices = the
+    values a string setting takes (the CLI offers them)."""
     return field(default=default, metadata={"check": check, "help": help, "c": c, "cli": cli, "to_c": to_c,
-                                            "aliases": aliases, "cli_type": cli_type})
+                                            "aliases": aliases, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -90,7 +100,8 @@ class GenParams:
     ignore_eos: bool = _setting(False, _bool, "keep generating past end-of-generation tokens", c="ignore_eos",
                                 cli=("--ignore-eos",), to_c=int)
     mode: str | None = _setting(None, _mode, "decode mode: auto (each step AR or the DDTree budget expected "
-                                "fastest; the default with a drafter), ar, chain or ddtree", cli=("--mode",))
+                                "fastest; the default with a drafter), ar, chain or ddtree", cli=("--mode",),
+                                choices=MODES)
     block_size: int | None = _setting(None, _int(1, optional=True), "draft block incl. the root (chain, ddtree) "
                                       "[default: the drafter's]", cli=("--block-size",))
     budget: int = _setting(22, _int(0), "DDTree node budget (auto: the largest it may choose)", c="tree_budget",
@@ -101,6 +112,9 @@ class GenParams:
                                 c="chain_seed", cli=("--chain-seed/--no-chain-seed",), to_c=int)
     expand: int = _setting(0, _int(0), "a draft model's tree by expanding branches: nodes run per depth "
                            "(0 = one draft pass)", c="tree_expand", cli=("--tree-expand",))
+    tree_scores: str = _setting("selector", _one_of(TREE_SCORES), "a DFlash2 drafter's DDTree: from its candidate "
+                                "selector's transition scores, or from the draft probabilities alone",
+                                c="tree_scores", cli=("--tree-scores",), to_c=TREE_SCORES.index, choices=TREE_SCORES)
     temperature: float = _setting(0.0, _num("a number >= 0", lambda v: v >= 0), "sampling temperature "
                                   "(0 = greedy)", c="temperature", cli=("--temp", "--temperature"))
     top_k: int = _setting(0, _int(0, note=" (0 = off)"), "top-k filter (0 = off)", c="top_k", cli=("--top-k",))
@@ -201,8 +215,8 @@ def cli_options(command: Callable) -> Callable:
             kw.update(default=default, show_default=True)
         elif isinstance(default, bool):
             kw.update(is_flag=True, default=default)
-        elif f.name == "mode":
-            kw.update(type=click.Choice(MODES), default=None)
+        elif f.metadata["choices"]:
+            kw.update(type=click.Choice(f.metadata["choices"]), default=default, show_default=default is not None)
         else:
             kw.update(default=default, show_default=default is not None)
             kw["type"] = float if isinstance(default, float) else int
