@@ -54,3 +54,44 @@ def test_a_gguf_with_an_mtp_head_loads_as_its_trunk(tmp_path):
         assert a.info["n_layer"] == b.info["n_layer"] == 8
         want = a.generate("def f(x):", 16, mode="ar", ignore_eos=True).tokens
         assert b.generate("def f(x):", 16, mode="ar", ignore_eos=True).tokens == want
+
+
+def head_only(src, dst):
+    """The MTP head alone, as ggml-org ships mtp-*.gguf next to a trunk converted with --no-mtp: src's KVs, the
+    head's layer (blk.N.* and blk.N.nextn.*), the embeddings, output and output norm; no trunk layer."""
+    r = GGUFReader(src)
+    n = int(r.fields["qwen35.block_count"].contents()) - 1
+    w = GGUFWriter(dst, arch="qwen35")
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        t = f.types[0]
+        w.add_key_value(name, f.contents(), t, sub_type=f.types[-1] if t == VT.ARRAY else None)
+    for t in r.tensors:
+        if t.name.startswith(f"blk.{n}.") or t.name in ("token_embd.weight", "output.weight", "output_norm.weight"):
+            w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed(t.shape.tolist())),
+                         raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_dflash2_drafter_fits_a_target_with_its_mtp_head_and_a_head_alone_is_refused(tmp_path):
+    """A Qwen3.8-style file carrying its MTP head takes a DFlash2 drafter for its trunk (target_layer_ids index
+    the trunk: chain and DDTree == AR); the head shipped alone is refused as what it is."""
+    import pytest
+
+    from dflash27b import Decoder, DFlashError
+    from tiny_draft import to_dflash2
+    mtp = tmp_path / "tiny-mtp.gguf"
+    copy_with_mtp(str(BUNDLED), str(mtp))
+    d2 = to_dflash2(BUNDLED.parent / "tiny-draft", tmp_path / "d2", scale=0.02, seed=1, dtype="bf16")
+    with Decoder(mtp, d2, threads=2) as d:
+        ar = d.generate("def f(x):", 24, mode="ar", ignore_eos=True).tokens
+        for mode in ("chain", "ddtree"):
+            assert d.generate("def f(x):", 24, mode=mode, ignore_eos=True).tokens == ar, mode
+    head = tmp_path / "mtp-tiny.gguf"
+    head_only(str(mtp), str(head))
+    with pytest.raises(DFlashError, match=r"holds only the model's MTP head \(blk\.8\.nextn\.\*\), not the model"):
+        Decoder(head, threads=2)

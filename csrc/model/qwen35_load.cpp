@@ -130,6 +130,12 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
   m->output = c.tied_embeddings ? m->tok_embd : L.mat("output.weight", c.n_embd, c.n_vocab);
   m->output_norm = L.vec("output_norm.weight", c.n_embd);
 
+  // llama.cpp ships a model's MTP head alone too (ggml-org's mtp-*.gguf: the nextn layer, the embeddings and
+  // the head, no trunk): say what the file is rather than name its first missing tensor.
+  if (nextn > 0 && !f.find_tensor("blk.0.attn_norm.weight") &&
+      f.find_tensor("blk." + std::to_string(block_count - 1) + ".nextn.eh_proj.weight"))
+    fail("%s holds only the model's MTP head (blk.%d.nextn.*), not the model: load the model's own GGUF",
+         path.c_str(), block_count - 1);
   const int H = c.n_embd, Cconv = c.conv_channels(), Cv = c.ssm_inner();
   m->layers.resize(c.n_layer);
   for (int i = 0; i < c.n_layer; ++i) {
