@@ -74,6 +74,30 @@ def test_chain_ddtree_auto_equal_ar(tmp_path, sampled):
             assert r.stats.block_size == 8 or mode == "auto"
 
 
+def test_sliding_window_feature_ring_and_prefix_cache(tmp_path):
+    """Qwen3.8's drafter layout (every layer sliding_attention, non-causal) with a window shorter than the
+    prompt: the draft KV and the feature ring roll past it, and a prefix-cache hit (turn 2 extends turn 1)
+    decodes as a cold start does, chain and DDTree, each == AR."""
+    from dflash27b import Decoder
+
+    def sliding(cfg):
+        cfg.update(layer_types=["sliding_attention"] * cfg["num_hidden_layers"], sliding_window=48,
+                   use_sliding_window=True)
+    d = _write_dflash2(tmp_path / "d2", cfg_edit=sliding)
+    t = BUNDLED / "tiny-target.gguf"
+    with Decoder(t, d, threads=2, ctx=1024, batch=64) as cold, \
+            Decoder(t, d, threads=2, ctx=1024, batch=64, cache_mem=32 << 20) as warm:
+        p1 = cold.tokenize(Path(__file__).read_text())[:200]
+        for mode in ("chain", "ddtree"):
+            r1 = warm.generate(p1, 24, mode=mode, ignore_eos=True)
+            assert r1.tokens == cold.generate(p1, 24, mode="ar", ignore_eos=True).tokens
+            p2 = p1 + r1.tokens + p1[:20]
+            r2 = warm.generate(p2, 24, mode=mode, ignore_eos=True)
+            assert r2.stats.cached_tokens >= len(p1), r2.stats.cached_tokens
+            assert r2.tokens == cold.generate(p2, 24, mode=mode, ignore_eos=True).tokens
+            assert r2.tokens == cold.generate(p2, 24, mode="ar", ignore_eos=True).tokens
+
+
 def test_models_lists_it(tmp_path, monkeypatch):
     from dflash27b import model_paths
     md = tmp_path / "models"
