@@ -199,6 +199,8 @@ typedef struct {
   double expected_tokens;  /* auto: the tokens the choice expected (bonus included) */
   double est_tok_s;        /* auto: its expected tokens per second */
   double est_ar_tok_s;     /* auto: the expected tokens per second of an AR step */
+  int32_t pruned;          /* draft nodes a constraint forbade, dropped before the verify */
+  double mask_s;           /* a constraint's masks for the step (before the verify) */
 } dfl_step_stats;
 
 /* Log-probabilities of the emitted tokens (dfl_gen_params.n_logprobs >= 0): one entry per token, in order. */
@@ -282,6 +284,21 @@ int64_t dfl_context_draft_state_bytes(const dfl_context* c);
    "prefill cancelled").  NULL removes it. */
 typedef int32_t (*dfl_progress_fn)(void* user, int32_t done, int32_t total);
 int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* user);
+
+/* Structured output: the caller's matcher (a JSON schema or grammar) decides which tokens may come next, and
+   every mode's reply is the constrained AR reply.  masks(user, n, tokens, parents, masks): for the n nodes of
+   a step (node 0 = the last decided token, already committed; node i > 0 the path of its ancestors' tokens
+   after node 0 and its own, parents[i] < i) set bit t of masks[i * words + t / 32], words = (n_vocab + 31) / 32,
+   when token t may follow node i (a node its parent's mask forbids is never reached; its mask may be left as
+   is).  commit(user, n, tokens): the tokens just decided, in order (the prefill's first, then each step's
+   accepted drafts and bonus).  Either returning nonzero fails the call in progress.  prune: drop draft nodes
+   the constraint forbids before the verify.  masks == NULL removes the constraint.  The masks are asked once
+   per step before the target's verify; the logits rows of every verified node then come back to the host. */
+typedef int32_t (*dfl_constraint_masks_fn)(void* user, int32_t n, const int32_t* tokens, const int32_t* parents,
+                                           uint32_t* masks);
+typedef int32_t (*dfl_constraint_commit_fn)(void* user, int32_t n, const int32_t* tokens);
+int dfl_context_set_constraint(dfl_context* c, dfl_constraint_masks_fn masks, dfl_constraint_commit_fn commit,
+                               void* user, int32_t prune);
 
 #ifdef __cplusplus
 }

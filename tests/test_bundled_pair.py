@@ -67,15 +67,18 @@ def test_acceptance_on_heldout_prompts(dec, mode, kw, floor):
 
 
 @pytest.mark.oracle
-def test_zlab_loads_the_bundled_drafter(dec):
-    """z-lab's dflash package loads the shipped drafter and its first-block logits match ours."""
+@pytest.mark.parametrize("which", ["tiny-draft2", "tiny-draft"])
+def test_zlab_loads_the_bundled_drafter(dec, which):
+    """z-lab's dflash package loads each shipped drafter (the default DFlash2 one, and the DFlash one) and its
+    first-block logits match ours."""
     torch = pytest.importorskip("torch")
     zl = pytest.importorskip("dflash.model")
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from dflash27b import _handles
-    t, d = bundled_pair()
+    t, _ = bundled_pair()
+    d = t.parent / which
     r = GGUFReader(str(t))
     tensors = {x.name: x for x in r.tensors}
 
@@ -93,7 +96,8 @@ def test_zlab_loads_the_bundled_drafter(dec):
         def get_input_embeddings(self):
             return self.embed
 
-    model = zl.DFlashDraftModel.from_pretrained(str(d), dtype=torch.float32).eval()
+    cls = zl.DFlash2DraftModel if which == "tiny-draft2" else zl.DFlashDraftModel
+    model = cls.from_pretrained(str(d), dtype=torch.float32).eval()
     tgt = Target()
     prompt = dec.tokenize(_heldout()[0])
     ids = model.config.dflash_config["target_layer_ids"]

@@ -316,8 +316,23 @@ def test_openai_fields_honoured_or_refused(daemon, local):
                                   response_format={"type": "text"}, tools=None,
                                   extra_body={"ignore_eos": True, "logit_bias": {}, "metadata": {"k": "v"}})
     assert r.choices[0].message.content == want
-    refused = {"top_logprobs": dict(top_logprobs=2), "response_format": dict(
-                   response_format={"type": "json_object"}),
+    # JSON mode and schemas: honoured, the in-process constrained decode's reply
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    for rf, js in (({"type": "json_object"}, {"type": "object"}),
+                   ({"type": "json_schema", "json_schema": {"name": "count", "schema": schema, "strict": True}},
+                    schema)):
+        want_js = local.generate(local.chat_prompt(msgs), 24, json_schema=js, cache=False).text
+        r = c.chat.completions.create(**{**base, "max_tokens": 24}, response_format=rf)
+        assert r.choices[0].message.content == want_js
+        assert isinstance(json.loads(want_js), dict) if r.choices[0].finish_reason == "stop" else True
+    for bad, why in (({"type": "xml"}, "response_format"), ({"type": "json_schema", "json_schema": {"schema": {}}},
+                                                             "json_schema.name"),
+                     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
+                      "json_schema")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            c.chat.completions.create(**base, response_format=bad)
+    refused = {"top_logprobs": dict(top_logprobs=2),
                "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
                "logit_bias": dict(logit_bias={"5": 10}), "frobnicate": dict(extra_body={"frobnicate": 1}),
                "n=1": dict(n=2)}

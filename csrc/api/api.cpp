@@ -418,6 +418,7 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->draft_s = r.draft_s; o->tree_s = r.tree_s; o->verify_s = r.verify_s; o->commit_s = r.commit_s;
     o->auto_budget = r.auto_budget; o->probe = r.probe ? 1 : 0;
     o->expected_tokens = r.expected; o->est_tok_s = r.est_tok_s; o->est_ar_tok_s = r.est_ar_tok_s;
+    o->pruned = r.pruned; o->mask_s = r.mask_s;
   });
 }
 

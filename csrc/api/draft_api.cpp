@@ -180,6 +180,27 @@ int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* u
   });
 }
 
+int dfl_context_set_constraint(dfl_context* c, dfl_constraint_masks_fn masks, dfl_constraint_commit_fn commit,
+                               void* user, int32_t prune) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    if (!masks) {
+      c->gen->set_constraint(nullptr);
+      c->constraint.reset();
+      return;
+    }
+    if (!commit) dfl::fail("a constraint needs its commit callback");
+    c->constraint = std::make_unique<dfl::CallbackConstraint>(
+        [masks, user](int n, const int32_t* tokens, const int32_t* parents, uint32_t* out) {
+          if (masks(user, n, tokens, parents, out) != 0) dfl::fail("the constraint's mask callback failed");
+        },
+        [commit, user](const int32_t* tokens, int n) {
+          if (commit(user, n, tokens) != 0) dfl::fail("the constraint's commit callback failed");
+        });
+    c->gen->set_constraint(c->constraint.get(), prune != 0);
+  });
+}
+
 dfl_drafter* dfl_drafter_new(const dfl_draft* d, const dfl_model* target, const dfl_drafter_params* p) {
   dfl_drafter* out = nullptr;
   dfl::api_guard([&] {

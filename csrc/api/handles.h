@@ -29,6 +29,7 @@ struct dfl_context {
   std::unique_ptr<dfl::DraftModelProposer> draft_model;  // or an attached draft model (its own context)
   // the C API's hooks (tests, oracles): they draft before any attached drafter
   std::unique_ptr<dfl::Proposer> chain_hook, tree_hook, topk_hook;
+  std::unique_ptr<dfl::Constraint> constraint;  // structured output (dfl_context_set_constraint)
   mutable std::string backend_name;        // dfl_context_backend's string
 
   // Hands the generator every attached proposer, most preferred first.

@@ -253,8 +253,35 @@ void Drafter::propose_topk(const int32_t* block_tokens, int n_block, int k, int3
   std::memcpy(logp, both.data() + n * 4, n * 4);
 }
 
-void Drafter::propose_lattice(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp,
-                              float* edge) {
+// The selector's scoring of one block: the block forward (candidates and their log-probs) and g_t = P h_t;
+// then edge(t, pred, out) = the K scores of depth t's candidates after token `pred` (unary + bilinear).
+struct Drafter::SelectorScores {
+  Drafter& d;
+  int rows, K, Rk;
+  const int32_t* ids;
+  const float* lp;
+  std::vector<float> g, a, b;
+  std::vector<uint8_t> raw;
+  void code(const Weight& w, int32_t tok, float* out) {  // a codebook row from the host copy of the weights
+    std::memcpy(raw.data(), w.row(tok), w.row_bytes);  // (copied first: the mapping need not be aligned)
+    dequantize_row(w.type, raw.data(), out, Rk);
+  }
+  void edge(int t, int32_t pred, float* out) {
+    const DraftModel& w = d.d_;
+    code(w.selector.predecessor, pred, a.data());
+    const float* gt = g.data() + (size_t)t * Rk;
+    for (int r = 0; r < Rk; ++r) a[(size_t)r] *= gt[r];
+    for (int j = 0; j < K; ++j) {
+      code(w.selector.successor, ids[(size_t)t * K + j], b.data());
+      float s = 0.f;
+      for (int r = 0; r < Rk; ++r) s += a[(size_t)r] * b[(size_t)r];
+      out[j] = s + lp[(size_t)t * K + j];
+    }
+  }
+};
+
+Drafter::SelectorScores Drafter::selector_scores(const int32_t* block_tokens, int n_block, int32_t* cand_ids,
+                                                 float* cand_logp) {
   const DraftConfig& c = d_.cfg;
   if (!c.dflash2) fail("internal: the candidate selector belongs to DFlash2 drafters");
   const int rows = n_block - 1, K = c.selector_top_k, Rk = c.selector_rank;
@@ -263,55 +290,39 @@ void Drafter::propose_lattice(const int32_t* block_tokens, int n_block, int32_t*
   const size_t ng = (size_t)rows * Rk;
   if (sel_.bytes < ng * 4) sel_ = BackendBuf(be, ng * 4);
   be.matmul(d_.selector.hidden_projection, hn_.f(), rows, sel_.f());
-  std::vector<float> g(ng), a((size_t)K * Rk), b((size_t)K * Rk);
-  be.download(g.data(), sel_.f(), ng * 4);
-  // codebook rows from the host copy of the weights (copied first: the mapping need not be aligned)
-  std::vector<uint8_t> raw(std::max(d_.selector.predecessor.row_bytes, d_.selector.successor.row_bytes));
-  auto code = [&](const Weight& w, int32_t tok, float* out) {
-    std::memcpy(raw.data(), w.row(tok), w.row_bytes);
-    dequantize_row(w.type, raw.data(), out, Rk);
-  };
-  for (int t = 0; t < rows; ++t) {
-    // predecessors: the root for the first depth (one row), else the candidates of the depth before
-    const int n_pred = t == 0 ? 1 : K;
-    const float* gt = g.data() + (size_t)t * Rk;
-    for (int i = 0; i < n_pred; ++i) {
-      float* ai = a.data() + (size_t)i * Rk;
-      code(d_.selector.predecessor, t == 0 ? block_tokens[0] : cand_ids[(size_t)(t - 1) * K + i], ai);
-      for (int r = 0; r < Rk; ++r) ai[r] *= gt[r];
-    }
-    for (int j = 0; j < K; ++j) code(d_.selector.successor, cand_ids[(size_t)t * K + j], b.data() + (size_t)j * Rk);
+  SelectorScores S{*this, rows, K, Rk, cand_ids, cand_logp, std::vector<float>(ng), std::vector<float>((size_t)Rk),
+                   std::vector<float>((size_t)Rk),
+                   std::vector<uint8_t>(std::max(d_.selector.predecessor.row_bytes, d_.selector.successor.row_bytes))};
+  be.download(S.g.data(), sel_.f(), ng * 4);
+  return S;
+}
+
+void Drafter::propose_lattice(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp,
+                              float* edge) {
+  SelectorScores S = selector_scores(block_tokens, n_block, cand_ids, cand_logp);
+  const int K = S.K;
+  for (int t = 0; t < S.rows; ++t)
     for (int i = 0; i < K; ++i) {
       float* e = edge + ((size_t)t * K + i) * K;
-      if (i >= n_pred) {  // the root's row stands for every row of the first depth
-        std::memcpy(e, edge + (size_t)t * K * K, (size_t)K * 4);
-        continue;
-      }
-      const float* ai = a.data() + (size_t)i * Rk;
-      for (int j = 0; j < K; ++j) {
-        const float* bj = b.data() + (size_t)j * Rk;
-        float s = 0.f;
-        for (int r = 0; r < Rk; ++r) s += ai[r] * bj[r];
-        e[j] = s + cand_logp[(size_t)t * K + j];
-      }
+      if (t == 0 && i > 0) std::memcpy(e, edge, (size_t)K * 4);  // the root's row stands for every row
+      else S.edge(t, t == 0 ? block_tokens[0] : cand_ids[(size_t)(t - 1) * K + i], e);
     }
-  }
 }
 
 void Drafter::propose_path(const int32_t* block_tokens, int n_block, int32_t* path, int32_t* cand_ids,
                            float* cand_logp) {
   const int rows = n_block - 1, K = d_.cfg.selector_top_k;
   std::vector<int32_t> ids((size_t)rows * K);
-  std::vector<float> lp((size_t)rows * K), edge((size_t)rows * K * K);
-  propose_lattice(block_tokens, n_block, ids.data(), lp.data(), edge.data());
-  int prev = 0;  // the chosen candidate of the depth before (the root's row for the first)
+  std::vector<float> lp((size_t)rows * K), e((size_t)K);
+  SelectorScores S = selector_scores(block_tokens, n_block, ids.data(), lp.data());
+  // the greedy walk reads one lattice row a depth: the chosen token's
+  int32_t prev = block_tokens[0];
   for (int t = 0; t < rows; ++t) {
-    const float* e = edge.data() + ((size_t)t * K + prev) * K;
+    S.edge(t, prev, e.data());
     int best = 0;
     for (int j = 1; j < K; ++j)
-      if (e[j] > e[best]) best = j;
-    path[t] = ids[(size_t)t * K + best];
-    prev = best;
+      if (e[(size_t)j] > e[(size_t)best]) best = j;
+    path[t] = prev = ids[(size_t)t * K + best];
   }
   if (cand_ids) std::memcpy(cand_ids, ids.data(), ids.size() * 4);
   if (cand_logp) std::memcpy(cand_logp, lp.data(), lp.size() * 4);

@@ -77,6 +77,12 @@ class Drafter {
   // propose_path is the greedy walk of it.
   void propose_lattice(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp, float* edge);
 
+ private:
+  struct SelectorScores;
+  SelectorScores selector_scores(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp);
+
+ public:
+
   // Bytes held by the ring and the draft KV cache (constant in context length).
   size_t state_bytes() const;
 

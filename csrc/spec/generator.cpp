@@ -2,6 +2,8 @@
 #include "spec/generator.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <cstring>
 
 namespace dfl {
@@ -132,7 +134,15 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
     if (cap) features_->take_features(off, m, grab ? ctx_.captured() : nullptr, nullptr);
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
-  pending_ = need_rows() ? pick(logits_.data(), n) : top_ids_[0];
+  const uint32_t* mask = nullptr;
+  if (constraint_) {  // node 0 = the last prompt token: its mask is the empty reply's
+    masks_.assign((size_t)mask_words(ctx_.model().cfg.n_vocab), 0u);
+    const int32_t parent = -1;
+    constraint_->masks(1, prompt + n - 1, &parent, masks_.data());
+    mask = masks_.data();
+  }
+  pending_ = need_rows() ? pick(logits_.data(), n, nullptr, 0, mask) : top_ids_[0];
+  if (constraint_) constraint_->commit(&pending_, 1);
   if (p_.n_logprobs >= 0) record_logprob(0, pending_);
 }
 
@@ -157,13 +167,23 @@ void Generator::record_logprob(int node, int32_t token) {
   logprobs_.push_back(e);
 }
 
-int32_t Generator::pick(const float* row, int64_t pos, const int32_t* extra, int n_extra) {
+int32_t Generator::pick(const float* row, int64_t pos, const int32_t* extra, int n_extra, const uint32_t* mask) {
   const int V = ctx_.model().cfg.n_vocab;
+  if (mask) {  // the constraint first: what it forbids is out before penalties, filters and the draw
+    row_scratch_.assign(row, row + V);
+    bool any = false;
+    for (int t = 0; t < V; ++t) {
+      if (mask_allows(mask, t)) any = true;
+      else row_scratch_[(size_t)t] = -INFINITY;
+    }
+    if (!any) fail("the constraint allows no token at position %lld", (long long)pos);
+    row = row_scratch_.data();
+  }
   if (!p_.sampler.penalized()) return sample_token(row, V, p_.sampler, pos, sample_scratch_);
   // the node's own sequence: the committed tokens, then its ancestors and itself
   const size_t n0 = hist_.size();
   hist_.insert(hist_.end(), extra, extra + n_extra);
-  row_scratch_.assign(row, row + V);
+  if (!mask) row_scratch_.assign(row, row + V);
   apply_penalties(row_scratch_.data(), V, p_.sampler, hist_.data(), hist_.size(), penalty_scratch_);
   hist_.resize(n0);
   return sample_token(row_scratch_.data(), V, p_.sampler, pos, sample_scratch_);
@@ -228,9 +248,13 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     }
     if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
     const int K = ddtree_k(tp, n_vocab);
-    // Expanding branches, or a drafter whose children depend on their parent: the proposer builds the
-    // tree itself; else one ranking, then the builder.
-    Proposer* expander = tp.expand > 0 ? first(Proposer::Expand) : first(Proposer::OwnTree);
+    // Expanding branches, or a ranking proposer whose children depend on their parent (the first that ranks,
+    // in order of preference): the proposer builds the tree itself; else one ranking, then the builder.
+    Proposer* expander = tp.expand > 0 ? first(Proposer::Expand) : nullptr;
+    if (!expander) {
+      Proposer* ranker = first(Proposer::Rank);
+      if (ranker && ranker->can(Proposer::OwnTree)) expander = ranker;
+    }
     if (expander) {
       t = expander->propose_tree(request(s, V), tp, K);
     } else {
@@ -259,6 +283,37 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     depth_[i] = t.depth[i - 1];
   }
   if (!whole) rec.tree_s = since(t0);
+}
+
+void Generator::constrain_step(StepRecord& rec) {
+  const int N = (int)tokens_.size();
+  const size_t words = (size_t)mask_words(ctx_.model().cfg.n_vocab);
+  auto t0 = Clock::now();
+  masks_.assign((size_t)N * words, 0u);
+  constraint_->masks(N, tokens_.data(), parent_.data(), masks_.data());
+  kept_.resize((size_t)N);
+  std::iota(kept_.begin(), kept_.end(), 0);
+  if (prune_ && N > 1) {
+    // a node lives if its parent lives and allows its token; nodes come parent first
+    std::vector<int32_t> new_index((size_t)N, -1);
+    new_index[0] = 0;
+    int m = 1;
+    for (int i = 1; i < N; ++i) {
+      const int p = parent_[(size_t)i];
+      if (new_index[(size_t)p] < 0 || !mask_allows(masks_.data() + (size_t)p * words, tokens_[(size_t)i])) continue;
+      new_index[(size_t)i] = m;
+      tokens_[(size_t)m] = tokens_[(size_t)i];
+      depth_[(size_t)m] = depth_[(size_t)i];
+      parent_[(size_t)m] = new_index[(size_t)p];
+      if (m != i) std::copy_n(masks_.data() + (size_t)i * words, words, masks_.data() + (size_t)m * words);
+      kept_[(size_t)m] = i;
+      ++m;
+    }
+    rec.pruned = N - m;
+    for (auto* v : {&tokens_, &parent_, &depth_, &kept_}) v->resize((size_t)m);
+    masks_.resize((size_t)m * words);
+  }
+  rec.mask_s = since(t0);
 }
 
 int Generator::step(std::vector<int32_t>& out) {
@@ -296,9 +351,10 @@ int Generator::step(std::vector<int32_t>& out) {
   } else {
     tokens_.resize(1), parent_.resize(1), depth_.resize(1);  // an AR step: the root alone
   }
-  const int N = (int)tokens_.size();
-  for (int i = 1; i < N; ++i)
+  for (size_t i = 1; i < tokens_.size(); ++i)
     if (tokens_[i] < 0 || tokens_[i] >= c.n_vocab) fail("draft token %d outside the vocabulary", tokens_[i]);
+  if (constraint_) constrain_step(rec);
+  const int N = (int)tokens_.size();
   rec.drafted = N - 1;
   rec.tree_depth = N > 1 ? *std::max_element(depth_.begin(), depth_.end()) : 0;
 
@@ -332,11 +388,12 @@ int Generator::step(std::vector<int32_t>& out) {
   // argmax, or its sample with the number of the position that token takes).
   std::vector<int32_t> path{0};
   std::vector<int32_t> path_tokens;  // the tokens root..node along the walk (penalties count them)
+  const size_t words = (size_t)mask_words(c.n_vocab);
   auto choice_at = [&](int node) {
     if (!need_rows()) return top_ids_[(size_t)node * K];
     path_tokens.push_back(tokens_[node]);
     return pick(logits_.data() + (size_t)node * c.n_vocab, s + depth_[node] + 1, path_tokens.data(),
-                (int)path_tokens.size());
+                (int)path_tokens.size(), constraint_ ? masks_.data() + (size_t)node * words : nullptr);
   };
   int32_t choice = choice_at(0);
   for (;;) {
@@ -365,6 +422,12 @@ int Generator::step(std::vector<int32_t>& out) {
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);
   for (int i = 0; i <= a; ++i) hist_.push_back(tokens_[path[i]]);  // positions s .. s + a are committed
+  if (constraint_) {  // the matcher follows every decided token: the accepted drafts, then the bonus
+    std::vector<int32_t> decided;
+    for (int i = 1; i <= a; ++i) decided.push_back(tokens_[path[i]]);
+    decided.push_back(bonus);
+    constraint_->commit(decided.data(), (int)decided.size());
+  }
 
   // ---- EMIT ---- accepted drafts, then the bonus, within max_new_tokens
   const int produced = std::min(a + 1, remaining);
@@ -388,7 +451,7 @@ int Generator::step(std::vector<int32_t>& out) {
     if (N == 1) auto_.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
       std::vector<uint8_t> on_path((size_t)rec.auto_budget, 0);
-      for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;
+      for (int i = 1; i <= a; ++i) on_path[(size_t)(constraint_ ? kept_[(size_t)path[i]] : path[i]) - 1] = 1;
       auto_.observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget, on_path);
     }
   }

@@ -22,6 +22,7 @@
 
 #include "runtime/context.h"
 #include "spec/adaptive.h"
+#include "spec/constraint.h"
 #include "spec/ddtree.h"
 #include "spec/proposer.h"
 #include "spec/sampler.h"
@@ -67,7 +68,8 @@ struct StepRecord {
   int accepted = 0;         // drafts on the accepted path
   int tree_depth = 0;       // deepest drafted node
   int target_forwards = 0;  // always 1; counted, not assumed
-  double draft_s = 0, tree_s = 0, verify_s = 0, commit_s = 0;
+  int pruned = 0;           // draft nodes a constraint forbade (dropped before the verify)
+  double draft_s = 0, tree_s = 0, verify_s = 0, commit_s = 0, mask_s = 0;
   // auto mode: the budget verified (0 = an AR step; -1 in other modes), whether
   // the step was a forced probe, and the estimates behind the choice
   int auto_budget = -1;
@@ -87,6 +89,9 @@ class Generator {
   void set_proposers(std::vector<Proposer*> ps);
   const AutoController& auto_controller() const { return auto_; }
   void set_prefill_progress(PrefillProgress fn) { progress_ = std::move(fn); }
+  // Structured output (constraint.h): null = none.  Kept across requests until changed; `prune` drops
+  // draft nodes the constraint forbids before they cost verify rows.
+  void set_constraint(Constraint* c, bool prune = true) { constraint_ = c, prune_ = prune; }
 
   // n_keep > 0: the context already holds the committed state of
   // prompt[0, n_keep) (restored from a prefix cache, n_past == n_keep); only
@@ -119,9 +124,14 @@ class Generator {
   // The target's choice for the token at absolute position pos from one raw
   // logits row, the sequence before it being hist_ then extra[0, n_extra)
   // (a tree node's ancestors): penalties first, then the sampler.
-  int32_t pick(const float* row, int64_t pos, const int32_t* extra = nullptr, int n_extra = 0);
-  // Whole logits rows must come back (sampling or penalties), not just the device's top-k.
-  bool need_rows() const { return !greedy() || p_.sampler.penalized(); }
+  // mask: the tokens allowed there (a constraint's), null = all.
+  int32_t pick(const float* row, int64_t pos, const int32_t* extra = nullptr, int n_extra = 0,
+               const uint32_t* mask = nullptr);
+  // Whole logits rows must come back (sampling, penalties or a constraint), not just the device's top-k.
+  bool need_rows() const { return !greedy() || p_.sampler.penalized() || constraint_; }
+  // The constraint's masks for the step's nodes; drops the nodes it forbids (and their subtrees) from
+  // tokens_ / parent_ / depth_ when pruning; kept_[i] = node i's index before (auto mode's observation).
+  void constrain_step(StepRecord& rec);
   bool capturing() const { return features_ && p_.mode != DecodeMode::AR; }
 
   Context& ctx_;
@@ -132,6 +142,10 @@ class Generator {
   AutoController auto_;
   DraftTree auto_tree_;
   PrefillProgress progress_;
+  Constraint* constraint_ = nullptr;
+  bool prune_ = true;
+  std::vector<uint32_t> masks_;  // [node][mask_words]
+  std::vector<int32_t> kept_;
   GenParams p_;
   int block_ = 1;
   GenStats stats_;

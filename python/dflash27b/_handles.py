@@ -259,6 +259,39 @@ class Context:
     def has_topk_hook(self) -> bool:
         return getattr(self, "_topk_hook", None) is not None
 
+    def set_constraint(self, c, prune: bool = True) -> None:
+        """Structured output (constraint.TokenConstraint): the core asks it for each step's masks and tells it
+        the decided tokens.  None removes it.  A callback's exception is kept in c.error."""
+        ffi, lib = self._ffi, self._lib
+        if c is None:
+            check(lib.dfl_context_set_constraint(self.handle, ffi.NULL, ffi.NULL, ffi.NULL, 0))
+            self._constraint_cbs = None
+            return
+        words = c.words
+
+        def masks(user, n, tokens, parents, out):
+            try:
+                t = np.frombuffer(ffi.buffer(tokens, n * 4), np.int32)
+                p = np.frombuffer(ffi.buffer(parents, n * 4), np.int32)
+                o = np.frombuffer(ffi.buffer(out, n * words * 4), np.uint32).reshape(n, words)
+                c.masks(n, t, p, o)
+                return 0
+            except BaseException as e:  # noqa: BLE001 - reported by the caller of the decode
+                c.error = e
+                return 1
+
+        def commit(user, n, tokens):
+            try:
+                c.commit(np.frombuffer(ffi.buffer(tokens, n * 4), np.int32).tolist())
+                return 0
+            except BaseException as e:  # noqa: BLE001
+                c.error = e
+                return 1
+
+        cbs = (ffi.callback("dfl_constraint_masks_fn", masks), ffi.callback("dfl_constraint_commit_fn", commit))
+        check(lib.dfl_context_set_constraint(self.handle, cbs[0], cbs[1], ffi.NULL, 1 if prune else 0))
+        self._constraint_cbs = cbs
+
     def set_prefill_progress(self, fn) -> None:
         """fn(done, total) after each prefill chunk; a truthy return cancels the prefill.  None removes."""
         ffi = self._ffi
@@ -338,7 +371,7 @@ class Context:
             out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "tree_depth",
                                                      "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s",
                                                      "auto_budget", "probe", "expected_tokens", "est_tok_s",
-                                                     "est_ar_tok_s")})
+                                                     "est_ar_tok_s", "pruned", "mask_s")})
         return out
 
     def close(self) -> None:

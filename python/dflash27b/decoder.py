@@ -30,7 +30,9 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "models"
 
 def bundled_pair() -> tuple[Path, Path] | None:
     """(target GGUF, drafter dir) of the tiny pair shipped inside the package, if this install has it."""
-    t, d = BUNDLED_DIR / "tiny-target.gguf", BUNDLED_DIR / "tiny-draft"
+    # the DFlash2 drafter (tiny-draft2) accepts more than the DFlash one (tiny-draft, kept for v1 users and
+    # tests): bench/results/dflash2-cpu.json
+    t, d = BUNDLED_DIR / "tiny-target.gguf", BUNDLED_DIR / "tiny-draft2"
     return (t, d) if t.is_file() and (d / "config.json").is_file() else None
 
 
@@ -297,23 +299,36 @@ class Decoder:
                     pc.save(self._ctx, ids[:done])
                     saved[0] = done
                 return on_prefill(done, total) if on_prefill is not None else False
+        constraint = None
+        if p.json_schema is not None or p.grammar is not None:  # structured output (constraint.py)
+            from .constraint import TokenConstraint, compile_grammar
+            g = compile_grammar(json_schema=p.json_schema, grammar=p.grammar)
+            constraint = TokenConstraint(self.tokenizer, self.eos_ids, g, self.info["n_vocab"])
+        self.last_constraint = constraint
         if progress is not None:
             self._ctx.set_prefill_progress(progress)
-        try:
-            self._ctx.begin(ids, p, self.eos_ids, _MODE_IDS[mode], bs if mode != "ar" else 0, n_keep=n_keep)
-            self._want_logprobs = p.logprobs is not None
-        finally:
-            if progress is not None:
-                self._ctx.set_prefill_progress(None)
+        self._ctx.set_constraint(constraint, prune=p.grammar_prune)
         self._last_tokens: list[int] = []
         try:
+            try:
+                self._ctx.begin(ids, p, self.eos_ids, _MODE_IDS[mode], bs if mode != "ar" else 0, n_keep=n_keep)
+                self._want_logprobs = p.logprobs is not None
+            finally:
+                if progress is not None:
+                    self._ctx.set_prefill_progress(None)
             while True:
                 toks = self._ctx.generate_next()
                 if not toks:
                     break
                 self._last_tokens += toks
                 yield toks
+        except DFlashError:
+            if constraint is not None and constraint.error is not None:
+                raise constraint.error from None
+            raise
         finally:
+            if constraint is not None:
+                self._ctx.set_constraint(None)
             if pc is not None:  # the reply's end: the next turn starts with prompt + reply
                 held = ids + self._last_tokens
                 n = self._ctx.n_past
@@ -383,6 +398,7 @@ class Decoder:
             target_forwards=[st["target_forwards"] for st in steps], tree_size=[st["drafted"] for st in steps],
             tree_depth=[st["tree_depth"] for st in steps], auto_budget=[st["auto_budget"] for st in steps],
             probe=[bool(st["probe"]) for st in steps], expected_tokens=[st["expected_tokens"] for st in steps],
+            pruned=[st["pruned"] for st in steps], mask_ms=[st["mask_s"] * 1e3 for st in steps],
             est_tok_s=[st["est_tok_s"] for st in steps], est_ar_tok_s=[st["est_ar_tok_s"] for st in steps])
 
     # -- tools -------------------------------------------------------------------------------------------

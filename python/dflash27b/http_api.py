@@ -47,7 +47,7 @@ _EXTRA = tuple(n for n in (*GenParams.names(), *GenParams.aliases()) if n not in
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.
 _HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
              "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-             "return_tokens_as_token_ids"} | set(_EXTRA)
+             "return_tokens_as_token_ids", "response_format"} | set(_EXTRA)
 # no-ops, with the type OpenAI gives them (a wrong type is still a 400)
 _NO_OP = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "true or false"),
           "service_tier": (str, "a string"), "parallel_tool_calls": (bool, "true or false")}
@@ -59,7 +59,6 @@ def _neutral(k: str, v) -> bool:
     """Values of the not-honoured fields that ask for nothing (so the answer cannot change)."""
     return {
         "logit_bias": v == {},
-        "response_format": isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
         "tools": v == [],
         "tool_choice": v == "none",
         "functions": v == [],
@@ -72,7 +71,6 @@ def _neutral(k: str, v) -> bool:
 
 
 _WHY = {"logit_bias": "logit biases are not applied",
-        "response_format": "constrained output (JSON mode / schema) is not supported; only {\"type\": \"text\"}",
         "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
         "functions": "function calls are not supported", "function_call": "function calls are not supported",
         "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
@@ -209,6 +207,31 @@ def _logprobs(body: dict, chat: bool) -> dict:
     return {"logprobs": lp}
 
 
+def _response_format(v) -> dict:
+    """OpenAI's response_format -> the engine's json_schema setting: {"type": "text"} asks for nothing,
+    {"type": "json_object"} any JSON object, {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    that schema (strict or not, the reply always validates)."""
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise _fail("'response_format' must be an object with a 'type'")
+    kind = v["type"]
+    if kind == "text" and len(v) == 1:
+        return {}
+    if kind == "json_object" and len(v) == 1:
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema" and set(v) == {"type", "json_schema"}:
+        js = v["json_schema"]
+        if not isinstance(js, dict) or set(js) - {"name", "schema", "strict", "description"}:
+            raise _fail("'response_format.json_schema' takes name, schema, strict and description")
+        if not isinstance(js.get("name"), str) or not js["name"]:
+            raise _fail("'response_format.json_schema.name' is required (a string)")
+        schema = js.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise _fail("'response_format.json_schema.schema' must be a JSON schema object")
+        return {"json_schema": schema}
+    raise _fail("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                "{\"type\": \"json_schema\", \"json_schema\": {...}}")
+
+
 def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
     """An OpenAI request body -> (a validated daemon generate request, how to write the reply)."""
     body = {k: v for k, v in body.items() if v is not None}   # OpenAI: null = not given
@@ -230,6 +253,11 @@ def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
     for k in ("top_p", "seed", "stop", *_EXTRA):
         if k in body:
             req[k] = body[k]
+    if "response_format" in body:
+        rf = _response_format(body["response_format"])
+        if rf and ("json_schema" in body or "grammar" in body):
+            raise _fail("'response_format' and 'json_schema' / 'grammar' ask for two constraints: give one")
+        req.update(rf)
     req["stream"] = shape.stream
     return parse_generate(req, names), shape
 

@@ -84,13 +84,26 @@ def _one_of(choices: tuple[str, ...]) -> Callable:
     return check
 
 
+def _json_schema(name, v):
+    if v is not None and not isinstance(v, (dict, str, bool)):
+        raise SettingError(name, "a JSON schema (a dict, or JSON text)", v)
+    return v
+
+
+def _text_or_none(name, v):
+    if v is not None and (not isinstance(v, str) or not v.strip()):
+        raise SettingError(name, "a non-empty grammar text", v)
+    return v
+
+
 def _setting(default, check: Callable, help: str, *, c: str | None = None, cli: tuple[str, ...] = (),
-             to_c: Callable | None = None, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = ()):
+             to_c: Callable | None = None, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
+             text_or_file: bool = False):
     """A GenParams field: default, check(name, value) -> value, help; c = the dfl_gen_params member it fills
     (to_c converts), cli = the generate command's option names, aliases = deprecated spellings, choices = the
-    values a string setting takes (the CLI offers them)."""
+    values a string setting takes (the CLI offers them), text_or_file = the CLI takes text or a file holding it."""
     return field(default=default, metadata={"check": check, "help": help, "c": c, "cli": cli, "to_c": to_c,
-                                            "aliases": aliases, "choices": choices})
+                                            "aliases": aliases, "choices": choices, "text_or_file": text_or_file})
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,15 @@ class GenParams:
     logprobs: int | None = _setting(None, _int(0, 20, optional=True), "record each token's log-probability and "
                                     "its k most likely alternatives", c="n_logprobs",
                                     to_c=lambda v: -1 if v is None else v)
+
+    json_schema: Any = _setting(None, _json_schema, "constrain the reply to JSON valid against this schema "
+                                "(a dict or JSON text, or a file holding it; {} = any JSON object): every mode gives "
+                                "the constrained AR reply (needs llguidance)", cli=("--json-schema",),
+                                text_or_file=True)
+    grammar: str | None = _setting(None, _text_or_none, "constrain the reply to this GBNF grammar (llama.cpp's "
+                                   "format; Lark too), or a file holding it (needs llguidance)",
+                                   cli=("--grammar", "--grammar-file"), text_or_file=True)
+    grammar_prune: bool = _setting(True, _bool, "under a constraint, drop draft nodes it forbids before the verify")
 
     def __post_init__(self):
         for f in fields(self):
@@ -215,6 +237,8 @@ def cli_options(command: Callable) -> Callable:
             kw.update(default=default, show_default=True)
         elif isinstance(default, bool):
             kw.update(is_flag=True, default=default)
+        elif f.metadata["text_or_file"]:
+            kw.update(default=None, type=str, metavar="TEXT|FILE")
         elif f.metadata["choices"]:
             kw.update(type=click.Choice(f.metadata["choices"]), default=default, show_default=default is not None)
         else:
@@ -230,6 +254,16 @@ def cli_options(command: Callable) -> Callable:
 def params_from_cli(kwargs: dict[str, Any]) -> GenParams:
     """Pops the GenParams options (and their deprecated spellings) out of a click command's kwargs."""
     vals = {name: kwargs.pop(name) for name in GenParams.names() if name in kwargs}
+    for f in fields(GenParams):  # a constraint given as a file: its text
+        v = vals.get(f.name)
+        if f.metadata["text_or_file"] and isinstance(v, str) and "\n" not in v and len(v) < 4096:
+            from pathlib import Path
+            path = Path(v).expanduser()
+            if path.is_file():
+                try:
+                    vals[f.name] = path.read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as e:
+                    raise SettingError(f.name, "a readable UTF-8 file", v) from e
     for a, name in GenParams.aliases().items():
         v = kwargs.pop(f"_alias_{a}", None)
         if v is not None:

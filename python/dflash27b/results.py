@@ -40,6 +40,10 @@ class GenerateStats:
     expected_tokens: list[float] = field(default_factory=list)
     est_tok_s: list[float] = field(default_factory=list)
     est_ar_tok_s: list[float] = field(default_factory=list)
+    # under a constraint (json_schema / grammar), per step: draft nodes it forbade (pruned before the verify)
+    # and the time its masks took
+    pruned: list[int] = field(default_factory=list)
+    mask_ms: list[float] = field(default_factory=list)
 
     @property
     def auto_summary(self) -> str:

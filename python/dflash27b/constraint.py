@@ -1,0 +1,191 @@
+"""Structured output: a JSON schema, a GBNF / Lark grammar or a regex, compiled by llguidance over the model's
+vocabulary, constraining every decode mode exactly (the core's side: csrc/spec/constraint.h).
+
+Why llguidance (over xgrammar): it takes the model's own byte-level vocabulary as a plain token list (no HF
+tokenizer object needed: ours comes from the GGUF), compiles JSON schemas, Lark and GBNF grammars and
+regexes, rolls a matcher back by any number of tokens (a draft tree is walked depth first with consume /
+rollback, no re-parse), and its wheel is one abi3 library with no Python dependencies (~10 MB).
+
+The core asks, once a step before the target verifies, for the allowed next tokens of every node of the
+draft (node 0 = the last decided token); `masks` walks the tree with the one matcher, consuming a node's
+path and rolling back, and leaves zeros under a node its parent forbids.  `commit` follows the decided tokens.
+Grammars are compiled once per (kind, text) and cached; a matcher is cheap to make from the compiled form.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from ._lib import DFlashError
+
+
+class ConstraintError(DFlashError):
+    """A schema or grammar that cannot be compiled or is not supported: the message names the problem."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # an optional extra: the core runs without it
+        raise ConstraintError("structured output needs the llguidance package: pip install 'dflash27b[grammar]'") from e
+    return llguidance
+
+
+class _Vocab:
+    """What llguidance.TokenizerWrapper reads: the token byte strings, EOS, special ids, and an encoder."""
+
+    def __init__(self, tok, eos_ids):
+        self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+        self.eos_token_id = min(eos_ids) if eos_ids else (tok.eos_id if tok.eos_id is not None else 0)
+        self.bos_token_id = tok.bos_id
+        self.special_token_ids = sorted(tok._special_ids)
+        self._tok = tok
+
+    def __call__(self, s):
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", errors="replace")
+        return self._tok.encode(s, parse_special=False, add_bos=False)
+
+
+# The JSON a schema admits is laid out as json.dumps writes it ("a": 1, "b": 2): no free whitespace, which a
+# model can otherwise spend its whole budget on (JSON allows any run of it between tokens).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_TOKENIZERS: dict[int, Any] = {}
+_GRAMMARS: "OrderedDict[tuple, str]" = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tok, eos_ids):
+    """The llguidance tokenizer of a dflash27b Tokenizer (made once per tokenizer)."""
+    llg = _llguidance()
+    with _LOCK:
+        t = _TOKENIZERS.get(id(tok))
+        if t is None:
+            t = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(tok, eos_ids)), n_vocab=tok.vocab_size,
+                                eos_token=sorted(eos_ids) or None)
+            _TOKENIZERS[id(tok)] = t
+        return t
+
+
+def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: str | None = None,
+                    regex: str | None = None) -> str:
+    """The llguidance grammar for exactly one of: a JSON schema (dict or JSON text; True / {} / "json_object" =
+    any JSON object), a GBNF grammar, a Lark grammar, a regex.  Cached per input; errors name the problem."""
+    given = [k for k, v in (("json_schema", json_schema), ("grammar", grammar), ("lark", lark), ("regex", regex))
+             if v is not None]
+    if len(given) != 1:
+        raise ConstraintError(f"give one constraint (json_schema, grammar, lark or regex), got {given or 'none'}")
+    kind = given[0]
+    if kind == "json_schema":
+        schema = json_schema
+        if isinstance(schema, str) and schema.strip() != "json_object":
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"json_schema is not valid JSON: {e}") from None
+        if schema is True or schema == "json_object" or schema == {}:
+            schema = {"type": "object"}
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+        text = json.dumps(schema, sort_keys=True)
+    else:
+        text = locals()[kind]
+        if not isinstance(text, str) or not text.strip():
+            raise ConstraintError(f"{kind} must be a non-empty string")
+    key = (kind, text)
+    with _LOCK:
+        if key in _GRAMMARS:
+            _GRAMMARS.move_to_end(key)
+            return _GRAMMARS[key]
+    llg = _llguidance()
+    try:
+        if kind == "json_schema":
+            g = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
+        elif kind == "grammar":
+            g = llg.grammar_from("gbnf", text)
+        elif kind == "lark":
+            g = llg.LLMatcher.grammar_from_lark(text)
+        else:
+            g = llg.LLMatcher.grammar_from_regex(text)
+    except Exception as e:  # noqa: BLE001 - llguidance raises ValueError / RuntimeError with the reason
+        raise ConstraintError(f"{kind}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
+            from None
+    is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(g)
+    if is_error:
+        raise ConstraintError(f"{kind}: {msgs[0].strip().splitlines()[0] if msgs and msgs[0].strip() else 'invalid'}")
+    with _LOCK:
+        _GRAMMARS[key] = g
+        while len(_GRAMMARS) > 64:
+            _GRAMMARS.popitem(last=False)
+    return g
+
+
+class TokenConstraint:
+    """One request's matcher, with the two callbacks the core calls (dfl_context_set_constraint)."""
+
+    def __init__(self, tok, eos_ids, grammar: str, n_vocab: int):
+        llg = _llguidance()
+        self.matcher = llg.LLMatcher(ll_tokenizer(tok, eos_ids), grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ConstraintError(self.matcher.get_error())
+        self.words = (n_vocab + 31) // 32
+        self.error: BaseException | None = None
+        self.mask_calls = 0
+
+    def _mask(self) -> np.ndarray:
+        m = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
+        if m.size < self.words:
+            m = np.concatenate([m, np.zeros(self.words - m.size, np.uint32)])
+        return m[: self.words]
+
+    def masks(self, n: int, tokens, parents, out: np.ndarray) -> None:
+        """out [n, words]: node 0's mask is the matcher's now; node i's after consuming its path."""
+        self.mask_calls += 1
+        out[0] = self._mask()
+        depth = [0] * n
+        path: list[int] = []  # nodes consumed beyond node 0, root first
+        alive = [True] + [False] * (n - 1)
+        for i in range(1, n):
+            p = int(parents[i])
+            t = int(tokens[i])
+            if not alive[p] or not (out[p, t >> 5] >> np.uint32(t & 31)) & np.uint32(1):
+                continue
+            # back up to the parent, then consume this node's token
+            d = depth[p]
+            while len(path) > d:
+                path.pop()
+                self.matcher.rollback(1)
+            if d and path[-1] != p:  # the parent is off the current path: rebuild it from node 0
+                self.matcher.rollback(len(path))
+                chain = []
+                q = p
+                while q:
+                    chain.append(q)
+                    q = int(parents[q])
+                path = []
+                for q in reversed(chain):
+                    if not self.matcher.consume_token(int(tokens[q])):
+                        raise ConstraintError(f"matcher refused token {int(tokens[q])} on a path it allowed")
+                    path.append(q)
+            if not self.matcher.consume_token(t):
+                raise ConstraintError(f"matcher refused token {t} its mask allowed")
+            path.append(i)
+            depth[i] = d + 1
+            alive[i] = True
+            out[i] = self._mask()
+        if path:
+            self.matcher.rollback(len(path))
+
+    def commit(self, tokens) -> None:
+        for t in tokens:
+            if not self.matcher.consume_token(int(t)):
+                raise ConstraintError(f"the decided token {int(t)} breaks the constraint ({self.matcher.get_error()})")
+
+    def done(self) -> bool:
+        """The reply is complete under the grammar (only an end of generation may follow)."""
+        return self.matcher.is_stopped() or self.matcher.is_accepting()
