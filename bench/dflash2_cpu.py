@@ -8,7 +8,7 @@ prompts are the held-out ones (`models/heldout_prompts.jsonl`, files the target 
 128 new tokens each.  Every speculative run must equal AR token for token (checked, reported).  Reported per
 row: mean accept length (tokens per step, the bonus included), tok/s, and the speedup over AR in the same run.
 
-    python bench/dflash2_cpu.py DFLASH2_DIR [--dflash DIR] [--n-new 128] [--threads 2] [--out F.json]
+    python bench/dflash2_cpu.py [DFLASH2_DIR] [--dflash DIR] [--n-new 128] [--threads 2] [--out F.json]
 """
 from __future__ import annotations
 
@@ -59,20 +59,22 @@ def run(target: Path, draft: Path, prompts: list[str], n_new: int, threads: int,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dflash2", help="a DFlash2 drafter directory distilled on the bundled target")
+    ap.add_argument("dflash2", nargs="?", default=None,
+                    help="a DFlash2 drafter directory distilled on the bundled target (default: the bundled one)")
     ap.add_argument("--dflash", default=None, help="the DFlash drafter to compare (default: the bundled one)")
     ap.add_argument("--n-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    target, bundled = bundled_pair()
-    dflash = Path(a.dflash) if a.dflash else bundled
+    target, _ = bundled_pair()
+    dflash = Path(a.dflash) if a.dflash else target.parent / "tiny-draft"
+    dflash2 = Path(a.dflash2) if a.dflash2 else target.parent / "tiny-draft2"
     prompts = [json.loads(x)["prompt"] for x in (ROOT / "models/heldout_prompts.jsonl").read_text().splitlines()
                if x.strip()]
     print(f"machine: {cpu_name()}, {a.threads} threads; {len(prompts)} held-out prompts x {a.n_new} tokens")
     doc = {"bench": "dflash2_cpu", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
            "threads": a.threads, "n_new": a.n_new, "prompts": len(prompts), "target": str(target.name)}
-    for label, path, gen2 in (("dflash", dflash, False), ("dflash2", Path(a.dflash2), True)):
+    for label, path, gen2 in (("dflash", dflash, False), ("dflash2", dflash2, True)):
         print(f"{label}: {path}", flush=True)
         doc[label] = {"drafter": str(path), **run(target, path, prompts, a.n_new, a.threads, gen2)}
     if a.out:
