@@ -297,8 +297,11 @@ int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* u
 typedef int32_t (*dfl_constraint_masks_fn)(void* user, int32_t n, const int32_t* tokens, const int32_t* parents,
                                            uint32_t* masks);
 typedef int32_t (*dfl_constraint_commit_fn)(void* user, int32_t n, const int32_t* tokens);
+/* forced (may be NULL): writes up to cap tokens the constraint forces after the decided ones (each the only one
+   it allows there), returns how many (or -1): they are drafted first, as drafts that cannot miss. */
+typedef int32_t (*dfl_constraint_forced_fn)(void* user, int32_t cap, int32_t* tokens);
 int dfl_context_set_constraint(dfl_context* c, dfl_constraint_masks_fn masks, dfl_constraint_commit_fn commit,
-                               void* user, int32_t prune);
+                               dfl_constraint_forced_fn forced, void* user, int32_t prune);
 
 #ifdef __cplusplus
 }

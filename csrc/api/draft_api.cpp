@@ -181,7 +181,7 @@ int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* u
 }
 
 int dfl_context_set_constraint(dfl_context* c, dfl_constraint_masks_fn masks, dfl_constraint_commit_fn commit,
-                               void* user, int32_t prune) {
+                               dfl_constraint_forced_fn forced, void* user, int32_t prune) {
   return dfl::api_guard([&] {
     if (!c) dfl::fail("context is NULL");
     if (!masks) {
@@ -196,6 +196,12 @@ int dfl_context_set_constraint(dfl_context* c, dfl_constraint_masks_fn masks, df
         },
         [commit, user](const int32_t* tokens, int n) {
           if (commit(user, n, tokens) != 0) dfl::fail("the constraint's commit callback failed");
+        },
+        [forced, user](int32_t* out, int cap) {
+          if (!forced) return 0;
+          const int32_t n = forced(user, cap, out);
+          if (n < 0 || n > cap) dfl::fail("the constraint's forced-token callback failed");
+          return (int)n;
         });
     c->gen->set_constraint(c->constraint.get(), prune != 0);
   });

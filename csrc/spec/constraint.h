@@ -22,6 +22,9 @@ class Constraint {
   virtual void masks(int n, const int32_t* tokens, const int32_t* parents, uint32_t* masks) = 0;
   // The tokens just decided, in order: the prefill's, then each step's accepted drafts and bonus.
   virtual void commit(const int32_t* tokens, int n) = 0;
+  // Up to cap tokens the constraint forces after the decided ones (each the only token it allows there),
+  // in order: drafts that cannot miss.  Default: none known.
+  virtual int forced(int32_t* /*out*/, int /*cap*/) { return 0; }
 };
 
 inline int mask_words(int n_vocab) { return (n_vocab + 31) / 32; }
@@ -32,15 +35,19 @@ class CallbackConstraint final : public Constraint {
  public:
   using MasksFn = std::function<void(int, const int32_t*, const int32_t*, uint32_t*)>;
   using CommitFn = std::function<void(const int32_t*, int)>;
-  CallbackConstraint(MasksFn m, CommitFn c) : masks_(std::move(m)), commit_(std::move(c)) {}
+  using ForcedFn = std::function<int(int32_t*, int)>;
+  CallbackConstraint(MasksFn m, CommitFn c, ForcedFn f = nullptr)
+      : masks_(std::move(m)), commit_(std::move(c)), forced_(std::move(f)) {}
   void masks(int n, const int32_t* tokens, const int32_t* parents, uint32_t* out) override {
     masks_(n, tokens, parents, out);
   }
   void commit(const int32_t* tokens, int n) override { commit_(tokens, n); }
+  int forced(int32_t* out, int cap) override { return forced_ ? forced_(out, cap) : 0; }
 
  private:
   MasksFn masks_;
   CommitFn commit_;
+  ForcedFn forced_;
 };
 
 }  // namespace dfl

@@ -226,7 +226,41 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
   if (V < 2) return;
   auto t0 = Clock::now();
   first(Proposer::Chain)->propose_chain(request(s, V), tokens_.data() + 1);
+  if (constraint_) {  // what the constraint forces comes first: drafts that cannot miss
+    std::vector<int32_t> f((size_t)V - 1);
+    const int nf = constraint_->forced(f.data(), V - 1);
+    std::copy_n(f.begin(), nf, tokens_.begin() + 1);
+  }
   rec.draft_s = since(t0);
+}
+
+// The tree with the constraint's forced tokens as its first chain (depth 1..nf, log-prob 0: certain); a
+// drafted node within those depths survives only as that chain, deeper ones hang under it when their
+// ancestors agree with it.  Builder order (parents first, the certain nodes before the rest) is kept.
+static DraftTree graft_forced(const DraftTree& t, const int32_t* f, int nf) {
+  DraftTree g;
+  for (int d = 1; d <= nf; ++d) {
+    g.tokens.push_back(f[d - 1]);
+    g.depth.push_back(d);
+    g.parent.push_back(d - 1);
+    g.logp.push_back(0.f);
+  }
+  std::vector<int32_t> at((size_t)t.size() + 1, -1);  // old node -> new node (0 = the root)
+  at[0] = 0;
+  for (int i = 1; i <= t.size(); ++i) {
+    const int d = t.depth[(size_t)i - 1], p = at[(size_t)t.parent[(size_t)i - 1]];
+    if (p < 0) continue;
+    if (d <= nf) {  // on the forced chain or gone
+      if (t.tokens[(size_t)i - 1] == f[d - 1] && p == d - 1) at[(size_t)i] = d;
+      continue;
+    }
+    g.tokens.push_back(t.tokens[(size_t)i - 1]);
+    g.depth.push_back(d);
+    g.parent.push_back(p);
+    g.logp.push_back(t.logp[(size_t)i - 1]);
+    at[(size_t)i] = g.size();
+  }
+  return g;
 }
 
 void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe) {
@@ -235,9 +269,13 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   const int cap = std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1});
   TreeParams tp = p_.tree;
   tp.budget = cap;
+  // Under a constraint that prunes, draft more than fits and keep the best `cap` the constraint allows:
+  // forbidden branches make room for allowed ones instead of leaving the verify short.
+  Proposer* whole = p_.mode == DecodeMode::DDTree ? first(Proposer::Tree) : nullptr;
+  const bool overdraft = constraint_ && prune_ && !whole;
+  if (overdraft) tp.budget = std::min({cap * kOverdraft, room - 1, ctx_.params().n_batch - 1});
   auto t0 = Clock::now();
   DraftTree t;
-  Proposer* whole = p_.mode == DecodeMode::DDTree ? first(Proposer::Tree) : nullptr;
   if (whole) {  // a proposer that gives the whole tree (a hook): verified as given
     t = whole->propose_tree(request(s, V), tp, 0);
     rec.draft_s = since(t0);
@@ -246,7 +284,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
       tokens_.resize(1), parent_.resize(1), depth_.resize(1);
       return;
     }
-    if (tp.topk <= 0) tp.topk = p_.tree.budget;  // K from the requested budget, not the room left
+    if (tp.topk <= 0) tp.topk = overdraft ? tp.budget : p_.tree.budget;  // K from the budget, not the room left
     const int K = ddtree_k(tp, n_vocab);
     // Expanding branches, or a ranking proposer whose children depend on their parent (the first that ranks,
     // in order of preference): the proposer builds the tree itself; else one ranking, then the builder.
@@ -264,6 +302,12 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     rec.draft_s = since(t0);
     t0 = Clock::now();
     if (!expander) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
+  }
+  if (constraint_ && !whole) {
+    std::vector<int32_t> f((size_t)std::max(V - 1, 0));
+    const int nf = V > 1 ? constraint_->forced(f.data(), V - 1) : 0;
+    if (nf > 0) t = graft_forced(t, f.data(), nf);
+    constrain_tree(t, cap, rec);
   }
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
@@ -283,6 +327,43 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     depth_[i] = t.depth[i - 1];
   }
   if (!whole) rec.tree_s = since(t0);
+}
+
+void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
+  const int N = t.size() + 1;
+  const size_t words = (size_t)mask_words(ctx_.model().cfg.n_vocab);
+  auto t0 = Clock::now();
+  std::vector<int32_t> tok((size_t)N), par((size_t)N);
+  tok[0] = pending_, par[0] = -1;
+  for (int i = 1; i < N; ++i) tok[(size_t)i] = t.tokens[(size_t)i - 1], par[(size_t)i] = t.parent[(size_t)i - 1];
+  masks_.assign((size_t)N * words, 0u);
+  constraint_->masks(N, tok.data(), par.data(), masks_.data());
+  // keep, in builder order (best first, parents first), the nodes whose parent is kept and allows them,
+  // up to cap: a prefix-closed tree whose masks stay row-aligned with its nodes
+  DraftTree kept;
+  std::vector<int32_t> new_index((size_t)N, -1);
+  new_index[0] = 0;
+  int forbidden = 0;
+  for (int i = 1; i < N && kept.size() < cap; ++i) {
+    const int p = par[(size_t)i];
+    if (new_index[(size_t)p] < 0) continue;
+    if (prune_ && !mask_allows(masks_.data() + (size_t)p * words, tok[(size_t)i])) {
+      ++forbidden;
+      continue;
+    }
+    const int m = kept.size() + 1;
+    new_index[(size_t)i] = m;
+    kept.tokens.push_back(tok[(size_t)i]);
+    kept.depth.push_back(t.depth[(size_t)i - 1]);
+    kept.parent.push_back(new_index[(size_t)p]);
+    kept.logp.push_back(t.logp[(size_t)i - 1]);
+    if (m != i) std::copy_n(masks_.data() + (size_t)i * words, words, masks_.data() + (size_t)m * words);
+  }
+  masks_.resize((size_t)(kept.size() + 1) * words);
+  t = std::move(kept);
+  rec.pruned = forbidden;
+  rec.mask_s = since(t0);
+  masks_ready_ = true;
 }
 
 void Generator::constrain_step(StepRecord& rec) {
@@ -350,10 +431,21 @@ int Generator::step(std::vector<int32_t>& out) {
     draft_chain(s, V, rec);
   } else {
     tokens_.resize(1), parent_.resize(1), depth_.resize(1);  // an AR step: the root alone
+    if (p_.mode == DecodeMode::Auto && constraint_ && V >= 2 && room >= 2) {
+      // what the constraint forces costs no draft and cannot miss: verify it with the root
+      std::vector<int32_t> f((size_t)V - 1);
+      const int nf = constraint_->forced(f.data(), V - 1);
+      for (int i = 0; i < nf; ++i) {
+        tokens_.push_back(f[(size_t)i]);
+        parent_.push_back(i);
+        depth_.push_back(i + 1);
+      }
+    }
   }
   for (size_t i = 1; i < tokens_.size(); ++i)
     if (tokens_[i] < 0 || tokens_[i] >= c.n_vocab) fail("draft token %d outside the vocabulary", tokens_[i]);
-  if (constraint_) constrain_step(rec);
+  if (constraint_ && !masks_ready_) constrain_step(rec);
+  masks_ready_ = false;
   const int N = (int)tokens_.size();
   rec.drafted = N - 1;
   rec.tree_depth = N > 1 ? *std::max_element(depth_.begin(), depth_.end()) : 0;
@@ -451,7 +543,7 @@ int Generator::step(std::vector<int32_t>& out) {
     if (N == 1) auto_.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
       std::vector<uint8_t> on_path((size_t)rec.auto_budget, 0);
-      for (int i = 1; i <= a; ++i) on_path[(size_t)(constraint_ ? kept_[(size_t)path[i]] : path[i]) - 1] = 1;
+      for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
       auto_.observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget, on_path);
     }
   }

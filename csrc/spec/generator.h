@@ -132,6 +132,10 @@ class Generator {
   // The constraint's masks for the step's nodes; drops the nodes it forbids (and their subtrees) from
   // tokens_ / parent_ / depth_ when pruning; kept_[i] = node i's index before (auto mode's observation).
   void constrain_step(StepRecord& rec);
+  // The same for a drafted tree before auto mode prices it: masks, the forbidden nodes dropped, the rest cut to
+  // `cap` nodes in builder order (a tree drafted kOverdraft times larger keeps `cap` allowed nodes).
+  void constrain_tree(DraftTree& t, int cap, StepRecord& rec);
+  static constexpr int kOverdraft = 3;
   bool capturing() const { return features_ && p_.mode != DecodeMode::AR; }
 
   Context& ctx_;
@@ -146,6 +150,7 @@ class Generator {
   bool prune_ = true;
   std::vector<uint32_t> masks_;  // [node][mask_words]
   std::vector<int32_t> kept_;
+  bool masks_ready_ = false;  // constrain_tree ran for this step's tree
   GenParams p_;
   int block_ = 1;
   GenStats stats_;

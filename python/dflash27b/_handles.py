@@ -264,7 +264,7 @@ class Context:
         the decided tokens.  None removes it.  A callback's exception is kept in c.error."""
         ffi, lib = self._ffi, self._lib
         if c is None:
-            check(lib.dfl_context_set_constraint(self.handle, ffi.NULL, ffi.NULL, ffi.NULL, 0))
+            check(lib.dfl_context_set_constraint(self.handle, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 0))
             self._constraint_cbs = None
             return
         words = c.words
@@ -288,8 +288,19 @@ class Context:
                 c.error = e
                 return 1
 
-        cbs = (ffi.callback("dfl_constraint_masks_fn", masks), ffi.callback("dfl_constraint_commit_fn", commit))
-        check(lib.dfl_context_set_constraint(self.handle, cbs[0], cbs[1], ffi.NULL, 1 if prune else 0))
+        def forced(user, cap, out):
+            try:
+                f = c.forced(cap)
+                for i, t in enumerate(f):
+                    out[i] = t
+                return len(f)
+            except BaseException as e:  # noqa: BLE001
+                c.error = e
+                return -1
+
+        cbs = (ffi.callback("dfl_constraint_masks_fn", masks), ffi.callback("dfl_constraint_commit_fn", commit),
+               ffi.callback("dfl_constraint_forced_fn", forced))
+        check(lib.dfl_context_set_constraint(self.handle, cbs[0], cbs[1], cbs[2], ffi.NULL, 1 if prune else 0))
         self._constraint_cbs = cbs
 
     def set_prefill_progress(self, fn) -> None:

@@ -125,17 +125,21 @@ def run_plan(modes: list[str], budgets: list[int], has_draft: bool) -> list[tupl
 def run_bench(dec, prompts: list[Prompt], plan: list[tuple[str, str, int]], n_new: int, *,
               temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
               progress: Callable[[str, int], None] | None = None,
-              tamper: Callable[[str, int, list[int]], list[int]] | None = None) -> list[RunResult]:
+              tamper: Callable[[str, int, list[int]], list[int]] | None = None,
+              constraint: dict | None = None) -> list[RunResult]:
     """Decode every prompt with every run.  `tamper(run, prompt_index, tokens)` lets a test corrupt a
-    run's output to prove the equality check catches it."""
+    run's output to prove the equality check catches it.  constraint: json_schema / grammar settings for every
+    run (then replies end at their end of generation: the constraint's end)."""
+    con = dict(constraint or {})
+    ignore_eos = not con
     ids = prompt_ids(dec, prompts)
     too_long = [p.name for p, t in zip(prompts, ids) if len(t) + n_new > dec.n_ctx]
     if too_long:
         raise DFlashError(f"{len(too_long)} prompt(s) do not fit prompt + {n_new} new tokens in the context "
                           f"{dec.n_ctx} (first: {too_long[0]}); raise -c/--ctx or lower -n")
     for _, mode, budget in plan:  # warm-up: page weights in, size every scratch buffer
-        dec.generate(ids[0][:16], 8, ignore_eos=True, mode=mode, budget=budget or 22, block_size=block_size,
-                     temperature=temperature, seed=seed)
+        dec.generate(ids[0][:16], 8, ignore_eos=ignore_eos, mode=mode, budget=budget or 22, block_size=block_size,
+                     temperature=temperature, seed=seed, **con)
     ar_tokens: list[list[int]] = []
     results = []
     for name, mode, budget in plan:
@@ -143,8 +147,8 @@ def run_bench(dec, prompts: list[Prompt], plan: list[tuple[str, str, int]], n_ne
         split = {"draft": 0.0, "tree": 0.0, "verify": 0.0, "commit": 0.0}
         prefill = []
         for i, (p, t) in enumerate(zip(prompts, ids)):
-            g = dec.generate(t, n_new, ignore_eos=True, mode=mode, budget=budget or 22, block_size=block_size,
-                             temperature=temperature, seed=seed)
+            g = dec.generate(t, n_new, ignore_eos=ignore_eos, mode=mode, budget=budget or 22, block_size=block_size,
+                             temperature=temperature, seed=seed, **con)
             s = g.stats
             toks = tamper(name, i, list(g.tokens)) if tamper else list(g.tokens)
             r.block_size = s.block_size

@@ -527,8 +527,12 @@ def _int_list(s: str, opt: str) -> list[int]:
               help="where results.json, results.md and the plots go")
 @click.option("--peer/--no-peer", default=True, show_default=True,
               help="add llama.cpp's AR decode (llama-cpp-python) when installed")
+@click.option("--json-schema", "json_schema", default=None, metavar="TEXT|FILE",
+              help="every run under this JSON schema (replies end at their end of generation; each run == "
+                   "constrained AR)")
+@click.option("--grammar", default=None, metavar="TEXT|FILE", help="every run under this GBNF grammar")
 def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets, block_size, temperature, seed,
-              ctx, kv_type, device, threads, draft_type, state_type, out_dir, peer):
+              ctx, kv_type, device, threads, draft_type, state_type, out_dir, peer, json_schema, grammar):
     """AR vs chain vs DDTree on a prompt set: tok/s, accept length, step split, plots."""
     from pathlib import Path
 
@@ -537,6 +541,9 @@ def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets,
     from . import bench as B
     con = Console(stderr=True)
     try:
+        constraint = params_from_cli({"json_schema": json_schema, "grammar": grammar})
+        constraint = {k: v for k, v in (("json_schema", constraint.json_schema), ("grammar", constraint.grammar))
+                      if v is not None}
         prompts = B.load_prompts(dataset, n_prompts)
         if target is None and bundled_pair() is None:
             _fail("no target model given: pass -m/--target")
@@ -552,13 +559,13 @@ def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets,
                           console=con, transient=True, disable=not sys.stderr.isatty()) as prog:
                 task = prog.add_task("warm-up", total=total)
                 results = B.run_bench(dec, prompts, plan, max_new_tokens, temperature=temperature, seed=seed,
-                                      block_size=block_size,
+                                      block_size=block_size, constraint=constraint,
                                       progress=lambda name, i: prog.update(task, advance=1, description=name))
             peer_row = B.peer_llama_cpp(dec.target, B.prompt_ids(dec, prompts), max_new_tokens, dec.threads) if peer else None
             cfg = {"target": dec.target, "draft": dec.draft, "dataset": dataset, "n_prompts": len(prompts),
                    "prompt_names": [p.name for p in prompts], "n_new": max_new_tokens, "temperature": temperature,
                    "seed": seed, "device": dec.device, "threads": dec.threads, "kv_type": kv_type, "ctx": ctx,
-                   "machine": B.machine(), "version": _version_line()}
+                   "machine": B.machine(), "version": _version_line(), "constraint": constraint or None}
         doc = B.write_outputs(Path(out_dir), cfg, results, peer_row)
     except DFlashError as e:
         _fail(str(e))

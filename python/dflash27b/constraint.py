@@ -186,6 +186,10 @@ class TokenConstraint:
             if not self.matcher.consume_token(int(t)):
                 raise ConstraintError(f"the decided token {int(t)} breaks the constraint ({self.matcher.get_error()})")
 
+    def forced(self, cap: int) -> list[int]:
+        """The tokens the grammar forces next (each the only one allowed there), at most cap."""
+        return [int(t) for t in self.matcher.compute_ff_tokens()[:cap]]
+
     def done(self) -> bool:
         """The reply is complete under the grammar (only an end of generation may follow)."""
         return self.matcher.is_stopped() or self.matcher.is_accepting()
