@@ -414,3 +414,34 @@ def test_openai_logprobs_equal_the_target_log_softmax(daemon, local, mode):
         assert np.abs(got - cref[np.arange(10), cgen]).max() < 2e-3, stream
         assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
         assert all(e.bytes == list(e.token.encode()) for e in content)
+
+
+def test_reasoning_content_and_chat_template_kwargs(daemon, local):
+    """A thinking template's <think> block comes back as reasoning_content, the rest as content, whole and
+    streamed (the deltas assemble to the same split); chat_template_kwargs reach the template
+    (enable_thinking: false writes the empty block into the prompt); a constraint shapes the whole reply."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("llguidance")
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon['port']}/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    shaped = {"grammar": 'root ::= "<think>\\nadding two and two\\n</think>\\n\\n" [0-9]'}
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0, extra_body=shaped)
+    m = r.choices[0].message
+    assert m.reasoning_content == "adding two and two" and m.content.isdigit() and len(m.content) == 1
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0, stream=True,
+                                            extra_body=shaped))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == m.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == m.content
+    # enable_thinking false: the template closes an empty block in the prompt (more prompt tokens); no reasoning
+    on = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    off = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens
+    assert not getattr(off.choices[0].message, "reasoning_content", None)
+    want = local.generate(local.chat_prompt(msgs, enable_thinking=False), 4, cache=False).text
+    assert off.choices[0].message.content == want
+    for bad in ({"messages": 1}, "x", {"a b": 1}):
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+            c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4,
+                                      extra_body={"chat_template_kwargs": bad})

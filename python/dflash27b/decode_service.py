@@ -16,7 +16,7 @@ from typing import Callable
 from ._lib import DFlashError
 from .decoder import Decoder
 
-from .serve_protocol import (BAD_REQUEST, CANCEL_REASONS, CLIENT_GONE, INTERNAL, PromptTokenizer, PromptTooLong, RequestError, SHUTDOWN, StopMatcher, TIMEOUT, chat_text, event_error, too_long)
+from .serve_protocol import (THINK_OPEN, BAD_REQUEST, CANCEL_REASONS, CLIENT_GONE, INTERNAL, PromptTokenizer, PromptTooLong, RequestError, SHUTDOWN, StopMatcher, TIMEOUT, chat_text, event_error, too_long)
 
 # -- jobs ----------------------------------------------------------------------------------------------------
 
@@ -118,7 +118,11 @@ class DecodeService:
             if bad is not None:
                 raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
             return p
-        text = chat_text(self.decoder, params["messages"]) if "messages" in params else params["prompt"]
+        if "messages" in params:
+            text = chat_text(self.decoder, params["messages"], params.get("chat_template_kwargs"))
+            p["think_open"] = text.rstrip().endswith(THINK_OPEN)   # the template opened the reply's thinking
+        else:
+            text = params["prompt"]
         try:
             p["prompt_ids"] = self.prompts.encode(text, limit=n_ctx - 1)
         except PromptTooLong as e:

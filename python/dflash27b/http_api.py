@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from ._lib import DFlashError
 from .decode_service import Job
 from .params import GenParams
-from .serve_protocol import (BAD_REQUEST, CHAT_ROLES, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, RequestError,
-                             parse_generate, parse_off_loop)
+from .serve_protocol import (BAD_REQUEST, CHAT_ROLES, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, ReasoningSplit,
+                             RequestError, parse_generate, parse_off_loop, template_thinks)
 
 try:
     import uvicorn
@@ -47,7 +47,7 @@ _EXTRA = tuple(n for n in (*GenParams.names(), *GenParams.aliases()) if n not in
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.
 _HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
              "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-             "return_tokens_as_token_ids", "response_format"} | set(_EXTRA)
+             "return_tokens_as_token_ids", "response_format", "chat_template_kwargs"} | set(_EXTRA)
 # no-ops, with the type OpenAI gives them (a wrong type is still a 400)
 _NO_OP = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "true or false"),
           "service_tier": (str, "a string"), "parallel_tool_calls": (bool, "true or false")}
@@ -114,6 +114,8 @@ def _check_fields(body: dict, chat: bool) -> None:
                 raise _fail(f"'{k}' is not supported: {_WHY[k]}")
         elif k not in _HONOURED:
             raise _fail(f"unknown request field '{k}'")
+    if not chat and "chat_template_kwargs" in body:
+        raise _fail("'chat_template_kwargs' belongs to /v1/chat/completions")
     if ("messages" if not chat else "prompt") in body:
         raise _fail(f"'{'messages' if not chat else 'prompt'}' belongs to /v1/"
                     f"{'chat/completions' if not chat else 'completions'}")
@@ -250,7 +252,7 @@ def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
             req["max_new_tokens"], names["max_new_tokens"] = body[k], k
     # OpenAI's default temperature is 1.0 (sampling); pass temperature=0 for greedy, exact decoding
     req["temperature"] = body.get("temperature", 1.0)
-    for k in ("top_p", "seed", "stop", *_EXTRA):
+    for k in ("top_p", "seed", "stop", "chat_template_kwargs", *_EXTRA):
         if k in body:
             req[k] = body[k]
     if "response_format" in body:
@@ -329,8 +331,11 @@ def _ours(stats: dict) -> dict:
 class Reply:
     """The OpenAI objects of one reply (JSON body, or SSE chunks)."""
 
-    def __init__(self, shape: Shape, model: str, tokenizer):
+    def __init__(self, shape: Shape, model: str, tokenizer, think_open: bool = False):
         self.shape = shape
+        # a chat reply of a thinking template: its <think> block goes to reasoning_content
+        self.split = ReasoningSplit(think_open) if shape.chat and template_thinks(tokenizer.chat_template) else None
+        self.think_open = think_open
         self.id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created, self.model = int(time.time()), model
         self.kind = "chat.completion" if shape.chat else "text_completion"
@@ -341,9 +346,10 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False, lps=None,
-              extra: dict | None = None) -> bytes:
+              extra: dict | None = None, reasoning: str | None = None) -> bytes:
         if self.shape.chat:
-            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+            delta = ({"role": "assistant"} if first else {}) | \
+                ({"reasoning_content": reasoning} if reasoning else {}) | ({"content": text} if text is not None else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(lps)}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self.logprobs(lps)}
@@ -355,8 +361,12 @@ class Reply:
     def body(self, done: dict) -> dict:
         fin, lps = _finish(done["stats"]["stop_reason"]), self.logprobs(done.get("logprobs"))
         if self.shape.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]}, "finish_reason": fin,
-                      "logprobs": lps}
+            msg = {"role": "assistant", "content": done["text"]}
+            if self.split is not None:
+                reasoning, msg["content"] = ReasoningSplit.split(done["text"], self.think_open)
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": msg, "finish_reason": fin, "logprobs": lps}
         else:
             choice = {"index": 0, "text": done["text"], "finish_reason": fin, "logprobs": lps}
         return {**self._head(False), "choices": [choice], "usage": _usage(done["stats"]),
@@ -419,9 +429,18 @@ class EventStream:
             yield r.chunk(None, first=True)
         while (ev := await self.job.events.get()) is not None:
             if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
-                yield r.chunk(ev["text"], lps=ev.get("logprobs"))
+                if r.split is None:
+                    yield r.chunk(ev["text"], lps=ev.get("logprobs"))
+                else:
+                    reasoning, content = r.split.push(ev["text"])
+                    if reasoning or content or ev.get("logprobs"):
+                        yield r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning)
             elif ev["event"] == "done":
                 stats = ev["stats"]
+                if r.split is not None:
+                    reasoning, content = r.split.flush()
+                    if reasoning or content:
+                        yield r.chunk(content or None, reasoning=reasoning)
                 yield r.chunk(None if r.shape.chat else "", _finish(stats["stop_reason"]),
                               extra={"dflash27b": _ours(stats)})
                 if r.shape.include_usage:
@@ -474,7 +493,8 @@ class OpenAIFront:
             job, _ = await self.daemon.admit(params)
         except RequestError as e:
             return _request_error(e)
-        reply = Reply(shape, self.daemon.model_name, self.decoder.tokenizer)
+        reply = Reply(shape, self.daemon.model_name, self.decoder.tokenizer,
+                      think_open=bool(job.params.get("think_open")))
         if shape.stream:
             return EventStream(job, reply, self.daemon)
         return await self._result(job, reply, request)

@@ -148,6 +148,11 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_prompt": (lambda v: isinstance(v, bool), "must be true or false"),
     # seconds from arrival to the end of the request, queue wait included (capped by --request-timeout)
     "timeout": (lambda v: _is_num(v) and 0 < v <= 1e6, "must be a number of seconds in (0, 1e6]"),
+    # variables for the chat template (vLLM's / llama-server's name), e.g. {"enable_thinking": false}
+    "chat_template_kwargs": (lambda v: isinstance(v, dict) and len(v) <= 32 and all(
+        isinstance(k, str) and k.isidentifier() and k not in ("messages", "add_generation_prompt")
+        and (v[k] is None or isinstance(v[k], (bool, str, int, float))) for k in v),
+        "must be an object of up to 32 template variables (names -> true/false, numbers, strings or null)"),
 }
 
 
@@ -249,15 +254,16 @@ def too_long(count: str, n_ctx: int) -> RequestError:
                         "(leave room for at least one new token)")
 
 
-def chat_text(decoder: Decoder, messages: list[dict]) -> str:
-    """Messages rendered with the GGUF's template; `developer` (OpenAI's newer name for the system role) is
-    passed as `system` to templates that do not know it."""
+def chat_text(decoder: Decoder, messages: list[dict], template_kwargs: dict | None = None) -> str:
+    """Messages rendered with the GGUF's template (template_kwargs: its variables, e.g. enable_thinking);
+    `developer` (OpenAI's newer name for the system role) is passed as `system` to templates that do not know
+    it."""
     import jinja2
     template = decoder.tokenizer.chat_template or ""
     if "developer" not in template:
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     try:
-        return decoder.chat_prompt(messages)
+        return decoder.chat_prompt(messages, **(template_kwargs or {}))
     except jinja2.TemplateError as e:
         raise RequestError(f"the chat template refused the messages: {e.message or 'template error'}") from None
 
@@ -299,3 +305,87 @@ async def parse_off_loop(data: bytes | str) -> Any:
 
 def event_error(message: str, code: str = BAD_REQUEST) -> dict:
     return {"event": "error", "message": message, "code": code}
+
+
+# -- thinking: a reply's <think> ... </think> block as reasoning_content ----------------------------------------
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def template_thinks(template: str | None) -> bool:
+    """A chat template that knows thinking blocks (Qwen3.5's): its replies' reasoning is split out."""
+    return bool(template) and (THINK_OPEN in template or "enable_thinking" in template)
+
+
+class ReasoningSplit:
+    """Splits a chat reply into reasoning (inside a leading <think> ... </think> block) and content (the rest),
+    as llama-server and vLLM return them; incremental (push text pieces as they decode, then flush).
+    opened: the prompt already opened the block (a template that ends its generation prompt with <think>)."""
+
+    def __init__(self, opened: bool = False):
+        self.state = "reasoning" if opened else "start"
+        self.buf = ""
+        self.lead = True   # strip the newline the template writes after <think>
+
+    @staticmethod
+    def _partial(buf: str, tag: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of tag (held back: it may become tag)."""
+        for n in range(min(len(tag) - 1, len(buf)), 0, -1):
+            if tag.startswith(buf[-n:]):
+                return n
+        return 0
+
+    def push(self, text: str) -> tuple[str, str]:
+        """Returns the (reasoning, content) text that is final so far."""
+        self.buf += text
+        r = c = ""
+        while True:
+            if self.state == "start":
+                s = self.buf.lstrip()
+                if not s or (THINK_OPEN.startswith(s) and s != THINK_OPEN):
+                    return r, c   # nothing yet, or maybe the start of the tag
+                if s.startswith(THINK_OPEN):
+                    self.buf, self.state = s[len(THINK_OPEN):], "reasoning"
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                if self.lead:
+                    if not self.buf:
+                        return r, c
+                    self.buf, self.lead = self.buf.lstrip("\n"), False
+                i = self.buf.find(THINK_CLOSE)
+                if i >= 0:
+                    r += self.buf[:i].rstrip("\n")
+                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):], "after"
+                    continue
+                keep = self._partial(self.buf, THINK_CLOSE)
+                cut = len(self.buf) - keep
+                # a newline right before </think> is the template's: hold trailing newlines back too
+                while cut > 0 and self.buf[cut - 1] == "\n":
+                    cut -= 1
+                r, self.buf = r + self.buf[:cut], self.buf[cut:]
+                return r, c
+            elif self.state == "after":
+                s = self.buf.lstrip("\n")
+                if not s:
+                    return r, c
+                self.buf, self.state = s, "content"
+            else:
+                c, self.buf = c + self.buf, ""
+                return r, c
+
+    def flush(self) -> tuple[str, str]:
+        """The rest at the end of the reply (an unclosed block stays reasoning)."""
+        rest, self.buf = self.buf, ""
+        if self.state == "reasoning":
+            return rest.rstrip("\n"), ""
+        if self.state == "start":
+            return "", rest
+        return "", rest.lstrip("\n") if self.state == "after" else rest
+
+    @classmethod
+    def split(cls, text: str, opened: bool = False) -> tuple[str, str]:
+        s = cls(opened)
+        r1, c1 = s.push(text)
+        r2, c2 = s.flush()
+        return r1 + r2, c1 + c2
