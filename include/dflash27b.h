@@ -276,6 +276,10 @@ int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_draft
  * state, same device and KV type), rolled back to the accepted path from per-position snapshots.  The
  * vocabulary size is checked here; m == NULL detaches. */
 int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m);
+/* Prompt lookup as the drafter: each step drafts what followed the context's last n-gram (ngram_max down to
+ * ngram_min tokens) where it occurred before, as a chain or a tree of the continuations (no weights, no
+ * forward); block = draft tokens per step incl. the root when a request sets none.  block <= 0 detaches. */
+int dfl_context_attach_lookup(dfl_context* c, int32_t ngram_min, int32_t ngram_max, int32_t block);
 /* Bytes held by the attached drafter's ring and KV cache, or the draft model's context (0 when none). */
 int64_t dfl_context_draft_state_bytes(const dfl_context* c);
 

@@ -122,6 +122,19 @@ int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m) {
   });
 }
 
+int dfl_context_attach_lookup(dfl_context* c, int32_t ngram_min, int32_t ngram_max, int32_t block) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    c->lookup.reset();
+    c->refresh_proposers();
+    if (block <= 0) return;
+    dfl::LookupParams p;
+    p.ngram_min = ngram_min, p.ngram_max = ngram_max, p.block = block;
+    c->lookup = std::make_unique<dfl::LookupProposer>(p);
+    c->refresh_proposers();
+  });
+}
+
 int64_t dfl_context_draft_state_bytes(const dfl_context* c) {
   if (!c) return -1;
   if (c->draft_model) return (int64_t)c->draft_model->state_bytes();

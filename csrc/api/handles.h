@@ -12,6 +12,7 @@
 #include "spec/draft_model.h"
 #include "spec/generator.h"
 #include "spec/hook_proposers.h"
+#include "spec/lookup_proposer.h"
 
 struct dfl_model {
   std::unique_ptr<dfl::Model> m;
@@ -27,6 +28,7 @@ struct dfl_context {
   std::unique_ptr<dfl::Drafter> drafter;  // attached drafter runtime (on ctx's threads)
   std::unique_ptr<dfl::DFlashProposer> dflash;           // ... as the generator sees it
   std::unique_ptr<dfl::DraftModelProposer> draft_model;  // or an attached draft model (its own context)
+  std::unique_ptr<dfl::LookupProposer> lookup;            // prompt lookup (no weights)
   // the C API's hooks (tests, oracles): they draft before any attached drafter
   std::unique_ptr<dfl::Proposer> chain_hook, tree_hook, topk_hook;
   std::unique_ptr<dfl::Constraint> constraint;  // structured output (dfl_context_set_constraint)
@@ -34,7 +36,8 @@ struct dfl_context {
 
   // Hands the generator every attached proposer, most preferred first.
   void refresh_proposers() {
-    gen->set_proposers({chain_hook.get(), tree_hook.get(), topk_hook.get(), draft_model.get(), dflash.get()});
+    gen->set_proposers(
+        {chain_hook.get(), tree_hook.get(), topk_hook.get(), draft_model.get(), dflash.get(), lookup.get()});
   }
 };
 

@@ -259,6 +259,10 @@ class Context:
     def has_topk_hook(self) -> bool:
         return getattr(self, "_topk_hook", None) is not None
 
+    def attach_lookup(self, ngram_min: int = 2, ngram_max: int = 4, block: int = 8) -> None:
+        """Prompt lookup as the drafter (block <= 0 detaches)."""
+        check(self._lib.dfl_context_attach_lookup(self.handle, ngram_min, ngram_max, block))
+
     def set_constraint(self, c, prune: bool = True) -> None:
         """Structured output (constraint.TokenConstraint): the core asks it for each step's masks and tells it
         the decided tokens.  None removes it.  A callback's exception is kept in c.error."""

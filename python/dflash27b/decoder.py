@@ -28,6 +28,10 @@ _MODE_IDS = {"ar": 0, "chain": 1, "ddtree": 2, "auto": 3}
 BUNDLED_DIR = Path(__file__).resolve().parent / "models"
 
 
+LOOKUP = "lookup"    # draft= / -md: prompt lookup instead of a drafter file
+LOOKUP_BLOCK = 9     # its draft tokens a step, the root included
+
+
 def bundled_pair() -> tuple[Path, Path] | None:
     """(target GGUF, drafter dir) of the tiny pair shipped inside the package, if this install has it."""
     # the DFlash2 drafter (tiny-draft2) accepts more than the DFlash one (tiny-draft, kept for v1 users and
@@ -149,7 +153,9 @@ class Decoder:
             target, draft = pair[0], pair[1] if draft is None else draft
         from .model_paths import resolve_draft, resolve_target
         self.target = str(resolve_target(target))
-        if draft is not None:
+        # draft="lookup": prompt lookup drafts (no weights): what followed the same words earlier in the context
+        self._lookup = draft is not None and str(draft) == LOOKUP
+        if draft is not None and not self._lookup:
             draft = resolve_draft(draft)
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
@@ -159,7 +165,9 @@ class Decoder:
         self._draft_model = None  # a plain qwen35 GGUF drafting for the target (classic draft-model speculation)
         self.draft = None if draft is None else str(draft)
         try:
-            if draft is not None and Path(self.draft).is_file():
+            if self._lookup:
+                pass
+            elif draft is not None and Path(self.draft).is_file():
                 self._draft_model = _handles.Model(self.draft)
                 _check_same_vocab(self.target, self.draft)
             elif draft is not None:
@@ -184,6 +192,8 @@ class Decoder:
                 self._ctx.attach_draft(self._draft, feature_ring)
             if self._draft_model is not None:
                 self._ctx.attach_draft_model(self._draft_model)
+            if self._lookup:
+                self._ctx.attach_lookup(block=LOOKUP_BLOCK)
         except DFlashError:
             self.close()
             raise
@@ -214,7 +224,10 @@ class Decoder:
     @property
     def default_mode(self) -> str:
         """auto with a drafter (each step AR or the DDTree budget that pays most), else ar."""
-        return "auto" if self._draft is not None or self._draft_model is not None else "ar"
+        return "auto" if self._has_drafter() else "ar"
+
+    def _has_drafter(self) -> bool:
+        return self._draft is not None or self._draft_model is not None or getattr(self, "_lookup", False)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -250,12 +263,14 @@ class Decoder:
         if mode == "ar":
             return mode, 1
         oracle = self._ctx.has_topk_hook and mode in ("ddtree", "auto")  # tests: a hook drafts instead
-        if self._draft is None and self._draft_model is None and not oracle:
+        if not self._has_drafter() and not oracle:
             raise DFlashError(f"mode {mode!r} needs a drafter: pass draft=PATH (CLI: -md/--draft)")
         if block_size is not None:
             bs = int(block_size)
         elif self._draft is not None:
             bs = self._draft.info["block_size"]
+        elif self._lookup:
+            bs = LOOKUP_BLOCK
         else:
             bs = 9 if self._draft_model is not None else 16  # a draft model: 8 draft tokens a step
         if bs < 1:

@@ -1,0 +1,46 @@
+// lookup_proposer.h — prompt lookup: drafts what followed the same words earlier in the context.
+//
+// The context (prompt and reply so far, then the root) ends in an n-gram; every earlier place where the
+// longest such n-gram (ngram_max down to ngram_min tokens) occurs proposes the tokens that followed it
+// there.  The continuations of the most recent matches form a trie; a node's probability is the share of
+// matches that agree with its path, so the tree is best-first by that share (a child never more probable
+// than its parent) and the chain is the most shared path.  No weights, no forward: a step without a match
+// drafts nothing and costs a scan.  What llama.cpp's ngram speculation and vLLM's prompt lookup do; code
+// edits and tool-call turns that repeat the context are where it earns.
+#pragma once
+#include <vector>
+
+#include "spec/proposer.h"
+
+namespace dfl {
+
+struct LookupParams {
+  int ngram_min = 2, ngram_max = 4;  // n-gram lengths tried, longest first
+  int max_matches = 8;               // the most recent matches that vote
+  int block = 8;                     // draft tokens per step incl. the root when the request sets none
+};
+
+class LookupProposer final : public Proposer {
+ public:
+  explicit LookupProposer(LookupParams p = {});
+  const char* name() const override { return "lookup"; }
+  unsigned capabilities() const override { return Rank | Chain | OwnTree; }
+  int default_block() const override { return p_.block; }
+  void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override;
+  void propose_chain(const DraftRequest& r, int32_t* tokens) override;
+  DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K) override;
+  const LookupParams& params() const { return p_; }
+
+ private:
+  struct Node {
+    int32_t token;
+    int parent, depth, count;
+  };
+  // The trie of continuations (node 0 = the root) for the request; total = matches that voted (0 = none).
+  void build(const DraftRequest& r);
+  LookupParams p_;
+  std::vector<Node> trie_;
+  int total_ = 0;
+};
+
+}  // namespace dfl
