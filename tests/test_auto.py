@@ -169,3 +169,15 @@ def test_auto_stats_through_the_cli(tmp_path, tiny_f32_gguf):
     assert all(not math.isnan(x) for x in s["est_ar_tok_s"])
     r = subprocess.run(base + ["--compare"], capture_output=True, text=True)
     assert r.returncode == 0 and "[auto cpu]" in r.stderr and "auto: " in r.stderr and "same tokens: True" in r.stderr
+
+
+def test_the_first_probe_is_priced_at_load():
+    """A drafter that costs many AR steps (the bundled DFlash2 one on a CPU: its block forward and selector
+    against a tiny target's step) is measured at load, so a short request's auto decode runs no probe and
+    keeps AR's speed; without the warm-up the second step was always a probe."""
+    with Decoder(device="cpu", threads=2) as d:
+        s = d.generate("def f(x):\n", 64, ignore_eos=True, mode="auto").stats
+        assert not any(s.probe) and set(s.auto_budget) == {0}, (s.probe, s.auto_budget)
+    with Decoder(device="cpu", threads=2, warm_up=False) as d:
+        s = d.generate("def f(x):\n", 64, ignore_eos=True, mode="auto").stats
+        assert s.probe[1] and s.auto_budget[0] == 0

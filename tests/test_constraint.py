@@ -176,3 +176,23 @@ def test_cli_takes_a_schema_file_or_a_grammar_and_refuses_bad_ones(dec, tmp_path
     assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stdout + r.stderr
     r = run("x", "-n", "4", "--json-schema", "{bad")
     assert r.returncode != 0 and "json_schema is not valid JSON" in r.stderr
+
+
+def test_a_schema_applies_after_a_thinking_block_the_prompt_opened(dec):
+    """Qwen3.5's generation prompt opens <think>: the schema shapes the answer after </think>, not the thinking
+    (free text, which may hold '<' and '</thin'), and the reply cannot end before its answer; every mode still
+    gives the constrained AR reply."""
+    from dflash27b.constraint import TokenConstraint, compile_grammar
+    schema = SCHEMAS["flat"]
+    tok = dec.tokenizer
+    g = compile_grammar(json_schema=schema, after_think=True)
+    for text, complete in (('a < b </thin k</think>\n\n{"a": 2, "b": "x"}', True), ('{"a": 2, "b": "x"}', False)):
+        c = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
+        c.commit(tok.encode(text, parse_special=False))
+        eos_allowed = any(int(c._mask()[e >> 5]) >> (e & 31) & 1 for e in tok.eos_ids)
+        assert c.done() == complete and eos_allowed == complete, text
+    prompt = dec.tokenize("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    ar = dec.generate(prompt, 40, mode="ar", json_schema=schema)
+    assert "</think>" in ar.text or ar.stats.stop_reason == "length"
+    for mode, kw in MODES:
+        assert dec.generate(prompt, 40, mode=mode, json_schema=schema, **kw).tokens == ar.tokens

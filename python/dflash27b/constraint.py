@@ -72,10 +72,16 @@ def ll_tokenizer(tok, eos_ids):
         return t
 
 
+def _first_line(msg: str, default: str) -> str:
+    return msg.strip().splitlines()[0] if msg.strip() else default
+
+
 def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: str | None = None,
-                    regex: str | None = None) -> str:
+                    regex: str | None = None, after_think: bool = False) -> str:
     """The llguidance grammar for exactly one of: a JSON schema (dict or JSON text; True / {} / "json_object" =
-    any JSON object), a GBNF grammar, a Lark grammar, a regex.  Cached per input; errors name the problem."""
+    any JSON object), a GBNF grammar, a Lark grammar, a regex.  Cached per input; errors name the problem.
+    after_think: the reply starts inside a thinking block the prompt opened (Qwen3.5's generation prompt ends
+    with <think>): free text up to the first </think>, then the blank line, then the JSON schema's value."""
     given = [k for k, v in (("json_schema", json_schema), ("grammar", grammar), ("lark", lark), ("regex", regex))
              if v is not None]
     if len(given) != 1:
@@ -93,6 +99,8 @@ def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: s
         if not isinstance(schema, dict):
             raise ConstraintError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
         text = json.dumps(schema, sort_keys=True)
+        if after_think:
+            kind = "json_schema after thinking"
     else:
         text = locals()[kind]
         if not isinstance(text, str) or not text.strip():
@@ -106,6 +114,10 @@ def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: s
     try:
         if kind == "json_schema":
             g = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
+        elif kind == "json_schema after thinking":
+            laid_out = {**json.loads(text), "x-guidance": JSON_LAYOUT}
+            g = llg.grammar_from("lark", "%llguidance {}\nstart: think \"\\n\\n\" answer\n"
+                                 "think[suffix=\"</think>\"]: /(?s:.*)/\nanswer: %json " + json.dumps(laid_out))
         elif kind == "grammar":
             g = llg.grammar_from("gbnf", text)
         elif kind == "lark":
@@ -113,11 +125,10 @@ def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: s
         else:
             g = llg.LLMatcher.grammar_from_regex(text)
     except Exception as e:  # noqa: BLE001 - llguidance raises ValueError / RuntimeError with the reason
-        raise ConstraintError(f"{kind}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
-            from None
+        raise ConstraintError(f"{kind.split()[0]}: {_first_line(str(e), type(e).__name__)}") from None
     is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(g)
     if is_error:
-        raise ConstraintError(f"{kind}: {msgs[0].strip().splitlines()[0] if msgs and msgs[0].strip() else 'invalid'}")
+        raise ConstraintError(f"{kind.split()[0]}: {_first_line(msgs[0] if msgs else '', 'invalid')}")
     with _LOCK:
         _GRAMMARS[key] = g
         while len(_GRAMMARS) > 64:
@@ -134,6 +145,7 @@ class TokenConstraint:
         if self.matcher.is_error():
             raise ConstraintError(self.matcher.get_error())
         self.words = (n_vocab + 31) // 32
+        self.eos_ids = sorted(eos_ids)
         self.error: BaseException | None = None
         self.mask_calls = 0
 
@@ -141,7 +153,15 @@ class TokenConstraint:
         m = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
         if m.size < self.words:
             m = np.concatenate([m, np.zeros(self.words - m.size, np.uint32)])
-        return m[: self.words]
+        m = m[: self.words]
+        if not self.matcher.is_accepting() and not self.matcher.is_stopped():
+            # an end of generation only where the grammar is complete (a lazy rule such as the thinking
+            # block's would otherwise let the reply end before its answer)
+            m = m.copy()
+            for e in self.eos_ids:
+                if e >> 5 < m.size:
+                    m[e >> 5] &= ~np.uint32(1 << (e & 31))
+        return m
 
     def masks(self, n: int, tokens, parents, out: np.ndarray) -> None:
         """out [n, words]: node 0's mask is the matcher's now; node i's after consuming its path."""

@@ -118,6 +118,8 @@ class Decoder:
 
     draft_type: None keeps the drafter's weights as stored (BF16 for z-lab's); "q8_0" quantises its matrices
     at load (half the memory; the drafter only proposes, so the output is unchanged, acceptance may move).
+    warm_up: with a drafter, measure at load what auto mode's probes cost (one short speculative decode and one
+    short auto decode), so its first probe is priced like the others.
     cache_mem: bytes for a prefix cache (0 = none): checkpoints of earlier prompts' and replies' states
     (KV rows + delta-net state), so a prompt that starts like an earlier one (a chat's next turn) prefills
     only what is new; the decode equals a cold one token for token (`generate(..., cache=False)` bypasses).
@@ -131,7 +133,7 @@ class Decoder:
                  kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
                  feature_ring: int = 4096, draft_type: str | None = None, state_type: str = "f32",
                  cache_mem: int = 0,
-                 on_memory_plan: Callable[[dict], None] | None = None):
+                 on_memory_plan: Callable[[dict], None] | None = None, warm_up: bool = True):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
         if ctx <= 0:
@@ -204,6 +206,21 @@ class Decoder:
             why = "".join(ch if ch.isprintable() else "?" for ch in str(e))[:300]
             raise DFlashError(f"{self.target}: invalid tokenizer metadata: {why}") from None
         self.n_ctx = ctx
+        self._batch = batch
+        if self._has_drafter() and warm_up:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Measures, at load, what auto mode's first probe would cost: a speculative decode first (buffers,
+        graphs and caches warm, nothing recorded), then a few auto steps (one AR step, one probe) that the
+        controller prices its later probes by.  A drafter that costs many AR steps is then probed only as often
+        as its measured loss allows, so a short request stays at AR's speed; a cheap one is probed at once."""
+        prompt = [int(t) for t in self.tokenize("def f(x):\n")] or [0]
+        budget = min(4, self._batch - 1)
+        if budget < 1 or len(prompt) + 8 >= self.n_ctx:
+            return  # too small a context to measure in
+        self.generate(prompt, 6, mode="ddtree", ignore_eos=True, cache=False, budget=budget)
+        self.generate(prompt, 4, mode="auto", ignore_eos=True, cache=False, budget=budget)
 
     @staticmethod
     def connect(socket_path: str | os.PathLike, timeout: float | None = None):
@@ -317,7 +334,9 @@ class Decoder:
         constraint = None
         if p.json_schema is not None or p.grammar is not None:  # structured output (constraint.py)
             from .constraint import TokenConstraint, compile_grammar
-            g = compile_grammar(json_schema=p.json_schema, grammar=p.grammar)
+            # a JSON schema shapes the answer, not a thinking block the prompt opened (Qwen3.5's <think>)
+            thinking = p.json_schema is not None and self.detokenize(ids[-16:]).rstrip().endswith("<think>")
+            g = compile_grammar(json_schema=p.json_schema, grammar=p.grammar, after_think=thinking)
             constraint = TokenConstraint(self.tokenizer, self.eos_ids, g, self.info["n_vocab"])
         self.last_constraint = constraint
         if progress is not None:
