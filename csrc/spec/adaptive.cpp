@@ -78,7 +78,7 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   return best;
 }
 
-bool AutoController::want_draft(bool* probe, AutoChoice* forecast) {
+bool AutoController::want_draft(bool* probe, AutoChoice* forecast, int remaining) {
   *probe = false;
   const AutoChoice c =
       choose_budget(e_, last_depth_.data(), last_logp_.data(), (int)last_depth_.size(), 0, /*with_draft=*/true);
@@ -92,7 +92,7 @@ bool AutoController::want_draft(bool* probe, AutoChoice* forecast) {
     since_probe_ = 0;
     return true;
   }
-  if (++since_probe_ >= probe_gap_) {
+  if (++since_probe_ >= probe_gap_ && (probe_loss_ < 0 || probe_loss_ <= kRequestShare * e_.ar_s * remaining)) {
     since_probe_ = 0;
     *probe = true;
     return true;
@@ -140,6 +140,7 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
     // Space the next probe so its measured loss is at most kProbeShare of the
     // AR time in between.
     const double loss = std::max(0.0, spent - e_.ar_s * rec.committed);
+    probe_loss_ = loss;
     const double gap = std::ceil(loss / (kProbeShare * e_.ar_s));
     probe_gap_ = (int)std::clamp(gap, (double)kMinProbeGap, (double)kMaxProbeGap);
   }

@@ -75,7 +75,11 @@ class AutoController {
 
   // Before a step: draft (true) or run an AR step.  `probe` says the step is
   // a forced exploration; `forecast` is the choice the last drafted tree predicts.
-  bool want_draft(bool* probe, AutoChoice* forecast);
+  // remaining: the request's tokens still to come; a probe whose measured loss
+  // would exceed kRequestShare of their AR time waits for a longer request, so
+  // no request pays more than that share for exploring.
+  bool want_draft(bool* probe, AutoChoice* forecast, int remaining = 1 << 30);
+  static constexpr double kRequestShare = 0.03;
   // After drafting a tree of n nodes (builder order): the budget to verify.
   AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe);
   // After the step: its timings, and for a speculative one which of the
@@ -93,6 +97,7 @@ class AutoController {
   bool have_spec_ = false;
   double spec_rate_ = 0;                    // realized tokens/s of recent speculative steps (EMA)
   int since_probe_ = 0, probe_gap_ = kMinProbeGap;
+  double probe_loss_ = -1;                  // the last probe's measured loss (s; -1: none yet)
 };
 
 }  // namespace dfl

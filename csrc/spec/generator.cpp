@@ -14,13 +14,15 @@ static double since(Clock::time_point t0) {
 }
 
 void Generator::set_proposers(std::vector<Proposer*> ps) {
-  proposers_.clear();
+  std::vector<Proposer*> next;
+  for (Proposer* p : ps)
+    if (p) next.push_back(p);
+  // auto mode's costs and acceptance belong to the drafters it measured: other drafters start afresh
+  if (next != proposers_) auto_ = AutoController{};
+  proposers_ = std::move(next);
   features_ = nullptr;
-  for (Proposer* p : ps) {
-    if (!p) continue;
-    proposers_.push_back(p);
+  for (Proposer* p : proposers_)
     if (!features_ && p->feature_layers()) features_ = p;
-  }
 }
 
 Proposer* Generator::first(Proposer::Capability c) const {
@@ -420,7 +422,7 @@ int Generator::step(std::vector<int32_t>& out) {
   bool speculate = p_.mode == DecodeMode::DDTree;
   if (p_.mode == DecodeMode::Auto) {
     AutoChoice forecast;
-    speculate = auto_.want_draft(&rec.probe, &forecast) && V >= 2 && room >= 2 && p_.tree.budget > 0;
+    speculate = auto_.want_draft(&rec.probe, &forecast, remaining) && V >= 2 && room >= 2 && p_.tree.budget > 0;
     rec.probe = rec.probe && speculate;
     rec.auto_budget = 0;
     rec.expected = 1.0, rec.est_tok_s = forecast.ar_tok_s, rec.est_ar_tok_s = forecast.ar_tok_s;
