@@ -52,7 +52,7 @@ double AutoEstimates::verify_at(const std::vector<std::pair<int, double>>& pts, 
 }
 
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft) {
+                         bool with_draft, double max_loss) {
   AutoChoice best;
   const std::vector<std::pair<int, double>> verify = e.verify_points();  // once per call, not per budget
   const double ar = e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1);
@@ -68,6 +68,8 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
     if (b < min_budget) continue;
     const double cost = fixed + AutoEstimates::verify_at(verify, b + 1);
     const double rate = cost > 0 ? (1.0 + accepted) / cost : 0.0;
+    // a probe's tree grows only while its expected loss against AR stays affordable (its smallest always is)
+    if (b > std::max(min_budget, 1) && cost - ar * (1.0 + accepted) > max_loss) break;
     if (!have || rate > best.tok_s) {  // ties keep the smaller tree
       best.budget = b;
       best.expected = 1.0 + accepted;
@@ -80,6 +82,7 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
 
 bool AutoController::want_draft(bool* probe, AutoChoice* forecast, int remaining) {
   *probe = false;
+  remaining_ = remaining;
   const AutoChoice c =
       choose_budget(e_, last_depth_.data(), last_logp_.data(), (int)last_depth_.size(), 0, /*with_draft=*/true);
   *forecast = c;
@@ -107,7 +110,9 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
     const int b = std::min(kFirstProbeBudget, n);
     return choose_budget(e_, depth, logp, b, b, false);
   }
-  return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false);
+  // a probe may cost at most what the request affords it (want_draft's remaining tokens)
+  const double max_loss = probe ? kRequestShare * e_.ar_s * remaining_ : 1e300;
+  return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss);
 }
 
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }

@@ -65,7 +65,7 @@ struct AutoChoice {
 // builder's order) have these depths and path log-probabilities.  The draft
 // is priced in (`with_draft`) when deciding before drafting.
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft);
+                         bool with_draft, double max_loss = 1e300);
 
 class AutoController {
  public:
@@ -98,6 +98,7 @@ class AutoController {
   double spec_rate_ = 0;                    // realized tokens/s of recent speculative steps (EMA)
   int since_probe_ = 0, probe_gap_ = kMinProbeGap;
   double probe_loss_ = -1;                  // the last probe's measured loss (s; -1: none yet)
+  int remaining_ = 1 << 30;                 // the request's tokens still to come (want_draft's)
 };
 
 }  // namespace dfl
