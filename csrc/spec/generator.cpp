@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <cstring>
 
 namespace dfl {
@@ -374,8 +373,6 @@ void Generator::constrain_step(StepRecord& rec) {
   auto t0 = Clock::now();
   masks_.assign((size_t)N * words, 0u);
   constraint_->masks(N, tokens_.data(), parent_.data(), masks_.data());
-  kept_.resize((size_t)N);
-  std::iota(kept_.begin(), kept_.end(), 0);
   if (prune_ && N > 1) {
     // a node lives if its parent lives and allows its token; nodes come parent first
     std::vector<int32_t> new_index((size_t)N, -1);
@@ -389,11 +386,10 @@ void Generator::constrain_step(StepRecord& rec) {
       depth_[(size_t)m] = depth_[(size_t)i];
       parent_[(size_t)m] = new_index[(size_t)p];
       if (m != i) std::copy_n(masks_.data() + (size_t)i * words, words, masks_.data() + (size_t)m * words);
-      kept_[(size_t)m] = i;
       ++m;
     }
     rec.pruned = N - m;
-    for (auto* v : {&tokens_, &parent_, &depth_, &kept_}) v->resize((size_t)m);
+    for (auto* v : {&tokens_, &parent_, &depth_}) v->resize((size_t)m);
     masks_.resize((size_t)m * words);
   }
   rec.mask_s = since(t0);

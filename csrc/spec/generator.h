@@ -130,7 +130,7 @@ class Generator {
   // Whole logits rows must come back (sampling, penalties or a constraint), not just the device's top-k.
   bool need_rows() const { return !greedy() || p_.sampler.penalized() || constraint_; }
   // The constraint's masks for the step's nodes; drops the nodes it forbids (and their subtrees) from
-  // tokens_ / parent_ / depth_ when pruning; kept_[i] = node i's index before (auto mode's observation).
+  // tokens_ / parent_ / depth_ when pruning (chain mode; trees are pruned by constrain_tree before auto prices them).
   void constrain_step(StepRecord& rec);
   // The same for a drafted tree before auto mode prices it: masks, the forbidden nodes dropped, the rest cut to
   // `cap` nodes in builder order (a tree drafted kOverdraft times larger keeps `cap` allowed nodes).
@@ -149,7 +149,6 @@ class Generator {
   Constraint* constraint_ = nullptr;
   bool prune_ = true;
   std::vector<uint32_t> masks_;  // [node][mask_words]
-  std::vector<int32_t> kept_;
   bool masks_ready_ = false;  // constrain_tree ran for this step's tree
   GenParams p_;
   int block_ = 1;

@@ -83,7 +83,8 @@ void LookupProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, fl
     std::vector<int> at_d;
     for (size_t c = 1; c < trie_.size(); ++c)
       if (trie_[c].depth == d) at_d.push_back((int)c);
-    std::stable_sort(at_d.begin(), at_d.end(), [&](int a, int b) { return trie_[(size_t)a].count > trie_[(size_t)b].count; });
+    std::stable_sort(at_d.begin(), at_d.end(),
+                     [&](int a, int b) { return trie_[(size_t)a].count > trie_[(size_t)b].count; });
     for (int c : at_d) {
       if (k == K) break;
       const int32_t t = trie_[(size_t)c].token;

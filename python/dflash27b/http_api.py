@@ -348,8 +348,9 @@ class Reply:
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False, lps=None,
               extra: dict | None = None, reasoning: str | None = None) -> bytes:
         if self.shape.chat:
-            delta = ({"role": "assistant"} if first else {}) | \
-                ({"reasoning_content": reasoning} if reasoning else {}) | ({"content": text} if text is not None else {})
+            delta = ({"role": "assistant"} if first else {}) | ({"reasoning_content": reasoning} if reasoning else {})
+            if text is not None:
+                delta["content"] = text
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(lps)}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self.logprobs(lps)}
