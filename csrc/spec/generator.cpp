@@ -228,9 +228,8 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
   auto t0 = Clock::now();
   first(Proposer::Chain)->propose_chain(request(s, V), tokens_.data() + 1);
   if (constraint_) {  // what the constraint forces comes first: drafts that cannot miss
-    std::vector<int32_t> f((size_t)V - 1);
-    const int nf = constraint_->forced(f.data(), V - 1);
-    std::copy_n(f.begin(), nf, tokens_.begin() + 1);
+    const std::vector<int32_t> f = forced_tokens(V - 1);
+    std::copy(f.begin(), f.end(), tokens_.begin() + 1);
   }
   rec.draft_s = since(t0);
 }
@@ -305,9 +304,8 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     if (!expander) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
   }
   if (constraint_ && !whole) {
-    std::vector<int32_t> f((size_t)std::max(V - 1, 0));
-    const int nf = V > 1 ? constraint_->forced(f.data(), V - 1) : 0;
-    if (nf > 0) t = graft_forced(t, f.data(), nf);
+    const std::vector<int32_t> f = forced_tokens(V - 1);
+    if (!f.empty()) t = graft_forced(t, f.data(), (int)f.size());
     constrain_tree(t, cap, rec);
   }
   if (p_.mode == DecodeMode::Auto) {
@@ -347,9 +345,8 @@ void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
   int forbidden = 0;
   for (int i = 1; i < N && kept.size() < cap; ++i) {
     const int p = par[(size_t)i];
-    if (new_index[(size_t)p] < 0) continue;
-    if (prune_ && !mask_allows(masks_.data() + (size_t)p * words, tok[(size_t)i])) {
-      ++forbidden;
+    if (new_index[(size_t)p] < 0 || (prune_ && !mask_allows(masks_.data() + (size_t)p * words, tok[(size_t)i]))) {
+      ++forbidden;  // forbidden, or under a forbidden node
       continue;
     }
     const int m = kept.size() + 1;
@@ -368,31 +365,25 @@ void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
 }
 
 void Generator::constrain_step(StepRecord& rec) {
-  const int N = (int)tokens_.size();
-  const size_t words = (size_t)mask_words(ctx_.model().cfg.n_vocab);
-  auto t0 = Clock::now();
-  masks_.assign((size_t)N * words, 0u);
-  constraint_->masks(N, tokens_.data(), parent_.data(), masks_.data());
-  if (prune_ && N > 1) {
-    // a node lives if its parent lives and allows its token; nodes come parent first
-    std::vector<int32_t> new_index((size_t)N, -1);
-    new_index[0] = 0;
-    int m = 1;
-    for (int i = 1; i < N; ++i) {
-      const int p = parent_[(size_t)i];
-      if (new_index[(size_t)p] < 0 || !mask_allows(masks_.data() + (size_t)p * words, tokens_[(size_t)i])) continue;
-      new_index[(size_t)i] = m;
-      tokens_[(size_t)m] = tokens_[(size_t)i];
-      depth_[(size_t)m] = depth_[(size_t)i];
-      parent_[(size_t)m] = new_index[(size_t)p];
-      if (m != i) std::copy_n(masks_.data() + (size_t)i * words, words, masks_.data() + (size_t)m * words);
-      ++m;
-    }
-    rec.pruned = N - m;
-    for (auto* v : {&tokens_, &parent_, &depth_}) v->resize((size_t)m);
-    masks_.resize((size_t)m * words);
+  // a chain (or an AR step with forced tokens) goes through the trees' one masking and pruning path
+  DraftTree t;
+  for (size_t i = 1; i < tokens_.size(); ++i) {
+    t.tokens.push_back(tokens_[i]);
+    t.depth.push_back(depth_[i]);
+    t.parent.push_back(parent_[i]);
+    t.logp.push_back(0.f);
   }
-  rec.mask_s = since(t0);
+  constrain_tree(t, t.size(), rec);
+  tokens_.resize(1), parent_.resize(1), depth_.resize(1);
+  tokens_.insert(tokens_.end(), t.tokens.begin(), t.tokens.end());
+  parent_.insert(parent_.end(), t.parent.begin(), t.parent.end());
+  depth_.insert(depth_.end(), t.depth.begin(), t.depth.end());
+}
+
+std::vector<int32_t> Generator::forced_tokens(int cap) {
+  std::vector<int32_t> f((size_t)std::max(cap, 0));
+  f.resize((size_t)(cap > 0 ? constraint_->forced(f.data(), cap) : 0));
+  return f;
 }
 
 int Generator::step(std::vector<int32_t>& out) {
@@ -431,12 +422,10 @@ int Generator::step(std::vector<int32_t>& out) {
     tokens_.resize(1), parent_.resize(1), depth_.resize(1);  // an AR step: the root alone
     if (p_.mode == DecodeMode::Auto && constraint_ && V >= 2 && room >= 2) {
       // what the constraint forces costs no draft and cannot miss: verify it with the root
-      std::vector<int32_t> f((size_t)V - 1);
-      const int nf = constraint_->forced(f.data(), V - 1);
-      for (int i = 0; i < nf; ++i) {
-        tokens_.push_back(f[(size_t)i]);
-        parent_.push_back(i);
-        depth_.push_back(i + 1);
+      for (int32_t t : forced_tokens(V - 1)) {
+        parent_.push_back((int32_t)tokens_.size() - 1);
+        depth_.push_back((int32_t)tokens_.size());
+        tokens_.push_back(t);
       }
     }
   }

@@ -129,9 +129,11 @@ class Generator {
                const uint32_t* mask = nullptr);
   // Whole logits rows must come back (sampling, penalties or a constraint), not just the device's top-k.
   bool need_rows() const { return !greedy() || p_.sampler.penalized() || constraint_; }
-  // The constraint's masks for the step's nodes; drops the nodes it forbids (and their subtrees) from
-  // tokens_ / parent_ / depth_ when pruning (chain mode; trees are pruned by constrain_tree before auto prices them).
+  // The constraint's masks for the step's chain (tokens_ / parent_ / depth_), pruned as constrain_tree does
+  // (trees go through constrain_tree directly, before auto prices them).
   void constrain_step(StepRecord& rec);
+  // Up to cap tokens the constraint forces after the decided ones.
+  std::vector<int32_t> forced_tokens(int cap);
   // The same for a drafted tree before auto mode prices it: masks, the forbidden nodes dropped, the rest cut to
   // `cap` nodes in builder order (a tree drafted kOverdraft times larger keeps `cap` allowed nodes).
   void constrain_tree(DraftTree& t, int cap, StepRecord& rec);
