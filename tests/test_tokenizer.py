@@ -135,12 +135,17 @@ def test_user_defined_token(files):
 
 
 def test_chat_template(tok):
+    """The models made here carry Qwen3.5's chat conventions (tools/hf_files.py): the generation prompt opens a
+    thinking block, tools are listed as JSON in a system block, tool calls are written in Qwen's XML form."""
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 世界"}]
     s = tok.apply_chat_template(msgs)
-    assert s == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhéllo 世界<|im_end|>\n<|im_start|>assistant\n"
-    s2 = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False,
-                                 tools=[{"name": "f", "description": "ü"}])
-    assert s2.startswith('<|im_start|>system\n# Tools\n{"name": "f", "description": "ü"}\n<|im_end|>\n')
+    assert s == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhéllo 世界<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\n")
+    tools = [{"type": "function", "function": {"name": "f", "description": "ü"}}]
+    s2 = tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False, tools=tools)
+    assert s2.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
+                         '{"type": "function", "function": {"name": "f", "description": "ü"}}\n</tools>')
+    assert "\n\nbe brief<|im_end|>\n" in s2
     assert s2.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     with pytest.raises(Exception, match="unknown role"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
@@ -153,9 +158,15 @@ def test_chat_template_matches_transformers(files, tok):
     hft = transformers.AutoTokenizer.from_pretrained(str(files[0]))
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
             {"role": "user", "content": "more ü"}]
-    for kw in ({}, {"enable_thinking": False}, {"tools": [{"name": "t", "x": [1, 2]}]}):
-        ref = hft.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
-        assert tok.apply_chat_template(msgs, add_generation_prompt=True, **kw) == ref
+    calls = [{"role": "assistant", "content": "checking", "reasoning_content": "need it", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "t", "arguments": {"a": "x y", "n": [1, 2]}}},
+        {"id": "2", "type": "function", "function": {"name": "t", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "r1"}, {"role": "tool", "tool_call_id": "2", "content": "r2"}]
+    tools = [{"type": "function", "function": {"name": "t", "parameters": {"type": "object", "x": [1, 2]}}}]
+    for m, kw in ((msgs, {}), (msgs, {"enable_thinking": False}), (msgs, {"tools": tools}),
+                  (msgs + calls, {"tools": tools}), (msgs + calls, {"tools": tools, "enable_thinking": False})):
+        ref = hft.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **kw)
+        assert tok.apply_chat_template(m, add_generation_prompt=True, **kw) == ref
 
 
 def test_chatml_fallback(files):

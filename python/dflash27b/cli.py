@@ -123,10 +123,12 @@ def main() -> None:
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
+@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+              help="variables for the chat template, e.g. '{\"enable_thinking\": false}' (with --chat)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--compare", is_flag=True, help="also decode with AR and print the speedup")
 def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_type, state_type, prompt_ids, ctx,
-             kv_type, device, threads, raw, as_json, compare, **settings):
+             kv_type, device, threads, raw, template_kwargs, as_json, compare, **settings):
     """Generate a continuation of PROMPT (or --prompt-ids)."""
     if target is None and bundled_pair() is None and socket_path is None:
         _fail("no target model given: pass -m/--target PATH.gguf")
@@ -143,6 +145,15 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
         params = params.with_(block_size=draft_max + 1)
     if socket_path is not None and (target or draft):
         _fail("--socket uses the daemon's models: drop -m/-md (they were given to `dflash27b serve`)")
+    if template_kwargs is not None:
+        try:
+            template_kwargs = json.loads(template_kwargs)
+        except json.JSONDecodeError as e:
+            _fail(f"--chat-template-kwargs is not JSON: {e.msg}")
+        if not isinstance(template_kwargs, dict) or raw:
+            _fail("--chat-template-kwargs takes a JSON object of template variables, with --chat")
+    if params.tools is not None and raw:
+        _fail("--tools needs --chat (the chat template lists the tools for the model)")
     try:
         p = _parse_ids(prompt_ids) if prompt_ids is not None else prompt
         if socket_path is not None:
@@ -154,12 +165,16 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
                               on_memory_plan=_plan_printer(device))
         with dec:
             kw = dict(chat=not raw, params=params)
+            if template_kwargs:
+                kw["chat_template_kwargs"] = template_kwargs
             ar = None
             if compare:
-                ar = dec.generate(p, chat=not raw, params=params.with_(mode="ar"))
+                ar = dec.generate(p, **{**kw, "params": params.with_(mode="ar")})
             if as_json:
                 r = dec.generate(p, **kw)
                 obj = {"tokens": r.tokens, "text": r.text, "stats": r.stats.to_dict()}
+                if r.message is not None:
+                    obj["message"] = r.message
                 if ar is not None:
                     obj["ar"] = {"tokens": ar.tokens, "stats": ar.stats.to_dict(), "same_tokens": ar.tokens == r.tokens,
                                  "speedup": r.stats.decode_tok_s / ar.stats.decode_tok_s if ar.stats.decode_tok_s else 0}
@@ -176,6 +191,9 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
             click.echo()
             sys.stdout.flush()
             s = dec.last_stats()
+            calls = (dec.last_message() or {}).get("tool_calls") if params.calls_tools else None
+            for c in calls or []:   # the reply's calls, parsed (the text above holds them as the model wrote them)
+                click.echo("tool call: " + json.dumps(c["function"], ensure_ascii=False))
             shape = f"budget {s.budget}" if s.mode == "ddtree" else f"block {s.block_size}"
             accept = f" | accept {s.mean_accept:.2f} ({shape})" if s.mode not in ("ar", "auto") else ""
             if s.mode == "auto":

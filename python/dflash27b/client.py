@@ -79,6 +79,8 @@ class RemoteDecoder:
     def _request_obj(self, prompt, max_new_tokens, chat, stream, kw) -> dict:
         if isinstance(prompt, str):
             req = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        elif chat and prompt and all(isinstance(m, dict) for m in prompt):
+            req = {"messages": list(prompt)}
         else:
             req = {"prompt_ids": [int(t) for t in prompt]}
         kw = dict(kw)
@@ -127,6 +129,10 @@ class RemoteDecoder:
     def last_stats(self) -> GenerateStats:
         return _result(self._last_done).stats
 
+    def last_message(self) -> dict | None:
+        """The last chat decode's reply as an OpenAI assistant message (None after a raw completion)."""
+        return self._last_done.get("message")
+
     def close(self) -> None:
         pass
 
@@ -140,4 +146,4 @@ class RemoteDecoder:
 def _result(done: dict) -> GenerateResult:
     known = GenerateStats.__dataclass_fields__
     stats = GenerateStats(**{k: v for k, v in done["stats"].items() if k in known})
-    return GenerateResult(tokens=list(done["tokens"]), text=done["text"], stats=stats)
+    return GenerateResult(tokens=list(done["tokens"]), text=done["text"], stats=stats, message=done.get("message"))

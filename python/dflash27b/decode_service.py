@@ -119,7 +119,8 @@ class DecodeService:
                 raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
             return p
         if "messages" in params:
-            text = chat_text(self.decoder, params["messages"], params.get("chat_template_kwargs"))
+            text = chat_text(self.decoder, params["messages"], params.get("chat_template_kwargs"),
+                             params["params"].tools)
             p["think_open"] = text.rstrip().endswith(THINK_OPEN)   # the template opened the reply's thinking
         else:
             text = params["prompt"]
@@ -299,6 +300,8 @@ class DecodeService:
         if stopped:
             stats["stop_reason"] = "stop"
         done = {"event": "done", "tokens": tokens, "text": stop.text, "stats": stats}
+        if "think_open" in p:   # a chat request: the reply as an assistant message (reasoning, tool calls)
+            done["message"] = dec.reply_message(stop.text, p["params"])
         if want_lp:
             done["logprobs"] = dec.last_logprobs()[:len(tokens)]
         return self._early_end(job, done) if cancelled else done

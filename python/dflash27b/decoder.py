@@ -257,14 +257,22 @@ class Decoder:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def chat_prompt(self, messages: list[dict] | str, **kwargs) -> str:
+    def chat_prompt(self, messages: list[dict] | str, tools: list | None = None, **kwargs) -> str:
+        """The generation prompt of `messages` (a string: one user message) by the GGUF's chat template;
+        tools: OpenAI's tools list, which the template lists for the model; keywords: template variables."""
+        from .tool_calls import template_messages
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        if tools is not None:
+            kwargs["tools"] = tools
+        return self.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True, **kwargs)
 
-    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+    def _prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool, tools: list | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        if chat and not isinstance(prompt, str) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenize(self.chat_prompt(list(prompt), tools=tools, **(template_kwargs or {})))
         if isinstance(prompt, str):
-            return self.tokenize(self.chat_prompt(prompt) if chat else prompt)
+            return self.tokenize(self.chat_prompt(prompt, tools=tools, **(template_kwargs or {})) if chat else prompt)
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self._ctx.n_vocab]
         if bad:
@@ -301,10 +309,12 @@ class Decoder:
             settings = {"max_new_tokens": max_new_tokens, **settings}
         return GenParams.from_mapping(settings, strict=True, base=params or GenParams())
 
-    def stream_ids(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
-                   on_prefill=None, cache: bool = True, params: GenParams | None = None,
-                   **settings) -> Iterator[list[int]]:
+    def stream_ids(self, prompt: str | Sequence[int] | Sequence[dict], max_new_tokens: int | None = None, *,
+                   chat: bool = False, on_prefill=None, cache: bool = True, params: GenParams | None = None,
+                   chat_template_kwargs: dict | None = None, **settings) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
+        chat: the prompt is a user message or a list of OpenAI messages, rendered by the GGUF's chat template
+        (with chat_template_kwargs as its variables, e.g. {"enable_thinking": False}, and the tools setting).
         Settings (GenParams fields, see generate()) come as `params` and/or keywords over it.
         `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
         cache: use (and feed) the prefix cache when the Decoder has one."""
@@ -312,8 +322,9 @@ class Decoder:
         mode, bs = self._resolve_mode(p.mode, p.block_size)
         if p.seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
             p = p.with_(seed=int.from_bytes(os.urandom(4), "little"))
-        ids = self._prompt_ids(prompt, chat)
+        ids = self._prompt_ids(prompt, chat, p.tools, chat_template_kwargs)
         self._last_prompt = ids
+        self._last_params, self._last_chat = p, chat
         self._last_mode = (mode, bs, p.budget if mode in ("ddtree", "auto") else 0, p.temperature, p.seed)
         pc = self.prefix_cache if cache else None
         n_keep = 0
@@ -332,11 +343,18 @@ class Decoder:
                     saved[0] = done
                 return on_prefill(done, total) if on_prefill is not None else False
         constraint = None
-        if p.json_schema is not None or p.grammar is not None:  # structured output (constraint.py)
+        self._think_open = self.detokenize(ids[-16:]).rstrip().endswith("<think>")
+        if p.json_schema is not None or p.grammar is not None or p.calls_tools:  # structured output (constraint.py)
             from .constraint import TokenConstraint, compile_grammar
-            # a JSON schema shapes the answer, not a thinking block the prompt opened (Qwen3.5's <think>)
-            thinking = p.json_schema is not None and self.detokenize(ids[-16:]).rstrip().endswith("<think>")
-            g = compile_grammar(json_schema=p.json_schema, grammar=p.grammar, after_think=thinking)
+            # a JSON schema or tool calls shape the answer, not a thinking block the prompt opened (Qwen3.5's)
+            if p.calls_tools:
+                from .tool_calls import parse_tool_choice, parse_tools, tool_grammar
+                tools = parse_tools(p.tools)
+                g = compile_grammar(lark=tool_grammar(tools, parse_tool_choice(p.tool_choice, tools),
+                                                      p.parallel_tool_calls, after_think=self._think_open))
+            else:
+                g = compile_grammar(json_schema=p.json_schema, grammar=p.grammar,
+                                    after_think=p.json_schema is not None and self._think_open)
             constraint = TokenConstraint(self.tokenizer, self.eos_ids, g, self.info["n_vocab"])
         self.last_constraint = constraint
         if progress is not None:
@@ -381,8 +399,9 @@ class Decoder:
         if tail:
             yield tail
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *, chat: bool = False,
-                 on_prefill=None, cache: bool = True, params: GenParams | None = None, **settings) -> GenerateResult:
+    def generate(self, prompt: str | Sequence[int] | Sequence[dict], max_new_tokens: int | None = None, *,
+                 chat: bool = False, on_prefill=None, cache: bool = True, params: GenParams | None = None,
+                 chat_template_kwargs: dict | None = None, **settings) -> GenerateResult:
         """Decode.  Settings are GenParams fields (python/dflash27b/params.py), as `params` and/or keywords:
         mode "ar" (target only), "chain" (one DFlash block verified per step), "ddtree" (a tree of up to
         `budget` draft nodes, `tree_topk` candidates per depth, optionally seeded with the greedy chain,
@@ -402,11 +421,29 @@ class Decoder:
         and its k most likely alternatives, in result.logprobs."""
         p = self._settings(params, max_new_tokens, settings)
         tokens: list[int] = []
-        for toks in self.stream_ids(prompt, chat=chat, on_prefill=on_prefill, cache=cache, params=p):
+        for toks in self.stream_ids(prompt, chat=chat, on_prefill=on_prefill, cache=cache, params=p,
+                                    chat_template_kwargs=chat_template_kwargs):
             tokens.extend(toks)
-        return GenerateResult(tokens=tokens, text=self.detokenize(tokens), stats=self.last_stats(),
+        text = self.detokenize(tokens)
+        return GenerateResult(tokens=tokens, text=text, stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt),
-                              logprobs=self.last_logprobs() if p.logprobs is not None else None)
+                              logprobs=self.last_logprobs() if p.logprobs is not None else None,
+                              message=self.reply_message(text, p) if chat else None)
+
+    def last_message(self) -> dict | None:
+        """The last chat decode's reply as an OpenAI assistant message (None after a raw completion)."""
+        if not getattr(self, "_last_chat", False):
+            return None
+        return self.reply_message(self.detokenize(self._last_tokens), self._last_params)
+
+    def reply_message(self, text: str, params: GenParams | None = None) -> dict:
+        """A chat reply as an OpenAI assistant message: reasoning_content split out (the template's thinking
+        block), tool_calls parsed when the request gave tools (tool_choice not "none")."""
+        from .chat_reply import ReplySplit, template_thinks
+        from .tool_calls import parse_tools
+        tools = parse_tools(params.tools) if params is not None and params.calls_tools else None
+        return ReplySplit(template_thinks(self.tokenizer.chat_template), getattr(self, "_think_open", False),
+                          tools).message(text)
 
     def last_logprobs(self, start: int = 0) -> list[dict]:
         """The last decode's per-token log-probabilities (from token index start), when it asked for them."""

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from ._lib import DFlashError
 from .decode_service import Job
 from .params import GenParams
-from .serve_protocol import (BAD_REQUEST, CHAT_ROLES, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, ReasoningSplit,
-                             RequestError, parse_generate, parse_off_loop, template_thinks)
+from .tool_calls import parse_tools
+from .chat_reply import ReplySplit, template_thinks
+from .serve_protocol import (BAD_REQUEST, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, RequestError, parse_generate,
+                             parse_off_loop)
 
 try:
     import uvicorn
@@ -50,7 +52,7 @@ _HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens
              "return_tokens_as_token_ids", "response_format", "chat_template_kwargs"} | set(_EXTRA)
 # no-ops, with the type OpenAI gives them (a wrong type is still a 400)
 _NO_OP = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "true or false"),
-          "service_tier": (str, "a string"), "parallel_tool_calls": (bool, "true or false")}
+          "service_tier": (str, "a string")}
 _TYPED = {"model": (str, "a string"), "stream": (bool, "true or false"),
           "return_tokens_as_token_ids": (bool, "true or false")}
 
@@ -59,8 +61,6 @@ def _neutral(k: str, v) -> bool:
     """Values of the not-honoured fields that ask for nothing (so the answer cannot change)."""
     return {
         "logit_bias": v == {},
-        "tools": v == [],
-        "tool_choice": v == "none",
         "functions": v == [],
         "function_call": v == "none",
         "echo": v is False,
@@ -71,14 +71,13 @@ def _neutral(k: str, v) -> bool:
 
 
 _WHY = {"logit_bias": "logit biases are not applied",
-        "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
         "functions": "function calls are not supported", "function_call": "function calls are not supported",
         "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
         "best_of": "only best_of=1 is supported", "modalities": "only [\"text\"] output is supported"}
 
 _MESSAGE_FIELD_WHY = {"name": "participant names are not passed to the chat template",
-                      "tool_calls": "tool calls are not supported", "tool_call_id": "tool calls are not supported",
-                      "function_call": "function calls are not supported", "audio": "audio is not supported",
+                      "function_call": "function calls are not supported (use tool_calls)",
+                      "audio": "audio is not supported",
                       "refusal": "refusals are not passed to the chat template"}
 
 STATUS = {BAD_REQUEST: 400, TIMEOUT: 503, SHUTDOWN: 503, INTERNAL: 500, CLIENT_GONE: 499}
@@ -158,6 +157,8 @@ def _content_text(content, where: str) -> str:
 
 
 def _chat_messages(msgs) -> list[dict]:
+    """OpenAI messages -> the protocol's: content parts joined to text, nulls dropped (an assistant's content
+    may be null beside its tool_calls); the protocol checks the rest (serve_protocol.message_problem)."""
     if not isinstance(msgs, list) or not msgs:
         raise _fail("'messages' must be a non-empty list of {role, content}")
     out = []
@@ -166,17 +167,16 @@ def _chat_messages(msgs) -> list[dict]:
         if not isinstance(m, dict):
             raise _fail(f"{where} must be an object {{role, content}}")
         for k, v in m.items():
-            if k in ("role", "content") or v is None:
-                continue
-            if k in _MESSAGE_FIELD_WHY:
+            if k in _MESSAGE_FIELD_WHY and v is not None:
                 raise _fail(f"{where}: '{k}' is not supported: {_MESSAGE_FIELD_WHY[k]}")
-            raise _fail(f"{where}: unknown field '{k}'")
-        role = m.get("role")
-        if role in ("tool", "function"):
-            raise _fail(f"{where}: '{role}' messages are not supported: tool calls are not supported")
-        if role not in CHAT_ROLES:
-            raise _fail(f"{where}.role must be one of {', '.join(CHAT_ROLES)} (got {role!r})")
-        out.append({"role": role, "content": _content_text(m.get("content"), where)})
+        if m.get("role") == "function":
+            raise _fail(f"{where}: 'function' messages are not supported (use role 'tool')")
+        msg = {k: v for k, v in m.items() if v is not None and k not in _MESSAGE_FIELD_WHY}
+        if "content" in msg or m.get("role") != "assistant":
+            msg["content"] = _content_text(m.get("content"), where)
+        elif "tool_calls" in msg:
+            msg["content"] = None
+        out.append(msg)
     return out
 
 
@@ -313,9 +313,12 @@ class LogprobShaper:
         return at
 
 
-def _finish(stop_reason: str) -> str:
-    # a deadline is a limit like max_tokens (llama-server maps its time limit to "length" too)
-    return "length" if stop_reason in ("length", "context_full", "timeout") else "stop"
+def _finish(stop_reason: str, calls: bool = False) -> str:
+    # a deadline is a limit like max_tokens (llama-server maps its time limit to "length" too); a reply that
+    # ended on its own after tool calls ends with "tool_calls", as OpenAI's do
+    if stop_reason in ("length", "context_full", "timeout"):
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def _usage(stats: dict) -> dict:
@@ -331,11 +334,13 @@ def _ours(stats: dict) -> dict:
 class Reply:
     """The OpenAI objects of one reply (JSON body, or SSE chunks)."""
 
-    def __init__(self, shape: Shape, model: str, tokenizer, think_open: bool = False):
+    def __init__(self, shape: Shape, model: str, tokenizer, think_open: bool = False, tools=None):
         self.shape = shape
-        # a chat reply of a thinking template: its <think> block goes to reasoning_content
-        self.split = ReasoningSplit(think_open) if shape.chat and template_thinks(tokenizer.chat_template) else None
-        self.think_open = think_open
+        # a chat reply: a thinking template's <think> block goes to reasoning_content, tool calls (with tools)
+        # to tool_calls
+        thinks = template_thinks(tokenizer.chat_template)
+        self.split = ReplySplit(thinks, think_open, tools) if shape.chat and (thinks or tools) else None
+        self.n_calls = 0
         self.id = ("chatcmpl-" if shape.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created, self.model = int(time.time()), model
         self.kind = "chat.completion" if shape.chat else "text_completion"
@@ -346,11 +351,14 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False, lps=None,
-              extra: dict | None = None, reasoning: str | None = None) -> bytes:
+              extra: dict | None = None, reasoning: str | None = None, calls: list | None = None) -> bytes:
         if self.shape.chat:
             delta = ({"role": "assistant"} if first else {}) | ({"reasoning_content": reasoning} if reasoning else {})
             if text is not None:
                 delta["content"] = text
+            if calls:   # each call whole, in one delta (OpenAI's clients assemble deltas by index)
+                delta["tool_calls"] = calls
+                self.n_calls += len(calls)
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(lps)}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self.logprobs(lps)}
@@ -364,9 +372,8 @@ class Reply:
         if self.shape.chat:
             msg = {"role": "assistant", "content": done["text"]}
             if self.split is not None:
-                reasoning, msg["content"] = ReasoningSplit.split(done["text"], self.think_open)
-                if reasoning:
-                    msg["reasoning_content"] = reasoning
+                msg = self.split.message(done["text"])
+                fin = _finish(done["stats"]["stop_reason"], bool(msg.get("tool_calls")))
             choice = {"index": 0, "message": msg, "finish_reason": fin, "logprobs": lps}
         else:
             choice = {"index": 0, "text": done["text"], "finish_reason": fin, "logprobs": lps}
@@ -433,16 +440,16 @@ class EventStream:
                 if r.split is None:
                     yield r.chunk(ev["text"], lps=ev.get("logprobs"))
                 else:
-                    reasoning, content = r.split.push(ev["text"])
-                    if reasoning or content or ev.get("logprobs"):
-                        yield r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning)
+                    reasoning, content, calls = r.split.push(ev["text"])
+                    if reasoning or content or calls or ev.get("logprobs"):
+                        yield r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning, calls=calls)
             elif ev["event"] == "done":
                 stats = ev["stats"]
                 if r.split is not None:
-                    reasoning, content = r.split.flush()
-                    if reasoning or content:
-                        yield r.chunk(content or None, reasoning=reasoning)
-                yield r.chunk(None if r.shape.chat else "", _finish(stats["stop_reason"]),
+                    reasoning, content, calls = r.split.flush()
+                    if reasoning or content or calls:
+                        yield r.chunk(content or None, reasoning=reasoning, calls=calls)
+                yield r.chunk(None if r.shape.chat else "", _finish(stats["stop_reason"], r.n_calls > 0),
                               extra={"dflash27b": _ours(stats)})
                 if r.shape.include_usage:
                     yield r.usage_chunk(stats)
@@ -494,8 +501,10 @@ class OpenAIFront:
             job, _ = await self.daemon.admit(params)
         except RequestError as e:
             return _request_error(e)
+        p = job.params["params"]
         reply = Reply(shape, self.daemon.model_name, self.decoder.tokenizer,
-                      think_open=bool(job.params.get("think_open")))
+                      think_open=bool(job.params.get("think_open")),
+                      tools=parse_tools(p.tools) if p.calls_tools else None)
         if shape.stream:
             return EventStream(job, reply, self.daemon)
         return await self._result(job, reply, request)

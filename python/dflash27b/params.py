@@ -96,6 +96,36 @@ def _text_or_none(name, v):
     return v
 
 
+def _tools(name, v):
+    """OpenAI's tools list (or its JSON text): checked here, so a bad tool is refused before anything runs."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        import json
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise SettingError(name, "a list of tools (JSON)", v, plain=f"JSON ({e.msg})") from None
+    from .tool_calls import parse_tools
+    parse_tools(v)
+    return v
+
+
+def _tool_choice(name, v):
+    """"auto" | "none" | "required" | {"type": "function", "function": {"name": ...}} (or its JSON text)."""
+    if isinstance(v, str) and v.lstrip().startswith("{"):
+        import json
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError:
+            pass
+    from .tool_calls import CHOICES
+    if v in CHOICES or isinstance(v, dict):
+        return v
+    raise SettingError(name, "\"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}", v)
+
+
 def _setting(default, check: Callable, help: str, *, c: str | None = None, cli: tuple[str, ...] = (),
              to_c: Callable | None = None, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
              text_or_file: bool = False):
@@ -163,11 +193,32 @@ class GenParams:
                                    "format; Lark too), or a file holding it (needs llguidance)",
                                    cli=("--grammar", "--grammar-file"), text_or_file=True)
     grammar_prune: bool = _setting(True, _bool, "under a constraint, drop draft nodes it forbids before the verify")
+    tools: list | None = _setting(None, _tools, "OpenAI tools ([{\"type\": \"function\", \"function\": {name, "
+                                  "description, parameters}}], JSON text or a file): the chat template lists them and "
+                                  "the model's calls are constrained to their schemas (needs llguidance)",
+                                  cli=("--tools",), text_or_file=True)
+    tool_choice: Any = _setting("auto", _tool_choice, "with tools: auto (text or calls), none, required, or "
+                                "{\"type\": \"function\", \"function\": {\"name\": N}}", cli=("--tool-choice",))
+    parallel_tool_calls: bool = _setting(True, _bool, "with tools: the reply may make several calls")
 
     def __post_init__(self):
         for f in fields(self):
             v = f.metadata["check"](f.name, getattr(self, f.name))
             object.__setattr__(self, f.name, v)
+        if self.tools is None:
+            if self.tool_choice != "auto":
+                raise DFlashError("tool_choice needs tools")
+        else:
+            from .tool_calls import parse_tool_choice, parse_tools
+            parse_tool_choice(self.tool_choice, parse_tools(self.tools))
+            if self.tool_choice != "none" and (self.json_schema is not None or self.grammar is not None):
+                raise DFlashError("tools and a json_schema / grammar ask for two constraints: give one "
+                                  "(or tool_choice \"none\")")
+
+    @property
+    def calls_tools(self) -> bool:
+        """The reply is constrained and parsed as tool calls (tools given, tool_choice not "none")."""
+        return self.tools is not None and self.tool_choice != "none"
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -243,7 +294,7 @@ def cli_options(command: Callable) -> Callable:
             kw.update(type=click.Choice(f.metadata["choices"]), default=default, show_default=default is not None)
         else:
             kw.update(default=default, show_default=default is not None)
-            kw["type"] = float if isinstance(default, float) else int
+            kw["type"] = float if isinstance(default, float) else str if isinstance(default, str) else int
         command = click.option(*names, f.name, **kw)(command)
         for a in f.metadata["aliases"]:  # deprecated spellings: accepted, hidden, warned about
             command = click.option(f"--{a.replace('_', '-')}", f"_alias_{a}", default=None, hidden=True,

@@ -70,3 +70,10 @@ class GenerateResult:
     # with generate(logprobs=k): per token {"token", "logprob", "top": [(id, logprob) x k]}, the log-softmax
     # of the target's raw logits at that position (before temperature and filters)
     logprobs: list[dict] | None = None
+    # a chat reply (chat=True) as OpenAI's assistant message: content, reasoning_content (the thinking block),
+    # tool_calls (with tools; arguments as JSON text)
+    message: dict | None = None
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        return list((self.message or {}).get("tool_calls") or [])

@@ -12,6 +12,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ._lib import DFlashError
+from .chat_reply import THINK_CLOSE, THINK_OPEN, ReasoningSplit, template_thinks  # noqa: F401 (the protocol's)
 from .params import INT32_MAX, GenParams, SettingError
 from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
 
@@ -110,7 +111,7 @@ def parse_json_request(data: bytes | str) -> Any:
 # -- generate requests --------------------------------------------------------------------------------------
 
 _PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 def _is_int(v) -> bool:
@@ -126,18 +127,46 @@ def _int_in(lo: int, hi: int = INT32_MAX, note: str = "") -> tuple[Callable[[Any
     return (lambda v: _is_int(v) and lo <= v <= hi), f"must be an integer in {lo}..{top}{note}"
 
 
-def _good_messages(v) -> bool:
-    return isinstance(v, list) and len(v) > 0 and all(
-        isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in CHAT_ROLES
-        and isinstance(m["content"], str) for m in v)
+def message_problem(m: Any, where: str) -> str | None:
+    """What is wrong with one chat message (None: nothing).  A message is {"role", "content"}; an assistant's
+    may carry tool_calls (then content may be null) and reasoning_content, a tool result its tool_call_id."""
+    if not isinstance(m, dict):
+        return f"{where} must be an object {{role, content}}"
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        return f"{where}.role must be one of {', '.join(CHAT_ROLES)} (got {role!r:.40})"
+    allowed = {"role", "content"} | ({"tool_calls", "reasoning_content"} if role == "assistant" else
+                                     {"tool_call_id"} if role == "tool" else set())
+    extra = sorted(set(m) - allowed)
+    if extra:
+        return f"{where}: field {extra[0]!r} is not allowed on a {role} message"
+    content = m.get("content")
+    if not (isinstance(content, str) or (content is None and role == "assistant" and m.get("tool_calls"))):
+        return f"{where}.content must be a string" + (" (or null beside tool_calls)" if role == "assistant" else "")
+    if "reasoning_content" in m and not isinstance(m["reasoning_content"], (str, type(None))):
+        return f"{where}.reasoning_content must be a string"
+    if "tool_call_id" in m and not isinstance(m["tool_call_id"], str):
+        return f"{where}.tool_call_id must be a string"
+    if "tool_calls" in m:
+        from .tool_calls import ToolError, check_message_tool_calls
+        try:
+            check_message_tool_calls(m["tool_calls"], where)
+        except ToolError as e:
+            return str(e)
+    return None
+
+
+def _messages_problem(v) -> str | None:
+    if not isinstance(v, list) or not v:
+        return "must be a non-empty list of messages"
+    return next((p for i, m in enumerate(v) if (p := message_problem(m, f"messages[{i}]"))), None)
 
 
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "op": (lambda v: v == "generate", "must be 'generate'"),
     "id": (lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "must be a string or an integer"),
     "prompt": (lambda v: isinstance(v, str), "must be a string"),
-    "messages": (_good_messages, "must be a non-empty list of {\"role\": one of " + ", ".join(CHAT_ROLES)
-                 + ", \"content\": string} (no other keys)"),
+    "messages": (lambda v: _messages_problem(v) is None, "must be a list of messages (message_problem says why not)"),
     "prompt_ids": (lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(t) and 0 <= t <= INT32_MAX
                                                                          for t in v),
                    "must be a non-empty list of token ids (integers >= 0)"),
@@ -171,6 +200,10 @@ def parse_generate(req: dict, names: Mapping[str, str] | None = None) -> dict:
     if len(given) != 1:
         raise RequestError("a generate request needs exactly one of 'prompt', 'messages', 'prompt_ids'"
                            + (f" (got {', '.join(given)})" if given else ""))
+    if "messages" in req:
+        problem = _messages_problem(req["messages"])
+        if problem:
+            raise RequestError(problem if problem.startswith("messages[") else f"field 'messages' {problem}")
     for k, v in req.items():
         if k in _FIELDS:
             ok, why = _FIELDS[k]
@@ -254,16 +287,21 @@ def too_long(count: str, n_ctx: int) -> RequestError:
                         "(leave room for at least one new token)")
 
 
-def chat_text(decoder: Decoder, messages: list[dict], template_kwargs: dict | None = None) -> str:
-    """Messages rendered with the GGUF's template (template_kwargs: its variables, e.g. enable_thinking);
-    `developer` (OpenAI's newer name for the system role) is passed as `system` to templates that do not know
-    it."""
+def chat_text(decoder: Decoder, messages: list[dict], template_kwargs: dict | None = None,
+              tools: list | None = None) -> str:
+    """Messages rendered with the GGUF's template (template_kwargs: its variables, e.g. enable_thinking; tools:
+    OpenAI's list, which the template lists for the model); `developer` (OpenAI's newer name for the system
+    role) is passed as `system` to templates that do not know it."""
     import jinja2
+
+    from .tool_calls import ToolError
     template = decoder.tokenizer.chat_template or ""
     if "developer" not in template:
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     try:
-        return decoder.chat_prompt(messages, **(template_kwargs or {}))
+        return decoder.chat_prompt(messages, tools=tools, **(template_kwargs or {}))
+    except ToolError as e:
+        raise RequestError(str(e)) from None
     except jinja2.TemplateError as e:
         raise RequestError(f"the chat template refused the messages: {e.message or 'template error'}") from None
 
@@ -305,87 +343,3 @@ async def parse_off_loop(data: bytes | str) -> Any:
 
 def event_error(message: str, code: str = BAD_REQUEST) -> dict:
     return {"event": "error", "message": message, "code": code}
-
-
-# -- thinking: a reply's <think> ... </think> block as reasoning_content ----------------------------------------
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def template_thinks(template: str | None) -> bool:
-    """A chat template that knows thinking blocks (Qwen3.5's): its replies' reasoning is split out."""
-    return bool(template) and (THINK_OPEN in template or "enable_thinking" in template)
-
-
-class ReasoningSplit:
-    """Splits a chat reply into reasoning (inside a leading <think> ... </think> block) and content (the rest),
-    as llama-server and vLLM return them; incremental (push text pieces as they decode, then flush).
-    opened: the prompt already opened the block (a template that ends its generation prompt with <think>)."""
-
-    def __init__(self, opened: bool = False):
-        self.state = "reasoning" if opened else "start"
-        self.buf = ""
-        self.lead = True   # strip the newline the template writes after <think>
-
-    @staticmethod
-    def _partial(buf: str, tag: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of tag (held back: it may become tag)."""
-        for n in range(min(len(tag) - 1, len(buf)), 0, -1):
-            if tag.startswith(buf[-n:]):
-                return n
-        return 0
-
-    def push(self, text: str) -> tuple[str, str]:
-        """Returns the (reasoning, content) text that is final so far."""
-        self.buf += text
-        r = c = ""
-        while True:
-            if self.state == "start":
-                s = self.buf.lstrip()
-                if not s or (THINK_OPEN.startswith(s) and s != THINK_OPEN):
-                    return r, c   # nothing yet, or maybe the start of the tag
-                if s.startswith(THINK_OPEN):
-                    self.buf, self.state = s[len(THINK_OPEN):], "reasoning"
-                else:
-                    self.state = "content"
-            elif self.state == "reasoning":
-                if self.lead:
-                    if not self.buf:
-                        return r, c
-                    self.buf, self.lead = self.buf.lstrip("\n"), False
-                i = self.buf.find(THINK_CLOSE)
-                if i >= 0:
-                    r += self.buf[:i].rstrip("\n")
-                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):], "after"
-                    continue
-                keep = self._partial(self.buf, THINK_CLOSE)
-                cut = len(self.buf) - keep
-                # a newline right before </think> is the template's: hold trailing newlines back too
-                while cut > 0 and self.buf[cut - 1] == "\n":
-                    cut -= 1
-                r, self.buf = r + self.buf[:cut], self.buf[cut:]
-                return r, c
-            elif self.state == "after":
-                s = self.buf.lstrip("\n")
-                if not s:
-                    return r, c
-                self.buf, self.state = s, "content"
-            else:
-                c, self.buf = c + self.buf, ""
-                return r, c
-
-    def flush(self) -> tuple[str, str]:
-        """The rest at the end of the reply (an unclosed block stays reasoning)."""
-        rest, self.buf = self.buf, ""
-        if self.state == "reasoning":
-            return rest.rstrip("\n"), ""
-        if self.state == "start":
-            return "", rest
-        return "", rest.lstrip("\n") if self.state == "after" else rest
-
-    @classmethod
-    def split(cls, text: str, opened: bool = False) -> tuple[str, str]:
-        s = cls(opened)
-        r1, c1 = s.push(text)
-        r2, c2 = s.flush()
-        return r1 + r2, c1 + c2
