@@ -318,23 +318,23 @@ def test_openai_fields_honoured_or_refused(daemon, local):
     openai = pytest.importorskip("openai")
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon['port']}/v1", api_key="unused")
     msgs = [{"role": "user", "content": "Write a stack class."}]
-    want = local.generate(local.chat_prompt(msgs), 8, ignore_eos=True, cache=False).text
+    want = local.generate(msgs, 8, chat=True, ignore_eos=True, cache=False).message   # (thinking: reasoning)
     base = dict(model="tiny", messages=msgs, max_tokens=8, temperature=0)
     # no-ops: they cannot change the answer
     r = c.chat.completions.create(**base, user="u1", n=1, logprobs=False, frequency_penalty=0, presence_penalty=0,
                                   response_format={"type": "text"}, tools=None,
                                   extra_body={"ignore_eos": True, "logit_bias": {}, "metadata": {"k": "v"}})
-    assert r.choices[0].message.content == want
+    assert r.choices[0].message.model_dump(exclude_none=True) == want
     # JSON mode and schemas: honoured, the in-process constrained decode's reply
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
     for rf, js in (({"type": "json_object"}, {"type": "object"}),
                    ({"type": "json_schema", "json_schema": {"name": "count", "schema": schema, "strict": True}},
                     schema)):
-        want_js = local.generate(local.chat_prompt(msgs), 24, json_schema=js, cache=False).text
+        want_js = local.generate(msgs, 24, chat=True, json_schema=js, cache=False).message
         r = c.chat.completions.create(**{**base, "max_tokens": 24}, response_format=rf)
-        assert r.choices[0].message.content == want_js
-        assert isinstance(json.loads(want_js), dict) if r.choices[0].finish_reason == "stop" else True
+        assert r.choices[0].message.model_dump(exclude_none=True) == want_js
+        assert isinstance(json.loads(want_js["content"]), dict) if r.choices[0].finish_reason == "stop" else True
     for bad, why in (({"type": "xml"}, "response_format"), ({"type": "json_schema", "json_schema": {"schema": {}}},
                                                              "json_schema.name"),
                      ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}},
@@ -342,7 +342,7 @@ def test_openai_fields_honoured_or_refused(daemon, local):
         with pytest.raises(openai.BadRequestError, match=why):
             c.chat.completions.create(**base, response_format=bad)
     refused = {"top_logprobs": dict(top_logprobs=2),
-               "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+               "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
                "logit_bias": dict(logit_bias={"5": 10}), "frobnicate": dict(extra_body={"frobnicate": 1}),
                "n=1": dict(n=2)}
     for field, kw in refused.items():
@@ -359,7 +359,9 @@ def test_openai_fields_honoured_or_refused(daemon, local):
     chunks = list(c.chat.completions.create(**base, stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want["content"]
+    assert "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices) \
+        == want.get("reasoning_content", "")
 
 
 def test_tokenize_detokenize_metrics(daemon, local):
@@ -433,7 +435,7 @@ def test_reasoning_content_and_chat_template_kwargs(daemon, local):
     pytest.importorskip("llguidance")
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon['port']}/v1", api_key="unused")
     msgs = [{"role": "user", "content": "What is 2 + 2?"}]
-    shaped = {"grammar": 'root ::= "<think>\\nadding two and two\\n</think>\\n\\n" [0-9]'}
+    shaped = {"grammar": 'root ::= "adding two and two\\n</think>\\n\\n" [0-9]'}   # the prompt opened <think>
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0, extra_body=shaped)
     m = r.choices[0].message
     assert m.reasoning_content == "adding two and two" and m.content.isdigit() and len(m.content) == 1

@@ -75,6 +75,25 @@ def test_bypass_and_identical_prompt(warm, cold, history):
     assert again.tokens == cold.generate(p, 8, ignore_eos=True, mode="ar").tokens
 
 
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_chat_turns_reuse_the_history_the_template_drops_thinking_from(warm, cold, mode):
+    """Qwen3.5's template drops an earlier turn's thinking (and the generation prompt's <think>) from later
+    prompts, so turn 1's prompt + reply is never a prefix of turn 2.  The history before the generation prompt
+    is: a checkpoint there is reused by the next turn, and each reply equals a cold decode."""
+    msgs = [{"role": "system", "content": "You write Python. " * 20}, {"role": "user", "content": "A stack."}]
+    kw = dict(chat=True, ignore_eos=True, mode=mode)
+    r1 = warm.generate(msgs, 16, **kw)
+    assert r1.tokens == cold.generate(msgs, 16, **kw).tokens
+    history = warm.history_len(msgs, r1.prompt_tokens)
+    assert 0 < history < len(r1.prompt_tokens)
+    turn2 = msgs + [{"role": "assistant", "content": "class Stack: pass", "reasoning_content": r1.text},
+                    {"role": "user", "content": "Now a queue."}]
+    r2 = warm.generate(turn2, 16, **kw)
+    assert r2.tokens == cold.generate(turn2, 16, **kw).tokens
+    assert r2.stats.cached_tokens == history      # all of turn 1's history, none of its generation prompt
+    assert warm.tokenize(warm.chat_prompt(turn2))[:history] == r1.prompt_tokens[:history]
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

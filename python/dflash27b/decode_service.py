@@ -128,6 +128,9 @@ class DecodeService:
             p["prompt_ids"] = self.prompts.encode(text, limit=n_ctx - 1)
         except PromptTooLong as e:
             raise too_long(str(e), n_ctx) from None
+        if "messages" in params and self.decoder.prefix_cache is not None:   # a checkpoint where the history ends
+            p["history"] = self.decoder.history_len(params["messages"], p["prompt_ids"], params["params"].tools,
+                                                    params.get("chat_template_kwargs"))
         if not p["prompt_ids"]:
             raise RequestError("empty prompt: give at least one token")
         return p
@@ -267,7 +270,7 @@ class DecodeService:
         stopped = cancelled = False
         want_lp = p["params"].logprobs is not None
         steps = dec.stream_ids(p["prompt_ids"], params=p["params"], cache=p.get("cache_prompt", True),
-                               on_prefill=lambda done, total: job.stop_requested())
+                               on_prefill=lambda done, total: job.stop_requested(), history=p.get("history"))
         try:
             while True:
                 decided = time.monotonic()

@@ -8,6 +8,7 @@ tokenize/detokenize, stats fields) are the interface scripts rely on.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -311,13 +312,16 @@ class Decoder:
 
     def stream_ids(self, prompt: str | Sequence[int] | Sequence[dict], max_new_tokens: int | None = None, *,
                    chat: bool = False, on_prefill=None, cache: bool = True, params: GenParams | None = None,
-                   chat_template_kwargs: dict | None = None, **settings) -> Iterator[list[int]]:
+                   chat_template_kwargs: dict | None = None, history: int | None = None,
+                   **settings) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
         chat: the prompt is a user message or a list of OpenAI messages, rendered by the GGUF's chat template
         (with chat_template_kwargs as its variables, e.g. {"enable_thinking": False}, and the tools setting).
         Settings (GenParams fields, see generate()) come as `params` and/or keywords over it.
         `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
-        cache: use (and feed) the prefix cache when the Decoder has one."""
+        cache: use (and feed) the prefix cache when the Decoder has one.  history: prompt tokens that end the
+        conversation's history, before the chat template's generation prompt (found here for chat messages):
+        the prefix cache checkpoints there too."""
         p = self._settings(params, max_new_tokens, settings)
         mode, bs = self._resolve_mode(p.mode, p.block_size)
         if p.seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
@@ -333,6 +337,9 @@ class Decoder:
             if ck is not None:
                 n_keep = pc.restore(self._ctx, ck)
         self._last_cached = n_keep
+        self._pre_prefill_s = 0.0
+        if history is None and pc is not None and chat and not isinstance(prompt, str) and prompt:
+            history = self.history_len(list(prompt), ids, p.tools, chat_template_kwargs)
         progress = on_prefill
         if pc is not None:
             saved = [n_keep]
@@ -359,10 +366,20 @@ class Decoder:
         self.last_constraint = constraint
         if progress is not None:
             self._ctx.set_prefill_progress(progress)
-        self._ctx.set_constraint(constraint, prune=p.grammar_prune)
+        self._ctx.set_constraint(None)   # (the history's prefill below decides no token)
         self._last_tokens: list[int] = []
         try:
             try:
+                if pc is not None and history and n_keep < history < len(ids):
+                    # the conversation's history first, checkpointed where it ends: the next turn's prompt
+                    # starts with it, while the generation prompt and this reply (whose thinking Qwen3.5's
+                    # template drops from later turns) would not match it
+                    t0 = time.perf_counter()
+                    self._ctx.begin(ids[:history], p.with_(max_new_tokens=0), self.eos_ids, 0, 0, n_keep=n_keep)
+                    pc.save(self._ctx, ids[:history])
+                    n_keep = history
+                    self._pre_prefill_s = time.perf_counter() - t0
+                self._ctx.set_constraint(constraint, prune=p.grammar_prune)
                 self._ctx.begin(ids, p, self.eos_ids, _MODE_IDS[mode], bs if mode != "ar" else 0, n_keep=n_keep)
                 self._want_logprobs = p.logprobs is not None
             finally:
@@ -430,6 +447,21 @@ class Decoder:
                               logprobs=self.last_logprobs() if p.logprobs is not None else None,
                               message=self.reply_message(text, p) if chat else None)
 
+    def history_len(self, messages: list[dict], ids: Sequence[int], tools: list | None = None,
+                    template_kwargs: dict | None = None) -> int:
+        """How many of a chat prompt's tokens (`ids`) are the conversation's history: the messages rendered
+        without the generation prompt, when their tokens begin `ids` (0 otherwise)."""
+        from .tool_calls import template_messages
+        kw = dict(template_kwargs or {})
+        if tools is not None:
+            kw["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=False, **kw)
+        except Exception:  # noqa: BLE001 - a template that cannot render the bare history: no boundary
+            return 0
+        head = self.tokenize(text)
+        return len(head) if 0 < len(head) < len(ids) and list(ids[:len(head)]) == head else 0
+
     def last_message(self) -> dict | None:
         """The last chat decode's reply as an OpenAI assistant message (None after a raw completion)."""
         if not getattr(self, "_last_chat", False):
@@ -454,12 +486,12 @@ class Decoder:
         steps = self._ctx.step_stats()
         mode, bs, budget, temperature, seed = getattr(self, "_last_mode", ("ar", 1, 0, 0.0, 0))
         after_first = max(s["generated_tokens"] - 1, 0)  # the first new token comes from the prefill
+        prefill_s = s["prefill_s"] + getattr(self, "_pre_prefill_s", 0.0)   # the history's part too
         acc = [st["committed"] for st in steps]
         return GenerateStats(
-            prompt_tokens=s["prompt_tokens"], generated_tokens=s["generated_tokens"], prefill_s=s["prefill_s"],
+            prompt_tokens=s["prompt_tokens"], generated_tokens=s["generated_tokens"], prefill_s=prefill_s,
             decode_s=s["decode_s"], decode_tok_s=after_first / s["decode_s"] if s["decode_s"] > 0 else 0.0,
-            prefill_tok_s=(s["prompt_tokens"] - getattr(self, "_last_cached", 0)) / s["prefill_s"]
-            if s["prefill_s"] > 0 else 0.0,
+            prefill_tok_s=(s["prompt_tokens"] - getattr(self, "_last_cached", 0)) / prefill_s if prefill_s > 0 else 0.0,
             steps=s["steps"], stop_reason=s["stop_reason"], mode=mode, device=self.device,
             cached_tokens=getattr(self, "_last_cached", 0),
             mean_accept=sum(acc) / len(acc) if acc else 0.0, block_size=bs, budget=budget,

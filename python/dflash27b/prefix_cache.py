@@ -12,8 +12,10 @@ leave at least one token to prefill, whose logits start the decode), restores ro
 n, and prefills the rest.  The forward is batch-invariant (every reduction in a fixed order), so the
 continuation equals a cold decode token for token; tests/test_prefix_cache.py checks it with `==`.
 
-Checkpoints are taken at the end of each prompt, at every `every`-token chunk of a long prompt, and at the
-end of each reply.  Memory is bounded by `max_bytes` with least-recently-used eviction of checkpoints that
+Checkpoints are taken at the end of each prompt, at every `every`-token chunk of a long prompt, at the end
+of each reply, and for chat messages where the conversation's history ends (before the template's generation
+prompt): Qwen3.5's template drops an earlier turn's thinking from later prompts, so there the next turn's
+prompt parts from this one's prompt + reply, but not from its history.  Memory is bounded by `max_bytes` with least-recently-used eviction of checkpoints that
 no other checkpoint builds on.
 """
 from __future__ import annotations
