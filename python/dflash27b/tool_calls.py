@@ -206,6 +206,16 @@ def _regex_of_pattern(p: str) -> str:
     return p.replace("/", "\\/")
 
 
+# The formats a raw-text argument is held to (RFC 3339 dates and times, UUIDs), each a regex of valid values
+# only (calendar days per month; 29 February left out); other formats are annotations, as JSON Schema has them
+# by default.
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_DATE = (r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
+         r"|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))")
+FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
+           "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
+
+
 def _string_value(s: dict) -> str:
     """The Lark body of a raw-text argument (the string part of its schema), ended by the closing line; lazy
     where it is free text: the value ends at the first closing line, where the parser splits it too."""
@@ -214,6 +224,8 @@ def _string_value(s: dict) -> str:
     parts = []
     if isinstance(s.get("pattern"), str):
         parts.append(f"/{_regex_of_pattern(s['pattern'])}/")
+    if s.get("format") in FORMATS:
+        parts.append(f"/{FORMATS[s['format']]}/")
     lo, hi = s.get("minLength", 0), s.get("maxLength")
     if lo or hi is not None:
         parts.append(f"/(?s:.{{{int(lo)},{'' if hi is None else int(hi)}}})/")
