@@ -201,6 +201,7 @@ typedef struct {
   double est_ar_tok_s;     /* auto: the expected tokens per second of an AR step */
   int32_t pruned;          /* draft nodes a constraint forbade, dropped before the verify */
   double mask_s;           /* a constraint's masks for the step (before the verify) */
+  int32_t drafter;         /* auto: the portfolio's drafter that drafted (dfl_context_drafter_name; -1: none) */
 } dfl_step_stats;
 
 /* Log-probabilities of the emitted tokens (dfl_gen_params.n_logprobs >= 0): one entry per token, in order. */
@@ -215,6 +216,9 @@ int32_t dfl_generate_n_logprobs(const dfl_context* c);
 int dfl_generate_logprob(const dfl_context* c, int32_t i, dfl_token_logprob* out);
 
 int32_t dfl_generate_n_steps(const dfl_context* c);
+/* Auto mode's portfolio: the attached drafters that rank, most preferred first ("dflash", "draft model",
+ * "lookup", a test hook); NULL past the last.  Each step drafts with the one expected to be fastest. */
+const char* dfl_context_drafter_name(const dfl_context* c, int32_t i);
 int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* out);
 
 /* Number of CUDA devices usable by this build (0: none, no driver, or not built). */

@@ -419,7 +419,13 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->auto_budget = r.auto_budget; o->probe = r.probe ? 1 : 0;
     o->expected_tokens = r.expected; o->est_tok_s = r.est_tok_s; o->est_ar_tok_s = r.est_ar_tok_s;
     o->pruned = r.pruned; o->mask_s = r.mask_s;
+    o->drafter = r.drafter;
   });
+}
+
+const char* dfl_context_drafter_name(const dfl_context* c, int32_t i) {
+  if (!c || i < 0 || (size_t)i >= c->gen->n_drafters()) return nullptr;
+  return c->gen->drafter_name((size_t)i);
 }
 
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,

@@ -80,27 +80,37 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   return best;
 }
 
-bool AutoController::want_draft(bool* probe, AutoChoice* forecast, int remaining) {
-  *probe = false;
-  remaining_ = remaining;
-  const AutoChoice c =
+AutoController::Wish AutoController::wish(int remaining) const {
+  Wish w;
+  w.forecast =
       choose_budget(e_, last_depth_.data(), last_logp_.data(), (int)last_depth_.size(), 0, /*with_draft=*/true);
-  *forecast = c;
-  if (e_.ar_s <= 0) return false;  // the first step measures AR
-  if (!have_spec_) {               // the second one measures speculation, small
-    *probe = true;
-    return true;
+  const AutoChoice& c = w.forecast;
+  if (e_.ar_s <= 0) return w;                   // the first step measures AR
+  if (!have_spec_) {                            // the second one measures speculation, small
+    w.draft = w.probe = true;
+  } else if (c.budget > 0 && c.tok_s > c.ar_tok_s && spec_rate_ > c.ar_tok_s) {
+    w.draft = true;
+  } else if (since_probe_ + 1 >= probe_gap_ && (probe_loss_ < 0 || probe_loss_ <= kRequestShare * e_.ar_s * remaining)) {
+    w.draft = w.probe = true;
   }
-  if (c.budget > 0 && c.tok_s > c.ar_tok_s && spec_rate_ > c.ar_tok_s) {
+  return w;
+}
+
+void AutoController::decided(const Wish& w, bool drafted, int remaining) {
+  remaining_ = remaining;
+  if (drafted) {
     since_probe_ = 0;
-    return true;
+  } else if (w.draft || e_.ar_s > 0) {  // (before AR is measured nothing counts)
+    ++since_probe_;
   }
-  if (++since_probe_ >= probe_gap_ && (probe_loss_ < 0 || probe_loss_ <= kRequestShare * e_.ar_s * remaining)) {
-    since_probe_ = 0;
-    *probe = true;
-    return true;
-  }
-  return false;
+}
+
+bool AutoController::want_draft(bool* probe, AutoChoice* forecast, int remaining) {
+  const Wish w = wish(remaining);
+  decided(w, w.draft, remaining);
+  *probe = w.probe;
+  *forecast = w.forecast;
+  return w.draft;
 }
 
 AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n, bool probe) {

@@ -80,6 +80,14 @@ class AutoController {
   // no request pays more than that share for exploring.
   bool want_draft(bool* probe, AutoChoice* forecast, int remaining = 1 << 30);
   static constexpr double kRequestShare = 0.03;
+  // want_draft in two halves, for a portfolio of drafters (one controller each) of which one step drafts with
+  // at most one: wish() says what this drafter would do (no state changes), decided() records whether it did.
+  struct Wish {
+    bool draft = false, probe = false;
+    AutoChoice forecast;
+  };
+  Wish wish(int remaining = 1 << 30) const;
+  void decided(const Wish& w, bool drafted, int remaining = 1 << 30);
   // After drafting a tree of n nodes (builder order): the budget to verify.
   AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe);
   // After the step: its timings, and for a speculative one which of the

@@ -17,7 +17,12 @@ void Generator::set_proposers(std::vector<Proposer*> ps) {
   for (Proposer* p : ps)
     if (p) next.push_back(p);
   // auto mode's costs and acceptance belong to the drafters it measured: other drafters start afresh
-  if (next != proposers_) auto_ = AutoController{};
+  if (next != proposers_) {
+    drafters_.clear();
+    for (Proposer* p : next)
+      if (p->can(Proposer::Rank)) drafters_.push_back(p);
+    autos_.assign(std::max<size_t>(drafters_.size(), 1), AutoController{});
+  }
   proposers_ = std::move(next);
   features_ = nullptr;
   for (Proposer* p : proposers_)
@@ -28,6 +33,12 @@ Proposer* Generator::first(Proposer::Capability c) const {
   for (Proposer* p : proposers_)
     if (p->can(c)) return p;
   return nullptr;
+}
+
+int Generator::block_of(int k) const {
+  if (p_.block_size > 0) return p_.block_size;
+  const int own = k >= 0 ? drafters_[(size_t)k]->default_block() : 0;
+  return own > 0 ? own : block_;
 }
 
 int Generator::default_block() const {
@@ -288,16 +299,16 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     const int K = ddtree_k(tp, n_vocab);
     // Expanding branches, or a ranking proposer whose children depend on their parent (the first that ranks,
     // in order of preference): the proposer builds the tree itself; else one ranking, then the builder.
-    Proposer* expander = tp.expand > 0 ? first(Proposer::Expand) : nullptr;
-    if (!expander) {
-      Proposer* ranker = first(Proposer::Rank);
-      if (ranker && ranker->can(Proposer::OwnTree)) expander = ranker;
-    }
+    Proposer* rank = ranker();
+    Proposer* expander = tp.expand > 0 ? (chosen_ >= 0 ? (rank->can(Proposer::Expand) ? rank : nullptr)
+                                                       : first(Proposer::Expand))
+                                       : nullptr;
+    if (!expander && rank && rank->can(Proposer::OwnTree)) expander = rank;
     if (expander) {
       t = expander->propose_tree(request(s, V), tp, K);
     } else {
       top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
-      first(Proposer::Rank)->propose_topk(request(s, V), K, top_ids_.data(), top_logp_.data());
+      rank->propose_topk(request(s, V), K, top_ids_.data(), top_logp_.data());
     }
     rec.draft_s = since(t0);
     t0 = Clock::now();
@@ -311,7 +322,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
-    const AutoChoice c = auto_.choose(t.depth.data(), t.logp.data(), t.size(), probe);
+    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe);
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
     auto_tree_ = t;
@@ -397,7 +408,7 @@ int Generator::step(std::vector<int32_t>& out) {
   }
   const int remaining = p_.max_new_tokens - stats_.generated_tokens;  // >= 1 here
   // The draft block shrinks at the end (as z-lab's loop) and to the room left.
-  const int V = std::min({block_, remaining + 1, room});
+  int V = std::min({block_, remaining + 1, room});
   StepRecord rec;
   const int64_t fwd0 = ctx_.n_forwards();
 
@@ -407,10 +418,26 @@ int Generator::step(std::vector<int32_t>& out) {
   depth_.assign(tokens_.size(), 0);
   tokens_[0] = pending_;
   bool speculate = p_.mode == DecodeMode::DDTree;
+  chosen_ = -1;
   if (p_.mode == DecodeMode::Auto) {
-    AutoChoice forecast;
-    speculate = auto_.want_draft(&rec.probe, &forecast, remaining) && V >= 2 && room >= 2 && p_.tree.budget > 0;
-    rec.probe = rec.probe && speculate;
+    // the portfolio: each drafter's controller says what it would do; a drafter expected to beat AR goes before
+    // a probe, the best expected tokens/s first; probes in order of preference, one a step
+    std::vector<AutoController::Wish> wish(autos_.size());
+    int k = -1;
+    for (size_t i = 0; i < drafters_.size(); ++i) {
+      wish[i] = autos_[i].wish(remaining);
+      const AutoController::Wish& w = wish[i];
+      if (!w.draft) continue;
+      const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;
+      if (!best || (!w.probe && (best->probe || w.forecast.tok_s > best->forecast.tok_s))) k = (int)i;
+    }
+    for (size_t i = 0; i < drafters_.size(); ++i) autos_[i].decided(wish[i], (int)i == k, remaining);
+    const AutoChoice forecast = k >= 0 ? wish[(size_t)k].forecast : !wish.empty() ? wish[0].forecast : AutoChoice{};
+    if (k >= 0) V = std::min({block_of(k), remaining + 1, room});
+    speculate = k >= 0 && V >= 2 && room >= 2 && p_.tree.budget > 0;
+    if (speculate) chosen_ = k;
+    rec.drafter = chosen_;
+    rec.probe = speculate && wish[(size_t)k].probe;
     rec.auto_budget = 0;
     rec.expected = 1.0, rec.est_tok_s = forecast.ar_tok_s, rec.est_ar_tok_s = forecast.ar_tok_s;
   }
@@ -527,11 +554,13 @@ int Generator::step(std::vector<int32_t>& out) {
   stats_.generated_tokens += emitted;
   pending_ = bonus;
   if (p_.mode == DecodeMode::Auto) {  // what the step teaches the controller
-    if (N == 1) auto_.observe_ar(rec.verify_s + rec.commit_s);
+    if (N == 1)  // an AR step's cost is every drafter's baseline
+      for (AutoController& ac : autos_) ac.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
       std::vector<uint8_t> on_path((size_t)rec.auto_budget, 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
-      auto_.observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget, on_path);
+      autos_[(size_t)chosen_].observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget,
+                                           on_path);
     }
   }
   steps_.push_back(rec);

@@ -12,7 +12,10 @@
 // and how large a tree to verify; its AR steps still feed the proposer's features.
 // The Generator holds proposers in order of preference and picks, each step,
 // the first that gives the shape the mode needs (chain, ranking, tree): it has
-// no branch per kind of drafter.
+// no branch per kind of drafter.  Auto mode holds a portfolio: one controller
+// per drafter that ranks (DFlash / DFlash2, a draft model, prompt lookup), and
+// each step drafts with the one expected to give the most tokens per second
+// (or none: an AR step), probing each as its own controller schedules.
 // It prints nothing and records each step (tokens committed, times, target
 // forwards, auto's choice) for the stats.
 #pragma once
@@ -75,6 +78,7 @@ struct StepRecord {
   int auto_budget = -1;
   bool probe = false;
   double expected = 0, est_tok_s = 0, est_ar_tok_s = 0;
+  int drafter = -1;         // auto mode: the portfolio's drafter that drafted (-1: none, and outside auto)
 };
 
 // Called after each prefill chunk with (tokens done, total); returning false
@@ -87,7 +91,10 @@ class Generator {
   // The attached proposers, most preferred first (the caller owns them).  The first that reads target
   // features gets them; a step drafts with the first that gives the shape its mode needs.
   void set_proposers(std::vector<Proposer*> ps);
-  const AutoController& auto_controller() const { return auto_; }
+  // Auto mode's controller of the i-th drafter of the portfolio (0: the most preferred).
+  const AutoController& auto_controller(size_t i = 0) const { return autos_.at(i); }
+  size_t n_drafters() const { return drafters_.size(); }
+  const char* drafter_name(size_t i) const { return drafters_.at(i)->name(); }
   void set_prefill_progress(PrefillProgress fn) { progress_ = std::move(fn); }
   // Structured output (constraint.h): null = none.  Kept across requests until changed; `prune` drops
   // draft nodes the constraint forbids before they cost verify rows.
@@ -118,6 +125,11 @@ class Generator {
   // Draft tokens per step when the request sets none: the first positive default (0: none).
   int default_block() const;
   DraftRequest request(int32_t s, int V) const { return DraftRequest{s, pending_, hist_.data(), V - 1}; }
+  // The drafter that ranks for this step's tree: auto's choice, else the first that ranks.
+  Proposer* ranker() const { return chosen_ >= 0 ? drafters_[(size_t)chosen_] : first(Proposer::Rank); }
+  // Draft tokens per step (the root included) with drafter k of the portfolio: the request's block size, else
+  // the drafter's own default, else the request's block.
+  int block_of(int k) const;
   void draft_chain(int32_t s, int V, StepRecord& rec);
   void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe);
   bool is_eos(int32_t t) const;
@@ -143,9 +155,12 @@ class Generator {
   Context& ctx_;
   std::vector<Proposer*> proposers_;
   Proposer* features_ = nullptr;  // the proposer the target's hidden features go to
-  // Auto mode: kept across requests (the costs belong to this device and pair);
-  // the drafted tree of the step in flight (builder order) for its observation.
-  AutoController auto_;
+  // Auto mode: one controller per drafter that ranks (drafters_), kept across requests (the costs belong to
+  // this device and pair); the drafter of the step in flight (-1: none) and its drafted tree (builder order)
+  // for its observation.
+  std::vector<Proposer*> drafters_;
+  std::vector<AutoController> autos_;
+  int chosen_ = -1;
   DraftTree auto_tree_;
   PrefillProgress progress_;
   Constraint* constraint_ = nullptr;

@@ -386,7 +386,14 @@ class Context:
             out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "tree_depth",
                                                      "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s",
                                                      "auto_budget", "probe", "expected_tokens", "est_tok_s",
-                                                     "est_ar_tok_s", "pruned", "mask_s")})
+                                                     "est_ar_tok_s", "pruned", "mask_s", "drafter")})
+        return out
+
+    def drafter_names(self) -> list[str]:
+        """Auto mode's portfolio, in the core's order of preference (a step's `drafter` indexes it)."""
+        out, lib, ffi = [], self._lib, self._ffi
+        while (p := lib.dfl_context_drafter_name(self.handle, len(out))) != ffi.NULL:
+            out.append(ffi.string(p).decode())
         return out
 
     def close(self) -> None:

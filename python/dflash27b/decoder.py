@@ -111,6 +111,22 @@ def check_plan_fits(plan: dict) -> None:
                       "(`dflash27b plan --fit` finds options that fit)")
 
 
+def _draft_sources(draft) -> list[str]:
+    """The drafters asked for: None, one source, or several (a list, or sources joined by '+'); each a DFlash
+    drafter directory, a draft-model GGUF, a Hugging Face repo id, or "lookup"; resolved, duplicates refused."""
+    if draft is None:
+        return []
+    items = list(draft) if isinstance(draft, (list, tuple)) else [draft]
+    parts = [p.strip() for d in items for p in (str(d).split("+") if not Path(str(d)).exists() else [str(d)])]
+    if not parts or any(not p for p in parts):
+        raise DFlashError(f"draft {draft!r}: an empty drafter name")
+    from .model_paths import resolve_draft
+    out = [LOOKUP if p == LOOKUP else str(resolve_draft(p)) for p in parts]
+    if len(set(out)) != len(out):
+        raise DFlashError(f"draft {draft!r} names a drafter twice")
+    return out
+
+
 class Decoder:
     """A loaded target model with one decoding context.
 
@@ -154,28 +170,36 @@ class Decoder:
                 raise DFlashError("no target model given and this install has no bundled tiny pair "
                                   "(pass target=PATH.gguf)")
             target, draft = pair[0], pair[1] if draft is None else draft
-        from .model_paths import resolve_draft, resolve_target
+        from .model_paths import resolve_target
         self.target = str(resolve_target(target))
-        # draft="lookup": prompt lookup drafts (no weights): what followed the same words earlier in the context
-        self._lookup = draft is not None and str(draft) == LOOKUP
-        if draft is not None and not self._lookup:
-            draft = resolve_draft(draft)
+        drafts = _draft_sources(draft)
+        # "lookup": prompt lookup drafts (no weights): what followed the same words earlier in the context
+        self._lookup = LOOKUP in drafts
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
         self._ctx = None
         self._draft = None
         self._draft_model = None  # a plain qwen35 GGUF drafting for the target (classic draft-model speculation)
-        self.draft = None if draft is None else str(draft)
+        # several drafters: auto mode picks, each step, the one expected to give the most tokens per second
+        self.draft = " + ".join(drafts) if drafts else None
+        self.drafts = tuple(drafts)
         try:
-            if self._lookup:
-                pass
-            elif draft is not None and Path(self.draft).is_file():
-                self._draft_model = _handles.Model(self.draft)
-                _check_same_vocab(self.target, self.draft)
-            elif draft is not None:
-                # The pair is validated by the core; a mismatch names the offending field.
-                self._draft = _handles.Draft(self.draft, self._model, draft_type)
+            for src in drafts:
+                if src == LOOKUP:
+                    continue
+                if Path(src).is_file():
+                    if self._draft_model is not None:
+                        raise DFlashError(f"two draft models given ({self._draft_model_path} and {src}): one at a time")
+                    self._draft_model = _handles.Model(src)
+                    self._draft_model_path = src
+                    _check_same_vocab(self.target, src)
+                else:
+                    if self._draft is not None:
+                        raise DFlashError(f"two DFlash drafters given ({self._draft_path} and {src}): one at a time")
+                    # The pair is validated by the core; a mismatch names the offending field.
+                    self._draft = _handles.Draft(src, self._model, draft_type)
+                    self._draft_path = src
             dev_id = 1 if self.device == "cuda" else 0
             # What the context will hold on its device (tree state for 32 verify nodes, as the core
             # plans), computed from the mapped files before anything is uploaded (memory_plan.py).
@@ -213,15 +237,17 @@ class Decoder:
 
     def _warm_up(self) -> None:
         """Measures, at load, what auto mode's first probe would cost: a speculative decode first (buffers,
-        graphs and caches warm, nothing recorded), then a few auto steps (one AR step, one probe) that the
-        controller prices its later probes by.  A drafter that costs many AR steps is then probed only as often
-        as its measured loss allows, so a short request stays at AR's speed; a cheap one is probed at once."""
+        graphs and caches warm, nothing recorded), then a few auto steps (one AR step, one probe per drafter)
+        that the controllers price their later probes by.  A drafter that costs many AR steps is then probed
+        only as often as its measured loss allows, so a short request stays at AR's speed; a cheap one is
+        probed at once."""
         prompt = [int(t) for t in self.tokenize("def f(x):\n")] or [0]
         budget = min(4, self._batch - 1)
-        if budget < 1 or len(prompt) + 8 >= self.n_ctx:
+        n = 2 + 2 * max(1, len(self.drafts))
+        if budget < 1 or len(prompt) + n + 4 >= self.n_ctx:
             return  # too small a context to measure in
         self.generate(prompt, 6, mode="ddtree", ignore_eos=True, cache=False, budget=budget)
-        self.generate(prompt, 4, mode="auto", ignore_eos=True, cache=False, budget=budget)
+        self.generate(prompt, n, mode="auto", ignore_eos=True, cache=False, budget=budget)
 
     @staticmethod
     def connect(socket_path: str | os.PathLike, timeout: float | None = None):
@@ -293,6 +319,8 @@ class Decoder:
             raise DFlashError(f"mode {mode!r} needs a drafter: pass draft=PATH (CLI: -md/--draft)")
         if block_size is not None:
             bs = int(block_size)
+        elif len(self.drafts) > 1:
+            return mode, 0   # several drafters: each drafts its own block (the core takes each one's default)
         elif self._draft is not None:
             bs = self._draft.info["block_size"]
         elif self._lookup:
@@ -502,7 +530,13 @@ class Decoder:
             tree_depth=[st["tree_depth"] for st in steps], auto_budget=[st["auto_budget"] for st in steps],
             probe=[bool(st["probe"]) for st in steps], expected_tokens=[st["expected_tokens"] for st in steps],
             pruned=[st["pruned"] for st in steps], mask_ms=[st["mask_s"] * 1e3 for st in steps],
-            est_tok_s=[st["est_tok_s"] for st in steps], est_ar_tok_s=[st["est_ar_tok_s"] for st in steps])
+            est_tok_s=[st["est_tok_s"] for st in steps], est_ar_tok_s=[st["est_ar_tok_s"] for st in steps],
+            drafter=self._drafter_names(steps) if mode == "auto" and len(self.drafts) > 1 else [])
+
+    def _drafter_names(self, steps: list[dict]) -> list[str]:
+        names = self._ctx.drafter_names()
+        return [names[st["drafter"]] if 0 <= st["drafter"] < len(names) and st["auto_budget"] > 0 else ""
+                for st in steps]   # (a drafter whose tree lost to AR after drafting verified nothing)
 
     # -- tools -------------------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

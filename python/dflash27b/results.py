@@ -44,6 +44,8 @@ class GenerateStats:
     # and the time its masks took
     pruned: list[int] = field(default_factory=list)
     mask_ms: list[float] = field(default_factory=list)
+    # auto mode with several drafters, per step: the one that drafted ("" = an AR step)
+    drafter: list[str] = field(default_factory=list)
 
     @property
     def auto_summary(self) -> str:
@@ -55,7 +57,11 @@ class GenerateStats:
         if spec:
             out += f" (budget {min(spec)}-{max(spec)}, mean {sum(spec) / len(spec):.1f})"
         probes = sum(self.probe)
-        return out + (f", {probes} probes" if probes else "")
+        out += f", {probes} probes" if probes else ""
+        names = sorted({d for d in self.drafter if d})   # a portfolio: its drafters' tree steps
+        if names:
+            out += " [" + ", ".join(f"{n} {self.drafter.count(n)}" for n in names) + "]"
+        return out
 
     def to_dict(self) -> dict:
         return asdict(self)
