@@ -50,6 +50,7 @@ CACHE_GIB = 0.01   # a small prefix cache, so it reaches its budget (and evicts)
 CLASS_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b")
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "def quicksort(xs):\n", "# parse a CSV file\n",
            "async def fetch(url):", "def is_prime(n):\n    ", "SELECT name FROM"]
+NO_THINK = {"enable_thinking": False}
 CHATS = [[{"role": "user", "content": "Write a stack class."}],
          [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}],
          [{"role": "user", "content": "hi"}],
@@ -69,7 +70,7 @@ def references(long_tokens: int) -> dict:
             refs[("prompt", i)] = _texts(d, d.generate(p, long_tokens, ignore_eos=True, cache=False).tokens)
         for i, msgs in enumerate(CHATS):
             system_msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
-            ids = d.generate(d.chat_prompt(system_msgs), long_tokens, ignore_eos=True, cache=False).tokens
+            ids = d.generate(d.chat_prompt(system_msgs, **NO_THINK), long_tokens, ignore_eos=True, cache=False).tokens
             refs[("chat", i)] = _texts(d, ids)
     return refs
 
@@ -173,9 +174,9 @@ def _body(rng: random.Random, refs: dict, n: int, long: bool = False) -> tuple[d
         extra["mode"] = m
     if rng.random() < 0.3:
         extra["cache_prompt"] = False
-    if rng.random() < 0.5:
+    if rng.random() < 0.5:   # (thinking off: the reply is all content, which the references are)
         i = rng.randrange(len(CHATS))
-        return {"messages": CHATS[i], **extra}, "/v1/chat/completions", ("chat", i)
+        return {"messages": CHATS[i], "chat_template_kwargs": NO_THINK, **extra}, "/v1/chat/completions", ("chat", i)
     i = rng.randrange(len(PROMPTS))
     return {"prompt": PROMPTS[i], **extra}, "/v1/completions", ("prompt", i)
 
@@ -225,7 +226,8 @@ async def do_plain(c, rng, refs, t: Tally):
 async def do_socket(sock: str, rng, refs, t: Tally):
     body, _, key = _body(rng, refs, rng.choice([SHORT, MEDIUM]))
     req = {"max_new_tokens": body.pop("max_tokens"), "stream": rng.random() < 0.5, "ignore_eos": True}
-    req.update({k: v for k, v in body.items() if k in ("mode", "cache_prompt", "prompt", "messages")})
+    req.update({k: v for k, v in body.items() if k in ("mode", "cache_prompt", "prompt", "messages",
+                                                         "chat_template_kwargs")})
     reader, writer = await asyncio.open_unix_connection(sock)
     try:
         writer.write(json.dumps(req).encode() + b"\n")

