@@ -88,6 +88,16 @@ def dec():
         yield d
 
 
+@pytest.fixture(scope="module")
+def fixture_pair(tiny_f32_gguf):
+    """The tests' tiny pair (tests/tiny_hf.py converted to F32, its distilled drafter): another vocabulary,
+    another drafter."""
+    from pathlib import Path
+    distilled = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled"
+    with Decoder(tiny_f32_gguf, distilled, threads=2, ctx=512) as d:
+        yield d
+
+
 def _schema_id(s):
     return s.replace(" ", "-")
 
@@ -104,6 +114,25 @@ def test_json_schema_every_mode_equals_constrained_ar(dec, name, sampling):
     for mode, kw in MODES:
         r = dec.generate("def parse(text):\n", N_NEW, mode=mode, json_schema=schema, **kw, **sampling)
         assert r.tokens == ar.tokens, (name, mode)
+
+
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])
+def test_every_schema_on_the_fixture_pair(fixture_pair, sampling):
+    """The same 20 schemas on the tiny fixture pair: replies validate, every mode == constrained AR."""
+    d = fixture_pair
+    for name, schema in sorted(SCHEMAS.items()):
+        ar = d.generate("def parse(text):\n", N_NEW, mode="ar", json_schema=schema, **sampling)
+        if ar.stats.stop_reason == "eos":
+            jsonschema.validate(json.loads(ar.text), schema or OBJ)
+        for mode, kw in MODES:
+            r = d.generate("def parse(text):\n", N_NEW, mode=mode, json_schema=schema, **kw, **sampling)
+            assert r.tokens == ar.tokens, (name, mode)
+    for name, (gbnf, shape) in sorted(GRAMMARS.items()):
+        ar = d.generate("x = ", N_NEW, mode="ar", grammar=gbnf, **sampling)
+        if ar.stats.stop_reason == "eos":
+            assert re.fullmatch(shape, ar.text), ar.text
+        for mode, kw in MODES:
+            assert d.generate("x = ", N_NEW, mode=mode, grammar=gbnf, **kw, **sampling).tokens == ar.tokens
 
 
 @pytest.mark.parametrize("name", sorted(GRAMMARS))

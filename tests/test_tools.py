@@ -367,3 +367,34 @@ def test_socket_protocol_returns_the_message(served, dec):
     want = dec.generate(MSGS, 120, cache=False, **kw)
     assert r.tokens == want.tokens
     assert [c["function"] for c in r.tool_calls] == [c["function"] for c in want.tool_calls]
+
+
+def test_a_drafted_end_of_generation_is_a_leaf_of_the_mask_walk(dec):
+    """Prompt lookup drafts what followed a call in the context: '</tool_call>' then the end of the turn.  The
+    walk over the draft tree gives an allowed end-of-generation node no children and does not consume it (a
+    matcher that stopped on it rolls back differently), so the decided text stays the constraint's."""
+    from dflash27b.constraint import TokenConstraint, compile_grammar
+    tok, tools = dec.tokenizer, parse_tools(TOOLS)
+    g = compile_grammar(lark=tool_grammar(tools, "ping", False, after_think=False))
+    c = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
+    c.commit(tok.encode("<tool_call>\n<function=ping>\n</function>\n</", parse_special=False))
+    eos = min(tok.eos_ids)
+    rest = tok.encode("tool_call>", parse_special=False)
+    tokens = [0] + rest + [eos] + tok.encode("\n", parse_special=False)
+    parents = list(range(-1, len(tokens) - 1))
+    out = np.zeros((len(tokens), c.words), np.uint32)
+    c.masks(len(tokens), np.array(tokens), np.array(parents), out)
+    assert out[len(rest)][eos >> 5] >> (eos & 31) & 1      # the end is allowed after the call
+    assert not out[len(rest) + 1].any() and not out[len(rest) + 2].any()   # a leaf: nothing below it
+    c.commit(rest + [eos])                                  # the matcher is where it was before the walk
+    assert c.done()
+    hist = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "pong"}, {"role": "user", "content": "Again."}]
+    with Decoder(draft="lookup", threads=2) as lk:
+        kw = dict(chat=True, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "ping"}},
+                  chat_template_kwargs=NO_THINK, cache=False)
+        ar = lk.generate(hist, 40, mode="ar", **kw)
+        assert ar.tool_calls and ar.tool_calls[0]["function"]["name"] == "ping"
+        for mode in ("chain", "ddtree", "auto"):
+            assert lk.generate(hist, 40, mode=mode, **kw).tokens == ar.tokens, mode

@@ -146,6 +146,7 @@ class TokenConstraint:
             raise ConstraintError(self.matcher.get_error())
         self.words = (n_vocab + 31) // 32
         self.eos_ids = sorted(eos_ids)
+        self._eos = frozenset(self.eos_ids)
         self.error: BaseException | None = None
         self.mask_calls = 0
 
@@ -174,6 +175,14 @@ class TokenConstraint:
             p = int(parents[i])
             t = int(tokens[i])
             if not alive[p] or not (out[p, t >> 5] >> np.uint32(t & 31)) & np.uint32(1):
+                out[i] = 0   # forbidden: nothing below it either
+                continue
+            if t in self._eos:
+                # an allowed end of generation: a leaf (the reply ends there).  Not consumed: a matcher that
+                # stopped on it does not roll it back like other tokens
+                out[i] = 0
+                alive[i] = True
+                depth[i] = depth[p] + 1
                 continue
             # back up to the parent, then consume this node's token
             d = depth[p]
