@@ -47,6 +47,8 @@ typedef struct {
   int32_t ssm_conv_kernel, ssm_dk, ssm_nk, ssm_nv, ssm_dv, tied_embeddings;
   float rope_base, rms_eps;
   uint64_t weight_bytes, file_bytes;
+  int32_t n_mtp_layers;  /* the file's MTP head layers the engine drafts with (0 or 1; qwen35.nextn_predict_layers) */
+  uint64_t mtp_bytes;    /* its own tensors' bytes */
 } dfl_model_info;
 
 dfl_model* dfl_model_load(const char* path);
@@ -284,6 +286,10 @@ int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m);
  * ngram_min tokens) where it occurred before, as a chain or a tree of the continuations (no weights, no
  * forward); block = draft tokens per step incl. the root when a request sets none.  block <= 0 detaches. */
 int dfl_context_attach_lookup(dfl_context* c, int32_t ngram_min, int32_t ngram_max, int32_t block);
+/* The target's own MTP head as a drafter (the file must carry one: dfl_model_info.n_mtp_layers > 0): it drafts
+ * `block` - 1 tokens a step autoregressively, each depth's top-K ranking chain and DDTree; block <= 0 detaches.
+ * It reads the trunk's last hidden state of every committed position and keeps one layer of KV. */
+int dfl_context_attach_mtp(dfl_context* c, int32_t block);
 /* Bytes held by the attached drafter's ring and KV cache, or the draft model's context (0 when none). */
 int64_t dfl_context_draft_state_bytes(const dfl_context* c);
 

@@ -47,6 +47,10 @@ int32_t dfl_build_ddtree_lattice(const int32_t* cand_ids, const float* cand_logp
 /* Runs `iters` parallel loops of varied shapes on one pool of n_threads and
  * checks every index is visited exactly once per loop; -1 with a message if not. */
 int dfl_selftest_threadpool(int32_t n_threads, int64_t iters);
+/* The MTP head's logits over a sequence (tests against a reference): the trunk runs tokens[0, n) from a fresh
+ * state, then the head reads row p = (tokens[p], the trunk's last hidden state at p - 1; zeros for p = 0) at
+ * positions 0 .. n-1 of its KV.  logits: [n][n_vocab].  The context is left reset. */
+int dfl_dev_mtp_logits(dfl_context* c, const int32_t* tokens, int32_t n, float* logits);
 /* Streams `bytes` of memory with n_threads threads; returns GB/s read (best of 3). */
 double dfl_measure_read_bandwidth(int64_t bytes, int32_t n_threads);
 int dfl_dequantize(uint32_t type, const void* src, int64_t n, float* dst);

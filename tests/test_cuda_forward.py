@@ -425,3 +425,17 @@ def test_cuda_portfolio_and_lookup_equal_cuda_ar(pair):
             assert d.generate(ids, n, ignore_eos=True, mode=mode).tokens == ar, mode
     with Decoder(pair[0], "lookup", device="cuda", ctx=512, threads=2, warm_up=False) as d:
         assert d.generate(ids, n, ignore_eos=True, mode="ddtree").tokens == ar
+
+
+def test_cuda_mtp_head_equals_cuda_ar(tmp_path):
+    """The target's MTP head drafting on the CUDA backend (its layer uploaded with the trunk, its KV there):
+    chain and DDTree give CUDA AR's tokens."""
+    from test_mtp_gguf import BUNDLED, copy_with_mtp
+    f = tmp_path / "tiny-mtp.gguf"
+    copy_with_mtp(str(BUNDLED), str(f))
+    n = 12 if EMULATED else 64
+    with Decoder(f, "mtp", device="cuda", ctx=512, threads=2, warm_up=False) as d:
+        ids = d.tokenize(PROMPTS[0])
+        ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
+        for mode in ("chain", "ddtree"):
+            assert d.generate(ids, n, ignore_eos=True, mode=mode).tokens == ar, mode

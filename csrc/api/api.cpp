@@ -101,6 +101,7 @@ int dfl_model_get_info(const dfl_model* m, dfl_model_info* o) {
     o->ssm_nk = c.ssm_nk; o->ssm_nv = c.ssm_nv; o->ssm_dv = c.ssm_dv; o->tied_embeddings = c.tied_embeddings;
     o->rope_base = c.rope_base; o->rms_eps = c.rms_eps;
     o->weight_bytes = m->m->weight_bytes; o->file_bytes = m->m->file->file_size();
+    o->n_mtp_layers = m->m->mtp.present() ? 1 : 0; o->mtp_bytes = m->m->mtp_bytes;
   });
 }
 

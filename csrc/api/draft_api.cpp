@@ -135,6 +135,17 @@ int dfl_context_attach_lookup(dfl_context* c, int32_t ngram_min, int32_t ngram_m
   });
 }
 
+int dfl_context_attach_mtp(dfl_context* c, int32_t block) {
+  return dfl::api_guard([&] {
+    if (!c) dfl::fail("context is NULL");
+    c->mtp.reset();
+    c->refresh_proposers();
+    if (block <= 0) return;
+    c->mtp = std::make_unique<dfl::MtpProposer>(*c->ctx, block);
+    c->refresh_proposers();
+  });
+}
+
 int64_t dfl_context_draft_state_bytes(const dfl_context* c) {
   if (!c) return -1;
   if (c->draft_model) return (int64_t)c->draft_model->state_bytes();
@@ -279,5 +290,33 @@ int dfl_drafter_propose_lattice(dfl_drafter* r, int32_t n_block, const int32_t* 
   });
 }
 
+int dfl_dev_mtp_logits(dfl_context* c, const int32_t* tokens, int32_t n, float* logits) {
+  return dfl::api_guard([&] {
+    if (!c || !tokens || !logits) dfl::fail("null argument");
+    dfl::Context& ctx = *c->ctx;
+    const dfl::Model& m = ctx.model();
+    if (!m.mtp.present()) dfl::fail("the model has no MTP head");
+    if (n <= 0 || n > ctx.params().n_batch) dfl::fail("sequence of %d tokens (1..%d)", n, ctx.params().n_batch);
+    const int H = m.cfg.n_embd;
+    ctx.reset();
+    std::vector<int32_t> pos((size_t)n);
+    for (int i = 0; i < n; ++i) pos[(size_t)i] = i;
+    std::vector<float> hidden((size_t)(n + 1) * H, 0.f);  // row 0 zeros, row p + 1 = position p
+    const int32_t last = m.cfg.n_layer - 1;
+    dfl::Batch b{n, tokens, pos.data(), nullptr};
+    dfl::ForwardOutputs o;
+    o.n_capture = 1;
+    o.capture_layers = &last;
+    o.hidden = hidden.data() + H;
+    ctx.forward(b, o, true);
+    dfl::Backend& be = ctx.backend();
+    dfl::BackendBuf rows(be, (size_t)n * H * 4);
+    be.upload(rows.p, hidden.data(), (size_t)n * H * 4);
+    ctx.mtp_forward(tokens, n, 0, rows.f(), false, 0, nullptr, nullptr, nullptr, logits);
+    ctx.reset();
+  });
+}
+
 }  // extern "C"
 #pragma GCC visibility pop
+

@@ -13,6 +13,7 @@
 #include "spec/generator.h"
 #include "spec/hook_proposers.h"
 #include "spec/lookup_proposer.h"
+#include "spec/mtp_proposer.h"
 
 struct dfl_model {
   std::unique_ptr<dfl::Model> m;
@@ -28,6 +29,7 @@ struct dfl_context {
   std::unique_ptr<dfl::Drafter> drafter;  // attached drafter runtime (on ctx's threads)
   std::unique_ptr<dfl::DFlashProposer> dflash;           // ... as the generator sees it
   std::unique_ptr<dfl::DraftModelProposer> draft_model;  // or an attached draft model (its own context)
+  std::unique_ptr<dfl::MtpProposer> mtp;                  // the target's own MTP head
   std::unique_ptr<dfl::LookupProposer> lookup;            // prompt lookup (no weights)
   // the C API's hooks (tests, oracles): they draft before any attached drafter
   std::unique_ptr<dfl::Proposer> chain_hook, tree_hook, topk_hook;
@@ -37,7 +39,8 @@ struct dfl_context {
   // Hands the generator every attached proposer, most preferred first.
   void refresh_proposers() {
     gen->set_proposers(
-        {chain_hook.get(), tree_hook.get(), topk_hook.get(), draft_model.get(), dflash.get(), lookup.get()});
+        {chain_hook.get(), tree_hook.get(), topk_hook.get(), draft_model.get(), dflash.get(), mtp.get(),
+         lookup.get()});
   }
 };
 

@@ -61,13 +61,26 @@ struct LayerWeights {
   std::vector<float> dt_bias, ssm_a, ssm_norm;
 };
 
+// The model's multi-token-prediction head (llama.cpp's "-MTP" files: qwen35.nextn_predict_layers = 1, stored as
+// blk.{n_layer}): x = eh_proj · [enorm(embed(token)) ‖ hnorm(h)], h the trunk's hidden after output_norm at the
+// previous position, then one full-attention decoder layer with its own KV, then shared_head_norm and the
+// trunk's output head.  Its norms carry llama.cpp's +1 like every other (plain multipliers here).
+struct MtpWeights {
+  LayerWeights layer;            // a full-attention layer (wq with its gate, q/k norms) + SwiGLU
+  Weight eh_proj;                // [2H] -> [H]: columns 0..H-1 take the embedding, H..2H-1 the hidden
+  std::vector<float> enorm, hnorm, head_norm;
+  bool present() const { return eh_proj.data != nullptr; }
+};
+
 struct Model {
   std::unique_ptr<GGUFFile> file;
   Qwen35Config cfg;
   Weight tok_embd, output;
   std::vector<float> output_norm;
   std::vector<LayerWeights> layers;
-  uint64_t weight_bytes = 0;  // bytes of all weight tensors (what one AR step reads)
+  MtpWeights mtp;             // absent (eh_proj null) unless the file carries the head
+  uint64_t weight_bytes = 0;  // bytes of the trunk's weight tensors (what one AR step reads)
+  uint64_t mtp_bytes = 0;     // bytes of the MTP head's own tensors
 
   // The one list of the tensors the forward reads, in a fixed order: mat(const Weight&) for each matrix
   // present, vec(const std::vector<float>&) for each f32 vector present.  Uploads and plans walk it.
@@ -76,13 +89,18 @@ struct Model {
     auto m = [&](const Weight& w) { if (w.data) mat(w); };
     auto v = [&](const std::vector<float>& x) { if (!x.empty()) vec(x); };
     m(tok_embd), m(output), v(output_norm);
-    for (const LayerWeights& l : layers) {
+    auto layer = [&](const LayerWeights& l) {
       for (const Weight* w : {&l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.wq, &l.wk, &l.wv, &l.wo, &l.wqkv, &l.wgate,
                               &l.wbeta, &l.walpha, &l.ssm_out})
         m(*w);
       for (const std::vector<float>* x : {&l.attn_norm, &l.post_norm, &l.q_norm, &l.k_norm, &l.conv1d, &l.dt_bias,
                                           &l.ssm_a, &l.ssm_norm})
         v(*x);
+    };
+    for (const LayerWeights& l : layers) layer(l);
+    if (mtp.present()) {
+      layer(mtp.layer);
+      m(mtp.eh_proj), v(mtp.enorm), v(mtp.hnorm), v(mtp.head_norm);
     }
   }
 };

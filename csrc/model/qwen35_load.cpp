@@ -137,16 +137,33 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
     fail("%s holds only the model's MTP head (blk.%d.nextn.*), not the model: load the model's own GGUF",
          path.c_str(), block_count - 1);
   const int H = c.n_embd, Cconv = c.conv_channels(), Cv = c.ssm_inner();
-  m->layers.resize(c.n_layer);
-  for (int i = 0; i < c.n_layer; ++i) {
-    LayerWeights& w = m->layers[i];
-    std::string p = "blk." + std::to_string(i) + ".";
+  auto attention_layer = [&](LayerWeights& w, const std::string& p) {
     w.attn_norm = L.vec(p + "attn_norm.weight", H);
     w.post_norm = L.vec(p + "post_attention_norm.weight", H);
     w.ffn_gate = L.mat(p + "ffn_gate.weight", H, c.n_ff);
     w.ffn_up = L.mat(p + "ffn_up.weight", H, c.n_ff);
     w.ffn_down = L.mat(p + "ffn_down.weight", c.n_ff, H);
-    if (c.is_recurrent[i]) {
+    w.wq = L.mat(p + "attn_q.weight", H, 2 * c.q_dim());
+    w.wk = L.mat(p + "attn_k.weight", H, c.kv_dim());
+    w.wv = L.mat(p + "attn_v.weight", H, c.kv_dim());
+    w.wo = L.mat(p + "attn_output.weight", c.q_dim(), H);
+    w.q_norm = L.vec(p + "attn_q_norm.weight", c.head_dim);
+    w.k_norm = L.vec(p + "attn_k_norm.weight", c.head_dim);
+  };
+  m->layers.resize(c.n_layer);
+  for (int i = 0; i < c.n_layer; ++i) {
+    LayerWeights& w = m->layers[i];
+    std::string p = "blk." + std::to_string(i) + ".";
+    if (!c.is_recurrent[i]) {
+      attention_layer(w, p);
+      continue;
+    }
+    w.attn_norm = L.vec(p + "attn_norm.weight", H);
+    w.post_norm = L.vec(p + "post_attention_norm.weight", H);
+    w.ffn_gate = L.mat(p + "ffn_gate.weight", H, c.n_ff);
+    w.ffn_up = L.mat(p + "ffn_up.weight", H, c.n_ff);
+    w.ffn_down = L.mat(p + "ffn_down.weight", c.n_ff, H);
+    {
       w.wqkv = L.mat(p + "attn_qkv.weight", H, Cconv);
       w.wgate = L.mat(p + "attn_gate.weight", H, Cv);
       w.wbeta = L.mat(p + "ssm_beta.weight", H, c.ssm_nv);
@@ -156,16 +173,20 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
       w.dt_bias = L.vec(p + "ssm_dt.bias", c.ssm_nv);
       w.ssm_a = L.vec(p + "ssm_a", c.ssm_nv);
       w.ssm_norm = L.vec(p + "ssm_norm.weight", c.ssm_dv);
-    } else {
-      w.wq = L.mat(p + "attn_q.weight", H, 2 * c.q_dim());
-      w.wk = L.mat(p + "attn_k.weight", H, c.kv_dim());
-      w.wv = L.mat(p + "attn_v.weight", H, c.kv_dim());
-      w.wo = L.mat(p + "attn_output.weight", c.q_dim(), H);
-      w.q_norm = L.vec(p + "attn_q_norm.weight", c.head_dim);
-      w.k_norm = L.vec(p + "attn_k_norm.weight", c.head_dim);
     }
   }
   m->weight_bytes = L.bytes;
+  // The first MTP layer, when the file has one (the head drafts; the trunk never runs it)
+  const std::string mp = "blk." + std::to_string(c.n_layer) + ".";
+  if (nextn > 0 && f.find_tensor(mp + "nextn.eh_proj.weight")) {
+    MtpWeights& t = m->mtp;
+    attention_layer(t.layer, mp);
+    t.eh_proj = L.mat(mp + "nextn.eh_proj.weight", 2 * H, H);
+    t.enorm = L.vec(mp + "nextn.enorm.weight", H);
+    t.hnorm = L.vec(mp + "nextn.hnorm.weight", H);
+    t.head_norm = L.vec(mp + "nextn.shared_head_norm.weight", H);
+    m->mtp_bytes = L.bytes - m->weight_bytes;
+  }
   return m;
 }
 

@@ -96,6 +96,17 @@ class Context {
   void save_recurrent(BackendBuf& dst) const;
   void restore_recurrent(const BackendBuf& src);
 
+  // The model's MTP head (Model::mtp) over n <= n_batch rows at positions pos0 .. pos0+n-1 of the head's own
+  // KV (a chain: row t sees the head's slots [0, pos0 + t]).  Row t reads tokens[t] and hidden row t (backend
+  // memory, [n][n_embd]): the trunk's last-layer residual at the position before (post_norm false: output_norm
+  // is applied here), or the head's own output of the depth before (post_norm true).  Writes the head's K/V
+  // at those slots; k > 0: each row's top-k ids and log-probs [n][k]; head_out (backend memory [n][n_embd],
+  // optional): each row's hidden after shared_head_norm, the next depth's input.  The trunk's state is
+  // untouched.
+  // logits (host, optional): every row's logits [n][n_vocab] (tests).
+  void mtp_forward(const int32_t* tokens, int n, int32_t pos0, const float* hidden, bool post_norm, int k,
+                   int32_t* ids, float* logp, float* head_out, float* logits = nullptr);
+
   // Target forwards run since construction (tests count them per step).
   int64_t n_forwards() const { return n_forwards_; }
   // The context's worker threads, shared with a drafter serving it.

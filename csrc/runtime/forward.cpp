@@ -41,6 +41,8 @@ struct Context::Impl {
   BackendBuf logits;  // [kLogitGroup][n_vocab], allocated on first use
   BackendBuf top;     // top-k ids then log-probs of a logits group
   BackendBuf captured;  // [n_batch][n_capture][n_embd] when features stay on the backend
+  BackendBuf mtp_k, mtp_v;  // the MTP head's KV [n_ctx] rows, allocated on first use
+  ChunkPlan mtp_plan;
 
   explicit Impl(int threads) : pool(threads) {}
 };
@@ -80,6 +82,10 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
     } else {
       mp.kv += 2 * (uint64_t)p.n_ctx * kv_row;
     }
+  }
+  if (m.mtp.present()) {  // the MTP head: its tensors (uploaded with the trunk) and its one layer's KV
+    mp.weights += m.mtp_bytes;
+    mp.kv += 2 * (uint64_t)p.n_ctx * kv_row;
   }
   if (c.n_layer > 0) mp.tree_state += (uint64_t)max_nodes * (conv + rec);  // one layer's node states
   const size_t nb = (size_t)p.n_batch, widest = widest_row(c);
@@ -483,6 +489,92 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.download(out.logits + (size_t)rs[g0 + j] * c.n_vocab, I.logits.f() + (size_t)j * c.n_vocab,
                   (size_t)(e - j) * c.n_vocab * 4);
       j = e;
+    }
+  }
+}
+
+void Context::mtp_forward(const int32_t* tokens, int n, int32_t pos0, const float* hidden, bool post_norm, int k,
+                          int32_t* ids, float* logp, float* head_out, float* logits) {
+  Impl& I = *impl_;
+  Backend& be = *I.be;
+  const Model& M = model_;
+  const Qwen35Config& c = M.cfg;
+  const MtpWeights& W = M.mtp;
+  const int H = c.n_embd;
+  if (!W.present()) fail("the model has no MTP head (qwen35.nextn_predict_layers is 0 or its tensors are missing)");
+  if (n <= 0 || n > params_.n_batch) fail("MTP batch of %d rows (1..%d)", n, params_.n_batch);
+  if (pos0 < 0 || pos0 + n > params_.n_ctx) fail("MTP rows at %d..%d outside the context (%d)", pos0, pos0 + n - 1,
+                                                 params_.n_ctx);
+  if (widest_row(c) < (size_t)2 * H) fail("MTP head: scratch rows narrower than 2 x n_embd");
+  if (!I.mtp_k.p) {
+    I.mtp_k = BackendBuf(be, (size_t)params_.n_ctx * I.kv_row);
+    I.mtp_v = BackendBuf(be, (size_t)params_.n_ctx * I.kv_row);
+  }
+  std::vector<int32_t> pos((size_t)n);
+  for (int t = 0; t < n; ++t) pos[(size_t)t] = pos0 + t;
+  const Batch b{n, tokens, pos.data(), nullptr};
+  plan_chunk(b, 0, n, /*commit=*/true, pos0, I.node_parent, I.mtp_plan);  // a chain from slot pos0
+  be.begin_chunk(I.mtp_plan);
+  // x = eh_proj . [enorm(embed(token)) | hnorm(h)]
+  float* x = I.x.f();
+  float* cat = I.a2.f();
+  const size_t row = (size_t)H * 4;
+  be.embed(M.tok_embd, x);
+  be.rmsnorm(x, be.vec(W.enorm), n, H, c.rms_eps, I.hn.f());
+  be.copy_rows(cat, 2 * row, I.hn.f(), row, row, (size_t)n);
+  const float* h = hidden;
+  if (!post_norm) {  // the trunk's hidden as its head sees it: after output_norm
+    be.rmsnorm(hidden, be.vec(M.output_norm), n, H, c.rms_eps, I.out.f());
+    h = I.out.f();
+  }
+  be.rmsnorm(h, be.vec(W.hnorm), n, H, c.rms_eps, I.hn.f());
+  be.copy_rows(cat + H, 2 * row, I.hn.f(), row, row, (size_t)n);
+  be.matmul(W.eh_proj, cat, n, x);
+  // one full-attention decoder layer, the trunk's arithmetic, on the head's KV
+  const LayerWeights& w = W.layer;
+  be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
+  float* qg = I.a0.f();
+  float* kk = I.a1.f();
+  float* vv = I.a2.f();
+  be.matmul(w.wq, I.hn.f(), n, qg);
+  be.matmul(w.wk, I.hn.f(), n, kk);
+  be.matmul(w.wv, I.hn.f(), n, vv);
+  const AttnLayer L{I.attn, I.mtp_k.u8(), I.mtp_v.u8(), be.vec(w.q_norm), be.vec(w.k_norm)};
+  be.attn_store(qg, kk, vv, L);
+  float* o = I.a1.f();
+  be.attention(qg, L, o);
+  be.matmul(w.wo, o, n, I.out.f());
+  be.add(x, I.out.f(), (size_t)n * H);
+  be.rmsnorm(x, be.vec(w.post_norm), n, H, c.rms_eps, I.hn.f());
+  float* g = I.a0.f();
+  float* u = I.a1.f();
+  be.matmul(w.ffn_gate, I.hn.f(), n, g);
+  be.matmul(w.ffn_up, I.hn.f(), n, u);
+  be.swiglu(g, u, (size_t)n * c.n_ff);
+  be.matmul(w.ffn_down, g, n, I.out.f());
+  be.add(x, I.out.f(), (size_t)n * H);
+  // the head: shared_head_norm, then the trunk's output matrix
+  float* hs = I.hn.f();
+  be.rmsnorm(x, be.vec(W.head_norm), n, H, c.rms_eps, hs);
+  if (head_out) be.copy(head_out, hs, (size_t)n * row);
+  if (k <= 0 && !logits) return;
+  const int group = std::min(kLogitGroup, params_.n_batch);
+  if (!I.logits.p) I.logits = BackendBuf(be, (size_t)group * c.n_vocab * 4);
+  const size_t kk8 = (size_t)k;
+  if (I.top.bytes < (size_t)group * kk8 * 8) I.top = BackendBuf(be, (size_t)group * kk8 * 8);
+  std::vector<uint8_t> both((size_t)group * kk8 * 8);
+  for (int g0 = 0; g0 < n; g0 += group) {
+    const int m = std::min(group, n - g0);
+    be.matmul(M.output, hs + (size_t)g0 * H, m, I.logits.f());
+    if (logits) be.download(logits + (size_t)g0 * c.n_vocab, I.logits.f(), (size_t)m * c.n_vocab * 4);
+    if (k <= 0) continue;
+    int32_t* tid = reinterpret_cast<int32_t*>(I.top.u8());
+    float* tlp = reinterpret_cast<float*>(I.top.u8() + (size_t)group * kk8 * 4);
+    be.row_topk(I.logits.f(), m, c.n_vocab, k, tid, tlp);
+    be.download(both.data(), I.top.p, both.size());
+    for (int j = 0; j < m; ++j) {
+      std::memcpy(ids + (size_t)(g0 + j) * kk8, both.data() + j * kk8 * 4, kk8 * 4);
+      std::memcpy(logp + (size_t)(g0 + j) * kk8, both.data() + ((size_t)group + j) * kk8 * 4, kk8 * 4);
     }
   }
 }

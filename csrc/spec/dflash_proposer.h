@@ -48,7 +48,8 @@ class DFlashProposer final : public Proposer {
   void reset() override { d_.reset(); }
   const std::vector<int32_t>* feature_layers() const override { return &d_.config().target_layer_ids; }
   int feature_capacity() const override { return d_.capacity(); }
-  void take_features(int32_t pos0, int n, const float* captured, const int32_t* rows) override {
+  void take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
+                     const int32_t* /*tokens*/) override {
     if (captured) d_.push_features_from_backend(pos0, n, captured, rows);
     else d_.skip_features(pos0, n);
   }

@@ -94,7 +94,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   if (n_keep == 0) ctx_.reset();
   hist_.assign(prompt, prompt + n_prompt);
   for (Proposer* q : proposers_) q->reset();
-  if (n_keep > 0 && capturing()) features_->take_features(0, n_keep, nullptr, nullptr);  // kept: skipped
+  if (n_keep > 0 && capturing()) features_->take_features(0, n_keep, nullptr, nullptr, nullptr);  // kept: skipped
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
   prefill(prompt, n_prompt, n_keep);
@@ -143,7 +143,7 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
     }
     ctx_.forward(b, o, true);
     // positions the proposer could never read are skipped: it only needs the count
-    if (cap) features_->take_features(off, m, grab ? ctx_.captured() : nullptr, nullptr);
+    if (cap) features_->take_features(off, m, grab ? ctx_.captured() : nullptr, nullptr, grab ? prompt + off : nullptr);
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
   const uint32_t* mask = nullptr;
@@ -521,9 +521,13 @@ int Generator::step(std::vector<int32_t>& out) {
   if (!ar) {
     ctx_.commit_path(path.data(), a + 1);
     // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace)
-    if (cap) features_->take_features(s, a + 1, ctx_.captured(), path.data());
+    if (cap) {
+      std::vector<int32_t> accepted((size_t)a + 1);
+      for (int i = 0; i <= a; ++i) accepted[(size_t)i] = tokens_[(size_t)path[i]];
+      features_->take_features(s, a + 1, ctx_.captured(), path.data(), accepted.data());
+    }
   } else if (cap) {
-    features_->take_features(s, 1, ctx_.captured(), nullptr);  // auto's AR steps: the features stay whole
+    features_->take_features(s, 1, ctx_.captured(), nullptr, tokens_.data());  // auto's AR steps: whole
   }
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);

@@ -59,13 +59,14 @@ class Proposer {
   virtual void reset() {}
   virtual void prompt_done(const int32_t* /*prompt*/, int /*n*/) {}
 
-  // Target features (DFlash): the target layers whose output to capture (null: none), how many of the newest
-  // positions can still reach the drafter, and the captured rows of committed positions: rows[i] of
-  // `captured` (on the target's backend) is position pos0 + i; rows null = consecutive; captured null = the
-  // positions are skipped (never needed).
+  // Target features (DFlash, the MTP head): the target layers whose output to capture (null: none), how many
+  // of the newest positions can still reach the drafter, and the captured rows of committed positions: rows[i]
+  // of `captured` (on the target's backend) is position pos0 + i; rows null = consecutive; captured null = the
+  // positions are skipped (never needed); tokens: the tokens at those positions (null with captured null).
   virtual const std::vector<int32_t>* feature_layers() const { return nullptr; }
   virtual int feature_capacity() const { return 0; }
-  virtual void take_features(int32_t /*pos0*/, int /*n*/, const float* /*captured*/, const int32_t* /*rows*/) {}
+  virtual void take_features(int32_t /*pos0*/, int /*n*/, const float* /*captured*/, const int32_t* /*rows*/,
+                             const int32_t* /*tokens*/) {}
 
   // Bytes of state it keeps per context (KV, rings, snapshots): what a memory plan counts.
   virtual size_t state_bytes() const { return 0; }

@@ -263,6 +263,10 @@ class Context:
         """Prompt lookup as the drafter (block <= 0 detaches)."""
         check(self._lib.dfl_context_attach_lookup(self.handle, ngram_min, ngram_max, block))
 
+    def attach_mtp(self, block: int = 4) -> None:
+        """The target's own MTP head as a drafter (block <= 0 detaches)."""
+        check(self._lib.dfl_context_attach_mtp(self.handle, block))
+
     def set_constraint(self, c, prune: bool = True) -> None:
         """Structured output (constraint.TokenConstraint): the core asks it for each step's masks and tells it
         the decided tokens.  None removes it.  A callback's exception is kept in c.error."""

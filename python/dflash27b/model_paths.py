@@ -192,6 +192,7 @@ class TargetEntry:
     n_layer: int = 0
     n_embd: int = 0
     n_vocab: int = 0
+    mtp: int = 0                    # MTP head layers (qwen35.nextn_predict_layers): `-md mtp` drafts with it
     drafters: list[str] = field(default_factory=list)
 
 
@@ -222,9 +223,10 @@ def _gguf_facts(path: Path) -> dict:
         quant = LlamaFileType(ft).name.replace("MOSTLY_", "") if ft is not None else "?"
     except ValueError:
         quant = str(ft)
-    return {"arch": arch, "quant": quant, "n_layer": int(meta.get(f"{arch}.block_count") or 0),
+    mtp = int(meta.get(f"{arch}.nextn_predict_layers") or 0)
+    return {"arch": arch, "quant": quant, "n_layer": int(meta.get(f"{arch}.block_count") or 0) - mtp,
             "n_embd": int(meta.get(f"{arch}.embedding_length") or 0),
-            "n_vocab": len(meta.get("tokenizer.ggml.tokens") or ())}
+            "n_vocab": len(meta.get("tokenizer.ggml.tokens") or ()), "mtp": mtp}
 
 
 def _draft_facts(d: Path) -> dict | None:

@@ -1,0 +1,79 @@
+// mtp_proposer.cpp — the MTP head drafting for its own trunk (spec/mtp_proposer.h).
+#include "spec/mtp_proposer.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "util/error.h"
+
+namespace dfl {
+
+MtpProposer::MtpProposer(Context& ctx, int block) : ctx_(ctx), block_(block) {
+  const Model& m = ctx.model();
+  if (!m.mtp.present())
+    fail("the target has no MTP head (qwen35.nextn_predict_layers is 0): use a GGUF converted with it "
+         "(llama.cpp's converter without --no-mtp; the \"-MTP\" files)");
+  if (block < 2) fail("MTP draft block must be at least 2 (the root and one draft token), got %d", block);
+  layers_ = {m.cfg.n_layer - 1};
+  Backend& be = ctx.backend();
+  const size_t row = (size_t)m.cfg.n_embd * 4;
+  last_h_ = BackendBuf(be, row);
+  head_ = BackendBuf(be, row);
+  rows_ = BackendBuf(be, (size_t)ctx.params().n_batch * row);
+  reset();
+}
+
+void MtpProposer::reset() {
+  n_pos_ = 0;
+  std::vector<float> zero((size_t)ctx_.model().cfg.n_embd, 0.f);
+  ctx_.backend().upload(last_h_.p, zero.data(), zero.size() * 4);
+}
+
+size_t MtpProposer::state_bytes() const { return last_h_.bytes + head_.bytes + rows_.bytes; }
+
+void MtpProposer::take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
+                                const int32_t* tokens) {
+  if (n <= 0) return;
+  if (!captured || !tokens || pos0 != n_pos_) {
+    // positions not seen (a prefix-cache hit's kept prompt): their slots keep whatever they held; the head
+    // only drafts less well until it reads new positions
+    n_pos_ = pos0 + n;
+    std::vector<float> zero((size_t)ctx_.model().cfg.n_embd, 0.f);
+    ctx_.backend().upload(last_h_.p, zero.data(), zero.size() * 4);
+    return;
+  }
+  Backend& be = ctx_.backend();
+  const int H = ctx_.model().cfg.n_embd;
+  const size_t row = (size_t)H * 4;
+  const int nb = ctx_.params().n_batch;
+  for (int off = 0; off < n; off += nb) {
+    const int m = std::min(nb, n - off);
+    // input hidden of row t: the trunk's hidden at the position before it
+    be.copy(rows_.f(), last_h_.f(), row);
+    for (int t = 1; t < m; ++t) {
+      const int src = rows ? rows[off + t - 1] : off + t - 1;
+      be.copy(rows_.f() + (size_t)t * H, captured + (size_t)src * H, row);
+    }
+    ctx_.mtp_forward(tokens + off, m, pos0 + off, rows_.f(), /*post_norm=*/false, 0, nullptr, nullptr, nullptr);
+    const int last = rows ? rows[off + m - 1] : off + m - 1;
+    be.copy(last_h_.f(), captured + (size_t)last * H, row);
+  }
+  n_pos_ = pos0 + n;
+}
+
+void MtpProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) {
+  if (r.L <= 0) return;
+  if (r.root_pos != n_pos_)
+    fail("MTP head: the draft's root is at %d but the head has read positions up to %d", r.root_pos, n_pos_);
+  int32_t tok = r.root;
+  const float* h = last_h_.f();
+  bool post = false;
+  for (int d = 0; d < r.L; ++d) {
+    ctx_.mtp_forward(&tok, 1, r.root_pos + d, h, post, K, ids + (size_t)d * K, logp + (size_t)d * K, head_.f());
+    tok = ids[(size_t)d * K];
+    h = head_.f();
+    post = true;
+  }
+}
+
+}  // namespace dfl

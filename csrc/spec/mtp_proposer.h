@@ -1,0 +1,43 @@
+// mtp_proposer.h — the target's own multi-token-prediction head (Model::mtp) as a Proposer.
+//
+// The head keeps its own KV: slot p holds what it computed from the token at p and the trunk's hidden state
+// at p - 1 (after output_norm; zeros before the first position), written as committed positions arrive
+// (take_features: the prompt's chunks, then each step's accepted path, with their tokens).  A draft runs
+// the head autoregressively from the root: depth 1 reads (root, the trunk's hidden at root_pos - 1), depth
+// d > 1 reads (the top-1 of depth d - 1, the head's own output after shared_head_norm), each at the next
+// slot (those temporary slots are rewritten when their positions commit).  Each depth's top-K is the
+// ranking chain mode and the DDTree builder read.  It computes on the target context's backend.
+#pragma once
+#include <vector>
+
+#include "runtime/context.h"
+#include "spec/proposer.h"
+
+namespace dfl {
+
+class MtpProposer final : public Proposer {
+ public:
+  // block: draft tokens per step, the root included, when the request sets none
+  MtpProposer(Context& ctx, int block);
+  const char* name() const override { return "mtp"; }
+  unsigned capabilities() const override { return Rank | Chain; }
+  int default_block() const override { return block_; }
+  void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override;
+  void reset() override;
+  const std::vector<int32_t>* feature_layers() const override { return &layers_; }
+  int feature_capacity() const override { return 1 << 30; }  // every position: the head attends over them all
+  void take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
+                     const int32_t* tokens) override;
+  size_t state_bytes() const override;
+
+ private:
+  Context& ctx_;
+  int block_;
+  std::vector<int32_t> layers_;  // the trunk's last layer
+  int32_t n_pos_ = 0;            // positions whose slots the head has written (committed)
+  BackendBuf last_h_;            // the trunk's hidden at n_pos_ - 1 (zeros at the start or after a skip)
+  BackendBuf rows_;              // [n_batch][H]: a forward's input hidden rows
+  BackendBuf head_;              // [H]: a draft depth's output, the next depth's input
+};
+
+}  // namespace dfl

@@ -1,0 +1,95 @@
+"""The target's own MTP head as a drafter (csrc/spec/mtp_proposer.*, Context::mtp_forward): a qwen35 GGUF with
+an MTP head as llama.cpp writes one (qwen35.nextn_predict_layers = 1, blk.N.* + blk.N.nextn.*) drafts with
+`-md mtp`.  Its logits equal an independent float64 reference (tests/np_qwen35.py, from vLLM's and
+llama.cpp's math) within 1e-4 on an F32 file; chain, DDTree, auto and a portfolio with lookup equal AR,
+greedy and seeded, after a prefix-cache hit too; a file without a head is refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
+from gguf import quants as gq
+from test_mtp_gguf import BUNDLED, copy_with_mtp
+
+from dflash27b import Decoder, DFlashError
+
+SAMPLING = [{}, {"temperature": 0.8, "seed": 3}]
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n" * 3]
+
+
+def _to_f32(src, dst):
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, arch="qwen35")
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        t = f.types[0]
+        w.add_key_value(name, f.contents(), t, sub_type=f.types[-1] if t == VT.ARRAY else None)
+    for t in r.tensors:
+        shape = tuple(int(v) for v in reversed(t.shape))
+        w.add_tensor(t.name, gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def mtp_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mtp")
+    f16 = d / "tiny-mtp.gguf"
+    copy_with_mtp(str(BUNDLED), str(f16))
+    f32 = d / "tiny-mtp-f32.gguf"
+    _to_f32(str(f16), str(f32))
+    return f16, f32
+
+
+@pytest.fixture(scope="module")
+def mtp_dec(mtp_files):
+    with Decoder(mtp_files[0], "mtp", threads=2, cache_mem=64 << 20) as d:
+        yield d
+
+
+def test_mtp_logits_equal_the_reference(mtp_files):
+    import np_qwen35 as ref
+
+    from dflash27b._lib import load
+    meta, w = ref.load(str(mtp_files[1]))
+    with Decoder(mtp_files[1], threads=2, warm_up=False, kv_type="f32") as d:
+        assert d.info["n_mtp_layers"] == 1 and d.info["mtp_bytes"] > 0
+        ids = d.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n")[:24]
+        ffi, lib = load()
+        got = np.zeros((len(ids), d.info["n_vocab"]), np.float32)
+        arr = np.array(ids, np.int32)
+        assert lib.dfl_dev_mtp_logits(d._ctx.handle, ffi.cast("int32_t*", arr.ctypes.data), len(ids),
+                                      ffi.cast("float*", got.ctypes.data)) == 0
+    want = ref.mtp_logits(meta, w, ids)
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_every_mode_equals_ar(mtp_dec, prompt, sampling):
+    ar = mtp_dec.generate(prompt, 64, mode="ar", ignore_eos=True, cache=False, **sampling)
+    for mode, kw in (("chain", {}), ("ddtree", {"budget": 8}), ("auto", {})):
+        r = mtp_dec.generate(prompt, 64, mode=mode, ignore_eos=True, cache=False, **kw, **sampling)
+        assert r.tokens == ar.tokens, mode
+    # the next turn reuses the prefix cache; the head drafts from what it has read
+    first = mtp_dec.generate(prompt, 24, mode="chain", ignore_eos=True, **sampling)
+    turn2 = first.prompt_tokens + first.tokens + mtp_dec.tokenize("\n\ndef g(y):\n")
+    again = mtp_dec.generate(turn2, 32, mode="ddtree", ignore_eos=True, **sampling)
+    assert again.stats.cached_tokens > 0
+    assert again.tokens == mtp_dec.generate(turn2, 32, mode="ar", ignore_eos=True, cache=False, **sampling).tokens
+
+
+def test_mtp_in_a_portfolio_with_lookup(mtp_files):
+    with Decoder(mtp_files[0], "mtp+lookup", threads=2) as d:
+        assert d._ctx.drafter_names() == ["mtp", "lookup"]
+        for p in PROMPTS:
+            ar = d.generate(p, 48, mode="ar", ignore_eos=True).tokens
+            assert d.generate(p, 48, mode="auto", ignore_eos=True).tokens == ar
+
+
+def test_a_file_without_a_head_is_refused():
+    with pytest.raises(DFlashError, match="has no MTP head"):
+        Decoder(BUNDLED, "mtp", threads=1)
