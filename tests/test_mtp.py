@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
 from gguf import quants as gq
-from test_mtp_gguf import BUNDLED, copy_with_mtp
+from test_mtp_gguf import BUNDLED, copy_with_mtp, trunk_only
 
 from dflash27b import Decoder, DFlashError
 
@@ -36,12 +36,14 @@ def _to_f32(src, dst):
 
 @pytest.fixture(scope="module")
 def mtp_files(tmp_path_factory):
+    """The bundled target (its MTP head trained for it: models/train/train_mtp.py) and an F32 copy; a random
+    head on the same trunk."""
     d = tmp_path_factory.mktemp("mtp")
-    f16 = d / "tiny-mtp.gguf"
-    copy_with_mtp(str(BUNDLED), str(f16))
     f32 = d / "tiny-mtp-f32.gguf"
-    _to_f32(str(f16), str(f32))
-    return f16, f32
+    _to_f32(str(BUNDLED), str(f32))
+    rnd = d / "tiny-random-head.gguf"
+    copy_with_mtp(str(BUNDLED), str(rnd))
+    return BUNDLED, f32, rnd
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,7 @@ def test_mtp_logits_equal_the_reference(mtp_files):
 @pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_every_mode_equals_ar(mtp_dec, prompt, sampling):
+    assert mtp_dec.draft == "mtp"
     ar = mtp_dec.generate(prompt, 64, mode="ar", ignore_eos=True, cache=False, **sampling)
     for mode, kw in (("chain", {}), ("ddtree", {"budget": 8}), ("auto", {})):
         r = mtp_dec.generate(prompt, 64, mode=mode, ignore_eos=True, cache=False, **kw, **sampling)
@@ -82,6 +85,11 @@ def test_every_mode_equals_ar(mtp_dec, prompt, sampling):
     assert again.tokens == mtp_dec.generate(turn2, 32, mode="ar", ignore_eos=True, cache=False, **sampling).tokens
 
 
+def test_mtp_and_a_dflash_drafter_are_one_or_the_other():
+    with pytest.raises(DFlashError, match="both read the target's hidden states"):
+        Decoder(BUNDLED, [str(BUNDLED.parent / "tiny-draft2"), "mtp"], threads=1)
+
+
 def test_mtp_in_a_portfolio_with_lookup(mtp_files):
     with Decoder(mtp_files[0], "mtp+lookup", threads=2) as d:
         assert d._ctx.drafter_names() == ["mtp", "lookup"]
@@ -90,6 +98,23 @@ def test_mtp_in_a_portfolio_with_lookup(mtp_files):
             assert d.generate(p, 48, mode="auto", ignore_eos=True).tokens == ar
 
 
-def test_a_file_without_a_head_is_refused():
+def test_the_bundled_head_drafts_for_its_target(mtp_dec, mtp_files):
+    """Trained for the bundled target, the head's drafts are accepted on held-out prompts (functions from files
+    the target never trained on); a random head's are not: acceptance comes from the head, not the loop."""
+    import json
+    from pathlib import Path
+    rows = [json.loads(x) for x in (Path(__file__).resolve().parent.parent / "models" / "heldout_prompts.jsonl")
+            .read_text().splitlines() if x.strip()][:4]
+    acc = [a for r in rows for a in mtp_dec.generate(r["prompt"], 64, mode="chain", ignore_eos=True,
+                                                       cache=False).stats.accept_lengths]
+    assert sum(acc) / len(acc) > 2.2, sum(acc) / len(acc)
+    with Decoder(mtp_files[2], "mtp", threads=2, warm_up=False) as d:
+        acc = [a for r in rows for a in d.generate(r["prompt"], 64, mode="chain", ignore_eos=True).stats.accept_lengths]
+    assert sum(acc) / len(acc) < 1.3
+
+
+def test_a_file_without_a_head_is_refused(tmp_path):
+    trunk = tmp_path / "trunk.gguf"
+    trunk_only(str(BUNDLED), str(trunk))
     with pytest.raises(DFlashError, match="has no MTP head"):
-        Decoder(BUNDLED, "mtp", threads=1)
+        Decoder(trunk, "mtp", threads=1)

@@ -12,48 +12,70 @@ from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
 BUNDLED = Path(__file__).resolve().parent.parent / "python" / "dflash27b" / "models" / "tiny-target.gguf"
 
 
-def copy_with_mtp(src, dst):
-    """src's KVs and tensors, plus a qwen35 MTP head as llama.cpp writes one: nextn_predict_layers = 1, block_count + 1,
-    and blk.N.* (a full-attention block) + blk.N.nextn.* tensors for the extra layer N."""
+def _copy(src, dst, head: bool):
+    """src's trunk (any MTP head it has left out), plus with head=True a qwen35 MTP head as llama.cpp writes one:
+    nextn_predict_layers = 1, block_count + 1, and blk.N.* (a full-attention block: a copy of the last one) +
+    random blk.N.nextn.* tensors for the extra layer N."""
     r = GGUFReader(src)
-    n = int(r.fields["qwen35.block_count"].contents())
+    old = int(r.fields["qwen35.nextn_predict_layers"].contents()) if "qwen35.nextn_predict_layers" in r.fields else 0
+    n = int(r.fields["qwen35.block_count"].contents()) - old
     w = GGUFWriter(dst, arch="qwen35")
     for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name in ("general.architecture", "qwen35.nextn_predict_layers"):
             continue
         val = f.contents()
         if name == "qwen35.block_count":
-            val = n + 1
+            val = n + (1 if head else 0)
+        if name == "qwen35.attention.recurrent_layers":
+            val = list(val)[:n] + ([False] if head else [])
         t = f.types[0]
         sub = f.types[-1] if t == VT.ARRAY else None
         w.add_key_value(name, val, t, sub_type=sub)
-    w.add_uint32("qwen35.nextn_predict_layers", 1)
-    for t in r.tensors:
+    if head:
+        w.add_uint32("qwen35.nextn_predict_layers", 1)
+    trunk = [t for t in r.tensors if not t.name.startswith(f"blk.{n}.")]
+    for t in trunk:
         w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
-    H = int(r.fields["qwen35.embedding_length"].contents())
-    rng = np.random.default_rng(0)
-    for t in r.tensors:  # the extra block: a copy of the last full-attention block's tensors
-        if t.name.startswith(f"blk.{n - 1}."):
-            w.add_tensor(t.name.replace(f"blk.{n - 1}.", f"blk.{n}."), np.asarray(t.data),
-                         raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
-    for nm, shape in (("eh_proj.weight", (H, 2 * H)), ("enorm.weight", (H,)), ("hnorm.weight", (H,)),
-                      ("shared_head_norm.weight", (H,))):
-        w.add_tensor(f"blk.{n}.nextn.{nm}", rng.standard_normal(shape).astype(np.float32))
+    if head:
+        H = int(r.fields["qwen35.embedding_length"].contents())
+        rng = np.random.default_rng(0)
+        for t in trunk:  # the extra block: a copy of the last full-attention block's tensors
+            if t.name.startswith(f"blk.{n - 1}."):
+                w.add_tensor(t.name.replace(f"blk.{n - 1}.", f"blk.{n}."), np.asarray(t.data),
+                             raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+        for nm, shape in (("eh_proj.weight", (H, 2 * H)), ("enorm.weight", (H,)), ("hnorm.weight", (H,)),
+                          ("shared_head_norm.weight", (H,))):
+            w.add_tensor(f"blk.{n}.nextn.{nm}", rng.standard_normal(shape).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
+def copy_with_mtp(src, dst):
+    """src's trunk with a random MTP head (tests/test_mtp.py: the engine's exactness needs no trained head)."""
+    _copy(src, dst, head=True)
+
+
+def trunk_only(src, dst):
+    """src without its MTP head, as llama.cpp's converter writes a model with --no-mtp."""
+    _copy(src, dst, head=False)
+
+
 def test_a_gguf_with_an_mtp_head_loads_as_its_trunk(tmp_path):
     from dflash27b import Decoder
     mtp = tmp_path / "tiny-mtp.gguf"
     copy_with_mtp(str(BUNDLED), str(mtp))
+    trunk = tmp_path / "tiny-trunk.gguf"
+    trunk_only(str(BUNDLED), str(trunk))
     assert GGUFReader(str(mtp)).fields["qwen35.nextn_predict_layers"].contents() == 1
-    with Decoder(BUNDLED, threads=2) as a, Decoder(mtp, threads=2) as b:
+    assert "qwen35.nextn_predict_layers" not in GGUFReader(str(trunk)).fields
+    with Decoder(trunk, threads=2) as a, Decoder(mtp, threads=2) as b, Decoder(BUNDLED, threads=2) as c:
+        assert c.info["n_layer"] == 8
         assert a.info["n_layer"] == b.info["n_layer"] == 8
         want = a.generate("def f(x):", 16, mode="ar", ignore_eos=True).tokens
         assert b.generate("def f(x):", 16, mode="ar", ignore_eos=True).tokens == want
+        assert c.generate("def f(x):", 16, mode="ar", ignore_eos=True).tokens == want
 
 
 def head_only(src, dst):

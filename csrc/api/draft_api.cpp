@@ -104,6 +104,7 @@ int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_draft
     c->drafter.reset();
     c->refresh_proposers();
     if (!d) return;
+    if (c->mtp) dfl::fail("the MTP head and a DFlash drafter both read the target's hidden states: attach one");
     // on the context's backend: it takes the captured target features there
     c->drafter = std::make_unique<dfl::Drafter>(*d->d, c->ctx->model(), drafter_params(p), &c->ctx->backend());
     c->dflash = std::make_unique<dfl::DFlashProposer>(*c->drafter);
@@ -141,6 +142,7 @@ int dfl_context_attach_mtp(dfl_context* c, int32_t block) {
     c->mtp.reset();
     c->refresh_proposers();
     if (block <= 0) return;
+    if (c->dflash) dfl::fail("the MTP head and a DFlash drafter both read the target's hidden states: attach one");
     c->mtp = std::make_unique<dfl::MtpProposer>(*c->ctx, block);
     c->refresh_proposers();
   });

@@ -178,6 +178,9 @@ class Decoder:
         # "lookup": prompt lookup drafts (no weights): what followed the same words earlier in the context
         self._lookup = LOOKUP in drafts
         self._mtp = MTP in drafts
+        if self._mtp and any(d not in (LOOKUP, MTP) and not Path(d).is_file() for d in drafts):
+            raise DFlashError("the MTP head and a DFlash drafter both read the target's hidden states: give one "
+                              "of them (either goes with lookup or a draft model)")
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
