@@ -229,8 +229,8 @@ def test_auto_device_prefers_the_gpu(pair):
 
 def test_memory_plan_refusal(pair):
     """A context that cannot fit is refused before anything is uploaded, naming the parts
-    (2^27 positions of F32 KV: 256 GiB for the tiny target's two attention layers)."""
-    with pytest.raises(DFlashError, match=r"does not fit on the GPU.*KV cache 262144\.0 MiB"):
+    (2^27 positions of F32 KV: 384 GiB for the tiny target's two attention layers and its MTP head's one)."""
+    with pytest.raises(DFlashError, match=r"does not fit on the GPU.*KV cache 393216\.0 MiB"):
         Decoder(pair[0], device="cuda", ctx=1 << 27, kv_type="f32", threads=2)
 
 

@@ -92,6 +92,10 @@ AutoController::Wish AutoController::wish(int remaining) const {
     w.draft = true;
   } else if (since_probe_ + 1 >= probe_gap_ && (probe_loss_ < 0 || probe_loss_ <= kRequestShare * e_.ar_s * remaining)) {
     w.draft = w.probe = true;
+  } else if (e_.draft_s + e_.tree_s < kFreeDraftShare * e_.ar_s) {
+    // a drafter that costs next to nothing (prompt lookup) drafts every step: the budget is then chosen on this
+    // step's own tree (0 = an AR step), not on the last one's forecast
+    w.draft = true;
   }
   return w;
 }

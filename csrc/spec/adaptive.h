@@ -80,6 +80,7 @@ class AutoController {
   // no request pays more than that share for exploring.
   bool want_draft(bool* probe, AutoChoice* forecast, int remaining = 1 << 30);
   static constexpr double kRequestShare = 0.03;
+  static constexpr double kFreeDraftShare = 0.05;  // draft + tree time below this share of an AR step: draft always
   // want_draft in two halves, for a portfolio of drafters (one controller each) of which one step drafts with
   // at most one: wish() says what this drafter would do (no state changes), decided() records whether it did.
   struct Wish {
