@@ -24,40 +24,46 @@ MtpProposer::MtpProposer(Context& ctx, int block) : ctx_(ctx), block_(block) {
 }
 
 void MtpProposer::reset() {
-  n_pos_ = 0;
+  n_pos_ = n_written_ = 0;
+  wait_tok_.clear();
   std::vector<float> zero((size_t)ctx_.model().cfg.n_embd, 0.f);
   ctx_.backend().upload(last_h_.p, zero.data(), zero.size() * 4);
 }
 
 size_t MtpProposer::state_bytes() const { return last_h_.bytes + head_.bytes + rows_.bytes; }
 
+void MtpProposer::flush() {
+  const int m = (int)wait_tok_.size();
+  if (m > 0)
+    ctx_.mtp_forward(wait_tok_.data(), m, n_written_, rows_.f(), /*post_norm=*/false, 0, nullptr, nullptr, nullptr);
+  n_written_ += m;
+  wait_tok_.clear();
+}
+
 void MtpProposer::take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
                                 const int32_t* tokens) {
   if (n <= 0) return;
-  if (!captured || !tokens || pos0 != n_pos_) {
-    // positions not seen (a prefix-cache hit's kept prompt): their slots keep whatever they held; the head
-    // only drafts less well until it reads new positions
-    n_pos_ = pos0 + n;
-    std::vector<float> zero((size_t)ctx_.model().cfg.n_embd, 0.f);
-    ctx_.backend().upload(last_h_.p, zero.data(), zero.size() * 4);
-    return;
-  }
   Backend& be = ctx_.backend();
   const int H = ctx_.model().cfg.n_embd;
   const size_t row = (size_t)H * 4;
-  const int nb = ctx_.params().n_batch;
-  for (int off = 0; off < n; off += nb) {
-    const int m = std::min(nb, n - off);
-    // input hidden of row t: the trunk's hidden at the position before it
-    be.copy(rows_.f(), last_h_.f(), row);
-    for (int t = 1; t < m; ++t) {
-      const int src = rows ? rows[off + t - 1] : off + t - 1;
-      be.copy(rows_.f() + (size_t)t * H, captured + (size_t)src * H, row);
-    }
-    ctx_.mtp_forward(tokens + off, m, pos0 + off, rows_.f(), /*post_norm=*/false, 0, nullptr, nullptr, nullptr);
-    const int last = rows ? rows[off + m - 1] : off + m - 1;
-    be.copy(last_h_.f(), captured + (size_t)last * H, row);
+  if (!captured || !tokens || pos0 != n_pos_) {
+    // positions not seen (a prefix-cache hit's kept prompt): their slots keep whatever they held; the head
+    // only drafts less well until it reads new positions
+    flush();
+    n_pos_ = n_written_ = pos0 + n;
+    std::vector<float> zero((size_t)H, 0.f);
+    be.upload(last_h_.p, zero.data(), row);
+    return;
   }
+  const int nb = ctx_.params().n_batch;
+  for (int i = 0; i < n; ++i) {
+    if ((int)wait_tok_.size() == nb) flush();
+    // row (token at p, the trunk's hidden at p - 1)
+    const size_t t = wait_tok_.size();
+    be.copy(rows_.f() + t * H, i == 0 ? last_h_.f() : captured + (size_t)(rows ? rows[i - 1] : i - 1) * H, row);
+    wait_tok_.push_back(tokens[i]);
+  }
+  be.copy(last_h_.f(), captured + (size_t)(rows ? rows[n - 1] : n - 1) * H, row);
   n_pos_ = pos0 + n;
 }
 
@@ -65,6 +71,7 @@ void MtpProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, float
   if (r.L <= 0) return;
   if (r.root_pos != n_pos_)
     fail("MTP head: the draft's root is at %d but the head has read positions up to %d", r.root_pos, n_pos_);
+  flush();
   int32_t tok = r.root;
   const float* h = last_h_.f();
   bool post = false;

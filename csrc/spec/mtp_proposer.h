@@ -1,8 +1,10 @@
 // mtp_proposer.h — the target's own multi-token-prediction head (Model::mtp) as a Proposer.
 //
 // The head keeps its own KV: slot p holds what it computed from the token at p and the trunk's hidden state
-// at p - 1 (after output_norm; zeros before the first position), written as committed positions arrive
-// (take_features: the prompt's chunks, then each step's accepted path, with their tokens).  A draft runs
+// at p - 1 (after output_norm; zeros before the first position).  Committed positions arrive through
+// take_features (the prompt's chunks, then each step's accepted path, with their tokens) and wait, a
+// (token, hidden) row each, until the next draft writes them all in one forward (or a full batch does):
+// an AR step of auto mode costs the head one row copy, and the catch-up is part of the draft it serves.  A draft runs
 // the head autoregressively from the root: depth 1 reads (root, the trunk's hidden at root_pos - 1), depth
 // d > 1 reads (the top-1 of depth d - 1, the head's own output after shared_head_norm), each at the next
 // slot (those temporary slots are rewritten when their positions commit).  Each depth's top-K is the
@@ -34,9 +36,12 @@ class MtpProposer final : public Proposer {
   Context& ctx_;
   int block_;
   std::vector<int32_t> layers_;  // the trunk's last layer
-  int32_t n_pos_ = 0;            // positions whose slots the head has written (committed)
+  void flush();                  // writes the waiting rows' slots (one head forward)
+  int32_t n_pos_ = 0;            // positions the head has been given (written or waiting)
+  int32_t n_written_ = 0;        // positions whose slots are written; [n_written_, n_pos_) wait in rows_
+  std::vector<int32_t> wait_tok_;  // the waiting rows' tokens
   BackendBuf last_h_;            // the trunk's hidden at n_pos_ - 1 (zeros at the start or after a skip)
-  BackendBuf rows_;              // [n_batch][H]: a forward's input hidden rows
+  BackendBuf rows_;              // [n_batch][H]: the waiting rows' input hidden states
   BackendBuf head_;              // [H]: a draft depth's output, the next depth's input
 };
 
