@@ -95,7 +95,7 @@ AutoController::Wish AutoController::wish(int remaining) const {
   } else if (e_.draft_s + e_.tree_s < kFreeDraftShare * e_.ar_s) {
     // a drafter that costs next to nothing (prompt lookup) drafts every step: the budget is then chosen on this
     // step's own tree (0 = an AR step), not on the last one's forecast
-    w.draft = true;
+    w.draft = w.look = true;
   }
   return w;
 }

@@ -85,7 +85,10 @@ class AutoController {
   // at most one: wish() says what this drafter would do (no state changes), decided() records whether it did.
   struct Wish {
     bool draft = false, probe = false;
+    bool look = false;  // a free drafter drafting to see this step's own tree, not expected to win
     AutoChoice forecast;
+    // a portfolio's order: an expected winner, then a due probe, then a free look
+    int rank() const { return !draft ? 0 : look ? 1 : probe ? 2 : 3; }
   };
   Wish wish(int remaining = 1 << 30) const;
   void decided(const Wish& w, bool drafted, int remaining = 1 << 30);

@@ -420,8 +420,9 @@ int Generator::step(std::vector<int32_t>& out) {
   bool speculate = p_.mode == DecodeMode::DDTree;
   chosen_ = -1;
   if (p_.mode == DecodeMode::Auto) {
-    // the portfolio: each drafter's controller says what it would do; a drafter expected to beat AR goes before
-    // a probe, the best expected tokens/s first; probes in order of preference, one a step
+    // the portfolio: each drafter's controller says what it would do; a drafter expected to beat AR goes first
+    // (the best expected tokens/s), then a due probe (in order of preference, one a step), then a free drafter's
+    // look at this step's own tree
     std::vector<AutoController::Wish> wish(autos_.size());
     int k = -1;
     for (size_t i = 0; i < drafters_.size(); ++i) {
@@ -429,7 +430,9 @@ int Generator::step(std::vector<int32_t>& out) {
       const AutoController::Wish& w = wish[i];
       if (!w.draft) continue;
       const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;
-      if (!best || (!w.probe && (best->probe || w.forecast.tok_s > best->forecast.tok_s))) k = (int)i;
+      if (!best || w.rank() > best->rank() ||
+          (w.rank() == 3 && best->rank() == 3 && w.forecast.tok_s > best->forecast.tok_s))
+        k = (int)i;
     }
     for (size_t i = 0; i < drafters_.size(); ++i) autos_[i].decided(wish[i], (int)i == k, remaining);
     const AutoChoice forecast = k >= 0 ? wish[(size_t)k].forecast : !wish.empty() ? wish[0].forecast : AutoChoice{};
