@@ -7,31 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
-from gguf import quants as gq
-from test_mtp_gguf import BUNDLED, copy_with_mtp, trunk_only
+from test_mtp_gguf import BUNDLED, as_f32, copy_with_mtp, trunk_only
 
 from dflash27b import Decoder, DFlashError
 
 SAMPLING = [{}, {"temperature": 0.8, "seed": 3}]
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n" * 3]
-
-
-def _to_f32(src, dst):
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, arch="qwen35")
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        t = f.types[0]
-        w.add_key_value(name, f.contents(), t, sub_type=f.types[-1] if t == VT.ARRAY else None)
-    for t in r.tensors:
-        shape = tuple(int(v) for v in reversed(t.shape))
-        w.add_tensor(t.name, gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +21,7 @@ def mtp_files(tmp_path_factory):
     head on the same trunk."""
     d = tmp_path_factory.mktemp("mtp")
     f32 = d / "tiny-mtp-f32.gguf"
-    _to_f32(str(BUNDLED), str(f32))
+    as_f32(str(BUNDLED), str(f32))
     rnd = d / "tiny-random-head.gguf"
     copy_with_mtp(str(BUNDLED), str(rnd))
     return BUNDLED, f32, rnd

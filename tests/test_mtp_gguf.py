@@ -12,11 +12,29 @@ from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
 BUNDLED = Path(__file__).resolve().parent.parent / "python" / "dflash27b" / "models" / "tiny-target.gguf"
 
 
-def _copy(src, dst, head: bool):
-    """src's trunk (any MTP head it has left out), plus with head=True a qwen35 MTP head as llama.cpp writes one:
-    nextn_predict_layers = 1, block_count + 1, and blk.N.* (a full-attention block: a copy of the last one) +
-    random blk.N.nextn.* tensors for the extra layer N."""
+def _copy(src, dst, head: bool, keep: bool = False, f32: bool = False):
+    """src's trunk (any MTP head it has left out unless keep), plus with head=True a qwen35 MTP head as llama.cpp
+    writes one: nextn_predict_layers = 1, block_count + 1, and blk.N.* (a full-attention block: a copy of the
+    last one) + random blk.N.nextn.* tensors for the extra layer N.  f32: every tensor dequantised to F32."""
+    from gguf import quants as gq
     r = GGUFReader(src)
+    if keep:
+        w = GGUFWriter(dst, arch="qwen35")
+        for name, f in r.fields.items():
+            if not name.startswith("GGUF.") and name != "general.architecture":
+                t = f.types[0]
+                w.add_key_value(name, f.contents(), t, sub_type=f.types[-1] if t == VT.ARRAY else None)
+        for t in r.tensors:
+            shape = tuple(int(v) for v in reversed(t.shape))
+            if f32:
+                w.add_tensor(t.name, gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32))
+            else:
+                w.add_tensor(t.name, np.asarray(t.data), raw_shape=list(shape), raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return
     old = int(r.fields["qwen35.nextn_predict_layers"].contents()) if "qwen35.nextn_predict_layers" in r.fields else 0
     n = int(r.fields["qwen35.block_count"].contents()) - old
     w = GGUFWriter(dst, arch="qwen35")
@@ -60,6 +78,11 @@ def copy_with_mtp(src, dst):
 def trunk_only(src, dst):
     """src without its MTP head, as llama.cpp's converter writes a model with --no-mtp."""
     _copy(src, dst, head=False)
+
+
+def as_f32(src, dst):
+    """src as it is, every tensor dequantised to F32 (references compare in float64 against F32 files)."""
+    _copy(src, dst, head=False, keep=True, f32=True)
 
 
 def test_a_gguf_with_an_mtp_head_loads_as_its_trunk(tmp_path):

@@ -122,6 +122,10 @@ class Context {
   // layout of get/set_recurrent and of the snapshots.
   std::vector<std::pair<void*, size_t>> gdn_state_parts() const;
   void run_chunk(const Batch& b, int off, int n, const ForwardOutputs& out, bool commit);
+  // The sublayers the trunk's attention layers and the MTP head share, on the chunk begun: gated full attention
+  // of the normed rows (scratch hn) with the layer's KV k / v, into scratch out; x += SwiGLU(post_norm(x)).
+  void attention_sublayer(const LayerWeights& w, uint8_t* k, uint8_t* v, int n);
+  void mlp_sublayer(const LayerWeights& w, float* x, int n);
 
   const Model& model_;
   ContextParams params_;

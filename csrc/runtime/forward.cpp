@@ -398,19 +398,7 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
     const LayerWeights& w = M.layers[l];
     be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
     if (!c.is_recurrent[l]) {
-      // ---- gated full attention ----
-      float* qg = I.a0.f();
-      float* kk = I.a1.f();
-      float* vv = I.a2.f();
-      be.matmul(w.wq, I.hn.f(), n, qg);
-      be.matmul(w.wk, I.hn.f(), n, kk);
-      be.matmul(w.wv, I.hn.f(), n, vv);
-      const AttnLayer L{I.attn, I.k[l].u8(), I.v[l].u8(), be.vec(w.q_norm),
-                        be.vec(w.k_norm)};
-      be.attn_store(qg, kk, vv, L);
-      float* o = I.a1.f();  // k/v are in the cache now: reuse for the attention output
-      be.attention(qg, L, o);
-      be.matmul(w.wo, o, n, I.out.f());
+      attention_sublayer(w, I.k[l].u8(), I.v[l].u8(), n);
     } else {
       // ---- gated delta-net ----
       float* mm = I.a0.f();
@@ -429,16 +417,7 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.matmul(w.ssm_out, y, n, I.out.f());
     }
     be.add(x, I.out.f(), (size_t)n * H);
-
-    // ---- SwiGLU MLP ----
-    be.rmsnorm(x, be.vec(w.post_norm), n, H, c.rms_eps, I.hn.f());
-    float* g = I.a0.f();
-    float* u = I.a1.f();
-    be.matmul(w.ffn_gate, I.hn.f(), n, g);
-    be.matmul(w.ffn_up, I.hn.f(), n, u);
-    be.swiglu(g, u, (size_t)n * c.n_ff);
-    be.matmul(w.ffn_down, g, n, I.out.f());
-    be.add(x, I.out.f(), (size_t)n * H);
+    mlp_sublayer(w, x, n);
 
     for (int ci = 0; ci < out.n_capture; ++ci)
       if (out.capture_layers[ci] == l) {  // one strided transfer: row t goes to hidden[off + t][ci]
@@ -493,6 +472,36 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
   }
 }
 
+void Context::attention_sublayer(const LayerWeights& w, uint8_t* k, uint8_t* v, int n) {
+  Impl& I = *impl_;
+  Backend& be = *I.be;
+  float* qg = I.a0.f();
+  float* kk = I.a1.f();
+  float* vv = I.a2.f();
+  be.matmul(w.wq, I.hn.f(), n, qg);
+  be.matmul(w.wk, I.hn.f(), n, kk);
+  be.matmul(w.wv, I.hn.f(), n, vv);
+  const AttnLayer L{I.attn, k, v, be.vec(w.q_norm), be.vec(w.k_norm)};
+  be.attn_store(qg, kk, vv, L);
+  float* o = I.a1.f();  // k/v are in the cache now: reuse for the attention output
+  be.attention(qg, L, o);
+  be.matmul(w.wo, o, n, I.out.f());
+}
+
+void Context::mlp_sublayer(const LayerWeights& w, float* x, int n) {
+  Impl& I = *impl_;
+  Backend& be = *I.be;
+  const Qwen35Config& c = model_.cfg;
+  be.rmsnorm(x, be.vec(w.post_norm), n, c.n_embd, c.rms_eps, I.hn.f());
+  float* g = I.a0.f();
+  float* u = I.a1.f();
+  be.matmul(w.ffn_gate, I.hn.f(), n, g);
+  be.matmul(w.ffn_up, I.hn.f(), n, u);
+  be.swiglu(g, u, (size_t)n * c.n_ff);
+  be.matmul(w.ffn_down, g, n, I.out.f());
+  be.add(x, I.out.f(), (size_t)n * c.n_embd);
+}
+
 void Context::mtp_forward(const int32_t* tokens, int n, int32_t pos0, const float* hidden, bool post_norm, int k,
                           int32_t* ids, float* logp, float* head_out, float* logits) {
   Impl& I = *impl_;
@@ -533,26 +542,9 @@ void Context::mtp_forward(const int32_t* tokens, int n, int32_t pos0, const floa
   // one full-attention decoder layer, the trunk's arithmetic, on the head's KV
   const LayerWeights& w = W.layer;
   be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
-  float* qg = I.a0.f();
-  float* kk = I.a1.f();
-  float* vv = I.a2.f();
-  be.matmul(w.wq, I.hn.f(), n, qg);
-  be.matmul(w.wk, I.hn.f(), n, kk);
-  be.matmul(w.wv, I.hn.f(), n, vv);
-  const AttnLayer L{I.attn, I.mtp_k.u8(), I.mtp_v.u8(), be.vec(w.q_norm), be.vec(w.k_norm)};
-  be.attn_store(qg, kk, vv, L);
-  float* o = I.a1.f();
-  be.attention(qg, L, o);
-  be.matmul(w.wo, o, n, I.out.f());
+  attention_sublayer(w, I.mtp_k.u8(), I.mtp_v.u8(), n);
   be.add(x, I.out.f(), (size_t)n * H);
-  be.rmsnorm(x, be.vec(w.post_norm), n, H, c.rms_eps, I.hn.f());
-  float* g = I.a0.f();
-  float* u = I.a1.f();
-  be.matmul(w.ffn_gate, I.hn.f(), n, g);
-  be.matmul(w.ffn_up, I.hn.f(), n, u);
-  be.swiglu(g, u, (size_t)n * c.n_ff);
-  be.matmul(w.ffn_down, g, n, I.out.f());
-  be.add(x, I.out.f(), (size_t)n * H);
+  mlp_sublayer(w, x, n);
   // the head: shared_head_norm, then the trunk's output matrix
   float* hs = I.hn.f();
   be.rmsnorm(x, be.vec(W.head_norm), n, H, c.rms_eps, hs);
