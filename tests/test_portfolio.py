@@ -53,8 +53,11 @@ def test_every_mode_equals_ar(portfolio, plain, prompt, sampling):
     assert again.tokens == plain.generate(turn2, 64, mode="ar", ignore_eos=True, cache=False, **sampling).tokens
 
 
-def test_repeated_text_is_drafted_by_lookup(portfolio):
-    r = portfolio.generate(REPEAT, 160, mode="auto", ignore_eos=True, cache=False)
+def test_repeated_text_is_drafted_by_lookup():
+    """A fresh portfolio (auto's estimates carry across a Decoder's requests: earlier text shapes them) on text
+    that repeats its context drafts with lookup."""
+    with Decoder(draft=[DRAFT2, "lookup"], threads=2) as fresh:
+        r = fresh.generate(REPEAT, 160, mode="auto", ignore_eos=True, cache=False)
     used = [d for d in r.stats.drafter if d]
     assert used and used.count("lookup") > used.count("dflash"), r.stats.auto_summary
     assert "lookup" in r.stats.auto_summary
