@@ -109,14 +109,6 @@ void AutoController::decided(const Wish& w, bool drafted, int remaining) {
   }
 }
 
-bool AutoController::want_draft(bool* probe, AutoChoice* forecast, int remaining) {
-  const Wish w = wish(remaining);
-  decided(w, w.draft, remaining);
-  *probe = w.probe;
-  *forecast = w.forecast;
-  return w.draft;
-}
-
 AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n, bool probe) {
   last_depth_.assign(depth, depth + n);
   last_logp_.assign(logp, logp + n);
@@ -124,7 +116,7 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
     const int b = std::min(kFirstProbeBudget, n);
     return choose_budget(e_, depth, logp, b, b, false);
   }
-  // a probe may cost at most what the request affords it (want_draft's remaining tokens)
+  // a probe may cost at most what the request affords it (wish's remaining tokens)
   const double max_loss = probe ? kRequestShare * e_.ar_s * remaining_ : 1e300;
   return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss);
 }

@@ -73,16 +73,14 @@ class AutoController {
   static constexpr int kMinProbeGap = 8, kMaxProbeGap = 512;
   static constexpr int kFirstProbeBudget = 1;  // small: its job is to measure, not to win
 
-  // Before a step: draft (true) or run an AR step.  `probe` says the step is
-  // a forced exploration; `forecast` is the choice the last drafted tree predicts.
-  // remaining: the request's tokens still to come; a probe whose measured loss
-  // would exceed kRequestShare of their AR time waits for a longer request, so
+  // Before a step: whether to draft (else an AR step), in two halves for a portfolio of drafters (one
+  // controller each) of which one step drafts with at most one: wish() says what this drafter would do (no
+  // state changes), decided() records whether it did.  A wish's `probe` is a forced exploration; its
+  // `forecast` is the choice the last drafted tree predicts.  remaining: the request's tokens still to come;
+  // a probe whose measured loss would exceed kRequestShare of their AR time waits for a longer request, so
   // no request pays more than that share for exploring.
-  bool want_draft(bool* probe, AutoChoice* forecast, int remaining = 1 << 30);
   static constexpr double kRequestShare = 0.03;
   static constexpr double kFreeDraftShare = 0.05;  // draft + tree time below this share of an AR step: draft always
-  // want_draft in two halves, for a portfolio of drafters (one controller each) of which one step drafts with
-  // at most one: wish() says what this drafter would do (no state changes), decided() records whether it did.
   struct Wish {
     bool draft = false, probe = false;
     bool look = false;  // a free drafter drafting to see this step's own tree, not expected to win
@@ -110,7 +108,7 @@ class AutoController {
   double spec_rate_ = 0;                    // realized tokens/s of recent speculative steps (EMA)
   int since_probe_ = 0, probe_gap_ = kMinProbeGap;
   double probe_loss_ = -1;                  // the last probe's measured loss (s; -1: none yet)
-  int remaining_ = 1 << 30;                 // the request's tokens still to come (want_draft's)
+  int remaining_ = 1 << 30;                 // the request's tokens still to come (decided()'s)
 };
 
 }  // namespace dfl

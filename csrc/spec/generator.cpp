@@ -521,20 +521,13 @@ int Generator::step(std::vector<int32_t>& out) {
 
   // ---- COMMIT ---- gather the accepted nodes; nothing is re-run
   t0 = Clock::now();
-  if (!ar) {
-    ctx_.commit_path(path.data(), a + 1);
-    // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace)
-    if (cap) {
-      std::vector<int32_t> accepted((size_t)a + 1);
-      for (int i = 0; i <= a; ++i) accepted[(size_t)i] = tokens_[(size_t)path[i]];
-      features_->take_features(s, a + 1, ctx_.captured(), path.data(), accepted.data());
-    }
-  } else if (cap) {
-    features_->take_features(s, 1, ctx_.captured(), nullptr, tokens_.data());  // auto's AR steps: whole
-  }
+  for (int i = 0; i <= a; ++i) hist_.push_back(tokens_[path[i]]);  // positions s .. s + a are committed
+  if (!ar) ctx_.commit_path(path.data(), a + 1);
+  // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace);
+  // auto's AR steps keep the features whole
+  if (cap) features_->take_features(s, a + 1, ctx_.captured(), ar ? nullptr : path.data(), hist_.data() + s);
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);
-  for (int i = 0; i <= a; ++i) hist_.push_back(tokens_[path[i]]);  // positions s .. s + a are committed
   if (constraint_) {  // the matcher follows every decided token: the accepted drafts, then the bonus
     std::vector<int32_t> decided;
     for (int i = 1; i <= a; ++i) decided.push_back(tokens_[path[i]]);

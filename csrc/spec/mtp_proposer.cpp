@@ -55,13 +55,23 @@ void MtpProposer::take_features(int32_t pos0, int n, const float* captured, cons
     be.upload(last_h_.p, zero.data(), row);
     return;
   }
+  // row i waits as (token at pos0 + i, the trunk's hidden at pos0 + i - 1): last_h_, then captured rows
+  // 0 .. n - 2 (consecutive ones, a prefill chunk's, in one copy)
   const int nb = ctx_.params().n_batch;
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < n;) {
     if ((int)wait_tok_.size() == nb) flush();
-    // row (token at p, the trunk's hidden at p - 1)
-    const size_t t = wait_tok_.size();
-    be.copy(rows_.f() + t * H, i == 0 ? last_h_.f() : captured + (size_t)(rows ? rows[i - 1] : i - 1) * H, row);
-    wait_tok_.push_back(tokens[i]);
+    float* dst = rows_.f() + wait_tok_.size() * H;
+    int m = 1;
+    if (i == 0) {
+      be.copy(dst, last_h_.f(), row);
+    } else if (rows) {
+      be.copy(dst, captured + (size_t)rows[i - 1] * H, row);
+    } else {
+      m = std::min(n - i, nb - (int)wait_tok_.size());
+      be.copy(dst, captured + (size_t)(i - 1) * H, (size_t)m * row);
+    }
+    wait_tok_.insert(wait_tok_.end(), tokens + i, tokens + i + m);
+    i += m;
   }
   be.copy(last_h_.f(), captured + (size_t)(rows ? rows[n - 1] : n - 1) * H, row);
   n_pos_ = pos0 + n;
