@@ -29,6 +29,9 @@ typedef struct {
 } dfl_auto_choice;
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
                     int32_t min_budget, int32_t with_draft, dfl_auto_choice* out);
+/* What a context's auto mode has learnt so far for drafter i of its portfolio (0 = the most preferred): the
+ * same tables (verify sizes timed, per-depth calibration).  DFL_ERROR for a drafter it does not hold. */
+int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_estimates* out);
 
 /* ---- op entry points for tests and tools ---- */
 /* The sampler alone: the token for absolute position pos drawn from logits. */

@@ -429,6 +429,25 @@ const char* dfl_context_drafter_name(const dfl_context* c, int32_t i) {
   return c->gen->drafter_name((size_t)i);
 }
 
+int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_estimates* out) {
+  return guard([&] {
+    need(c, "context");
+    need(out, "estimates");
+    if (drafter < 0 || (size_t)drafter >= c->gen->n_drafters())
+      dfl::fail("drafter %d: the portfolio holds %zu", drafter, c->gen->n_drafters());
+    const dfl::AutoEstimates& e = c->gen->auto_controller((size_t)drafter).estimates();
+    *out = dfl_auto_estimates{};
+    out->ar_s = e.ar_s, out->draft_s = e.draft_s, out->tree_s = e.tree_s, out->commit_s = e.commit_s;
+    for (const auto& [n, s] : e.verify_s) {
+      if (out->n_verify == 64) break;
+      out->verify_nodes[out->n_verify] = n;
+      out->verify_s[out->n_verify++] = s;
+    }
+    out->n_calib = (int32_t)std::min<size_t>(e.depth_calib.size(), 64);
+    std::copy_n(e.depth_calib.begin(), out->n_calib, out->depth_calib);
+  });
+}
+
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
                     int32_t min_budget, int32_t with_draft, dfl_auto_choice* out) {
   return guard([&] {

@@ -123,6 +123,30 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
 
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }
 
+void AutoController::learn_acceptance(const int32_t* depth, const float* logp, int n, const uint8_t* on_path) {
+  // acceptance per depth: decayed sums of predicted path probability and of hits
+  for (double& p : pred_) p *= kAcceptDecay;
+  for (double& h : hit_) h *= kAcceptDecay;
+  for (int i = 0; i < n; ++i) {
+    const size_t d = (size_t)depth[i];
+    if (pred_.size() <= d) pred_.resize(d + 1, 0.0), hit_.resize(d + 1, 0.0);
+    pred_[d] += std::min(1.0, std::exp((double)logp[i]));
+    hit_[d] += on_path[i] ? 1.0 : 0.0;
+  }
+  e_.depth_calib.assign(pred_.size(), 1.0);
+  for (size_t d = 0; d < pred_.size(); ++d) e_.depth_calib[d] = (hit_[d] + kCalibPrior) / (pred_[d] + kCalibPrior);
+}
+
+void AutoController::observe_declined(const int32_t* depth, const float* logp, int n, const uint8_t* on_path) {
+  if (n > 0) learn_acceptance(depth, logp, n, on_path);
+}
+
+void AutoController::new_request() {
+  for (double& p : pred_) p *= kNewRequestWeight;
+  for (double& h : hit_) h *= kNewRequestWeight;
+  for (size_t d = 0; d < pred_.size(); ++d) e_.depth_calib[d] = (hit_[d] + kCalibPrior) / (pred_[d] + kCalibPrior);
+}
+
 void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                                   const std::vector<uint8_t>& on_path) {
   const bool was_probe = rec.probe;
@@ -136,17 +160,7 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   // a size not timed yet is bounded by what the sizes around it predict
   const double expected = AutoEstimates::verify_at(e_.verify_points(), budget + 1);
   ema(e_.verify_s[budget + 1], rec.verify_s, expected);
-  // acceptance per depth: decayed sums of predicted path probability and of hits
-  for (double& p : pred_) p *= kAcceptDecay;
-  for (double& h : hit_) h *= kAcceptDecay;
-  for (int i = 0; i < budget; ++i) {
-    const size_t d = (size_t)depth[i];
-    if (pred_.size() <= d) pred_.resize(d + 1, 0.0), hit_.resize(d + 1, 0.0);
-    pred_[d] += std::min(1.0, std::exp((double)logp[i]));
-    hit_[d] += on_path[(size_t)i] ? 1.0 : 0.0;
-  }
-  e_.depth_calib.assign(pred_.size(), 1.0);
-  for (size_t d = 0; d < pred_.size(); ++d) e_.depth_calib[d] = (hit_[d] + kCalibPrior) / (pred_[d] + kCalibPrior);
+  learn_acceptance(depth, logp, budget, on_path.data());
   if (was_probe && e_.ar_s > 0) {
     // Space the next probe so its measured loss is at most kProbeShare of the
     // AR time in between.

@@ -97,9 +97,19 @@ class AutoController {
   void observe_ar(double step_s);
   void observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                     const std::vector<uint8_t>& on_path);
+  // A drafted tree that was not verified (AR won the step) once its tokens are decided: which of its n nodes
+  // the decided tokens follow.  Acceptance only, no cost: a declined look still teaches what the drafter is
+  // worth on the current text, so the estimate does not go stale while the drafter stops being verified.
+  void observe_declined(const int32_t* depth, const float* logp, int n, const uint8_t* on_path);
+  // A new request: the acceptance statistics (another text's) weigh as kNewRequestWeight of their mass, so
+  // the new text's first steps outweigh them; costs (this device's) stay.
+  static constexpr double kNewRequestWeight = 0.25;
+  void new_request();
   const AutoEstimates& estimates() const { return e_; }
 
  private:
+  // The decayed per-depth sums, one observation of n nodes (predicted path probability vs on the path).
+  void learn_acceptance(const int32_t* depth, const float* logp, int n, const uint8_t* on_path);
   AutoEstimates e_;
   std::vector<double> pred_, hit_;          // per depth: decayed sums of predicted and observed acceptance
   std::vector<int32_t> last_depth_;         // the last drafted tree: the forecast for the next step

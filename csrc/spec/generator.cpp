@@ -94,6 +94,9 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   if (n_keep == 0) ctx_.reset();
   hist_.assign(prompt, prompt + n_prompt);
   for (Proposer* q : proposers_) q->reset();
+  declined_.clear();
+  if (p.mode == DecodeMode::Auto)
+    for (AutoController& ac : autos_) ac.new_request();
   if (n_keep > 0 && capturing()) features_->take_features(0, n_keep, nullptr, nullptr, nullptr);  // kept: skipped
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
@@ -561,7 +564,11 @@ int Generator::step(std::vector<int32_t>& out) {
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
       autos_[(size_t)chosen_].observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget,
                                            on_path);
+    } else if (chosen_ >= 0 && auto_tree_.size() > 0) {
+      if (declined_.size() == kMaxDeclined) declined_.erase(declined_.begin());
+      declined_.push_back(Declined{chosen_, s, auto_tree_});
     }
+    resolve_declined();
   }
   steps_.push_back(rec);
   stats_.steps = (int)steps_.size();
@@ -570,6 +577,38 @@ int Generator::step(std::vector<int32_t>& out) {
     stats_.stop = StopReason::Length;
   }
   return emitted;
+}
+
+void Generator::resolve_declined() {
+  // The decided token at an absolute position: committed (hist_), the pending bonus, or not yet (-1).
+  const int64_t n_hist = (int64_t)hist_.size();
+  auto decided = [&](int64_t pos) -> int64_t { return pos < n_hist ? hist_[(size_t)pos] : pos == n_hist ? pending_ : -1; };
+  std::vector<int8_t> on;  // per node: 1 on the decided text, 0 off it, -1 not known yet
+  std::vector<uint8_t> hit;
+  for (size_t k = 0; k < declined_.size();) {
+    const Declined& d = declined_[k];
+    const DraftTree& t = d.tree;
+    on.assign((size_t)t.size(), -1);
+    bool known = true;
+    for (int i = 0; i < t.size(); ++i) {  // builder order: a parent before its children
+      const int p = t.parent[(size_t)i];
+      const int8_t up = p == 0 ? 1 : on[(size_t)p - 1];
+      if (up <= 0) {
+        on[(size_t)i] = up;  // under a node off the text: off; under an unknown one: unknown
+      } else {
+        const int64_t tok = decided((int64_t)d.root_pos + t.depth[(size_t)i]);
+        on[(size_t)i] = tok < 0 ? -1 : tok == t.tokens[(size_t)i] ? 1 : 0;
+      }
+      known &= on[(size_t)i] >= 0;
+    }
+    if (!known) {
+      ++k;
+      continue;
+    }
+    hit.assign(on.begin(), on.end());
+    autos_[(size_t)d.drafter].observe_declined(t.depth.data(), t.logp.data(), t.size(), hit.data());
+    declined_.erase(declined_.begin() + (std::ptrdiff_t)k);
+  }
 }
 
 }  // namespace dfl

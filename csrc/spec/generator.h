@@ -162,6 +162,16 @@ class Generator {
   std::vector<AutoController> autos_;
   int chosen_ = -1;
   DraftTree auto_tree_;
+  // Trees auto mode drafted and declined (AR won the step), waiting for the tokens they guessed to be decided;
+  // then their drafter's controller learns which nodes the text followed (observe_declined).
+  struct Declined {
+    int drafter;
+    int32_t root_pos;
+    DraftTree tree;
+  };
+  static constexpr size_t kMaxDeclined = 16;
+  std::vector<Declined> declined_;
+  void resolve_declined();
   PrefillProgress progress_;
   Constraint* constraint_ = nullptr;
   bool prune_ = true;

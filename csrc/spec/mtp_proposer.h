@@ -4,7 +4,10 @@
 // at p - 1 (after output_norm; zeros before the first position).  Committed positions arrive through
 // take_features (the prompt's chunks, then each step's accepted path, with their tokens) and wait, a
 // (token, hidden) row each, until the next draft writes them all in one forward (or a full batch does):
-// an AR step of auto mode costs the head one row copy, and the catch-up is part of the draft it serves.  A draft runs
+// an AR step of auto mode costs the head one row copy, and the catch-up is part of the draft it serves.
+// The prompt's rows are written when the prefill ends (prompt_done), with the prefill's time: left waiting,
+// a long prompt's catch-up would land on the first probe (947 rows cost ~21 ms, 30 AR steps, on the
+// bundled pair), which then never pays and makes auto mode skip the head for the rest of the request.  A draft runs
 // the head autoregressively from the root: depth 1 reads (root, the trunk's hidden at root_pos - 1), depth
 // d > 1 reads (the top-1 of depth d - 1, the head's own output after shared_head_norm), each at the next
 // slot (those temporary slots are rewritten when their positions commit).  Each depth's top-K is the
@@ -26,6 +29,7 @@ class MtpProposer final : public Proposer {
   int default_block() const override { return block_; }
   void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override;
   void reset() override;
+  void prompt_done(const int32_t*, int) override { flush(); }
   const std::vector<int32_t>* feature_layers() const override { return &layers_; }
   int feature_capacity() const override { return 1 << 30; }  // every position: the head attends over them all
   void take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,

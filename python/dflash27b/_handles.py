@@ -400,6 +400,14 @@ class Context:
             out.append(ffi.string(p).decode())
         return out
 
+    def auto_estimates(self, drafter: int = 0) -> dict:
+        """What auto mode has learnt for the portfolio's drafter i: costs (s) and the per-depth calibration."""
+        e = self._ffi.new("dfl_auto_estimates*")
+        check(self._lib.dfl_context_auto_estimates(self.handle, drafter, e))
+        return {"ar_s": e.ar_s, "draft_s": e.draft_s, "tree_s": e.tree_s, "commit_s": e.commit_s,
+                "verify_s": {e.verify_nodes[i]: e.verify_s[i] for i in range(e.n_verify)},
+                "depth_calib": [e.depth_calib[i] for i in range(e.n_calib)]}
+
     def close(self) -> None:
         if getattr(self, "_h", None) is not None:
             self._lib.dfl_context_free(self._h)
