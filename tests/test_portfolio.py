@@ -88,3 +88,15 @@ def test_cli_takes_drafters_joined_by_plus(plain):
     out = json.loads(r.stdout)
     assert out["tokens"] == plain.generate(REPEAT, 48, mode="ar", ignore_eos=True).tokens
     assert out["stats"]["mode"] == "auto" and len(out["stats"]["drafter"]) == out["stats"]["steps"]
+
+
+def test_each_drafters_estimates_are_its_own(portfolio):
+    """dfl_context_auto_estimates: the warm-up priced both drafters (one AR cost for both, each its own draft
+    cost: DFlash's a forward, lookup's a scan), and a drafter the portfolio does not hold is refused by number."""
+    portfolio.generate(REPEAT, 24, mode="auto", ignore_eos=True, cache=False)
+    dfl, look = (portfolio._ctx.auto_estimates(k) for k in (0, 1))
+    assert dfl["ar_s"] == look["ar_s"] > 0
+    assert dfl["draft_s"] > 20 * look["draft_s"] > 0
+    assert look["verify_s"] and look["depth_calib"]    # lookup drafted the repeating text and learnt from it
+    with pytest.raises(DFlashError, match="drafter 2: the portfolio holds 2"):
+        portfolio._ctx.auto_estimates(2)

@@ -64,8 +64,9 @@ struct AutoChoice {
 // The best budget in [min_budget, n] for a drafted tree whose nodes (in the
 // builder's order) have these depths and path log-probabilities.  The draft
 // is priced in (`with_draft`) when deciding before drafting.
+// A tree must beat AR's tokens/s by min_gain (a share) to be chosen over it.
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft, double max_loss = 1e300);
+                         bool with_draft, double max_loss = 1e300, double min_gain = 0);
 
 class AutoController {
  public:
@@ -90,8 +91,13 @@ class AutoController {
   };
   Wish wish(int remaining = 1 << 30) const;
   void decided(const Wish& w, bool drafted, int remaining = 1 << 30);
-  // After drafting a tree of n nodes (builder order): the budget to verify.
-  AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe);
+  // After drafting a tree of n nodes (builder order): the budget to verify.  A look's tree must beat AR by
+  // kLookGain: a free drafter looks every step, and bets that win by less on average lose often enough to
+  // put a short request below AR's speed (two or three failed 3-node trees cost 5% of a 32-token request on
+  // the bundled pair; with 0.15 the lowest 32-token request was 0.92x AR, with 0.3 0.96x, long requests
+  // unchanged: bench/portfolio_cpu.py).
+  static constexpr double kLookGain = 0.3;
+  AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe, bool look = false);
   // After the step: its timings, and for a speculative one which of the
   // verified nodes (1..budget) were accepted (`on_path`, indexed like depth).
   void observe_ar(double step_s);

@@ -277,7 +277,7 @@ static DraftTree graft_forced(const DraftTree& t, const int32_t* f, int nf) {
   return g;
 }
 
-void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe) {
+void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe, bool look) {
   const int n_vocab = ctx_.model().cfg.n_vocab;
   // Nodes that fit: the budget, the KV room left and the verify batch.
   const int cap = std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1});
@@ -325,7 +325,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
-    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe);
+    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look);
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
     auto_tree_ = t;
@@ -420,7 +420,7 @@ int Generator::step(std::vector<int32_t>& out) {
   parent_.assign(tokens_.size(), -1);
   depth_.assign(tokens_.size(), 0);
   tokens_[0] = pending_;
-  bool speculate = p_.mode == DecodeMode::DDTree;
+  bool speculate = p_.mode == DecodeMode::DDTree, look = false;
   chosen_ = -1;
   if (p_.mode == DecodeMode::Auto) {
     // the portfolio: each drafter's controller says what it would do; a drafter expected to beat AR goes first
@@ -444,11 +444,12 @@ int Generator::step(std::vector<int32_t>& out) {
     if (speculate) chosen_ = k;
     rec.drafter = chosen_;
     rec.probe = speculate && wish[(size_t)k].probe;
+    look = speculate && wish[(size_t)k].look;
     rec.auto_budget = 0;
     rec.expected = 1.0, rec.est_tok_s = forecast.ar_tok_s, rec.est_ar_tok_s = forecast.ar_tok_s;
   }
   if (speculate) {
-    draft_tree(s, V, room, rec, rec.probe);
+    draft_tree(s, V, room, rec, rec.probe, look);
   } else if (p_.mode == DecodeMode::Chain) {
     draft_chain(s, V, rec);
   } else {

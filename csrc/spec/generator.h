@@ -131,7 +131,7 @@ class Generator {
   // the drafter's own default, else the request's block.
   int block_of(int k) const;
   void draft_chain(int32_t s, int V, StepRecord& rec);
-  void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe);
+  void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe, bool look);
   bool is_eos(int32_t t) const;
   // The target's choice for the token at absolute position pos from one raw
   // logits row, the sequence before it being hist_ then extra[0, n_extra)
