@@ -173,7 +173,7 @@ def test_outtypes_close_to_f32(tiny_hf_dir, f32_path, tmp_path, outtype, ftype, 
 
 
 def test_nested_config_prefix_shards_tied(tiny_hf_dir, tmp_path):
-    """Multimodal-style checkpoint: text_config, model.language_model.*, visual/mtp tensors, two shards,
+    """Multimodal-style checkpoint: text_config, model.language_model.*, visual/mtp tensors (--no-mtp), two shards,
     rope given the old way (no mrope_section -> [11,11,10,0]); tied embeddings drop lm_head."""
     cfg = json.loads((tiny_hf_dir / "config.json").read_text())
     st = safetensors_np.load_file(str(tiny_hf_dir / "model.safetensors"))
@@ -199,7 +199,9 @@ def test_nested_config_prefix_shards_tied(tiny_hf_dir, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: fn for fn, ks in shards.items() for k in ks}}))
     out = tmp_path / "mm.gguf"
-    main([str(d), str(out), "--outtype", "f32"])
+    with pytest.raises(ValueError, match="mtp.* tensors but config.json sets no mtp_num_hidden_layers"):
+        main([str(d), str(out), "--outtype", "f32"])   # a head is written unless --no-mtp says otherwise
+    main([str(d), str(out), "--outtype", "f32", "--no-mtp"])
     r = GGUFReader(out)
     assert field(r, "qwen35.rope.dimension_sections") == [11, 11, 10, 0]
     assert field(r, "qwen35.rope.dimension_count") == 16

@@ -9,6 +9,10 @@ its final norm) from Qwen3_5ForCausalLM, the fusion in torch (Gemma-style (1 + w
 into fc), and the layer + final norm + head as a one-layer Qwen3_5ForCausalLM carrying mtp.layers.0 / mtp.norm.
 Our MTP logits on the converted file equal it within 1e-4.
 
+Then the bundled target (its head trained for it) written back as a checkpoint (tests/gguf_to_hf.py) and
+converted by llama.cpp: the file equals our converter's tensor for tensor, and a chain decode's per-step
+accept lengths equal the plain PyTorch loop's (tests/mtp_ref.py).
+
 Needs llama.cpp's source: DFLASH27B_LLAMACPP_SRC=.../vendor/llama.cpp (from `pip download --no-deps
 --no-binary :all: llama-cpp-python==0.3.36`, unpacked); skipped without it."""
 from __future__ import annotations
@@ -71,35 +75,6 @@ def checkpoint(tmp_path_factory):
     return d, out
 
 
-def _reference(d: Path, ids: list[int]) -> np.ndarray:
-    import torch
-    from safetensors.numpy import load_file
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    cfg = json.loads((d / "config.json").read_text())
-    st = load_file(str(d / "model.safetensors"))
-    trunk = Qwen3_5ForCausalLM.from_pretrained(str(d), torch_dtype=torch.float32).eval()
-    t = torch.tensor([ids])
-    with torch.no_grad():
-        h = trunk.model(input_ids=t).last_hidden_state[0]          # after the trunk's final norm
-        e = trunk.model.embed_tokens(t)[0]
-        eps = cfg["rms_norm_eps"]
-
-        def norm(x, w):                                            # Qwen3.5's RMSNorm: (1 + w)
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + torch.from_numpy(st[w]))
-        h_prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
-        u = torch.cat([norm(e, "mtp.pre_fc_norm_embedding.weight"), norm(h_prev, "mtp.pre_fc_norm_hidden.weight")], -1)
-        u = u @ torch.from_numpy(st["mtp.fc.weight"]).T
-        one = dict({k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")},
-                   num_hidden_layers=1, layer_types=["full_attention"])
-        head = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**one)).to(torch.float32).eval()
-        sd = {"model.norm.weight": st["mtp.norm.weight"], "lm_head.weight": st["lm_head.weight"],
-              "model.embed_tokens.weight": st["model.embed_tokens.weight"]}
-        sd.update({"model.layers.0." + k[len("mtp.layers.0."):]: v for k, v in st.items() if k.startswith("mtp.layers.0.")})
-        missing = head.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()}, strict=False)
-        assert not missing.unexpected_keys and all("rotary" in k for k in missing.missing_keys), missing
-        return head(inputs_embeds=u[None]).logits[0].numpy()
-
-
 def test_llamacpp_converted_head_equals_transformers(checkpoint):
     from dflash27b import Decoder
     from dflash27b._lib import load
@@ -112,9 +87,58 @@ def test_llamacpp_converted_head_equals_transformers(checkpoint):
         arr = np.array(ids, np.int32)
         assert lib.dfl_dev_mtp_logits(dec._ctx.handle, ffi.cast("int32_t*", arr.ctypes.data), len(ids),
                                       ffi.cast("float*", got.ctypes.data)) == 0
-    want = _reference(d, ids)
+    from mtp_ref import TorchMtp
+    want = TorchMtp(d).logits(ids)
     assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
     with Decoder(gguf, "mtp", threads=2, warm_up=False) as dec:   # and it drafts losslessly
         ar = dec.generate("def f(x):", 24, mode="ar", ignore_eos=True).tokens
         for mode in ("chain", "ddtree"):
             assert dec.generate("def f(x):", 24, mode=mode, ignore_eos=True).tokens == ar
+
+
+@pytest.fixture(scope="module")
+def bundled_llamacpp(tmp_path_factory):
+    from gguf_to_hf import export_hf
+    from test_mtp_gguf import BUNDLED
+    d = export_hf(BUNDLED, tmp_path_factory.mktemp("bundled") / "hf")
+    out = d.parent / "llamacpp-f32.gguf"
+    runner = d.parent / "run_converter.py"
+    runner.write_text(RUNNER)
+    r = subprocess.run([sys.executable, str(runner), SRC, str(d), "--outtype", "f32", "--outfile", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return d, out
+
+
+def test_llamacpp_and_our_converter_write_the_same_head(bundled_llamacpp, tmp_path):
+    from gguf import GGUFReader
+    from gguf import quants as gq
+
+    from dflash27b.tools.convert import convert_hf_to_gguf
+    d, theirs = bundled_llamacpp
+    ours = convert_hf_to_gguf(d, tmp_path / "ours.gguf", "f32")
+    a, b = ({t.name: t for t in GGUFReader(str(p)).tensors} for p in (theirs, ours))
+    assert sorted(a) == sorted(b)
+    for n in a:
+        x, y = (gq.dequantize(t.data, t.tensor_type) for t in (a[n], b[n]))
+        assert x.shape == y.shape, n
+        np.testing.assert_allclose(x, y, rtol=2e-7, atol=0, err_msg=n)   # A = -exp(A_log): torch's exp vs numpy's
+    keys = lambda p: {k: f.contents() for k, f in GGUFReader(str(p)).fields.items()  # noqa: E731
+                      if k.startswith("qwen35.") and "context_length" not in k}
+    assert keys(theirs) == keys(ours)
+
+
+@pytest.mark.parametrize("block", [3, 5])
+def test_chain_accept_lengths_equal_the_reference_loop(bundled_llamacpp, block):
+    from mtp_ref import TorchMtp
+
+    from dflash27b import Decoder
+    d, gguf = bundled_llamacpp
+    ref = TorchMtp(d)
+    with Decoder(gguf, "mtp", threads=2, warm_up=False, kv_type="f32") as dec:
+        for text in ("def fibonacci(n):\n    if n < 2:\n", "import os\nimport sys\n\n\ndef main():\n"):
+            ids = dec.tokenize(text)
+            r = dec.generate(ids, 32, mode="chain", ignore_eos=True, block_size=block)
+            toks, steps = ref.chain_reference(ids, 32, block)
+            assert r.tokens == toks and r.stats.accept_lengths == steps
+            assert max(steps) == block

@@ -2,8 +2,11 @@
 
 Why our own: the engine's tests need HF <-> GGUF pairs made without llama.cpp, and every transform must be
 explicit (qwen35.md §2.3): norms +1 (not linear_attn.norm), A_log -> -exp(A_log) in f32, dt_bias rename,
-conv squeeze, V-head reorder grouped -> tiled when nk != nv, visual.* and mtp.* dropped, tied embeddings ->
-no output.weight. 1-D tensors and ssm_conv1d stay F32 for every outtype. Tensors are read through a small
+conv squeeze, V-head reorder grouped -> tiled when nk != nv, visual.* dropped, tied embeddings -> no
+output.weight.  An MTP head (`mtp.*`, `mtp_num_hidden_layers: 1`) is written as llama.cpp's converter writes
+it: one more block (block_count + 1, `nextn_predict_layers` = 1, not recurrent) holding the head's
+full-attention layer, and `blk.N.nextn.{eh_proj, enorm, hnorm, shared_head_norm}` from mtp.fc and its
+norms (+1 like the others); `--no-mtp` drops it, as there. 1-D tensors and ssm_conv1d stay F32 for every outtype. Tensors are read through a small
 memory-mapped safetensors reader (bf16 included, no torch needed) and written in row chunks, so a 27B
 checkpoint converts without holding it in RAM.
 """
@@ -78,8 +81,9 @@ class SafeTensors:
 # ----------------------------------------------------------------------------------------------------------
 # config
 
-def read_hparams(cfg: Mapping[str, Any], has_lm_head: bool = True) -> dict[str, Any]:
-    """HF config.json (flat Qwen3_5TextConfig or with `text_config`) -> layout.py hparams."""
+def read_hparams(cfg: Mapping[str, Any], has_lm_head: bool = True, has_mtp: bool = False) -> dict[str, Any]:
+    """HF config.json (flat Qwen3_5TextConfig or with `text_config`) -> layout.py hparams.  has_mtp: the
+    checkpoint's mtp.* tensors are to be written (the head's layers follow the trunk's, none recurrent)."""
     tc = cfg.get("text_config") or cfg
     rope = dict(tc.get("rope_parameters") or tc.get("rope_scaling") or {})
     nh = tc["num_attention_heads"]
@@ -95,6 +99,13 @@ def read_hparams(cfg: Mapping[str, Any], has_lm_head: bool = True) -> dict[str, 
     else:
         interval = interval or 4
         recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+    n_mtp = int(tc.get("mtp_num_hidden_layers", cfg.get("mtp_num_hidden_layers", 0)) or 0) if has_mtp else 0
+    if n_mtp > 1:
+        raise ValueError(f"mtp_num_hidden_layers = {n_mtp}: only a one-layer MTP head (Qwen3.5's) is supported")
+    if has_mtp and n_mtp == 0:
+        raise ValueError("the checkpoint has mtp.* tensors but config.json sets no mtp_num_hidden_layers "
+                         "(set it, or drop the head with --no-mtp)")
+    recurrent = list(recurrent) + [False] * n_mtp
     tied = bool(tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))) or not has_lm_head
     sections = list(rope.get("mrope_section") or [11, 11, 10])
     return dict(n_layer=n_layer, hidden=tc["hidden_size"], ffn=tc["intermediate_size"], n_head=nh,
@@ -104,7 +115,7 @@ def read_hparams(cfg: Mapping[str, Any], has_lm_head: bool = True) -> dict[str, 
                 tied=tied, ctx=tc.get("max_position_embeddings", 262144),
                 rope_theta=float(rope.get("rope_theta", tc.get("rope_theta", 1e7))),
                 eps=float(tc.get("rms_norm_eps", 1e-6)), sections=(sections + [0, 0, 0, 0])[:4],
-                interval=interval, recurrent=recurrent)
+                interval=interval, recurrent=recurrent, n_mtp=n_mtp)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,12 +135,29 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight"}
 
 
-def map_names(names: list[str]) -> dict[str, str]:
-    """GGUF name -> HF checkpoint name; drops vision and MTP tensors, rejects anything unknown."""
+_MTP = {"fc.weight": "nextn.eh_proj.weight", "pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+        "pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def map_names(names: list[str], n_layer: int | None = None) -> dict[str, str]:
+    """GGUF name -> HF checkpoint name; drops vision tensors, rejects anything unknown.  MTP tensors map to
+    block n_layer (llama.cpp's layout) when n_layer is given, else they are dropped."""
     out = {}
     for hf in names:
         n = hf.replace("model.language_model.", "model.", 1) if hf.startswith("model.language_model.") else hf
-        if n.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
+        if n.startswith("model.mtp."):
+            n = n[len("model."):]
+        if n.startswith(("model.visual.", "visual.")) or (n.startswith("mtp.") and n_layer is None):
+            continue
+        if n.startswith("mtp."):
+            rest = n[len("mtp."):]
+            m = re.fullmatch(r"layers\.0\.(.+)", rest)
+            if m and m.group(1) in _LAYER:
+                out[f"blk.{n_layer}.{_LAYER[m.group(1)]}"] = hf
+            elif rest in _MTP:
+                out[f"blk.{n_layer}.{_MTP[rest]}"] = hf
+            else:
+                raise ValueError(f"unexpected checkpoint tensor {hf}")
             continue
         if n in _GLOBAL:
             out[_GLOBAL[n]] = hf
@@ -246,14 +274,17 @@ def read_tokenizer(hf_dir: str | Path, vocab_size: int, cfg: Mapping[str, Any] |
 
 # ----------------------------------------------------------------------------------------------------------
 
-def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = "f32") -> Path:
+def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = "f32", mtp: bool = True) -> Path:
+    """mtp: write the checkpoint's MTP head, when it has one (False: drop it, llama.cpp's --no-mtp)."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}")
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
     st = SafeTensors(hf_dir)
-    name_map = map_names(st.names())
-    hp = read_hparams(cfg, has_lm_head="output.weight" in name_map)
+    has_mtp = mtp and any(n.startswith(("mtp.", "model.mtp.")) for n in st.names())
+    n_layer = (cfg.get("text_config") or cfg)["num_hidden_layers"]
+    name_map = map_names(st.names(), n_layer if has_mtp else None)
+    hp = read_hparams(cfg, has_lm_head="output.weight" in name_map, has_mtp=has_mtp)
     if hp["nv"] % hp["nk"]:
         raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     if hp["tied"]:
@@ -285,8 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("hf_dir")
     ap.add_argument("out")
     ap.add_argument("--outtype", default="f32", choices=sorted(OUTTYPES))
+    ap.add_argument("--no-mtp", action="store_true", help="drop the checkpoint's MTP head (mtp.*)")
     a = ap.parse_args(argv)
-    p = convert_hf_to_gguf(a.hf_dir, a.out, a.outtype)
+    p = convert_hf_to_gguf(a.hf_dir, a.out, a.outtype, mtp=not a.no_mtp)
     print(f"wrote {p} ({p.stat().st_size / 1e6:.1f} MB)")
 
 

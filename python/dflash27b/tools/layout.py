@@ -44,7 +44,8 @@ def tensor_list(hp: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     if not hp["tied"]:
         glob.append(("output.weight", (V, H)))
     out = sorted(glob)
-    for i in range(hp["n_layer"]):
+    n_mtp = hp.get("n_mtp", 0)
+    for i in range(hp["n_layer"] + n_mtp):
         t = {"attn_norm.weight": (H,), "post_attention_norm.weight": (H,),
              "ffn_gate.weight": (F, H), "ffn_up.weight": (F, H), "ffn_down.weight": (H, F)}
         if is_recurrent(hp, i):
@@ -57,6 +58,9 @@ def tensor_list(hp: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             t.update({"attn_q.weight": (2 * nh * hd, H), "attn_k.weight": (nkv * hd, H),
                       "attn_v.weight": (nkv * hd, H), "attn_output.weight": (H, nh * hd),
                       "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+        if i >= hp["n_layer"]:  # the MTP head's block (llama.cpp's layout): its fusion and final norm
+            t.update({"nextn.eh_proj.weight": (H, 2 * H), "nextn.enorm.weight": (H,), "nextn.hnorm.weight": (H,),
+                      "nextn.shared_head_norm.weight": (H,)})
         out += [(f"blk.{i}.{k}", s) for k, s in sorted(t.items())]
     return out
 
@@ -70,7 +74,10 @@ def add_qwen35_kv(w: GGUFWriter, hp: Mapping[str, Any], file_type: int, name: st
     a = ARCH
     w.add_string("general.type", "model")
     w.add_string("general.name", name)
-    w.add_uint32(f"{a}.block_count", hp["n_layer"])
+    n_mtp = hp.get("n_mtp", 0)
+    w.add_uint32(f"{a}.block_count", hp["n_layer"] + n_mtp)
+    if n_mtp:
+        w.add_uint32(f"{a}.nextn_predict_layers", n_mtp)
     w.add_uint32(f"{a}.context_length", hp["ctx"])
     w.add_uint32(f"{a}.embedding_length", hp["hidden"])
     w.add_uint32(f"{a}.feed_forward_length", hp["ffn"])
@@ -89,7 +96,7 @@ def add_qwen35_kv(w: GGUFWriter, hp: Mapping[str, Any], file_type: int, name: st
     w.add_uint32(f"{a}.ssm.time_step_rank", hp["nv"])
     w.add_uint32(f"{a}.ssm.inner_size", hp["nv"] * hp["dv"])
     w.add_uint32(f"{a}.full_attention_interval", hp["interval"])
-    w.add_key_value(f"{a}.attention.recurrent_layers", [is_recurrent(hp, i) for i in range(hp["n_layer"])],
+    w.add_key_value(f"{a}.attention.recurrent_layers", [is_recurrent(hp, i) for i in range(hp["n_layer"] + n_mtp)],
                     VT.ARRAY, sub_type=VT.BOOL)
     w.add_uint32("general.file_type", file_type)
     w.add_uint32("general.quantization_version", 2)
