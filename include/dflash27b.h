@@ -274,7 +274,12 @@ typedef struct {
 
 dfl_drafter_params dfl_drafter_default_params(void);
 
-/* Attaches drafter d (which must outlive the context's use of it) to c for
+/* Several drafters may be attached at once (a DFlash drafter, a draft model, the MTP head, prompt lookup;
+ * one of each): the order they were attached in is the order of preference — chain and DDTree steps draft
+ * with the first that can, auto mode picks among them each step (dfl_context_drafter_name).  Reattaching one
+ * moves it last.
+ *
+ * Attaches drafter d (which must outlive the context's use of it) to c for
  * chain decoding, on c's threads; d == NULL detaches.  The pair is validated. */
 int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_drafter_params* p);
 /* Classic draft-model speculation: m (a qwen35 model with the target's vocabulary, which must outlive the
@@ -290,7 +295,8 @@ int dfl_context_attach_lookup(dfl_context* c, int32_t ngram_min, int32_t ngram_m
  * `block` - 1 tokens a step autoregressively, each depth's top-K ranking chain and DDTree; block <= 0 detaches.
  * It reads the trunk's last hidden state of every committed position and keeps one layer of KV. */
 int dfl_context_attach_mtp(dfl_context* c, int32_t block);
-/* Bytes held by the attached drafter's ring and KV cache, or the draft model's context (0 when none). */
+/* Bytes held by the attached drafters: a DFlash drafter's ring and KV cache, a draft model's context, the MTP
+ * head's rows (0 when none). */
 int64_t dfl_context_draft_state_bytes(const dfl_context* c);
 
 /* Prefill progress: fn(user, done, total) after each n_batch chunk of the

@@ -439,3 +439,23 @@ def test_cuda_mtp_head_equals_cuda_ar(tmp_path):
         ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
         for mode in ("chain", "ddtree"):
             assert d.generate(ids, n, ignore_eos=True, mode=mode).tokens == ar, mode
+
+
+@pytest.mark.parametrize("first", ["mtp", "draft2"])
+def test_cuda_dflash_and_the_head_read_one_capture(first):
+    """DFlash2 and the MTP head attached together on the CUDA backend read their layers from one forward's
+    captured rows (strided copies there): chain mode drafts with the first given, its tokens are CUDA AR's and
+    its accept lengths the CPU's, step for step."""
+    from test_mtp_gguf import BUNDLED
+    srcs = {"draft2": str(BUNDLED.parent / "tiny-draft2"), "mtp": "mtp"}
+    draft = [srcs[first]] + [v for k, v in srcs.items() if k != first]
+    n = 12 if EMULATED else 48
+    got = {}
+    for dev in ("cuda", "cpu"):
+        with Decoder(BUNDLED, draft, device=dev, ctx=512, threads=2, warm_up=False) as d:
+            ids = d.tokenize(PROMPTS[0])
+            ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
+            r = d.generate(ids, n, ignore_eos=True, mode="chain")
+            assert r.tokens == ar
+            got[dev] = r.stats.accept_lengths
+    assert got["cuda"] == got["cpu"]

@@ -66,9 +66,36 @@ def test_every_mode_equals_ar(mtp_dec, prompt, sampling):
     assert again.tokens == mtp_dec.generate(turn2, 32, mode="ar", ignore_eos=True, cache=False, **sampling).tokens
 
 
-def test_mtp_and_a_dflash_drafter_are_one_or_the_other():
-    with pytest.raises(DFlashError, match="both read the target's hidden states"):
-        Decoder(BUNDLED, [str(BUNDLED.parent / "tiny-draft2"), "mtp"], threads=1)
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])
+def test_dflash2_the_head_and_lookup_in_one_portfolio(sampling):
+    """Both read the target's hidden states from one forward (the union of their layers is captured, each
+    takes its own); every mode equals AR, after a prefix-cache hit too."""
+    with Decoder(BUNDLED, [str(BUNDLED.parent / "tiny-draft2"), "mtp", "lookup"], threads=2,
+                 cache_mem=64 << 20) as d:
+        assert d._ctx.drafter_names() == ["dflash", "mtp", "lookup"]
+        assert d._ctx.draft_state_bytes > 0
+        for p in PROMPTS:
+            ar = d.generate(p, 48, mode="ar", ignore_eos=True, cache=False, **sampling).tokens
+            for mode in ("chain", "ddtree", "auto"):
+                assert d.generate(p, 48, mode=mode, ignore_eos=True, cache=False, **sampling).tokens == ar, mode
+        first = d.generate(PROMPTS[0], 24, mode="auto", ignore_eos=True, **sampling)
+        turn2 = first.prompt_tokens + first.tokens + d.tokenize("\n\ndef g(y):\n")
+        again = d.generate(turn2, 32, mode="auto", ignore_eos=True, **sampling)
+        assert again.stats.cached_tokens > 0
+        assert again.tokens == d.generate(turn2, 32, mode="ar", ignore_eos=True, cache=False, **sampling).tokens
+
+
+@pytest.mark.parametrize("order", [["draft2", "mtp"], ["mtp", "draft2"]], ids=["dflash-first", "mtp-first"])
+def test_each_reader_gets_its_own_features(order):
+    """With both attached, chain mode drafts with the first; its accept lengths are exactly those it has
+    alone, so each reader was handed its own layers of the shared captured rows (either layout)."""
+    srcs = {"draft2": str(BUNDLED.parent / "tiny-draft2"), "mtp": "mtp"}
+    runs = {}
+    for key, draft in (("both", [srcs[k] for k in order]), ("alone", srcs[order[0]])):
+        with Decoder(BUNDLED, draft, threads=2, warm_up=False) as d:
+            runs[key] = [d.generate(p, 48, mode="chain", ignore_eos=True).stats.accept_lengths for p in PROMPTS]
+    assert runs["both"] == runs["alone"]
+    assert max(max(a) for a in runs["alone"]) > 1
 
 
 def test_mtp_in_a_portfolio_with_lookup(mtp_files):

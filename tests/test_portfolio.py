@@ -32,10 +32,15 @@ def plain():
         yield d
 
 
-def test_the_portfolio_is_both_drafters_in_the_cores_order(portfolio):
+def test_the_portfolio_is_both_drafters_in_the_order_given(portfolio):
     assert portfolio.drafts == (DRAFT2, "lookup")
     assert portfolio._ctx.drafter_names() == ["dflash", "lookup"]
     assert portfolio.draft == f"{DRAFT2} + lookup"
+    with Decoder(draft=["lookup", DRAFT2], threads=1, warm_up=False) as d:   # the first given is preferred
+        assert d._ctx.drafter_names() == ["lookup", "dflash"]
+        ar = d.generate(REPEAT, 24, mode="ar", ignore_eos=True).tokens
+        chain = d.generate(REPEAT, 24, mode="chain", ignore_eos=True)
+        assert chain.tokens == ar and max(chain.stats.accept_lengths) == 9   # lookup's block (DFlash2's is 16)
 
 
 @pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])

@@ -104,10 +104,10 @@ int dfl_context_attach_draft(dfl_context* c, const dfl_draft* d, const dfl_draft
     c->drafter.reset();
     c->refresh_proposers();
     if (!d) return;
-    if (c->mtp) dfl::fail("the MTP head and a DFlash drafter both read the target's hidden states: attach one");
     // on the context's backend: it takes the captured target features there
     c->drafter = std::make_unique<dfl::Drafter>(*d->d, c->ctx->model(), drafter_params(p), &c->ctx->backend());
     c->dflash = std::make_unique<dfl::DFlashProposer>(*c->drafter);
+    c->attached(c->dflash.get());
     c->refresh_proposers();
   });
 }
@@ -119,6 +119,7 @@ int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m) {
     c->refresh_proposers();
     if (!m) return;
     c->draft_model = std::make_unique<dfl::DraftModelProposer>(*m->m, c->ctx->model(), c->ctx->params());
+    c->attached(c->draft_model.get());
     c->refresh_proposers();
   });
 }
@@ -132,6 +133,7 @@ int dfl_context_attach_lookup(dfl_context* c, int32_t ngram_min, int32_t ngram_m
     dfl::LookupParams p;
     p.ngram_min = ngram_min, p.ngram_max = ngram_max, p.block = block;
     c->lookup = std::make_unique<dfl::LookupProposer>(p);
+    c->attached(c->lookup.get());
     c->refresh_proposers();
   });
 }
@@ -142,16 +144,19 @@ int dfl_context_attach_mtp(dfl_context* c, int32_t block) {
     c->mtp.reset();
     c->refresh_proposers();
     if (block <= 0) return;
-    if (c->dflash) dfl::fail("the MTP head and a DFlash drafter both read the target's hidden states: attach one");
     c->mtp = std::make_unique<dfl::MtpProposer>(*c->ctx, block);
+    c->attached(c->mtp.get());
     c->refresh_proposers();
   });
 }
 
 int64_t dfl_context_draft_state_bytes(const dfl_context* c) {
   if (!c) return -1;
-  if (c->draft_model) return (int64_t)c->draft_model->state_bytes();
-  return c->dflash ? (int64_t)c->dflash->state_bytes() : 0;
+  int64_t n = 0;  // every attached drafter's
+  for (const dfl::Proposer* p : {(const dfl::Proposer*)c->draft_model.get(), (const dfl::Proposer*)c->dflash.get(),
+                                 (const dfl::Proposer*)c->mtp.get(), (const dfl::Proposer*)c->lookup.get()})
+    if (p) n += (int64_t)p->state_bytes();
+  return n;
 }
 
 int dfl_context_set_draft_hook(dfl_context* c, dfl_draft_hook fn, void* user) {

@@ -3,6 +3,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/context.h"
 #include "model/dflash_draft.h"
@@ -36,11 +37,21 @@ struct dfl_context {
   std::unique_ptr<dfl::Constraint> constraint;  // structured output (dfl_context_set_constraint)
   mutable std::string backend_name;        // dfl_context_backend's string
 
-  // Hands the generator every attached proposer, most preferred first.
+  // The attached drafters in the order they were attached: the order of preference (a chain or DDTree step
+  // drafts with the first that can; auto ranks them by what they earn).
+  std::vector<const void*> attach_order;
+  void attached(const void* p) { attach_order.push_back(p); }
+
+  // Hands the generator every attached proposer, most preferred first: the hooks, then the drafters as attached.
   void refresh_proposers() {
-    gen->set_proposers(
-        {chain_hook.get(), tree_hook.get(), topk_hook.get(), draft_model.get(), dflash.get(), mtp.get(),
-         lookup.get()});
+    std::vector<dfl::Proposer*> ps{chain_hook.get(), tree_hook.get(), topk_hook.get()};
+    std::vector<dfl::Proposer*> attached{draft_model.get(), dflash.get(), mtp.get(), lookup.get()};
+    std::vector<const void*> live;
+    for (const void* a : attach_order)
+      for (dfl::Proposer* p : attached)
+        if (p && p == a) ps.push_back(p), live.push_back(a);
+    attach_order = live;  // detached ones leave the order
+    gen->set_proposers(ps);
   }
 };
 

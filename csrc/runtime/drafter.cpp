@@ -115,18 +115,24 @@ void Drafter::push_features(int32_t pos0, int n, const float* feats) {
   consumed_ = std::max(consumed_, n_pos_ - cap_);
 }
 
-void Drafter::push_features_from_backend(int32_t pos0, int n, const float* src, const int32_t* rows) {
+void Drafter::push_features_from_backend(int32_t pos0, int n, const float* src, size_t src_stride,
+                                          const int32_t* rows) {
   if (pos0 != n_pos_) fail("features for position %d pushed, but the drafter expects position %d next", pos0, n_pos_);
   if (n < 0) fail("negative feature count");
   const size_t w = (size_t)feature_width();
+  if (src_stride < w) fail("captured rows of %zu floats cannot hold the drafter's %zu", src_stride, w);
   for (int i = std::max(0, n - cap_); i < n;) {
     const int slot = (pos0 + i) % cap_;
     if (rows) {  // one row at a time: path nodes are not consecutive
-      be_->copy(ring_.f() + (size_t)slot * w, src + (size_t)rows[i] * w, w * 4);
+      be_->copy(ring_.f() + (size_t)slot * w, src + (size_t)rows[i] * src_stride, w * 4);
       ++i;
     } else {     // contiguous runs, split where the ring wraps
       const int run = std::min(n - i, cap_ - slot);
-      be_->copy(ring_.f() + (size_t)slot * w, src + (size_t)i * w, (size_t)run * w * 4);
+      if (src_stride == w)
+        be_->copy(ring_.f() + (size_t)slot * w, src + (size_t)i * w, (size_t)run * w * 4);
+      else  // other readers' layers in between
+        be_->copy_rows(ring_.f() + (size_t)slot * w, w * 4, src + (size_t)i * src_stride, src_stride * 4, w * 4,
+                       (size_t)run);
       i += run;
     }
   }

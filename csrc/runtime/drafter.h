@@ -50,7 +50,7 @@ class Drafter {
   // The same from backend memory (the target context's captured rows, when
   // both share the backend): position pos0 + k takes row rows[k] of src
   // (rows null: row k).
-  void push_features_from_backend(int32_t pos0, int n, const float* src, const int32_t* rows);
+  void push_features_from_backend(int32_t pos0, int n, const float* src, size_t src_stride, const int32_t* rows);
   Backend& backend() { return *be_; }
   // Advances past positions whose features were not captured because they can
   // never be read (older than the newest `capacity` positions of the prompt).

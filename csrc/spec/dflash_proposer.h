@@ -48,9 +48,9 @@ class DFlashProposer final : public Proposer {
   void reset() override { d_.reset(); }
   const std::vector<int32_t>* feature_layers() const override { return &d_.config().target_layer_ids; }
   int feature_capacity() const override { return d_.capacity(); }
-  void take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
+  void take_features(int32_t pos0, int n, const float* captured, size_t stride, const int32_t* rows,
                      const int32_t* /*tokens*/) override {
-    if (captured) d_.push_features_from_backend(pos0, n, captured, rows);
+    if (captured) d_.push_features_from_backend(pos0, n, captured, stride, rows);
     else d_.skip_features(pos0, n);
   }
   size_t state_bytes() const override { return d_.state_bytes(); }

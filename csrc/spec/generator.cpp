@@ -24,9 +24,26 @@ void Generator::set_proposers(std::vector<Proposer*> ps) {
     autos_.assign(std::max<size_t>(drafters_.size(), 1), AutoController{});
   }
   proposers_ = std::move(next);
-  features_ = nullptr;
-  for (Proposer* p : proposers_)
-    if (!features_ && p->feature_layers()) features_ = p;
+  readers_.clear(), reader_offset_.clear(), capture_.clear();
+  feature_capacity_ = 0;
+  const size_t H = (size_t)ctx_.model().cfg.n_embd;
+  for (Proposer* p : proposers_) {
+    const std::vector<int32_t>* layers = p->feature_layers();
+    if (!layers || layers->empty()) continue;
+    // its layers as a run already captured (the MTP head's last layer may end DFlash's list), else appended
+    auto at = std::search(capture_.begin(), capture_.end(), layers->begin(), layers->end());
+    if (at == capture_.end()) at = capture_.insert(capture_.end(), layers->begin(), layers->end());
+    readers_.push_back(p);
+    reader_offset_.push_back((size_t)(at - capture_.begin()) * H);
+    feature_capacity_ = std::max(feature_capacity_, p->feature_capacity());
+  }
+}
+
+void Generator::give_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
+                              const int32_t* tokens) {
+  const size_t stride = capture_.size() * (size_t)ctx_.model().cfg.n_embd;
+  for (size_t i = 0; i < readers_.size(); ++i)
+    readers_[i]->take_features(pos0, n, captured ? captured + reader_offset_[i] : nullptr, stride, rows, tokens);
 }
 
 Proposer* Generator::first(Proposer::Capability c) const {
@@ -97,7 +114,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   declined_.clear();
   if (p.mode == DecodeMode::Auto)
     for (AutoController& ac : autos_) ac.new_request();
-  if (n_keep > 0 && capturing()) features_->take_features(0, n_keep, nullptr, nullptr, nullptr);  // kept: skipped
+  if (n_keep > 0 && capturing()) give_features(0, n_keep, nullptr, nullptr, nullptr);  // kept: skipped
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
   prefill(prompt, n_prompt, n_keep);
@@ -118,9 +135,8 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
 void Generator::prefill(const int32_t* prompt, int n, int first) {
   const int chunk = ctx_.params().n_batch;
   const bool cap = capturing();
-  if (cap) capture_ = *features_->feature_layers();
-  // Only the newest `capacity` positions can reach the drafter: capture those.
-  const int first_captured = cap ? std::max(0, n - features_->feature_capacity()) : n;
+  // Only the newest `capacity` positions can reach a reader: capture those.
+  const int first_captured = cap ? std::max(0, n - feature_capacity_) : n;
   for (int off = first; off < n; off += chunk) {
     const int m = std::min(chunk, n - off);
     pos_.resize(m);
@@ -146,7 +162,7 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
     }
     ctx_.forward(b, o, true);
     // positions the proposer could never read are skipped: it only needs the count
-    if (cap) features_->take_features(off, m, grab ? ctx_.captured() : nullptr, nullptr, grab ? prompt + off : nullptr);
+    if (cap) give_features(off, m, grab ? ctx_.captured() : nullptr, nullptr, grab ? prompt + off : nullptr);
     if (progress_ && !progress_(off + m, n)) fail("prefill cancelled after %d of %d prompt tokens", off + m, n);
   }
   const uint32_t* mask = nullptr;
@@ -529,7 +545,7 @@ int Generator::step(std::vector<int32_t>& out) {
   if (!ar) ctx_.commit_path(path.data(), a + 1);
   // the accepted nodes' features, in path order, copied on the backend (nodes off the path leave no trace);
   // auto's AR steps keep the features whole
-  if (cap) features_->take_features(s, a + 1, ctx_.captured(), ar ? nullptr : path.data(), hist_.data() + s);
+  if (cap) give_features(s, a + 1, ctx_.captured(), ar ? nullptr : path.data(), hist_.data() + s);
   rec.commit_s = since(t0);
   rec.target_forwards = (int)(ctx_.n_forwards() - fwd0);
   if (constraint_) {  // the matcher follows every decided token: the accepted drafts, then the bonus

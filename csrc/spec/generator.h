@@ -150,11 +150,17 @@ class Generator {
   // `cap` nodes in builder order (a tree drafted kOverdraft times larger keeps `cap` allowed nodes).
   void constrain_tree(DraftTree& t, int cap, StepRecord& rec);
   static constexpr int kOverdraft = 3;
-  bool capturing() const { return features_ && p_.mode != DecodeMode::AR; }
+  bool capturing() const { return !readers_.empty() && p_.mode != DecodeMode::AR; }
+  // Hands committed positions' captured rows (or their skipping: captured null) to every feature reader.
+  void give_features(int32_t pos0, int n, const float* captured, const int32_t* rows, const int32_t* tokens);
 
   Context& ctx_;
   std::vector<Proposer*> proposers_;
-  Proposer* features_ = nullptr;  // the proposer the target's hidden features go to
+  // The proposers that read the target's hidden features, where each one's layers start in a captured row
+  // (in floats), and the layers captured: the union of theirs, each reader's own consecutive and in its order.
+  std::vector<Proposer*> readers_;
+  std::vector<size_t> reader_offset_;
+  int feature_capacity_ = 0;  // the most newest positions any reader can use
   // Auto mode: one controller per drafter that ranks (drafters_), kept across requests (the costs belong to
   // this device and pair); the drafter of the step in flight (-1: none) and its drafted tree (builder order)
   // for its observation.

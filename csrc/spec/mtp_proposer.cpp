@@ -40,7 +40,7 @@ void MtpProposer::flush() {
   wait_tok_.clear();
 }
 
-void MtpProposer::take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
+void MtpProposer::take_features(int32_t pos0, int n, const float* captured, size_t stride, const int32_t* rows,
                                 const int32_t* tokens) {
   if (n <= 0) return;
   Backend& be = ctx_.backend();
@@ -65,15 +65,15 @@ void MtpProposer::take_features(int32_t pos0, int n, const float* captured, cons
     if (i == 0) {
       be.copy(dst, last_h_.f(), row);
     } else if (rows) {
-      be.copy(dst, captured + (size_t)rows[i - 1] * H, row);
+      be.copy(dst, captured + (size_t)rows[i - 1] * stride, row);
     } else {
       m = std::min(n - i, nb - (int)wait_tok_.size());
-      be.copy(dst, captured + (size_t)(i - 1) * H, (size_t)m * row);
+      be.copy_rows(dst, row, captured + (size_t)(i - 1) * stride, stride * 4, row, (size_t)m);
     }
     wait_tok_.insert(wait_tok_.end(), tokens + i, tokens + i + m);
     i += m;
   }
-  be.copy(last_h_.f(), captured + (size_t)(rows ? rows[n - 1] : n - 1) * H, row);
+  be.copy(last_h_.f(), captured + (size_t)(rows ? rows[n - 1] : n - 1) * stride, row);
   n_pos_ = pos0 + n;
 }
 

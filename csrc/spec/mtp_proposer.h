@@ -32,7 +32,7 @@ class MtpProposer final : public Proposer {
   void prompt_done(const int32_t*, int) override { flush(); }
   const std::vector<int32_t>* feature_layers() const override { return &layers_; }
   int feature_capacity() const override { return 1 << 30; }  // every position: the head attends over them all
-  void take_features(int32_t pos0, int n, const float* captured, const int32_t* rows,
+  void take_features(int32_t pos0, int n, const float* captured, size_t stride, const int32_t* rows,
                      const int32_t* tokens) override;
   size_t state_bytes() const override;
 

@@ -63,10 +63,13 @@ class Proposer {
   // of the newest positions can still reach the drafter, and the captured rows of committed positions: rows[i]
   // of `captured` (on the target's backend) is position pos0 + i; rows null = consecutive; captured null = the
   // positions are skipped (never needed); tokens: the tokens at those positions (null with captured null).
+  // Several proposers may read features at once (DFlash and the MTP head in one portfolio): the forward
+  // captures the union of their layers, so `captured` points at this proposer's first layer in row 0 and
+  // `stride` floats separate one row from the next (its own layers, in its order, lie consecutively).
   virtual const std::vector<int32_t>* feature_layers() const { return nullptr; }
   virtual int feature_capacity() const { return 0; }
-  virtual void take_features(int32_t /*pos0*/, int /*n*/, const float* /*captured*/, const int32_t* /*rows*/,
-                             const int32_t* /*tokens*/) {}
+  virtual void take_features(int32_t /*pos0*/, int /*n*/, const float* /*captured*/, size_t /*stride*/,
+                             const int32_t* /*rows*/, const int32_t* /*tokens*/) {}
 
   // Bytes of state it keeps per context (KV, rings, snapshots): what a memory plan counts.
   virtual size_t state_bytes() const { return 0; }

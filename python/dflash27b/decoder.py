@@ -178,9 +178,6 @@ class Decoder:
         # "lookup": prompt lookup drafts (no weights): what followed the same words earlier in the context
         self._lookup = LOOKUP in drafts
         self._mtp = MTP in drafts
-        if self._mtp and any(d not in (LOOKUP, MTP) and not Path(d).is_file() for d in drafts):
-            raise DFlashError("the MTP head and a DFlash drafter both read the target's hidden states: give one "
-                              "of them (either goes with lookup or a draft model)")
         self.kv_type = kv_type
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
@@ -221,18 +218,20 @@ class Decoder:
             self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id,
                                          TYPE_IDS[state_type])
             self.backend = self._ctx.backend
-            if self._draft is not None:
-                self._ctx.attach_draft(self._draft, feature_ring)
-            if self._draft_model is not None:
-                self._ctx.attach_draft_model(self._draft_model)
-            if self._mtp:
-                if not self._model.info.get("n_mtp_layers"):
-                    raise DFlashError(f"{self.target} has no MTP head (qwen35.nextn_predict_layers is 0): "
-                                      "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
-                                      "--no-mtp, the \"-MTP\" files)")
-                self._ctx.attach_mtp(MTP_BLOCK)
-            if self._lookup:
-                self._ctx.attach_lookup(block=LOOKUP_BLOCK)
+            # attached in the order given: the order of preference (chain and DDTree modes draft with the first)
+            for src in drafts:
+                if src == MTP:
+                    if not self._model.info.get("n_mtp_layers"):
+                        raise DFlashError(f"{self.target} has no MTP head (qwen35.nextn_predict_layers is 0): "
+                                          "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
+                                          "--no-mtp, the \"-MTP\" files)")
+                    self._ctx.attach_mtp(MTP_BLOCK)
+                elif src == LOOKUP:
+                    self._ctx.attach_lookup(block=LOOKUP_BLOCK)
+                elif self._draft_model is not None and src == self._draft_model_path:
+                    self._ctx.attach_draft_model(self._draft_model)
+                else:
+                    self._ctx.attach_draft(self._draft, feature_ring)
         except DFlashError:
             self.close()
             raise
