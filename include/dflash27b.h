@@ -88,6 +88,11 @@ int dfl_context_memory_plan(const dfl_model* m, const dfl_context_params* p, int
 dfl_context_params dfl_context_default_params(void);
 dfl_context* dfl_context_new(dfl_model* m, const dfl_context_params* p);
 void dfl_context_free(dfl_context* c);
+/* A slot: a new context (its own sequence: KV cache, delta-net state, drafters) on base's model and backend
+ * (the weights uploaded once, one thread pool), so that dfl_generate_next_many decodes several requests in
+ * one batched forward.  p as for dfl_context_new (device ignored: base's); NULL = base's parameters.  The
+ * model must outlive it; base need not.  CPU only for now (NULL and an error on the CUDA backend). */
+dfl_context* dfl_context_new_slot(dfl_context* base, const dfl_context_params* p);
 /* e.g. "cpu (avx2)" or "cuda (NVIDIA H100 80GB HBM3)"; valid while the context lives */
 const char* dfl_context_backend(const dfl_context* c);
 int dfl_context_reset(dfl_context* c);
@@ -187,6 +192,13 @@ int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_pro
                             const dfl_gen_params* p);
 /* Writes up to cap new tokens; returns how many (0 = finished), -1 on error. */
 int32_t dfl_generate_next(dfl_context* c, int32_t* out_tokens, int32_t cap);
+/* One step of each of n slots (contexts sharing a backend: dfl_context_new_slot), each begun with
+ * dfl_generate_begin: their drafts are made one by one, their verify batches run as one forward (the
+ * row-wise work once for all, at most the first slot's batch size in all), then each accepts and commits on
+ * its own.  Slot k's tokens go to out_tokens[k * cap ..], their count to counts[k] (0 once it is done).  Each
+ * slot decides exactly the tokens its own dfl_generate_next would.  Returns the tokens in all (0: every slot
+ * is done), -1 on error. */
+int32_t dfl_generate_next_many(dfl_context* const* cs, int32_t n, int32_t* out_tokens, int32_t cap, int32_t* counts);
 int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* out);
 
 typedef struct {

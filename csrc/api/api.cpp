@@ -178,6 +178,20 @@ dfl_context* dfl_context_new(dfl_model* m, const dfl_context_params* p) {
 
 void dfl_context_free(dfl_context* c) { delete c; }
 
+dfl_context* dfl_context_new_slot(dfl_context* base, const dfl_context_params* p) {
+  dfl_context* out = nullptr;
+  guard([&] {
+    need(base, "base context");
+    dfl::ContextParams cp = p ? to_context_params(*p) : base->ctx->params();
+    cp.device = base->ctx->params().device;
+    auto c = std::make_unique<dfl_context>();
+    c->ctx = std::make_unique<dfl::Context>(base->ctx->model(), cp, base->ctx.get());
+    c->gen = std::make_unique<dfl::Generator>(*c->ctx);
+    out = c.release();
+  });
+  return out;
+}
+
 const char* dfl_context_backend(const dfl_context* c) {
   if (!c) return nullptr;
   if (c->backend_name.empty()) c->backend_name = c->ctx->backend_name();
@@ -369,6 +383,31 @@ int32_t dfl_generate_next(dfl_context* c, int32_t* out_tokens, int32_t cap) {
     n = (int32_t)toks.size();
   });
   return rc == DFL_OK ? n : -1;
+}
+
+int32_t dfl_generate_next_many(dfl_context* const* cs, int32_t n, int32_t* out_tokens, int32_t cap, int32_t* counts) {
+  int32_t total = 0;
+  int rc = guard([&] {
+    need(cs, "contexts");
+    need(out_tokens, "out_tokens");
+    need(counts, "counts");
+    if (n <= 0) dfl::fail("slot count must be positive (got %d)", n);
+    if (cap <= 0) dfl::fail("output capacity must be positive");
+    std::vector<dfl::Generator*> gs((size_t)n);
+    for (int k = 0; k < n; ++k) {
+      if (!cs[k]) dfl::fail("slot %d is NULL", k);
+      gs[(size_t)k] = cs[k]->gen.get();
+    }
+    std::vector<std::vector<int32_t>> outs((size_t)n);
+    total = dfl::Generator::next_many(gs.data(), n, outs.data());
+    for (int k = 0; k < n; ++k) {
+      if ((int32_t)outs[(size_t)k].size() > cap)
+        dfl::fail("output capacity %d too small for slot %d's %zu tokens", cap, k, outs[(size_t)k].size());
+      std::memcpy(out_tokens + (size_t)k * cap, outs[(size_t)k].data(), outs[(size_t)k].size() * 4);
+      counts[k] = (int32_t)outs[(size_t)k].size();
+    }
+  });
+  return rc == DFL_OK ? total : -1;
 }
 
 int dfl_generate_stats(const dfl_context* c, dfl_gen_stats* o) {

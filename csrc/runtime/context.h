@@ -54,7 +54,9 @@ struct ForwardOutputs {
 
 class Context {
  public:
-  Context(const Model& model, const ContextParams& p);
+  // share: another context of the same model whose backend (weights, threads) this one uses too — the slots
+  // of a server, each its own sequence, decoded together by forward_many.
+  Context(const Model& model, const ContextParams& p, Context* share = nullptr);
   ~Context();
 
   const Model& model() const { return model_; }
@@ -71,6 +73,13 @@ class Context {
   //   commit_path() picks the accepted nodes; the committed state is untouched.
   void forward(const Batch& b, const ForwardOutputs& out, bool commit);
   void commit_path(const int32_t* nodes, int n);
+  // One forward over the batches of n contexts that share one backend (the slots of a server: cs[k] decodes
+  // bs[k] as forward(bs[k], outs[k], commit[k]) would): the row-wise work (matmuls, norms, the output head)
+  // runs once over every context's rows, attention and the delta-net per context on its own KV and state.
+  // Each context's rows get the arithmetic they get alone, so its results are bit-identical to its own
+  // forward.  The rows in all must fit the first context's batch size (no chunking across contexts).
+  static void forward_many(Context* const* cs, const Batch* bs, const ForwardOutputs* outs, const bool* commit,
+                           int n);
 
   size_t state_bytes() const;
   // The committed state as bytes: per layer in order, KV rows [0, n_past) of
@@ -121,10 +130,30 @@ class Context {
   // Every delta-net layer's conv window and recurrent state (backend memory, bytes), in layer order: the
   // layout of get/set_recurrent and of the snapshots.
   std::vector<std::pair<void*, size_t>> gdn_state_parts() const;
-  void run_chunk(const Batch& b, int off, int n, const ForwardOutputs& out, bool commit);
+  void check_forward(const Batch& b, const ForwardOutputs& out, bool commit);
+  void prepare_verify(const Batch& b);  // per-node state room and the tree's parents, for commit_path
+  // Rows [off, off + n) of context ctx's batch b, at rows row0.. of the lead context's scratch.
+  struct Segment {
+    Context* ctx;
+    const Batch* b;
+    int off, n;
+    const ForwardOutputs* out;
+    bool commit;
+    int row0;
+  };
+  // Every layer over the segments' rows (this context's scratch; each segment's own KV, state and plan).
+  void run_segments(const Segment* segs, int n_segs);
+  // One attention part: the rows row0.. of a plan's tokens, with their context's K/V cache of the layer.
+  struct AttnRows {
+    const ChunkPlan* plan;
+    uint8_t* k;
+    uint8_t* v;
+    int row0;
+  };
   // The sublayers the trunk's attention layers and the MTP head share, on the chunk begun: gated full attention
-  // of the normed rows (scratch hn) with the layer's KV k / v, into scratch out; x += SwiGLU(post_norm(x)).
-  void attention_sublayer(const LayerWeights& w, uint8_t* k, uint8_t* v, int n);
+  // of the normed rows (scratch hn, n in all) part by part, into scratch out (`all`: the plan of every row, for
+  // the row-wise matmuls); x += SwiGLU(post_norm(x)).
+  void attention_sublayer(const LayerWeights& w, const AttnRows* parts, int n_parts, int n, const ChunkPlan& all);
   void mlp_sublayer(const LayerWeights& w, float* x, int n);
 
   const Model& model_;

@@ -21,8 +21,10 @@
 namespace dfl {
 
 struct Context::Impl {
-  ThreadPool pool;
-  std::unique_ptr<Backend> be;
+  // shared by the contexts of one set of slots (Context(model, params, share)): one upload of the weights,
+  // one thread pool, and forward_many runs their batches through the same backend
+  std::shared_ptr<ThreadPool> pool;
+  std::shared_ptr<Backend> be;
   size_t kv_row = 0;                  // bytes of one K (or V) row of kv_dim values
   size_t conv_floats = 0, rec_floats = 0;
   size_t rec_bytes = 0;               // one layer's recurrent state in the state type
@@ -43,8 +45,9 @@ struct Context::Impl {
   BackendBuf captured;  // [n_batch][n_capture][n_embd] when features stay on the backend
   BackendBuf mtp_k, mtp_v;  // the MTP head's KV [n_ctx] rows, allocated on first use
   ChunkPlan mtp_plan;
+  ChunkPlan many_plan;  // forward_many's rows of every segment, for the row-wise ops
 
-  explicit Impl(int threads) : pool(threads) {}
+  Impl() = default;
 };
 
 constexpr int kLogitGroup = 32;
@@ -97,7 +100,7 @@ MemoryPlan memory_plan(const Model& m, const ContextParams& p, int max_nodes) {
   return mp;
 }
 
-Context::Context(const Model& model, const ContextParams& p) : model_(model), params_(p) {
+Context::Context(const Model& model, const ContextParams& p, Context* share) : model_(model), params_(p) {
   const Qwen35Config& c = model.cfg;
   if (p.n_ctx <= 0) fail("context length must be positive (got %d)", p.n_ctx);
   if (p.n_batch <= 0) fail("batch size must be positive (got %d)", p.n_batch);
@@ -105,12 +108,21 @@ Context::Context(const Model& model, const ContextParams& p) : model_(model), pa
       p.kv_type != DType::Q4_0 && p.kv_type != DType::BF16)
     fail("unsupported KV cache type %s", type_traits((uint32_t)p.kv_type) ? type_traits((uint32_t)p.kv_type)->name : "?");
   check_state_type(p.state_type);
-  impl_ = std::make_unique<Impl>(p.n_threads > 0 ? p.n_threads : default_threads());
+  impl_ = std::make_unique<Impl>();
   Impl& I = *impl_;
-  if (p.device == Device::CUDA) {
+  if (share) {
+    if (&share->model_ != &model) fail("a context shares the backend of a context of the same model only");
+    if (share->params_.device != p.device) fail("a context shares the backend of a context on the same device only");
+    if (p.device == Device::CUDA)  // its memory arena is sized for one context's plan
+      fail("several slots on the CUDA backend are not supported yet: use one slot there");
+    I.pool = share->impl_->pool;
+    I.be = share->impl_->be;
+  } else if (p.device == Device::CUDA) {
+    I.pool = std::make_shared<ThreadPool>(p.n_threads > 0 ? p.n_threads : default_threads());
     I.be = make_cuda_backend(model, memory_plan(model, p, kPlanVerifyNodes));
   } else {
-    I.be = make_cpu_backend(model, I.pool);
+    I.pool = std::make_shared<ThreadPool>(p.n_threads > 0 ? p.n_threads : default_threads());
+    I.be = make_cpu_backend(model, *I.pool);
   }
   Backend& be = *I.be;
   I.attn = AttnShape{c.n_head, c.n_head_kv, c.head_dim, c.rope(), c.rms_eps, true, p.kv_type};
@@ -162,7 +174,7 @@ size_t Context::state_bytes() const {
   return b;
 }
 
-ThreadPool& Context::pool() { return impl_->pool; }
+ThreadPool& Context::pool() { return *impl_->pool; }
 Backend& Context::backend() { return *impl_->be; }
 const float* Context::captured() const { return impl_->captured.f(); }
 
@@ -273,7 +285,7 @@ void Context::set_n_past(int n) {
   n_verify_ = 0;
 }
 
-void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
+void Context::check_forward(const Batch& b, const ForwardOutputs& out, bool commit) {
   const Qwen35Config& c = model_.cfg;
   if (b.n <= 0) fail("empty batch");
   for (int i = 0; i < b.n; ++i) {
@@ -297,29 +309,70 @@ void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
   for (int i = 0; i < out.n_capture; ++i)
     if (out.capture_layers[i] < 0 || out.capture_layers[i] >= c.n_layer)
       fail("capture layer %d outside 0..%d", out.capture_layers[i], c.n_layer - 1);
+  if (!commit && b.n > params_.n_batch) fail("a verify batch of %d nodes exceeds the batch size %d", b.n, params_.n_batch);
+}
+
+void Context::prepare_verify(const Batch& b) {
+  const Qwen35Config& c = model_.cfg;
+  Impl& I = *impl_;
+  if (I.node_cap < b.n) {
+    const size_t stride = GdnNodeLayout(c).stride;
+    I.node_conv = BackendBuf(*I.be, (size_t)b.n * I.conv_floats * 4);
+    I.node_rec = BackendBuf(*I.be, (size_t)b.n * I.rec_bytes);
+    for (int l = 0; l < c.n_layer; ++l)
+      if (c.is_recurrent[l]) I.node_upd[l] = BackendBuf(*I.be, (size_t)b.n * stride * 4);
+    I.node_cap = b.n;
+  }
+  I.node_parent.assign(b.n, 0);
+  for (int i = 0; i < b.n; ++i) I.node_parent[i] = b.parent ? b.parent[i] : i - 1;
+}
+
+void Context::forward(const Batch& b, const ForwardOutputs& out, bool commit) {
+  check_forward(b, out, commit);
   ++n_forwards_;
   if (commit) {
     n_verify_ = 0;
     for (int off = 0; off < b.n; off += params_.n_batch) {
       int n = std::min(params_.n_batch, b.n - off);
-      run_chunk(b, off, n, out, true);
+      Segment seg{this, &b, off, n, &out, true, 0};
+      run_segments(&seg, 1);
       n_past_ += n;
     }
   } else {
-    if (b.n > params_.n_batch) fail("a verify batch of %d nodes exceeds the batch size %d", b.n, params_.n_batch);
-    Impl& I = *impl_;
-    if (I.node_cap < b.n) {
-      const size_t stride = GdnNodeLayout(c).stride;
-      I.node_conv = BackendBuf(*I.be, (size_t)b.n * I.conv_floats * 4);
-      I.node_rec = BackendBuf(*I.be, (size_t)b.n * I.rec_bytes);
-      for (int l = 0; l < c.n_layer; ++l)
-        if (c.is_recurrent[l]) I.node_upd[l] = BackendBuf(*I.be, (size_t)b.n * stride * 4);
-      I.node_cap = b.n;
-    }
-    I.node_parent.assign(b.n, 0);
-    for (int i = 0; i < b.n; ++i) I.node_parent[i] = b.parent ? b.parent[i] : i - 1;
-    run_chunk(b, 0, b.n, out, false);
+    prepare_verify(b);
+    Segment seg{this, &b, 0, b.n, &out, false, 0};
+    run_segments(&seg, 1);
     n_verify_ = b.n;
+  }
+}
+
+void Context::forward_many(Context* const* cs, const Batch* bs, const ForwardOutputs* outs, const bool* commit,
+                           int n) {
+  if (n <= 0) return;
+  Context& lead = *cs[0];
+  std::vector<Segment> segs((size_t)n);
+  int total = 0;
+  for (int k = 0; k < n; ++k) {
+    Context& c = *cs[k];
+    if (c.impl_->be != lead.impl_->be) fail("forward_many: context %d does not share the first one's backend", k);
+    for (int j = 0; j < k; ++j)
+      if (cs[j] == cs[k]) fail("forward_many: context %d appears twice", k);
+    c.check_forward(bs[k], outs[k], commit[k]);
+    segs[(size_t)k] = Segment{&c, &bs[k], 0, bs[k].n, &outs[k], commit[k], total};
+    total += bs[k].n;
+  }
+  if (total > lead.params_.n_batch)
+    fail("forward_many: %d tokens in all exceed the batch size %d", total, lead.params_.n_batch);
+  for (int k = 0; k < n; ++k) {
+    Context& c = *cs[k];
+    ++c.n_forwards_;
+    if (commit[k]) c.n_verify_ = 0;
+    else c.prepare_verify(bs[k]);
+  }
+  lead.run_segments(segs.data(), n);
+  for (int k = 0; k < n; ++k) {
+    if (commit[k]) cs[k]->n_past_ += bs[k].n;
+    else cs[k]->n_verify_ = bs[k].n;
   }
 }
 
@@ -383,14 +436,36 @@ static void plan_chunk(const Batch& b, int off, int n, bool commit, int n_past, 
   }
 }
 
-void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& out, bool commit) {
+void Context::run_segments(const Segment* segs, int n_segs) {
+  // this context is the lead: its scratch holds every segment's rows, [row0, row0 + n) each
   Impl& I = *impl_;
   Backend& be = *I.be;
   const Model& M = model_;
   const Qwen35Config& c = M.cfg;
   const int H = c.n_embd;
-  plan_chunk(b, off, n, commit, n_past_, I.node_parent, I.plan);
-  be.begin_chunk(I.plan);
+  int n = 0;
+  for (int k = 0; k < n_segs; ++k) {
+    const Segment& g = segs[k];
+    Impl& J = *g.ctx->impl_;
+    plan_chunk(*g.b, g.off, g.n, g.commit, g.ctx->n_past_, J.node_parent, J.plan);
+    n += g.n;
+  }
+  // Row-wise ops (embedding, norms, matmuls, SwiGLU) run over all segments' rows at once — each row's
+  // arithmetic is the same whatever else is in the batch; attention and the delta-net run per segment, on
+  // its own context's KV and state, with its own plan.
+  const ChunkPlan* all = &segs[0].ctx->impl_->plan;
+  if (n_segs > 1) {
+    ChunkPlan& P = I.many_plan;
+    P = ChunkPlan{};
+    P.n = n;
+    for (int k = 0; k < n_segs; ++k) {
+      const ChunkPlan& q = segs[k].ctx->impl_->plan;
+      P.tokens.insert(P.tokens.end(), q.tokens.begin(), q.tokens.end());
+      P.pos.insert(P.pos.end(), q.pos.begin(), q.pos.end());
+    }
+    all = &P;
+  }
+  be.begin_chunk(*all);
   float* x = I.x.f();
   be.embed(M.tok_embd, x);
 
@@ -398,7 +473,12 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
     const LayerWeights& w = M.layers[l];
     be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
     if (!c.is_recurrent[l]) {
-      attention_sublayer(w, I.k[l].u8(), I.v[l].u8(), n);
+      std::vector<AttnRows> parts((size_t)n_segs);
+      for (int k = 0; k < n_segs; ++k) {
+        Impl& J = *segs[k].ctx->impl_;
+        parts[(size_t)k] = AttnRows{&J.plan, J.k[l].u8(), J.v[l].u8(), segs[k].row0};
+      }
+      attention_sublayer(w, parts.data(), n_segs, n, *all);
     } else {
       // ---- gated delta-net ----
       float* mm = I.a0.f();
@@ -410,81 +490,125 @@ void Context::run_chunk(const Batch& b, int off, int n, const ForwardOutputs& ou
       be.matmul(w.wgate, I.hn.f(), n, z);
       be.matmul(w.wbeta, I.hn.f(), n, bb);
       be.matmul(w.walpha, I.hn.f(), n, aa);
-      const GdnLayer L{be.vec(w.conv1d), be.vec(w.dt_bias), be.vec(w.ssm_a), be.vec(w.ssm_norm), I.conv[l].f(),
-                       I.rec[l].p, commit ? nullptr : I.node_conv.f(), commit ? nullptr : I.node_rec.p,
-                       commit ? nullptr : I.node_upd[l].f(), params_.state_type};
-      be.gdn(mm, z, bb, aa, L, y);
+      const size_t qkv = (size_t)c.conv_channels(), vd = (size_t)c.ssm_inner(), nv = (size_t)c.ssm_nv;
+      for (int k = 0; k < n_segs; ++k) {
+        const Segment& g = segs[k];
+        Impl& J = *g.ctx->impl_;
+        const size_t r0 = (size_t)g.row0;
+        const GdnLayer L{be.vec(w.conv1d), be.vec(w.dt_bias), be.vec(w.ssm_a), be.vec(w.ssm_norm), J.conv[l].f(),
+                         J.rec[l].p, g.commit ? nullptr : J.node_conv.f(), g.commit ? nullptr : J.node_rec.p,
+                         g.commit ? nullptr : J.node_upd[l].f(), g.ctx->params_.state_type};
+        if (n_segs > 1) be.begin_chunk(J.plan);
+        be.gdn(mm + r0 * qkv, z + r0 * vd, bb + r0 * nv, aa + r0 * nv, L, y + r0 * vd);
+      }
+      if (n_segs > 1) be.begin_chunk(*all);
       be.matmul(w.ssm_out, y, n, I.out.f());
     }
     be.add(x, I.out.f(), (size_t)n * H);
     mlp_sublayer(w, x, n);
 
-    for (int ci = 0; ci < out.n_capture; ++ci)
-      if (out.capture_layers[ci] == l) {  // one strided transfer: row t goes to hidden[off + t][ci]
-        const size_t pitch = (size_t)out.n_capture * H * 4;
-        if (out.hidden_on_backend)
-          be.copy_rows(I.captured.f() + ((size_t)off * out.n_capture + ci) * H, pitch, x, (size_t)H * 4,
-                       (size_t)H * 4, (size_t)n);
-        else
-          be.download_rows(out.hidden + ((size_t)off * out.n_capture + ci) * H, pitch, x, (size_t)H * 4,
-                           (size_t)H * 4, (size_t)n);
-      }
+    for (int k = 0; k < n_segs; ++k) {
+      const Segment& g = segs[k];
+      const ForwardOutputs& out = *g.out;
+      for (int ci = 0; ci < out.n_capture; ++ci)
+        if (out.capture_layers[ci] == l) {  // one strided transfer: row t goes to hidden[off + t][ci]
+          const size_t pitch = (size_t)out.n_capture * H * 4;
+          const float* src = x + (size_t)g.row0 * H;
+          if (out.hidden_on_backend)
+            be.copy_rows(g.ctx->impl_->captured.f() + ((size_t)g.off * out.n_capture + ci) * H, pitch, src,
+                         (size_t)H * 4, (size_t)H * 4, (size_t)g.n);
+          else
+            be.download_rows(out.hidden + ((size_t)g.off * out.n_capture + ci) * H, pitch, src, (size_t)H * 4,
+                             (size_t)H * 4, (size_t)g.n);
+        }
+    }
   }
 
-  // ---- logits for the requested rows in this chunk ----
-  // Up to kLogitGroup rows at a time go through one lm_head matmul (the head is
-  // the largest weight: reading it once per row would dominate a verify step).
-  std::vector<int> rs;
-  for (int r = 0; r < out.n_logits; ++r)
-    if (out.logit_rows[r] >= off && out.logit_rows[r] < off + n) rs.push_back(r);
+  // ---- logits for the requested rows ----
+  // Up to kLogitGroup rows at a time, across segments, go through one lm_head matmul (the head is the largest
+  // weight: reading it once per row would dominate a verify step).
+  struct Want { const Segment* g; int r; };  // output row r of segment g
+  std::vector<Want> rs;
+  for (int k = 0; k < n_segs; ++k) {
+    const Segment& g = segs[k];
+    for (int r = 0; r < g.out->n_logits; ++r)
+      if (g.out->logit_rows[r] >= g.off && g.out->logit_rows[r] < g.off + g.n) rs.push_back(Want{&g, r});
+  }
   const int group = std::min(kLogitGroup, params_.n_batch);
   if (!rs.empty() && !I.logits.p)
     I.logits = BackendBuf(be, (size_t)group * c.n_vocab * 4);
   for (size_t g0 = 0; g0 < rs.size(); g0 += group) {
     const int k = (int)std::min(rs.size() - g0, (size_t)group);
     float* h = I.hn.f();
-    for (int j = 0; j < k; ++j)
-      be.copy(h + (size_t)j * H, x + (size_t)(out.logit_rows[rs[g0 + j]] - off) * H, (size_t)H * 4);
+    int topk = 0;
+    for (int j = 0; j < k; ++j) {
+      const Want& q = rs[g0 + j];
+      const int row = q.g->row0 + q.g->out->logit_rows[q.r] - q.g->off;
+      be.copy(h + (size_t)j * H, x + (size_t)row * H, (size_t)H * 4);
+      topk = std::max(topk, q.g->out->topk);
+    }
     be.rmsnorm(h, be.vec(M.output_norm), k, H, c.rms_eps, h);
     be.matmul(M.output, h, k, I.logits.f());
-    if (out.topk > 0) {
-      const size_t kk = (size_t)out.topk;
+    if (topk > 0) {
+      const size_t kk = (size_t)topk;
       if (I.top.bytes < (size_t)group * kk * 8) I.top = BackendBuf(be, (size_t)group * kk * 8);
       int32_t* ids = reinterpret_cast<int32_t*>(I.top.u8());
       float* lp = reinterpret_cast<float*>(I.top.u8() + (size_t)group * kk * 4);
-      be.row_topk(I.logits.f(), k, c.n_vocab, out.topk, ids, lp);
+      be.row_topk(I.logits.f(), k, c.n_vocab, topk, ids, lp);
       // ids then log-probs of the group lie together: one transfer
       std::vector<uint8_t> both((size_t)group * kk * 8);
       be.download(both.data(), I.top.p, both.size());
       for (int j = 0; j < k; ++j) {
-        std::memcpy(out.top_ids + (size_t)rs[g0 + j] * kk, both.data() + j * kk * 4, kk * 4);
-        std::memcpy(out.top_logp + (size_t)rs[g0 + j] * kk, both.data() + ((size_t)group + j) * kk * 4, kk * 4);
+        const Want& q = rs[g0 + j];
+        const size_t want = (size_t)q.g->out->topk;  // a row's top-k of a longer list: its first entries
+        if (!want) continue;
+        std::memcpy(q.g->out->top_ids + (size_t)q.r * want, both.data() + j * kk * 4, want * 4);
+        std::memcpy(q.g->out->top_logp + (size_t)q.r * want, both.data() + ((size_t)group + j) * kk * 4, want * 4);
       }
     }
-    if (!out.logits) continue;
-    for (int j = 0; j < k;) {  // one download per run of consecutive output rows
+    for (int j = 0; j < k;) {  // one download per run of consecutive output rows of one segment
+      const Want& q = rs[g0 + j];
+      if (!q.g->out->logits) {
+        ++j;
+        continue;
+      }
       int e = j + 1;
-      while (e < k && rs[g0 + e] == rs[g0 + e - 1] + 1) ++e;
-      be.download(out.logits + (size_t)rs[g0 + j] * c.n_vocab, I.logits.f() + (size_t)j * c.n_vocab,
+      while (e < k && rs[g0 + e].g == q.g && rs[g0 + e].r == rs[g0 + e - 1].r + 1) ++e;
+      be.download(q.g->out->logits + (size_t)q.r * c.n_vocab, I.logits.f() + (size_t)j * c.n_vocab,
                   (size_t)(e - j) * c.n_vocab * 4);
       j = e;
     }
   }
 }
 
-void Context::attention_sublayer(const LayerWeights& w, uint8_t* k, uint8_t* v, int n) {
+void Context::attention_sublayer(const LayerWeights& w, const AttnRows* parts, int n_parts, int n,
+                                 const ChunkPlan& all) {
   Impl& I = *impl_;
   Backend& be = *I.be;
+  const Qwen35Config& c = model_.cfg;
   float* qg = I.a0.f();
   float* kk = I.a1.f();
   float* vv = I.a2.f();
   be.matmul(w.wq, I.hn.f(), n, qg);
   be.matmul(w.wk, I.hn.f(), n, kk);
   be.matmul(w.wv, I.hn.f(), n, vv);
-  const AttnLayer L{I.attn, k, v, be.vec(w.q_norm), be.vec(w.k_norm)};
-  be.attn_store(qg, kk, vv, L);
-  float* o = I.a1.f();  // k/v are in the cache now: reuse for the attention output
-  be.attention(qg, L, o);
+  const size_t qs = (size_t)I.attn.q_stride() * I.attn.n_head, kvd = (size_t)c.kv_dim(),
+               od = (size_t)I.attn.n_head * I.attn.head_dim;
+  // every part's K/V into its cache first: the attention output below reuses kk's scratch
+  for (int p = 0; p < n_parts; ++p) {
+    const AttnRows& a = parts[p];
+    const AttnLayer L{I.attn, a.k, a.v, be.vec(w.q_norm), be.vec(w.k_norm)};
+    if (n_parts > 1) be.begin_chunk(*a.plan);
+    be.attn_store(qg + (size_t)a.row0 * qs, kk + (size_t)a.row0 * kvd, vv + (size_t)a.row0 * kvd, L);
+  }
+  float* o = I.a1.f();  // k/v are in the caches now: reuse for the attention output
+  for (int p = 0; p < n_parts; ++p) {
+    const AttnRows& a = parts[p];
+    const AttnLayer L{I.attn, a.k, a.v, be.vec(w.q_norm), be.vec(w.k_norm)};
+    if (n_parts > 1) be.begin_chunk(*a.plan);
+    be.attention(qg + (size_t)a.row0 * qs, L, o + (size_t)a.row0 * od);
+  }
+  if (n_parts > 1) be.begin_chunk(all);
   be.matmul(w.wo, o, n, I.out.f());
 }
 
@@ -542,7 +666,8 @@ void Context::mtp_forward(const int32_t* tokens, int n, int32_t pos0, const floa
   // one full-attention decoder layer, the trunk's arithmetic, on the head's KV
   const LayerWeights& w = W.layer;
   be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
-  attention_sublayer(w, I.mtp_k.u8(), I.mtp_v.u8(), n);
+  const AttnRows head{&I.mtp_plan, I.mtp_k.u8(), I.mtp_v.u8(), 0};
+  attention_sublayer(w, &head, 1, n, I.mtp_plan);
   be.add(x, I.out.f(), (size_t)n * H);
   mlp_sublayer(w, x, n);
   // the head: shared_head_norm, then the trunk's output matrix

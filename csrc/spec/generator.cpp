@@ -417,19 +417,66 @@ std::vector<int32_t> Generator::forced_tokens(int cap) {
 }
 
 int Generator::step(std::vector<int32_t>& out) {
+  if (!plan_step()) return 0;
+  ctx_.forward(work_.b, work_.o, work_.commit);
+  return finish_step(out);
+}
+
+int Generator::next_many(Generator* const* gs, int n, std::vector<int32_t>* outs) {
+  // the first token of a request comes from its prefill: emitted without a forward
+  std::vector<Generator*> stepping;
+  int total = 0;
+  for (int k = 0; k < n; ++k) {
+    Generator& g = *gs[k];
+    if (g.done_) continue;
+    if (!g.first_emitted_) {
+      total += g.next(outs[k]);
+      continue;
+    }
+    stepping.push_back(&g);
+  }
+  const auto t0 = Clock::now();
+  std::vector<Generator*> planned;
+  for (Generator* g : stepping)
+    if (g->plan_step()) planned.push_back(g);
+  if (!planned.empty()) {
+    std::vector<Context*> cs;
+    std::vector<Batch> bs;
+    std::vector<ForwardOutputs> os;
+    std::unique_ptr<bool[]> commit(new bool[planned.size()]);
+    for (size_t i = 0; i < planned.size(); ++i) {
+      cs.push_back(&planned[i]->ctx_);
+      bs.push_back(planned[i]->work_.b);
+      os.push_back(planned[i]->work_.o);
+      commit[i] = planned[i]->work_.commit;
+    }
+    Context::forward_many(cs.data(), bs.data(), os.data(), commit.get(), (int)planned.size());
+  }
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const size_t k = (size_t)(std::find(gs, gs + n, planned[i]) - gs);
+    total += planned[i]->finish_step(outs[k]);
+  }
+  const double dt = since(t0);  // each stepping request waited the whole shared step
+  for (Generator* g : stepping) g->stats_.decode_s += dt;
+  return total;
+}
+
+bool Generator::plan_step() {
   const Qwen35Config& c = ctx_.model().cfg;
   const int32_t s = ctx_.n_past();
   const int room = ctx_.params().n_ctx - s;
   if (room <= 0) {
     done_ = true;
     stats_.stop = StopReason::ContextFull;
-    return 0;
+    return false;
   }
   const int remaining = p_.max_new_tokens - stats_.generated_tokens;  // >= 1 here
   // The draft block shrinks at the end (as z-lab's loop) and to the room left.
   int V = std::min({block_, remaining + 1, room});
-  StepRecord rec;
-  const int64_t fwd0 = ctx_.n_forwards();
+  work_ = StepWork{};
+  StepRecord& rec = work_.rec;
+  work_.s = s, work_.remaining = remaining;
+  work_.fwd0 = ctx_.n_forwards();
 
   // ---- DRAFT ---- a chain or a tree rooted at the pending token (node 0)
   tokens_.assign(std::max(V, 1), 0);
@@ -488,12 +535,14 @@ int Generator::step(std::vector<int32_t>& out) {
   rec.tree_depth = N > 1 ? *std::max_element(depth_.begin(), depth_.end()) : 0;
 
   // ---- VERIFY ---- one target forward over the root and every draft node
-  auto t0 = Clock::now();
+  work_.speculate = speculate;
+  work_.t0 = Clock::now();
   pos_.resize(N);
-  std::vector<int32_t> rows(N);
+  std::vector<int32_t>& rows = work_.rows;
+  rows.resize(N);
   for (int i = 0; i < N; ++i) pos_[i] = s + depth_[i], rows[i] = i;
-  Batch b{N, tokens_.data(), pos_.data(), parent_.data()};
-  ForwardOutputs o;
+  work_.b = Batch{N, tokens_.data(), pos_.data(), parent_.data()};
+  ForwardOutputs& o = work_.o;
   o.n_logits = N;
   o.logit_rows = rows.data();
   const int K = row_k();
@@ -511,8 +560,19 @@ int Generator::step(std::vector<int32_t>& out) {
     o.hidden_on_backend = true;
   }
   // AR, and auto's AR steps, append the root directly; everything else verifies then commits.
-  const bool ar = p_.mode == DecodeMode::AR || (p_.mode == DecodeMode::Auto && N == 1);
-  ctx_.forward(b, o, /*commit=*/ar);
+  work_.commit = p_.mode == DecodeMode::AR || (p_.mode == DecodeMode::Auto && N == 1);
+  return true;
+}
+
+int Generator::finish_step(std::vector<int32_t>& out) {
+  const Qwen35Config& c = ctx_.model().cfg;
+  StepRecord& rec = work_.rec;
+  const int32_t s = work_.s;
+  const int remaining = work_.remaining;
+  const int N = work_.b.n, K = row_k();
+  const bool ar = work_.commit, cap = capturing(), speculate = work_.speculate;
+  const int64_t fwd0 = work_.fwd0;
+  auto t0 = work_.t0;
   // ACCEPT: from the root, follow the child holding the target's choice (its
   // argmax, or its sample with the number of the position that token takes).
   std::vector<int32_t> path{0};

@@ -108,6 +108,12 @@ class Generator {
   void begin(const int32_t* prompt, int n_prompt, const GenParams& p, int n_keep = 0);
   // Appends the tokens decided by one step; returns how many (0 when done).
   int next(std::vector<int32_t>& out);
+  // One step of each of n generators (slots) whose contexts share a backend: their drafts are made one by one,
+  // their verify batches run as one Context::forward_many (the row-wise work once for all), then each accepts
+  // and commits on its own.  outs[k] gets generator k's tokens; returns how many in all (0: all done).  Each
+  // generator decides exactly what its own next() would.
+  static int next_many(Generator* const* gs, int n, std::vector<int32_t>* outs);
+  bool done() const { return done_; }
   const GenStats& stats() const { return stats_; }
   const std::vector<StepRecord>& steps() const { return steps_; }
   // One entry per emitted token when GenParams::n_logprobs >= 0.
@@ -120,6 +126,22 @@ class Generator {
   void record_logprob(int node, int32_t token);
   void prefill(const int32_t* prompt, int n, int first);
   int step(std::vector<int32_t>& out);
+  // A step in two halves around its target forward (which next_many shares among slots): plan_step drafts and
+  // fills work_ (false: nothing to do, the request ended); finish_step accepts, commits and emits.
+  bool plan_step();
+  int finish_step(std::vector<int32_t>& out);
+  struct StepWork {
+    StepRecord rec;
+    int32_t s = 0;
+    int remaining = 0;
+    bool speculate = false, commit = false;
+    int64_t fwd0 = 0;
+    Batch b;
+    ForwardOutputs o;
+    std::vector<int32_t> rows;
+    std::chrono::steady_clock::time_point t0;
+  };
+  StepWork work_;
   // The first attached proposer with capability c (null: none).
   Proposer* first(Proposer::Capability c) const;
   // Draft tokens per step when the request sets none: the first positive default (0: none).

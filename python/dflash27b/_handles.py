@@ -80,11 +80,13 @@ def memory_plan(model: Model, n_ctx: int, n_batch: int, kv_type: int, device: in
 
 class Context:
     def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int, kv_type: int, device: int = 0,
-                 state_type: int = 0):
+                 state_type: int = 0, share: "Context | None" = None):
+        """share: a context of the same model whose backend this one uses too (a slot: dfl_context_new_slot)."""
         ffi, lib = model._ffi, model._lib
         self._ffi, self._lib, self.model = ffi, lib, model
-        h = lib.dfl_context_new(model.handle, context_params(lib, ffi, n_ctx, n_batch, n_threads, kv_type, device,
-                                                             state_type))
+        params = context_params(lib, ffi, n_ctx, n_batch, n_threads, kv_type, device, state_type)
+        h = lib.dfl_context_new(model.handle, params) if share is None else \
+            lib.dfl_context_new_slot(share.handle, params)
         if h == ffi.NULL:
             raise DFlashError(ffi.string(lib.dfl_last_error()).decode("utf-8", "replace"))
         self._h = h
@@ -363,6 +365,20 @@ class Context:
     def generate_next(self) -> list[int]:
         n = check(self._lib.dfl_generate_next(self.handle, self._p(self._buf), len(self._buf)))
         return self._buf[:n].tolist()
+
+    @staticmethod
+    def generate_next_many(ctxs: "Sequence[Context]") -> list[list[int]]:
+        """One step of every slot (contexts sharing a backend), their verify batches in one forward: each
+        slot's tokens (an empty list once it is done)."""
+        c0 = ctxs[0]
+        ffi, lib = c0._ffi, c0._lib
+        cap = max(len(c._buf) for c in ctxs)
+        handles = ffi.new("dfl_context*[]", [c.handle for c in ctxs])
+        out = np.zeros((len(ctxs), cap), np.int32)
+        counts = np.zeros(len(ctxs), np.int32)
+        check(lib.dfl_generate_next_many(handles, len(ctxs), ffi.cast("int32_t*", out.ctypes.data), cap,
+                                         ffi.cast("int32_t*", counts.ctypes.data)))
+        return [out[k, :counts[k]].tolist() for k in range(len(ctxs))]
 
     def logprobs(self, start: int = 0) -> list[dict]:
         """Emitted tokens' log-probabilities from index start: {"token", "logprob", "top": [(id, logprob)]}."""

@@ -217,21 +217,14 @@ class Decoder:
                 check_plan_fits(plan)
             self._ctx = _handles.Context(self._model, ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id,
                                          TYPE_IDS[state_type])
+            self._ctx_args = (ctx, batch, self.threads, TYPE_IDS[kv_type], dev_id, TYPE_IDS[state_type])
+            self._feature_ring = feature_ring
             self.backend = self._ctx.backend
-            # attached in the order given: the order of preference (chain and DDTree modes draft with the first)
-            for src in drafts:
-                if src == MTP:
-                    if not self._model.info.get("n_mtp_layers"):
-                        raise DFlashError(f"{self.target} has no MTP head (qwen35.nextn_predict_layers is 0): "
-                                          "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
-                                          "--no-mtp, the \"-MTP\" files)")
-                    self._ctx.attach_mtp(MTP_BLOCK)
-                elif src == LOOKUP:
-                    self._ctx.attach_lookup(block=LOOKUP_BLOCK)
-                elif self._draft_model is not None and src == self._draft_model_path:
-                    self._ctx.attach_draft_model(self._draft_model)
-                else:
-                    self._ctx.attach_draft(self._draft, feature_ring)
+            if MTP in drafts and not self._model.info.get("n_mtp_layers"):
+                raise DFlashError(f"{self.target} has no MTP head (qwen35.nextn_predict_layers is 0): "
+                                  "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
+                                  "--no-mtp, the \"-MTP\" files)")
+            self._attach_drafters(self._ctx)
         except DFlashError:
             self.close()
             raise
@@ -245,6 +238,105 @@ class Decoder:
         self._batch = batch
         if self._has_drafter() and warm_up:
             self._warm_up()
+
+    def _attach_drafters(self, ctx) -> None:
+        # attached in the order given: the order of preference (chain and DDTree modes draft with the first)
+        for src in self.drafts:
+            if src == MTP:
+                ctx.attach_mtp(MTP_BLOCK)
+            elif src == LOOKUP:
+                ctx.attach_lookup(block=LOOKUP_BLOCK)
+            elif self._draft_model is not None and src == self._draft_model_path:
+                ctx.attach_draft_model(self._draft_model)
+            else:
+                ctx.attach_draft(self._draft, self._feature_ring)
+
+    def _slot(self, k: int) -> "Decoder":
+        """Slot k for generate_many: a view of this Decoder (model, tokenizer, drafters' weights, prefix cache
+        shared) with a context of its own on the same backend; slot 0 is this Decoder's own context."""
+        if k == 0:
+            return self
+        slots = self.__dict__.setdefault("_slots", {})
+        if k not in slots:
+            import copy
+            view = copy.copy(self)
+            view._slot_of = self
+            view.__dict__.pop("_slots", None)
+            view._ctx = _handles.Context(self._model, *self._ctx_args, share=self._ctx)
+            view._attach_drafters(view._ctx)
+            view._batched = None
+            slots[k] = view
+        return slots[k]
+
+    def _next_tokens(self) -> list[int]:
+        # generate_many steps every slot in one batched forward and hands each its tokens here
+        batched = getattr(self, "_batched", None)
+        if batched is not None:
+            self._batched = None
+            return batched
+        return self._ctx.generate_next()
+
+    def generate_many(self, prompts: Sequence, max_new_tokens: int | None = None, *, parallel: int | None = None,
+                      chat: bool = False, cache: bool = True, params: GenParams | None = None,
+                      chat_template_kwargs: dict | None = None, **settings) -> list[GenerateResult]:
+        """Decodes several prompts at once (offline batching): up to `parallel` (default: all) run in slots,
+        each its own context on this Decoder's backend, and every step of the running ones is one batched
+        target forward (the weights read once for all of them); a finished slot takes the next prompt.  Each
+        result is exactly what generate() gives for that prompt alone (greedy and seeded), stats included.
+        Settings as generate(); `params` may be one GenParams for all or a list, one per prompt."""
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        n_slots = min(len(prompts), parallel or len(prompts))
+        if n_slots < 1:
+            raise DFlashError(f"parallel must be at least 1 (got {parallel})")
+        if self.device == "cuda" and n_slots > 1:
+            raise DFlashError("generate_many runs one slot on the CUDA backend for now: pass parallel=1")
+        per = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise DFlashError(f"{len(per)} params for {len(prompts)} prompts")
+        results: list[GenerateResult | None] = [None] * len(prompts)
+        queue = list(range(len(prompts)))
+        running: dict[int, tuple] = {}   # slot -> (prompt index, its stream, its tokens, its params)
+
+        def start(slot: int) -> None:
+            while queue:
+                i = queue.pop(0)
+                view = self._slot(slot)
+                p = view._settings(per[i], max_new_tokens, settings)
+                stream = view.stream_ids(prompts[i], chat=chat, cache=cache, params=p,
+                                         chat_template_kwargs=chat_template_kwargs)
+                toks = next(stream, None)   # the prefill, and the first token (no forward of its own)
+                if toks is None:
+                    finish(view, i, [], p)
+                    continue
+                running[slot] = (i, stream, list(toks), p)
+                return
+
+        def finish(view, i, tokens, p) -> None:
+            text = view.detokenize(tokens)
+            results[i] = GenerateResult(tokens=tokens, text=text, stats=view.last_stats(),
+                                        prompt_tokens=list(view._last_prompt),
+                                        logprobs=view.last_logprobs() if p.logprobs is not None else None,
+                                        message=view.reply_message(text, p) if chat else None)
+
+        for slot in range(n_slots):
+            start(slot)
+        while running:
+            slots = sorted(running)
+            views = [self._slot(k) for k in slots]
+            step = _handles.Context.generate_next_many([v._ctx for v in views])
+            for slot, view, toks in zip(slots, views, step):
+                i, stream, tokens, p = running[slot]
+                view._batched = toks
+                got = next(stream, None)   # the stream yields them, or ends on an empty step
+                if got is not None:
+                    tokens.extend(got)
+                    continue
+                finish(view, i, tokens, p)
+                del running[slot]
+                start(slot)
+        return results  # type: ignore[return-value]
 
     def _warm_up(self) -> None:
         """Measures, at load, what auto mode's first probe would cost: a speculative decode first (buffers,
@@ -428,7 +520,7 @@ class Decoder:
                 if progress is not None:
                     self._ctx.set_prefill_progress(None)
             while True:
-                toks = self._ctx.generate_next()
+                toks = self._next_tokens()
                 if not toks:
                     break
                 self._last_tokens += toks
@@ -579,6 +671,13 @@ class Decoder:
         return self._ctx
 
     def close(self) -> None:
+        if getattr(self, "_slot_of", None) is not None:   # a slot view owns its context only
+            if getattr(self, "_ctx", None) is not None:
+                self._ctx.close()
+                self._ctx = None
+            return
+        for view in self.__dict__.pop("_slots", {}).values():
+            view.close()
         if getattr(self, "_ctx", None) is not None:
             self._ctx.close()
             self._ctx = None

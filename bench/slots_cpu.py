@@ -1,0 +1,100 @@
+"""Several requests at once on the CPU: aggregate decode tok/s of N slots decoded in one batched forward per
+step (Decoder.generate_many) against one stream, in the same run.
+
+Models: the synthetic Qwen3.5-0.8B-shaped Q4_K_M of bench/ar.py (random weights, random-token prompts;
+prompt lookup as its drafter for the auto rows) and the bundled pair (HumanEval-style prompts, its DFlash2
+drafter).  Rows, per model:
+
+  1 x AR        one stream alone (generate), decode tok/s
+  N x AR        N streams at once (generate_many, parallel N): their tokens over the shared decode time
+  N x auto      the same with auto mode
+  N x AR solo   the same N requests one after another (generate): what a one-request server gives them
+
+Every reply is checked against its solo decode (==).  Decode time is the slots' shared decode time (the
+longest of them; prefills are not counted, as in the other benches).
+
+    python bench/slots_cpu.py [--threads 2] [--slots 4] [--new 64] [--reps 3] [--out F.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from ar import cpu_name, ensure_model  # noqa: E402
+
+from dflash27b import Decoder  # noqa: E402
+from dflash27b.decoder import bundled_pair  # noqa: E402
+
+CODE = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef walk(path):\n", "class Stack:\n    def push(self, x):\n",
+        "def parse(line):\n    key, _, value = line.partition('=')\n", "# sort a list of numbers\n",
+        "def main():\n    args = sys.argv[1:]\n", "for i in range(10):\n", "x = [1, 2, 3]\nprint("]
+
+
+def aggregate(results) -> float:
+    toks = sum(max(r.stats.generated_tokens - 1, 0) for r in results)   # the first token comes from the prefill
+    secs = max(r.stats.decode_s for r in results)
+    return toks / secs if secs > 0 else 0.0
+
+
+def run_model(name: str, target, draft, prompts, n_slots: int, n_new: int, reps: int, threads: int) -> dict:
+    rows: dict[str, list[float]] = {}
+    equal = True
+    with Decoder(target, draft, threads=threads) as d:
+        ps = prompts[:n_slots]
+        for _ in range(reps):
+            one = d.generate(ps[0], n_new, mode="ar", ignore_eos=True, cache=False)
+            rows.setdefault("1 x AR", []).append(one.stats.decode_tok_s)
+            solo = [d.generate(p, n_new, mode="ar", ignore_eos=True, cache=False) for p in ps]
+            rows.setdefault(f"{n_slots} x AR one after another", []).append(
+                sum(r.stats.generated_tokens - 1 for r in solo) / sum(r.stats.decode_s for r in solo))
+            many = d.generate_many(ps, n_new, mode="ar", ignore_eos=True, cache=False)
+            rows.setdefault(f"{n_slots} x AR", []).append(aggregate(many))
+            equal &= [r.tokens for r in many] == [r.tokens for r in solo]
+            auto = d.generate_many(ps, n_new, mode="auto", ignore_eos=True, cache=False)
+            rows.setdefault(f"{n_slots} x auto", []).append(aggregate(auto))
+            equal &= [r.tokens for r in auto] == [r.tokens for r in solo]
+    out = {k: round(statistics.median(v), 1) for k, v in rows.items()}
+    base = out["1 x AR"]
+    return {"model": name, "tok_s": out, "vs_one_stream": {k: round(v / base, 3) for k, v in out.items()},
+            "equals_solo": equal}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "slots-cpu.json"))
+    a = ap.parse_args(argv)
+    doc = {"bench": "slots_cpu", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
+           "threads": a.threads, "slots": a.slots, "new_tokens": a.new, "reps": a.reps, "models": []}
+    print(f"machine: {cpu_name()}, {a.threads} threads; {a.slots} slots, {a.new} new tokens a request")
+    synth = ensure_model(Path("/tmp/dflash27b-bench") / "qwen35-0.8b-q4_k_m.gguf", "0.8b")
+    rng = np.random.default_rng(0)
+    rand = [rng.integers(0, 240000, size=int(n)).tolist() for n in rng.integers(32, 128, size=a.slots)]
+    target, draft2 = bundled_pair()
+    for name, t, dr, ps in (("synthetic 0.8b q4_k_m", synth, "lookup", rand), ("bundled pair", target, draft2, CODE)):
+        r = run_model(name, t, dr, ps, a.slots, a.new, a.reps, a.threads)
+        doc["models"].append(r)
+        for k, v in r["tok_s"].items():
+            print(f"  {name:22s} {k:28s} {v:8.1f} tok/s  {r['vs_one_stream'][k]:.2f}x one stream")
+        print(f"  {name:22s} every reply == its solo decode: {r['equals_solo']}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
