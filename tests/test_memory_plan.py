@@ -51,7 +51,7 @@ def test_27b_at_128k_with_ddtree_fits_24_gib(sparse27):
     assert 15.3 * GIB < parts["weights"] < 15.5 * GIB  # Q4_K_M's type mix: ~16.5 GB
     assert 3.2 * GIB < parts["drafter"] < 3.3 * GIB    # 1.73 B BF16 parameters: 3.46 GB
     assert parts["kv"] == 16 * 2 * 131072 * (1024 // 32) * 18  # 16 attention layers, K and V, Q4_0 rows
-    assert p["options"] == {"ctx": 131072, "kv_type": "q4_0", "verify_nodes": 23, "feature_ring": 4096,
+    assert p["options"] == {"ctx": 131072, "slots": 1, "kv_type": "q4_0", "verify_nodes": 23, "feature_ring": 4096,
                             "batch": 512, "device": "cuda", "draft_type": "stored", "state_type": "f32", "budget": 22,
                             "fit": False}
     rc, b = plan_json("-m", str(t), "-md", str(d), "-c", "131072", "--kv-type", "q4_0", "--state-type", "bf16")
@@ -161,3 +161,16 @@ def test_cuda_workspace_counts_the_exact_matmuls_activations(sparse27):
     assert plan[1]["workspace"] - plan[0]["workspace"] == (64 << 20) + act
     assert {k: v for k, v in plan[1].items() if k not in ("workspace", "total")} == \
         {k: v for k, v in plan[0].items() if k not in ("workspace", "total")}
+
+
+def test_parallel_slots_split_the_context_and_hold_their_state_each(sparse27):
+    """plan --parallel N (serve's -np): -c is the total, each slot holds ctx / N of KV and its own recurrent,
+    tree and drafter state; the weights once."""
+    t, d = sparse27
+    _, one = plan_json("-m", str(t), "-md", str(d), "-c", "32768", "--kv-type", "q8_0")
+    _, four = plan_json("-m", str(t), "-md", str(d), "-c", "131072", "--kv-type", "q8_0", "--parallel", "4")
+    assert four["options"]["ctx"] == 32768 and four["options"]["slots"] == 4
+    for k in ("weights", "drafter", "cuda_context"):
+        assert four["parts"][k] == one["parts"][k], k
+    for k in ("kv", "recurrent", "tree_state", "feature_ring", "draft_kv", "workspace"):
+        assert four["parts"][k] == 4 * one["parts"][k], k

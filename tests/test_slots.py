@@ -8,6 +8,9 @@ auto, greedy and seeded, with prompts of different lengths finishing at differen
 takes the next prompt), after prefix-cache hits, and with drafters of every kind in the slots."""
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from dflash27b import Decoder, DFlashError
@@ -74,3 +77,74 @@ def test_bad_requests_are_refused_by_name(dec):
     with pytest.raises(DFlashError, match="3 params for 2 prompts"):
         dec.generate_many(PROMPTS[:2], 8, params=[GenParams()] * 3)
     assert dec.generate_many([], 8) == []
+
+
+# -- the daemon: serve --parallel ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def parallel_daemon(tmp_path_factory):
+    from serve_util import serve
+    s = serve(tmp_path_factory.mktemp("slots"), "--parallel", "4", http=False, ctx=4096)
+    yield s
+    s.stop()
+
+
+def _wire(k: int) -> dict:
+    r = {"max_new_tokens": LENGTHS[k], "ignore_eos": True, **REQS[k]}
+    return r
+
+
+def test_daemon_slots_reply_as_alone(parallel_daemon, dec):
+    """8 requests (every mode, greedy and seeded, different lengths) sent at once to serve --parallel 4, one of
+    them cancelled halfway by its client: every other reply equals the request decoded alone."""
+    import socket
+    import threading
+
+    from serve_util import socket_request
+    want = [dec.generate(p, params=_params(dec, k), cache=False).tokens for k, p in enumerate(PROMPTS)]
+    got: dict[int, list] = {}
+    h0 = parallel_daemon.health()
+    assert h0["slots"] == {"total": 4, "busy": 0, "n_ctx_each": 1024}
+
+    def run(k: int) -> None:
+        evs = socket_request(parallel_daemon.sock, {"prompt": PROMPTS[k], **_wire(k), "cache_prompt": False},
+                             timeout=120)
+        got[k] = evs
+
+    def leave_halfway() -> None:   # a long request whose client goes away after its first tokens
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(parallel_daemon.sock)
+        s.sendall(json.dumps({"prompt": PROMPTS[0], "max_new_tokens": 100000, "ignore_eos": True,
+                              "mode": "ar", "stream": True}).encode() + b"\n")
+        f = s.makefile("rb")
+        n = 0
+        while n < 5:
+            n += b'"token"' in f.readline()
+        s.close()
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(len(PROMPTS))]
+    ts.append(threading.Thread(target=leave_halfway))
+    for t in ts:
+        t.start()
+    busy = 0
+    while any(t.is_alive() for t in ts):
+        busy = max(busy, parallel_daemon.health()["slots"]["busy"])
+        time.sleep(0.01)
+    for t in ts:
+        t.join(120)
+    for k in range(len(PROMPTS)):
+        done = [e for e in got[k] if e["event"] == "done"]
+        assert done and done[0]["tokens"] == want[k], (k, REQS[k], got[k][-1])
+    h = parallel_daemon.health()
+    assert busy > 1, "no two requests ever decoded at once"
+    assert h["cancelled"]["client_gone"] == h0["cancelled"]["client_gone"] + 1
+    assert h["after_cancel"] == {"steps": 0, "tokens": 0} and h["queue"] == 0
+
+
+def test_daemon_refuses_what_a_slot_cannot_hold(parallel_daemon):
+    from serve_util import socket_request
+    evs = socket_request(parallel_daemon.sock, {"prompt_ids": [5] * 1100, "max_new_tokens": 4},
+                         {"prompt": "def f(x):", "max_new_tokens": 4})
+    errs = [e for e in evs if e["event"] == "error"]
+    assert len(errs) == 1 and "does not fit the context length 1024" in errs[0]["message"]
+    assert [e for e in evs if e["event"] == "done"]   # and the next request is served

@@ -367,10 +367,13 @@ def _check_http_flags(http, api_key, allow_host, cors_origin) -> None:
 @click.option("--cache-mem", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="GiB of host memory for the prefix cache: earlier conversations' states, so a chat's next turn "
                    "prefills only what is new (0 = off; requests may pass cache_prompt=false)")
+@click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="requests decoded at once, each in a slot of its own (one batched forward per step); -c is the "
+                   "total context, split evenly among the slots (as llama-server's -np)")
 @_serve_options
 def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, threads, draft_type, state_type,
-          feature_ring, cache_mem, api_key, allow_host, cors_origin, max_body, read_timeout, request_timeout,
-          shutdown_grace, max_connections):
+          feature_ring, cache_mem, parallel, api_key, allow_host, cors_origin, max_body, read_timeout,
+          request_timeout, shutdown_grace, max_connections):
     """Keep the models loaded and serve requests (protocol: docs/PROTOCOL.md)."""
     from .server import Daemon, Listeners, ServeOptions
     if socket_path is None and http is None:
@@ -384,9 +387,13 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
             _fail(str(e))
     if target is None and bundled_pair() is None:
         _fail("no target model given: pass -m/--target")
+    slot_ctx = ctx // parallel
+    if slot_ctx < 64:
+        _fail(f"-c {ctx} split among {parallel} slots leaves {slot_ctx} tokens each (at least 64): raise -c or "
+              "lower --parallel")
     options = ServeOptions(max_body=max_body, request_timeout=request_timeout, shutdown_grace=shutdown_grace,
                            read_timeout=read_timeout, api_key=api_key, allow_hosts=tuple(allow_host),
-                           cors_origins=tuple(cors_origin), max_connections=max_connections)
+                           cors_origins=tuple(cors_origin), max_connections=max_connections, parallel=parallel)
     try:
         listeners = Listeners(socket_path, hp).open()  # a busy port or path fails now, not after the load
     except DFlashError as e:
@@ -395,14 +402,15 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
     signal.signal(signal.SIGTERM, _stopped_while_loading)
     try:
         with _loading("loading models"):
-            dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=ctx, threads=threads,
+            dec = Decoder(target, draft, device=device, kv_type=kv_type, ctx=slot_ctx, threads=threads,
                           feature_ring=feature_ring, draft_type=draft_type, state_type=state_type,
-                          cache_mem=int(cache_mem * 2**30), on_memory_plan=_plan_printer(device))
+                          cache_mem=int(cache_mem * 2**30), on_memory_plan=_plan_printer(device), slots=parallel)
         name = model_name or Path(dec.target).stem
         d = Daemon(dec, socket_path, hp, name, log=lambda m: click.echo(m, err=True), options=options,
                    listeners=listeners)
         click.echo(f"loaded {dec.target}" + (f" + {dec.draft}" if dec.draft else "") +
-                   f" ({dec.device}, ctx {ctx}, kv {kv_type}, default mode {dec.default_mode})", err=True)
+                   f" ({dec.device}, ctx {ctx}" + (f" in {parallel} slots of {slot_ctx}" if parallel > 1 else "") +
+                   f", kv {kv_type}, default mode {dec.default_mode})", err=True)
         d.run()
         dec.close()
     except DFlashError as e:
@@ -428,8 +436,11 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
 @click.option("--vram", type=click.FloatRange(min=0, min_open=True), default=None,
               help="GiB the plan must fit in (exit status 1 when it does not)")
 @click.option("--fit", is_flag=True, help="pick the largest context, then the largest KV type, that fit in --vram")
+@click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="slots (serve --parallel): -c is the total context, split evenly among them")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, feature_ring, batch, device, vram, fit, as_json):
+def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, feature_ring, batch, device, vram, fit,
+             parallel, as_json):
     """The device memory plan by part, from the files alone (no GPU needed): weights, drafter, KV cache,
     recurrent state, tree state, feature ring, draft KV, workspace, CUDA context reserve."""
     from . import _handles
@@ -440,6 +451,10 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
         _fail("--fit needs --vram GiB (the memory to fit in)")
     if fit and device != "cuda":
         _fail("--fit plans for a GPU: drop --device cpu")
+    if fit and parallel > 1:
+        _fail("--fit plans one slot: drop --parallel")
+    if ctx is not None and ctx // parallel < 1:
+        _fail(f"-c {ctx} split among {parallel} slots leaves none")
     if target is None:
         pair = bundled_pair()
         if pair is None:
@@ -471,8 +486,9 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
                   f"{smallest.total / 2**30:.2f} GiB (weights {smallest.parts['weights'] / 2**30:.2f} GiB); use a "
                   "smaller quant or a smaller drafter")
     else:
-        p = plan_for(model, dinfo, ctx=ctx or 4096, kv_type=kv_type, nodes=nodes, feature_ring=feature_ring,
-                     batch=batch, device=device, draft_type=draft_type, state_type=state_type, draft_model=draft_model)
+        p = plan_for(model, dinfo, ctx=(ctx or 4096) // parallel, kv_type=kv_type, nodes=nodes,
+                     feature_ring=feature_ring, batch=batch, device=device, draft_type=draft_type,
+                     state_type=state_type, draft_model=draft_model, slots=parallel)
     fits = None if vram_b is None else p.total <= vram_b
     if as_json:
         click.echo(json.dumps({"parts": p.parts, "total_bytes": p.total, "vram_bytes": vram_b, "fits": fits,
@@ -480,7 +496,8 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
     else:
         o = p.options
         click.echo(f"{Path(model.path).name}" + (f" + {Path(str(draft)).name}" if draft is not None else "") +
-                   f": ctx {o['ctx']}, kv {o['kv_type']}, state {o['state_type']}, {nodes} verify nodes (budget {budget})" +
+                   f": ctx {o['ctx']}" + (f" x {o['slots']} slots" if o["slots"] > 1 else "") +
+                   f", kv {o['kv_type']}, state {o['state_type']}, {nodes} verify nodes (budget {budget})" +
                    (f", feature ring {o['feature_ring']}, drafter {o['draft_type']}" if dinfo else "") +
                    (" (chosen by --fit)" if fit else ""))
         click.echo(format_plan(p.as_dict(), device, vram_b))

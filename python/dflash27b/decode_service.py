@@ -1,8 +1,10 @@
-"""The decode service: one worker thread owns the Decoder and serves jobs in arrival order; a job ends early
-when its client goes away, its deadline passes or the daemon shuts down (`Job.cancel` drops a waiting job at
-once, the worker checks a running one before every decode step and after every prefill chunk), and the
-counters prove that no step starts after its job was cancelled.  The socket server and the HTTP front submit
-to it; neither is imported here."""
+"""The decode service: one worker thread owns the Decoder and serves jobs in arrival order in `parallel` slots
+(each a context of its own on the decoder's backend: Decoder._slot): every step of the running jobs is one
+batched target forward (dfl_generate_next_many), a waiting job takes the first slot that frees, and each
+reply is exactly what the job would get alone.  A job ends early when its client goes away, its deadline
+passes or the daemon shuts down (`Job.cancel` drops a waiting job at once, the worker checks a running one
+before every decode step and after every prefill chunk), and the counters prove that no step starts after
+its job was cancelled.  The socket server and the HTTP front submit to it; neither is imported here."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ._lib import DFlashError
+from ._handles import Context
 from .decoder import Decoder
 
 from .serve_protocol import (THINK_OPEN, BAD_REQUEST, CANCEL_REASONS, CLIENT_GONE, INTERNAL, PromptTokenizer, PromptTooLong, RequestError, SHUTDOWN, StopMatcher, TIMEOUT, chat_text, event_error, too_long)
@@ -78,8 +81,13 @@ class CancelStats:
 class DecodeService:
     """Owns the decoder; runs queued jobs one at a time on a worker thread."""
 
-    def __init__(self, decoder: Decoder, request_timeout: float = 0.0, log: Callable[[str], None] = lambda m: None):
+    def __init__(self, decoder: Decoder, request_timeout: float = 0.0, log: Callable[[str], None] = lambda m: None,
+                 parallel: int = 1):
+        if parallel < 1:
+            raise DFlashError(f"parallel must be at least 1 (got {parallel})")
         self.decoder = decoder
+        self.parallel = parallel
+        self.slots: list[Job | None] = [None] * parallel   # the job each slot decodes (worker-written)
         self.request_timeout = request_timeout
         self.log = log
         self.prompts = PromptTokenizer(decoder.tokenizer)
@@ -87,7 +95,7 @@ class DecodeService:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._waiting: list[Job] = []
-        self.running: Job | None = None
+        self.running_jobs: list[Job] = []
         self.accepting = True
         self.served = 0
         self.started = time.time()
@@ -102,6 +110,12 @@ class DecodeService:
         self.decode_seconds_total = 0.0
         self._worker = threading.Thread(target=self._run, name="dflash27b-decode", daemon=True)
         self._worker.start()
+
+    @property
+    def running(self) -> Job | None:
+        """A running job (the first), None when every slot is free."""
+        with self._lock:
+            return self.running_jobs[0] if self.running_jobs else None
 
     # -- loop side ---------------------------------------------------------------------------------------
     def prepare(self, params: dict) -> dict:
@@ -148,7 +162,7 @@ class DecodeService:
         with self._lock:
             if not self.accepting:
                 raise RequestError("the daemon is shutting down and takes no new requests", SHUTDOWN)
-            ahead = len(self._waiting) + (self.running is not None)
+            ahead = len(self._waiting) + max(0, len(self.running_jobs) - self.parallel + 1)
             self._waiting.append(job)
         if job.deadline is not None:  # a waiting job times out at its deadline, not when it reaches the worker
             job.timer = loop.call_later(max(0.0, job.deadline - time.monotonic()), job.cancel, TIMEOUT)
@@ -157,12 +171,12 @@ class DecodeService:
 
     def queue_length(self) -> int:
         with self._lock:
-            return len(self._waiting) + (self.running is not None)
+            return len(self._waiting) + len(self.running_jobs)
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting)."""
         with self._lock:
-            return int(self.running is not None), len(self._waiting)
+            return len(self.running_jobs), len(self._waiting)
 
     def cancel(self, job: Job, reason: str) -> bool:
         with self._lock:
@@ -195,45 +209,91 @@ class DecodeService:
     def close(self, timeout: float = 5.0) -> None:
         self.stop_accepting()
         self.cancel_waiting(SHUTDOWN)
-        running = self.running
-        if running is not None:
-            running.cancel(SHUTDOWN)
+        with self._lock:
+            running = list(self.running_jobs)
+        for job in running:
+            job.cancel(SHUTDOWN)
         self._queue.put(None)
         self._worker.join(timeout=timeout)
 
     # -- worker side ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        runs: dict[int, _JobRun] = {}
+        closing = False
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                if job.state != WAITING:   # dropped while it waited
-                    continue
-                self._waiting.remove(job)
-                job.state = RUNNING
-                self.running = job
-            end = self._serve(job)
-            with self._lock:  # finished before the client can read its end: health never counts it
-                job.state = FINISHED
-                self.running = None
-                self.served += 1
-            job.finished()
-            job.emit(end)
-            job.emit(None)
+            # fill the free slots from the queue (wait for one only when nothing runs)
+            while len(runs) < self.parallel and not closing:
+                try:
+                    job = self._queue.get(block=not runs)
+                except queue.Empty:
+                    break
+                if job is None:   # close(): the running jobs (cancelled) end at their next check
+                    closing = True
+                    break
+                with self._lock:
+                    if job.state != WAITING:   # dropped while it waited
+                        continue
+                    self._waiting.remove(job)
+                    job.state = RUNNING
+                    self.running_jobs.append(job)
+                slot = next(k for k in range(self.parallel) if k not in runs)
+                run = _JobRun(self, job, self.decoder._slot(slot))
+                self.slots[slot] = job
+                if run.start():
+                    runs[slot] = run
+                else:
+                    self._finish(slot, run)
+            if not runs:
+                if closing:
+                    return
+                continue
+            # one step of every running job: their verify batches in one forward
+            decided = time.monotonic()   # before the checks: a cancel after it counts as one the step missed
+            for slot in [k for k, r in runs.items() if r.job.stop_requested()]:
+                run = runs.pop(slot)
+                run.cancelled = True
+                self._finish(slot, run)
+            if not runs:
+                if closing:
+                    return
+                continue
+            order = sorted(runs)
+            try:
+                step = Context.generate_next_many([runs[k].view._ctx for k in order])
+            except DFlashError as e:   # one slot's error fails the step: end every job it held with it
+                for k in order:
+                    runs[k].fail(e)
+                    self._finish(k, runs.pop(k))
+                continue
+            for k, toks in zip(order, step):
+                if not runs[k].feed(toks, decided):
+                    self._finish(k, runs.pop(k))
 
-    def _serve(self, job: Job) -> dict:
-        """Run one job; returns its terminal event."""
+    def _finish(self, slot: int, run: "_JobRun") -> None:
+        job = run.job
         try:
-            job.emit({"event": "start"})
-            return self._decode(job)
-        except DFlashError as e:
+            end = run.end()
+        except Exception as e:  # noqa: BLE001 - the job ends with an error, the worker keeps serving
+            end = self._error_end(job, e)
+        with self._lock:  # finished before the client can read its end: health never counts it
+            job.state = FINISHED
+            if job in self.running_jobs:
+                self.running_jobs.remove(job)
+            self.served += 1
+        self.slots[slot] = None
+        job.finished()
+        job.emit(end)
+        job.emit(None)
+
+    def _error_end(self, job: Job, e: BaseException) -> dict:
+        """The terminal event of a job whose decode raised."""
+        if isinstance(e, DFlashError):
             if job.cancelled.is_set():  # e.g. "prefill cancelled": say why it was cancelled instead
                 return self._early_end(job, None)
             return event_error(str(e), getattr(e, "code", BAD_REQUEST))
-        except Exception:  # a bug: the log gets the traceback, the client a plain message; keep serving
-            self.log("internal error while decoding:\n" + traceback.format_exc().rstrip())
-            return event_error("internal error while decoding (the daemon's log has the details)", INTERNAL)
+        # a bug: the log gets the traceback, the client a plain message; keep serving
+        self.log("internal error while decoding:\n" + "".join(traceback.format_exception(e)).rstrip())
+        return event_error("internal error while decoding (the daemon's log has the details)", INTERNAL)
 
     def _unstarted_end(self, job: Job) -> dict:
         if job.reason == TIMEOUT:
@@ -262,53 +322,6 @@ class DecodeService:
             self.cancel_stats.steps_after += 1
             self.cancel_stats.tokens_after += n_tokens
 
-    def _decode(self, job: Job) -> dict:
-        p, dec = job.params, self.decoder
-        stream, stop = p["stream"], StopMatcher(p["stop"])
-        sd = dec.tokenizer.stream_decoder()
-        tokens: list[int] = []
-        stopped = cancelled = False
-        want_lp = p["params"].logprobs is not None
-        steps = dec.stream_ids(p["prompt_ids"], params=p["params"], cache=p.get("cache_prompt", True),
-                               on_prefill=lambda done, total: job.stop_requested(), history=p.get("history"))
-        try:
-            while True:
-                decided = time.monotonic()
-                if job.stop_requested():
-                    cancelled = True
-                    break
-                toks = next(steps, None)
-                if toks is None:
-                    break
-                self._count_after_cancel(job, decided, len(toks))
-                tokens += toks
-                piece, stopped = stop.push("".join(sd.push(t) for t in toks))
-                if stream:
-                    ev = {"event": "token", "ids": toks, "text": piece}
-                    if want_lp:
-                        ev["logprobs"] = dec.last_logprobs(len(tokens) - len(toks))
-                    job.emit(ev)
-                if stopped:
-                    break
-        finally:
-            steps.close()
-        stats = self._account(dec.last_stats().to_dict())
-        if cancelled and job.reason != TIMEOUT:
-            return self._early_end(job, {"tokens": tokens})
-        if not stopped:
-            piece, stopped = stop.push(sd.flush())
-            piece += "" if stopped else stop.flush()
-            if stream and piece:
-                job.emit({"event": "token", "ids": [], "text": piece})
-        if stopped:
-            stats["stop_reason"] = "stop"
-        done = {"event": "done", "tokens": tokens, "text": stop.text, "stats": stats}
-        if "think_open" in p:   # a chat request: the reply as an assistant message (reasoning, tool calls)
-            done["message"] = dec.reply_message(stop.text, p["params"])
-        if want_lp:
-            done["logprobs"] = dec.last_logprobs()[:len(tokens)]
-        return self._early_end(job, done) if cancelled else done
-
     def _account(self, stats: dict) -> dict:
         """Add a decode's stats to the totals /metrics reports."""
         self.prompt_tokens_total += stats["prompt_tokens"]
@@ -319,3 +332,93 @@ class DecodeService:
         self.decode_steps_total += stats["steps"]
         self.decode_seconds_total += stats["decode_s"]
         return stats
+
+
+class _JobRun:
+    """One running job on a slot: its prompt prefilled by start(), then each batched step's tokens fed in
+    (stop strings, streamed events), and its terminal event from end()."""
+
+    def __init__(self, service: DecodeService, job: Job, view: Decoder):
+        self.service, self.job, self.view = service, job, view
+        p = job.params
+        self.stop = StopMatcher(p["stop"])
+        self.sd = None
+        self.tokens: list[int] = []
+        self.stopped = self.cancelled = False
+        self.error: dict | None = None
+        self.want_lp = p["params"].logprobs is not None
+        self.steps = None
+
+    def start(self) -> bool:
+        """Prefill and the first token (no forward of its own); False when the job has ended already."""
+        job, p = self.job, self.job.params
+        try:
+            job.emit({"event": "start"})
+            self.sd = self.view.tokenizer.stream_decoder()
+            if job.stop_requested():   # cancelled between the queue and its slot
+                self.cancelled = True
+                return False
+            self.steps = self.view.stream_ids(p["prompt_ids"], params=p["params"], cache=p.get("cache_prompt", True),
+                                              on_prefill=lambda done, total: job.stop_requested(),
+                                              history=p.get("history"))
+            return self._take(time.monotonic(), None)   # (the first token: decided with the prefill)
+        except Exception as e:  # noqa: BLE001 - every failure becomes the job's terminal event
+            self.fail(e)
+            return False
+
+    def feed(self, toks: list[int], decided: float) -> bool:
+        """The tokens one batched step (begun at `decided`) gave this job; False when the job has ended."""
+        self.view._batched = toks
+        try:
+            return self._take(decided, toks)
+        except Exception as e:  # noqa: BLE001
+            self.fail(e)
+            return False
+
+    def fail(self, e: BaseException) -> None:
+        self.error = self.service._error_end(self.job, e)
+
+    def _take(self, decided: float, _toks) -> bool:
+        toks = next(self.steps, None)
+        if toks is None:
+            return False
+        self.service._count_after_cancel(self.job, decided, len(toks))
+        self.tokens += toks
+        piece, self.stopped = self.stop.push("".join(self.sd.push(t) for t in toks))
+        if self.job.params["stream"]:
+            ev = {"event": "token", "ids": toks, "text": piece}
+            if self.want_lp:
+                ev["logprobs"] = self.view.last_logprobs(len(self.tokens) - len(toks))
+            self.job.emit(ev)
+        return not self.stopped
+
+    def end(self) -> dict:
+        """The job's terminal event (its stream closed: the prefix cache keeps what it decoded)."""
+        job, p, view, svc = self.job, self.job.params, self.view, self.service
+        if self.steps is not None:
+            try:
+                self.steps.close()
+            except Exception as e:  # noqa: BLE001
+                self.fail(e)
+        if self.error is not None:
+            return self.error
+        if self.steps is None:   # never started
+            return svc._early_end(job, None)
+        stats = svc._account(view.last_stats().to_dict())
+        cancelled = self.cancelled
+        if cancelled and job.reason != TIMEOUT:
+            return svc._early_end(job, {"tokens": self.tokens})
+        stop, stream = self.stop, p["stream"]
+        if not self.stopped and self.sd is not None:
+            piece, self.stopped = stop.push(self.sd.flush())
+            piece += "" if self.stopped else stop.flush()
+            if stream and piece:
+                job.emit({"event": "token", "ids": [], "text": piece})
+        if self.stopped:
+            stats["stop_reason"] = "stop"
+        done = {"event": "done", "tokens": self.tokens, "text": stop.text, "stats": stats}
+        if "think_open" in p:   # a chat request: the reply as an assistant message (reasoning, tool calls)
+            done["message"] = view.reply_message(stop.text, p["params"])
+        if self.want_lp:
+            done["logprobs"] = view.last_logprobs()[:len(self.tokens)]
+        return svc._early_end(job, done) if cancelled else done

@@ -142,6 +142,8 @@ class Decoder:
     cache_mem: bytes for a prefix cache (0 = none): checkpoints of earlier prompts' and replies' states
     (KV rows + delta-net state), so a prompt that starts like an earlier one (a chat's next turn) prefills
     only what is new; the decode equals a cold one token for token (`generate(..., cache=False)` bypasses).
+    slots: contexts of `ctx` each made at load (a server's --parallel; generate_many makes more as it needs
+    them): each holds its own sequence on the one backend, and the memory plan counts them all.
     state_type: the delta-net recurrent state's storage, "f32" (default), "bf16" or "f16": rounded after every
     token alike in AR steps and tree verifies, so speculation stays exact for each choice; the model itself
     moves slightly from F32 (bench/state_type.py measures how far).
@@ -152,7 +154,7 @@ class Decoder:
                  kv_type: str = "f16", ctx: int = 4096, threads: int | None = None, batch: int = 512,
                  feature_ring: int = 4096, draft_type: str | None = None, state_type: str = "f32",
                  cache_mem: int = 0,
-                 on_memory_plan: Callable[[dict], None] | None = None, warm_up: bool = True):
+                 on_memory_plan: Callable[[dict], None] | None = None, warm_up: bool = True, slots: int = 1):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
         if ctx <= 0:
@@ -209,7 +211,8 @@ class Decoder:
             from .memory_plan import plan_for
             plan = plan_for(self._model, self._draft.info if self._draft is not None else None, ctx=ctx,
                             kv_type=kv_type, nodes=32, feature_ring=feature_ring, batch=batch,
-                            device=self.device, state_type=state_type, draft_model=self._draft_model).as_dict()
+                            device=self.device, state_type=state_type, draft_model=self._draft_model,
+                            slots=slots).as_dict()
             self.memory_plan = plan
             if on_memory_plan is not None:
                 on_memory_plan(dict(plan))
@@ -225,6 +228,10 @@ class Decoder:
                                   "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
                                   "--no-mtp, the \"-MTP\" files)")
             self._attach_drafters(self._ctx)
+            if slots < 1:
+                raise DFlashError(f"slots must be at least 1 (got {slots})")
+            if slots > 1 and self.device == "cuda":
+                raise DFlashError("several slots on the CUDA backend are not supported yet: use one (--parallel 1)")
         except DFlashError:
             self.close()
             raise
@@ -238,6 +245,12 @@ class Decoder:
         self._batch = batch
         if self._has_drafter() and warm_up:
             self._warm_up()
+        try:   # the slots last: each is a view of the Decoder as loaded
+            for k in range(1, slots):
+                self._slot(k)
+        except DFlashError:
+            self.close()
+            raise
 
     def _attach_drafters(self, ctx) -> None:
         # attached in the order given: the order of preference (chain and DDTree modes draft with the first)

@@ -605,6 +605,8 @@ class OpenAIFront:
             ("mean_accept_length", "gauge", "tokens per decode step, all requests (bonus included)",
              one(round((s.generated_tokens_total - s.served) / steps, 4) if steps else 0)),
             ("queue_length", "gauge", "requests running or waiting", one(h["queue"])),
+            ("slots", "gauge", "requests that can decode at once (--parallel)", one(h["slots"]["total"])),
+            ("slots_busy", "gauge", "slots decoding a request", one(h["slots"]["busy"])),
             ("prefix_cache_bytes", "gauge", "bytes held by the prefix cache", one(cache.get("bytes", 0))),
             ("prefix_cache_checkpoints", "gauge", "prefix cache checkpoints", one(cache.get("checkpoints", 0))),
             ("prefix_cache_hits_total", "counter", "requests that reused a cached prefix", one(cache.get("hits", 0))),

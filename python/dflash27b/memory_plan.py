@@ -85,10 +85,11 @@ def draft_model_parts(draft_model: _handles.Model, *, ctx: int, kv_type: str, ba
 
 def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_type: str, nodes: int,
              feature_ring: int, batch: int, device: str, draft_type: str | None = None,
-             state_type: str = "f32", draft_model: _handles.Model | None = None) -> Plan:
+             state_type: str = "f32", draft_model: _handles.Model | None = None, slots: int = 1) -> Plan:
     """The plan for a loaded (mapped) target and an optional DFlash drafter's info (draft_type: the conversion
     still to apply to the info's stored weights; None when the info is of the drafter as loaded) or draft
-    model (a qwen35 GGUF: its weights and its own context of the same length and KV type)."""
+    model (a qwen35 GGUF: its weights and its own context of the same length and KV type).  slots: contexts
+    of `ctx` each (serve --parallel): everything but the weights is held once per slot."""
     core = _handles.memory_plan(model, ctx, batch, TYPE_IDS[kv_type], 1 if device == "cuda" else 0, nodes,
                                 TYPE_IDS[state_type])
     parts = dict.fromkeys(PARTS, 0)
@@ -99,9 +100,11 @@ def plan_for(model: _handles.Model, draft_info: dict | None, *, ctx: int, kv_typ
     if draft_model is not None:
         parts.update(draft_model_parts(draft_model, ctx=ctx, kv_type=kv_type, batch=batch, device=device,
                                        state_type=state_type))
+    for k in ("kv", "recurrent", "tree_state", "feature_ring", "draft_kv", "workspace"):
+        parts[k] *= slots
     if device == "cuda":
         parts["cuda_context"] = CUDA_CONTEXT_RESERVE
-    opts = {"ctx": ctx, "kv_type": kv_type, "verify_nodes": nodes, "feature_ring": feature_ring if draft_info else 0,
+    opts = {"ctx": ctx, "slots": slots, "kv_type": kv_type, "verify_nodes": nodes, "feature_ring": feature_ring if draft_info else 0,
             "batch": batch, "device": device,
             "draft_type": (draft_type or "stored") if draft_info else "model" if draft_model is not None else None,
             "state_type": state_type}

@@ -199,6 +199,7 @@ class ServeOptions:
     allow_hosts: tuple[str, ...] = ()  # HTTP: Host names accepted besides the bound address and loopback
     cors_origins: tuple[str, ...] = ()  # HTTP: browser origins allowed to read replies (none: CORS off)
     max_connections: int = 256        # HTTP: concurrent connections before 503
+    parallel: int = 1                 # requests decoded at once (slots; one batched forward per step)
 
 
 @dataclass
@@ -213,7 +214,7 @@ class Daemon:
     listeners: Listeners | None = None   # opened by the caller before loading; else opened by serve()
 
     def __post_init__(self):
-        self.service = DecodeService(self.decoder, self.options.request_timeout, self.log)
+        self.service = DecodeService(self.decoder, self.options.request_timeout, self.log, self.options.parallel)
         self._stop: asyncio.Event | None = None
         self._signals = 0
         self._open_requests = 0
@@ -228,6 +229,7 @@ class Daemon:
         return {"event": "health", "status": "ok" if s.accepting else "shutting_down",
                 "protocol": PROTOCOL_VERSION, "target": d.target, "draft": d.draft, "model": self.model_name,
                 "device": d.device, "n_ctx": d.n_ctx, "default_mode": d.default_mode, "queue": s.queue_length(),
+                "slots": {"total": s.parallel, "busy": s.counts()[0], "n_ctx_each": d.n_ctx},
                 "served": s.served, "cancelled": dict(c.by_reason),
                 "after_cancel": {"steps": c.steps_after, "tokens": c.tokens_after},
                 "cancel_latency_max_s": round(c.latency_max_s, 4), "loop_lag_max_s": round(self.loop_lag_max_s, 4),
@@ -417,7 +419,7 @@ class Daemon:
                 self.log("note: no --api-key: anyone who can reach this port can use it")
 
     async def _drain(self, servers: list) -> None:
-        """Stop taking requests, let the running one finish within the grace, end everything else."""
+        """Stop taking requests, let the running ones finish within the grace, end everything else."""
         self.service.stop_accepting()
         for s in servers:
             s.close()
@@ -425,8 +427,7 @@ class Daemon:
             self._http_server.stop_listening()
         self.service.cancel_waiting(SHUTDOWN)
         if not await self._wait(lambda: self.service.running is None, self.options.shutdown_grace):
-            running = self.service.running
-            if running is not None:
+            for running in list(self.service.running_jobs):
                 running.cancel(SHUTDOWN)
             await self._wait(lambda: self.service.running is None, 1.0)
         # the ended requests' last events are on their way to the clients
