@@ -52,11 +52,12 @@ double AutoEstimates::verify_at(const std::vector<std::pair<int, double>>& pts, 
 }
 
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft, double max_loss, double min_gain) {
+                         bool with_draft, double max_loss, double min_gain, int slots) {
   AutoChoice best;
   const std::vector<std::pair<int, double>> verify = e.verify_points();  // once per call, not per budget
   const double ar = e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1);
-  best.ar_tok_s = ar > 0 ? 1.0 / ar : 0.0;
+  const double others = std::max(slots, 1) - 1.0;  // the other slots' tokens of the shared step
+  best.ar_tok_s = ar > 0 ? (others + 1.0) / ar : 0.0;
   best.budget = 0;
   best.expected = 1.0;
   best.tok_s = best.ar_tok_s;
@@ -67,7 +68,7 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
     accepted += std::min(1.0, e.calib(depth[b - 1]) * std::exp((double)logp[b - 1]));
     if (b < min_budget) continue;
     const double cost = fixed + AutoEstimates::verify_at(verify, b + 1);
-    const double rate = cost > 0 ? (1.0 + accepted) / cost : 0.0;
+    const double rate = cost > 0 ? (others + 1.0 + accepted) / cost : 0.0;
     // a probe's tree grows only while its expected loss against AR stays affordable (its smallest always is)
     if (b > std::max(min_budget, 1) && cost - ar * (1.0 + accepted) > max_loss) break;
     // ties keep the smaller tree; AR is beaten only by more than min_gain
@@ -81,17 +82,19 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   return best;
 }
 
-AutoController::Wish AutoController::wish(int remaining) const {
+AutoController::Wish AutoController::wish(int remaining, int slots) const {
   Wish w;
-  w.forecast =
-      choose_budget(e_, last_depth_.data(), last_logp_.data(), (int)last_depth_.size(), 0, /*with_draft=*/true);
+  w.forecast = choose_budget(e_, last_depth_.data(), last_logp_.data(), (int)last_depth_.size(), 0,
+                             /*with_draft=*/true, 1e300, 0, slots);
   const AutoChoice& c = w.forecast;
   if (e_.ar_s <= 0) return w;                   // the first step measures AR
   if (!have_spec_) {                            // the second one measures speculation, small
     w.draft = w.probe = true;
-  } else if (c.budget > 0 && c.tok_s > c.ar_tok_s && spec_rate_ > c.ar_tok_s) {
+  } else if (c.budget > 0 && c.tok_s > c.ar_tok_s && spec_rate_ > c.ar_tok_s / std::max(slots, 1)) {
     w.draft = true;
-  } else if (since_probe_ + 1 >= probe_gap_ && (probe_loss_ < 0 || probe_loss_ <= kRequestShare * e_.ar_s * remaining)) {
+  } else if (since_probe_ + 1 >= probe_gap_ * std::max(slots, 1) &&
+             (probe_loss_ < 0 || probe_loss_ * std::max(slots, 1) <= kRequestShare * e_.ar_s * remaining)) {
+    // (a probe stalls every slot of a shared step: it is spaced and bounded by what it costs them all)
     w.draft = w.probe = true;
   } else if (e_.draft_s + e_.tree_s < kFreeDraftShare * e_.ar_s) {
     // a drafter that costs next to nothing (prompt lookup) drafts every step: the budget is then chosen on this
@@ -110,7 +113,7 @@ void AutoController::decided(const Wish& w, bool drafted, int remaining) {
   }
 }
 
-AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n, bool probe, bool look) {
+AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n, bool probe, bool look, int slots) {
   last_depth_.assign(depth, depth + n);
   last_logp_.assign(logp, logp + n);
   if (!have_spec_) {  // first probe: a small fixed tree, to measure
@@ -119,7 +122,8 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
   }
   // a probe may cost at most what the request affords it (wish's remaining tokens)
   const double max_loss = probe ? kRequestShare * e_.ar_s * remaining_ : 1e300;
-  return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss, look ? kLookGain : 0.0);
+  return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss, look ? kLookGain : 0.0,
+                       slots);
 }
 
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }

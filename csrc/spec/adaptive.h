@@ -64,9 +64,12 @@ struct AutoChoice {
 // The best budget in [min_budget, n] for a drafted tree whose nodes (in the
 // builder's order) have these depths and path log-probabilities.  The draft
 // is priced in (`with_draft`) when deciding before drafting.
-// A tree must beat AR's tokens/s by min_gain (a share) to be chosen over it.
+// A tree must beat AR's tokens/s by min_gain (a share) to be chosen over it.  slots: the requests whose
+// steps share this one's forward (their rows in one batch: the estimates' step times are such steps').  A
+// tree then pays only if the batch as a whole gains: its step gives slots - 1 + (1 + accepted) tokens in its
+// cost, against slots tokens in an AR step's — the bar rises as slots fill (tok_s / ar_tok_s: the batch's).
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft, double max_loss = 1e300, double min_gain = 0);
+                         bool with_draft, double max_loss = 1e300, double min_gain = 0, int slots = 1);
 
 class AutoController {
  public:
@@ -89,7 +92,7 @@ class AutoController {
     // a portfolio's order: an expected winner, then a due probe, then a free look
     int rank() const { return !draft ? 0 : look ? 1 : probe ? 2 : 3; }
   };
-  Wish wish(int remaining = 1 << 30) const;
+  Wish wish(int remaining = 1 << 30, int slots = 1) const;
   void decided(const Wish& w, bool drafted, int remaining = 1 << 30);
   // After drafting a tree of n nodes (builder order): the budget to verify.  A look's tree must beat AR by
   // kLookGain: a free drafter looks every step, and bets that win by less on average lose often enough to
@@ -97,7 +100,7 @@ class AutoController {
   // the bundled pair; with 0.15 the lowest 32-token request was 0.92x AR, with 0.3 0.96x, long requests
   // unchanged: bench/portfolio_cpu.py).
   static constexpr double kLookGain = 0.3;
-  AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe, bool look = false);
+  AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe, bool look = false, int slots = 1);
   // After the step: its timings, and for a speculative one which of the
   // verified nodes (1..budget) were accepted (`on_path`, indexed like depth).
   void observe_ar(double step_s);

@@ -341,7 +341,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
-    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look);
+    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look, batch_slots_);
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
     auto_tree_ = t;
@@ -437,8 +437,11 @@ int Generator::next_many(Generator* const* gs, int n, std::vector<int32_t>* outs
   }
   const auto t0 = Clock::now();
   std::vector<Generator*> planned;
-  for (Generator* g : stepping)
+  for (Generator* g : stepping) {
+    g->batch_slots_ = (int)stepping.size();  // auto mode prices its tree against the whole batch's step
     if (g->plan_step()) planned.push_back(g);
+    g->batch_slots_ = 1;
+  }
   if (!planned.empty()) {
     std::vector<Context*> cs;
     std::vector<Batch> bs;
@@ -492,7 +495,7 @@ bool Generator::plan_step() {
     std::vector<AutoController::Wish> wish(autos_.size());
     int k = -1;
     for (size_t i = 0; i < drafters_.size(); ++i) {
-      wish[i] = autos_[i].wish(remaining);
+      wish[i] = autos_[i].wish(remaining, batch_slots_);
       const AutoController::Wish& w = wish[i];
       if (!w.draft) continue;
       const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;

@@ -142,6 +142,7 @@ class Generator {
     std::chrono::steady_clock::time_point t0;
   };
   StepWork work_;
+  int batch_slots_ = 1;  // slots stepping with this one (next_many): what auto mode's choice pays for
   // The first attached proposer with capability c (null: none).
   Proposer* first(Proposer::Capability c) const;
   // Draft tokens per step when the request sets none: the first positive default (0: none).

@@ -243,7 +243,8 @@ class Decoder:
             raise DFlashError(f"{self.target}: invalid tokenizer metadata: {why}") from None
         self.n_ctx = ctx
         self._batch = batch
-        if self._has_drafter() and warm_up:
+        self._warmed = self._has_drafter() and warm_up
+        if self._warmed:
             self._warm_up()
         try:   # the slots last: each is a view of the Decoder as loaded
             for k in range(1, slots):
@@ -278,6 +279,8 @@ class Decoder:
             view._ctx = _handles.Context(self._model, *self._ctx_args, share=self._ctx)
             view._attach_drafters(view._ctx)
             view._batched = None
+            if self._has_drafter() and getattr(self, "_warmed", False):
+                view._warm_up()   # its drafters' buffers, and auto's prices for this slot's first probe
             slots[k] = view
         return slots[k]
 
