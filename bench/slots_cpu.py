@@ -10,6 +10,10 @@ drafter).  Rows, per model:
   N x auto      the same with auto mode
   N x AR solo   the same N requests one after another (generate): what a one-request server gives them
 
+and, through `dflash27b serve --parallel N` on the bundled pair: the time to first token of a 1300-token prompt
+alone and while N - 1 other requests stream (its prefill runs a 512-token chunk at a time, the running
+requests stepping between chunks), with the longest gap between the running requests' tokens meanwhile.
+
 Every reply is checked against its solo decode (==).  Decode time is the slots' shared decode time (the
 longest of them; prefills are not counted, as in the other benches).
 
@@ -69,6 +73,82 @@ def run_model(name: str, target, draft, prompts, n_slots: int, n_new: int, reps:
             "equals_solo": equal}
 
 
+def ttft(n_slots: int, threads: int, reps: int) -> dict:
+    """TTFT of a long prompt through serve --parallel n_slots, alone and while n_slots - 1 others stream."""
+    import json as _json
+    import socket
+    import subprocess
+    import tempfile
+    import threading
+
+    def open_stream(sock: str, req: dict):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(sock)
+        s.sendall(_json.dumps({**req, "stream": True, "cache_prompt": False}).encode() + b"\n")
+        return s, s.makefile("rb")
+
+    def first_token_s(sock: str, prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        s, f = open_stream(sock, {"prompt_ids": prompt, "max_new_tokens": 4, "mode": "ar", "ignore_eos": True})
+        for line in f:
+            if _json.loads(line)["event"] == "token":
+                break
+        dt = time.perf_counter() - t0
+        s.close()
+        return dt
+
+    tmp = tempfile.mkdtemp()
+    sock = f"{tmp}/d.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash27b.cli", "serve", "--socket", sock, "-np", str(n_slots),
+                             "-c", str(2048 * n_slots), "-t", str(threads), "--cache-mem", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t_end = time.time() + 120
+        while not os.path.exists(sock) and time.time() < t_end:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        with Decoder(threads=1, warm_up=False) as d:
+            prompt = [int(t) for t in d.tokenize(CODE[3] * 100)][:1300]
+        alone = statistics.median(first_token_s(sock, prompt) for _ in range(reps))
+        busy, gaps = [], []
+        for _ in range(reps):
+            others, stamps = [], []
+            for k in range(n_slots - 1):
+                s, f = open_stream(sock, {"prompt": CODE[k], "max_new_tokens": 100000, "mode": "ar",
+                                          "ignore_eos": True})
+                ts: list[float] = []
+                stamps.append(ts)
+
+                def read(f=f, ts=ts):
+                    try:
+                        for line in f:
+                            if b'"token"' in line:
+                                ts.append(time.perf_counter())
+                    except (OSError, ValueError):
+                        pass
+                th = threading.Thread(target=read, daemon=True)
+                th.start()
+                others.append((s, th))
+            while not all(len(ts) > 20 for ts in stamps):
+                time.sleep(0.005)
+            t0 = time.perf_counter()
+            busy.append(first_token_s(sock, prompt))
+            t1 = time.perf_counter()
+            for ts in stamps:   # the longest wait between a running request's tokens while the prompt prefilled
+                inside = [x for x in ts if t0 <= x <= t1 + 0.05]
+                gaps.append(max((b - a for a, b in zip(inside, inside[1:])), default=0.0))
+            for s, _ in others:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            time.sleep(0.3)
+        return {"prompt_tokens": len(prompt), "ttft_alone_s": round(alone, 4),
+                "ttft_with_others_s": round(statistics.median(busy), 4),
+                "running_max_gap_s": round(max(gaps), 4), "prefill_chunk": 512}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -90,6 +170,10 @@ def main(argv=None) -> int:
         for k, v in r["tok_s"].items():
             print(f"  {name:22s} {k:28s} {v:8.1f} tok/s  {r['vs_one_stream'][k]:.2f}x one stream")
         print(f"  {name:22s} every reply == its solo decode: {r['equals_solo']}")
+    doc["ttft"] = t = ttft(a.slots, a.threads, a.reps)
+    print(f"  serve --parallel {a.slots}: a {t['prompt_tokens']}-token prompt's first token after {t['ttft_alone_s']:.3f} s "
+          f"alone, {t['ttft_with_others_s']:.3f} s while {a.slots - 1} others stream; their longest wait meanwhile "
+          f"{t['running_max_gap_s']:.3f} s")
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {a.out}")

@@ -84,7 +84,7 @@ def test_bad_requests_are_refused_by_name(dec):
 @pytest.fixture(scope="module")
 def parallel_daemon(tmp_path_factory):
     from serve_util import serve
-    s = serve(tmp_path_factory.mktemp("slots"), "--parallel", "4", http=False, ctx=4096)
+    s = serve(tmp_path_factory.mktemp("slots"), "--parallel", "4", http=False, ctx=8192)
     yield s
     s.stop()
 
@@ -104,7 +104,7 @@ def test_daemon_slots_reply_as_alone(parallel_daemon, dec):
     want = [dec.generate(p, params=_params(dec, k), cache=False).tokens for k, p in enumerate(PROMPTS)]
     got: dict[int, list] = {}
     h0 = parallel_daemon.health()
-    assert h0["slots"] == {"total": 4, "busy": 0, "n_ctx_each": 1024}
+    assert h0["slots"] == {"total": 4, "busy": 0, "n_ctx_each": 2048}
 
     def run(k: int) -> None:
         evs = socket_request(parallel_daemon.sock, {"prompt": PROMPTS[k], **_wire(k), "cache_prompt": False},
@@ -143,8 +143,54 @@ def test_daemon_slots_reply_as_alone(parallel_daemon, dec):
 
 def test_daemon_refuses_what_a_slot_cannot_hold(parallel_daemon):
     from serve_util import socket_request
-    evs = socket_request(parallel_daemon.sock, {"prompt_ids": [5] * 1100, "max_new_tokens": 4},
+    evs = socket_request(parallel_daemon.sock, {"prompt_ids": [5] * 2100, "max_new_tokens": 4},
                          {"prompt": "def f(x):", "max_new_tokens": 4})
     errs = [e for e in evs if e["event"] == "error"]
-    assert len(errs) == 1 and "does not fit the context length 1024" in errs[0]["message"]
+    assert len(errs) == 1 and "does not fit the context length 2048" in errs[0]["message"]
     assert [e for e in evs if e["event"] == "done"]   # and the next request is served
+
+
+def test_a_new_prompt_is_prefilled_between_the_running_steps(parallel_daemon, dec):
+    """A long prompt (3 prefill chunks) arriving while another request streams: the running request keeps
+    getting tokens between the new prompt's chunks (it waits one chunk, not the whole prefill), and both
+    replies equal their solo decodes."""
+    import socket
+    import threading
+    long_prompt = [int(t) for t in dec.tokenize(PROMPTS[4] * 80)][:1300]   # > 2 x the 512-token chunk
+    assert len(long_prompt) == 1300
+    want = dec.generate(long_prompt, 8, mode="ar", ignore_eos=True, cache=False).tokens
+    running = dec.generate(PROMPTS[0], 600, mode="ar", ignore_eos=True, cache=False).tokens
+    log: list[tuple[str, str]] = []   # (which, event) in the order received
+    lock = threading.Lock()
+
+    def stream(which: str, req: dict, out: dict) -> None:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(parallel_daemon.sock)
+        s.sendall(json.dumps({**req, "stream": True, "cache_prompt": False}).encode() + b"\n")
+        toks = []
+        for line in s.makefile("rb"):
+            ev = json.loads(line)
+            with lock:
+                log.append((which, ev["event"]))
+            if ev["event"] == "token":
+                toks += ev["ids"]
+            if ev["event"] in ("done", "error"):
+                break
+        s.close()
+        out[which] = toks
+
+    out: dict[str, list] = {}
+    a = threading.Thread(target=stream, args=("running", {"prompt": PROMPTS[0], "max_new_tokens": 600,
+                                                           "ignore_eos": True, "mode": "ar"}, out))
+    a.start()
+    while not any(w == "running" and e == "token" for w, e in list(log)):
+        time.sleep(0.005)
+    b = threading.Thread(target=stream, args=("new", {"prompt_ids": long_prompt, "max_new_tokens": 8,
+                                                       "ignore_eos": True, "mode": "ar"}, out))
+    b.start()
+    a.join(120)
+    b.join(120)
+    assert out["running"] == running and out["new"] == want
+    start = log.index(("new", "start"))
+    first = log.index(("new", "token"))
+    assert sum(1 for w, e in log[start:first] if w == "running" and e == "token") >= 2, log[start:first]

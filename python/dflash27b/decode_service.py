@@ -218,7 +218,7 @@ class DecodeService:
 
     # -- worker side ---------------------------------------------------------------------------------------
     def _run(self) -> None:
-        runs: dict[int, _JobRun] = {}
+        runs = self._runs = {}   # slot -> the job decoding there
         closing = False
         while True:
             # fill the free slots from the queue (wait for one only when nothing runs)
@@ -236,10 +236,11 @@ class DecodeService:
                     self._waiting.remove(job)
                     job.state = RUNNING
                     self.running_jobs.append(job)
-                slot = next(k for k in range(self.parallel) if k not in runs)
+                slot = next(k for k in range(self.parallel) if k not in runs and self.slots[k] is None)
                 run = _JobRun(self, job, self.decoder._slot(slot))
                 self.slots[slot] = job
-                if run.start():
+                # its prompt is prefilled chunk by chunk, the running jobs stepping once after each chunk
+                if run.start(between_chunks=self._step if runs else None):
                     runs[slot] = run
                 else:
                     self._finish(slot, run)
@@ -247,27 +248,29 @@ class DecodeService:
                 if closing:
                     return
                 continue
-            # one step of every running job: their verify batches in one forward
-            decided = time.monotonic()   # before the checks: a cancel after it counts as one the step missed
-            for slot in [k for k, r in runs.items() if r.job.stop_requested()]:
-                run = runs.pop(slot)
-                run.cancelled = True
-                self._finish(slot, run)
-            if not runs:
-                if closing:
-                    return
-                continue
-            order = sorted(runs)
-            try:
-                step = Context.generate_next_many([runs[k].view._ctx for k in order])
-            except DFlashError as e:   # one slot's error fails the step: end every job it held with it
-                for k in order:
-                    runs[k].fail(e)
-                    self._finish(k, runs.pop(k))
-                continue
-            for k, toks in zip(order, step):
-                if not runs[k].feed(toks, decided):
-                    self._finish(k, runs.pop(k))
+            self._step()
+
+    def _step(self) -> None:
+        """One step of every running job: their verify batches in one forward."""
+        runs = self._runs
+        decided = time.monotonic()   # before the checks: a cancel after it counts as one the step missed
+        for slot in [k for k, r in runs.items() if r.job.stop_requested()]:
+            run = runs.pop(slot)
+            run.cancelled = True
+            self._finish(slot, run)
+        if not runs:
+            return
+        order = sorted(runs)
+        try:
+            step = Context.generate_next_many([runs[k].view._ctx for k in order])
+        except DFlashError as e:   # one slot's error fails the step: end every job it held with it
+            for k in order:
+                runs[k].fail(e)
+                self._finish(k, runs.pop(k))
+            return
+        for k, toks in zip(order, step):
+            if not runs[k].feed(toks, decided):
+                self._finish(k, runs.pop(k))
 
     def _finish(self, slot: int, run: "_JobRun") -> None:
         job = run.job
@@ -349,9 +352,18 @@ class _JobRun:
         self.want_lp = p["params"].logprobs is not None
         self.steps = None
 
-    def start(self) -> bool:
-        """Prefill and the first token (no forward of its own); False when the job has ended already."""
+    def start(self, between_chunks: Callable[[], None] | None = None) -> bool:
+        """Prefill and the first token (no forward of its own); False when the job has ended already.
+        between_chunks: run after each prefill chunk (the other slots' step), so no running reply waits longer
+        than one chunk for a new prompt."""
         job, p = self.job, self.job.params
+
+        def on_prefill(done: int, total: int) -> bool:
+            if job.stop_requested():
+                return True
+            if between_chunks is not None and done < total:
+                between_chunks()
+            return False
         try:
             job.emit({"event": "start"})
             self.sd = self.view.tokenizer.stream_decoder()
@@ -359,7 +371,7 @@ class _JobRun:
                 self.cancelled = True
                 return False
             self.steps = self.view.stream_ids(p["prompt_ids"], params=p["params"], cache=p.get("cache_prompt", True),
-                                              on_prefill=lambda done, total: job.stop_requested(),
+                                              on_prefill=on_prefill,
                                               history=p.get("history"))
             return self._take(time.monotonic(), None)   # (the first token: decided with the prefill)
         except Exception as e:  # noqa: BLE001 - every failure becomes the job's terminal event
