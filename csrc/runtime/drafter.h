@@ -85,6 +85,9 @@ class Drafter {
 
   // Bytes held by the ring and the draft KV cache (constant in context length).
   size_t state_bytes() const;
+  // Projects every position pushed and not yet projected into the draft KV now (the next draft would): called
+  // when a prompt's prefill ends, so a long prompt's projection is prefill time, not the first probe's.
+  void catch_up() { consume_features(); }
 
  private:
   void consume_features();
