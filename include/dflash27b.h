@@ -91,7 +91,7 @@ void dfl_context_free(dfl_context* c);
 /* A slot: a new context (its own sequence: KV cache, delta-net state, drafters) on base's model and backend
  * (the weights uploaded once, one thread pool), so that dfl_generate_next_many decodes several requests in
  * one batched forward.  p as for dfl_context_new (device ignored: base's); NULL = base's parameters.  The
- * model must outlive it; base need not.  CPU only for now (NULL and an error on the CUDA backend). */
+ * model must outlive it; base need not. */
 dfl_context* dfl_context_new_slot(dfl_context* base, const dfl_context_params* p);
 /* e.g. "cpu (avx2)" or "cuda (NVIDIA H100 80GB HBM3)"; valid while the context lives */
 const char* dfl_context_backend(const dfl_context* c);

@@ -459,3 +459,16 @@ def test_cuda_dflash_and_the_head_read_one_capture(first):
             assert r.tokens == ar
             got[dev] = r.stats.accept_lengths
     assert got["cuda"] == got["cpu"]
+
+
+def test_cuda_slots_equal_their_solo_decodes(pair):
+    """Slots on the CUDA backend (contexts sharing one backend and stream; Context::forward_many, each segment's
+    plan uploaded in stream order): generate_many's replies equal each prompt decoded alone on CUDA, in every
+    mode, greedy and seeded."""
+    n = 8 if EMULATED else 32
+    reqs = [dict(mode="ar"), dict(mode="ddtree", budget=6), dict(mode="chain", temperature=0.8, seed=3)]
+    with Decoder(pair[0], pair[1], device="cuda", ctx=512, threads=2, warm_up=False) as d:
+        ps = [d._settings(None, n, dict(r, ignore_eos=True)) for r in reqs]
+        want = [d.generate(p, params=q, cache=False).tokens for p, q in zip(PROMPTS + PROMPTS[:1], ps)]
+        got = d.generate_many(PROMPTS + PROMPTS[:1], params=ps, cache=False)
+        assert [r.tokens for r in got] == want

@@ -113,8 +113,7 @@ Context::Context(const Model& model, const ContextParams& p, Context* share) : m
   if (share) {
     if (&share->model_ != &model) fail("a context shares the backend of a context of the same model only");
     if (share->params_.device != p.device) fail("a context shares the backend of a context on the same device only");
-    if (p.device == Device::CUDA)  // its memory arena is sized for one context's plan
-      fail("several slots on the CUDA backend are not supported yet: use one slot there");
+    // (on CUDA: one stream, so each segment's plan upload lands after the kernels that read the one before)
     I.pool = share->impl_->pool;
     I.be = share->impl_->be;
   } else if (p.device == Device::CUDA) {

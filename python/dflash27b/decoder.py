@@ -230,8 +230,6 @@ class Decoder:
             self._attach_drafters(self._ctx)
             if slots < 1:
                 raise DFlashError(f"slots must be at least 1 (got {slots})")
-            if slots > 1 and self.device == "cuda":
-                raise DFlashError("several slots on the CUDA backend are not supported yet: use one (--parallel 1)")
         except DFlashError:
             self.close()
             raise
@@ -306,8 +304,6 @@ class Decoder:
         n_slots = min(len(prompts), parallel or len(prompts))
         if n_slots < 1:
             raise DFlashError(f"parallel must be at least 1 (got {parallel})")
-        if self.device == "cuda" and n_slots > 1:
-            raise DFlashError("generate_many runs one slot on the CUDA backend for now: pass parallel=1")
         per = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise DFlashError(f"{len(per)} params for {len(prompts)} prompts")
