@@ -18,6 +18,8 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
             and on CUDA each op's GPU time per AR and DDTree-22 step and in the longest prefill
             (dfl_cuda_profile)
   draftmodel  classic draft-model speculation: a 0.8B-shaped qwen35 GGUF drafting for the 27B, step costs
+  slots     several requests at once (Decoder.generate_many): N AR streams' aggregate decode tok/s vs one
+            stream, N auto streams, every reply == its solo decode (issue 41: 4 streams >= 3.5x one)
   prefix    the prefix cache: turn 2 of an 8K-token conversation (turn 1 + reply + 24 tokens) vs turn 1,
             time to first token, == a cold decode
   vram24    the 24 GB card on a bigger GPU: a ballast leaves 24 GiB free; the 27B + drafter at 128K context,
@@ -606,6 +608,33 @@ def part_draftmodel(target: str | None, draft: str | None, device: str, n_new: i
     return out
 
 
+def part_slots(target: str | None, draft: str | None, device: str, n_new: int, threads: int, slots: int,
+               ctx: int) -> dict:
+    """N requests decoded at once (slots sharing the backend, one batched forward a step) against one stream:
+    aggregate decode tok/s (tokens after the first over the shared decode time), AR and auto, == solo."""
+    from dflash27b import Decoder
+
+    out: dict = {"target": target, "draft": draft, "slots": slots, "n_new": n_new, "notes": []}
+    with Decoder(target, draft, device=device, ctx=ctx, threads=threads, slots=slots) as dec:
+        prompts = [dec.tokenize(PROMPTS[k % len(PROMPTS)] + "#" * k) for k in range(slots)]
+        solo = [dec.generate(p, n_new, ignore_eos=True, mode="ar", cache=False) for p in prompts]
+        one = statistics.median(r.stats.decode_tok_s for r in solo)
+
+        def aggregate(rs) -> float:
+            secs = max(r.stats.decode_s for r in rs)
+            return sum(r.stats.generated_tokens - 1 for r in rs) / secs if secs > 0 else 0.0
+        many = dec.generate_many(prompts, n_new, ignore_eos=True, mode="ar", cache=False)
+        many = dec.generate_many(prompts, n_new, ignore_eos=True, mode="ar", cache=False)  # (warm)
+        rows = {"one_stream_tok_s": one, "ar_tok_s": aggregate(many),
+                "ar_eq_solo": [r.tokens for r in many] == [r.tokens for r in solo]}
+        if draft is not None:
+            auto = dec.generate_many(prompts, n_new, ignore_eos=True, mode="auto", cache=False)
+            rows.update(auto_tok_s=aggregate(auto), auto_eq_solo=[r.tokens for r in auto] == [r.tokens for r in solo])
+        rows["ar_vs_one"] = rows["ar_tok_s"] / one if one else None
+        out.update(rows)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- matmul
 # ggml type id, elements per block, bytes per block
 MATMUL_FORMATS = {"Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "Q8_0": (8, 32, 34),
@@ -654,8 +683,8 @@ def _get(d: dict | None, *keys, default=None):
 
 def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
     """The record from the parts (each may be missing: its keys are null)."""
-    ex, ck, lc, ours, mm, v24, v262, pf, dm = (parts.get(k) or {} for k in (
-        "exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel"))
+    ex, ck, lc, ours, mm, v24, v262, pf, dm, sl = (parts.get(k) or {} for k in (
+        "exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel", "slots"))
 
     def capped(v: dict) -> dict | None:
         return {k: v.get(k) for k in ("ctx", "draft_type", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v \
@@ -690,10 +719,12 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "prefix": {k: pf.get(k) for k in ("history", "turn1_ttft_s", "turn2_ttft_s", "ratio", "cached_tokens",
                                           "exact")} if pf else None,
         "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
+        "slots": {k: sl.get(k) for k in ("slots", "one_stream_tok_s", "ar_tok_s", "ar_vs_one", "ar_eq_solo",
+                                         "auto_tok_s", "auto_eq_solo")} if sl else None,
         "profile": ours.get("profile"),
         "graphs": ours.get("graphs"),
         "attention": ours.get("attention"),
-        "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm) for n in (p.get("notes") or [])] +
+        "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm, sl) for n in (p.get("notes") or [])] +
                  [f"{name}: {v['error']}" for name, v in (("vram24", v24), ("vram24_262k", v262)) if v.get("error")],
     }
     weights = _get(ours, "memory", "plan", "weights")
@@ -784,6 +815,11 @@ def markdown(rec: dict) -> str:
             lines.append(f"| {k} | {_f(v['accept_length'], '.2f')} | {_f(v['draft_ms'], '.2f')} | "
                          f"{_f(v['verify_ms'], '.2f')} | {_f(v['step_in_ar'], '.2f')} | {_f(v['speedup'], '.2f')} | "
                          f"{v['eq_ar']} |")
+    sl = rec.get("slots")
+    if sl:
+        lines += ["", f"{sl.get('slots')} requests at once: AR {_f(sl.get('ar_tok_s'))} tok/s in all vs one stream "
+                      f"{_f(sl.get('one_stream_tok_s'))} ({_f(sl.get('ar_vs_one'), '.2f')}x), auto "
+                      f"{_f(sl.get('auto_tok_s'))}; == solo: AR {sl.get('ar_eq_solo')}, auto {sl.get('auto_eq_solo')}"]
     for name, prof in (rec.get("profile") or {}).items():
         lines += ["", f"| {name} step, op by op ({_f(prof.get('ms_per_step'), '.3f')} ms of GPU time a step) | ms a "
                       "step | calls a step | GB/s |", "|---|---:|---:|---:|"]
@@ -803,7 +839,8 @@ def markdown(rec: dict) -> str:
 
 def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
     parts = {}
-    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel"):
+    for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel",
+                 "slots"):
         p = Path(parts_dir) / f"{name}.json"
         if p.is_file():
             parts[name] = json.loads(p.read_text())
@@ -897,6 +934,16 @@ def main(argv: list[str] | None = None) -> int:
     dmp.add_argument("--blocks", type=_ints, default=[5, 9])
     dmp.add_argument("--out", required=True)
 
+    slp = sub.add_parser("slots", help="several requests at once: N streams' aggregate tok/s vs one stream")
+    slp.add_argument("--target")
+    slp.add_argument("--draft")
+    slp.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    slp.add_argument("-n", "--n-new", type=int, default=64)
+    slp.add_argument("--threads", type=int, default=4)
+    slp.add_argument("--slots", type=int, default=4)
+    slp.add_argument("--ctx", type=int, default=2048)
+    slp.add_argument("--out", required=True)
+
     pp = sub.add_parser("prefix", help="the prefix cache: turn 2 of a long conversation vs turn 1")
     pp.add_argument("--target")
     pp.add_argument("--draft")
@@ -932,6 +979,8 @@ def main(argv: list[str] | None = None) -> int:
                                   a.threads))
     elif a.part == "draftmodel":
         _write(a.out, part_draftmodel(a.target, a.draft, a.device, a.n_new, a.threads, a.blocks))
+    elif a.part == "slots":
+        _write(a.out, part_slots(a.target, a.draft, a.device, a.n_new, a.threads, a.slots, a.ctx))
     elif a.part == "prefix":
         _write(a.out, part_prefix(a.target, a.draft, a.device, a.history, a.n_new, a.ctx, a.threads, a.seed))
     elif a.part == "matmul":

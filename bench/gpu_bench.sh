@@ -324,6 +324,9 @@ part3() {
   fi
   sanitize
   checks_summary
+  run 120 "4 requests at once (slots, one batched forward a step) vs one stream (27B + drafter)" \
+    python3 bench/gpu_bench.py slots --target build/synth-27b.gguf --draft build/synth-27b-draft \
+    --out "$PARTS/slots.json"
   run 120 "prefix cache: turn 2 of an 8K-token conversation vs turn 1 (27B)" \
     python3 bench/gpu_bench.py prefix --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/prefix.json"

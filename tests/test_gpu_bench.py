@@ -119,7 +119,8 @@ def test_gpu_bench_sh_dry_run_lists_every_step():
     assert three.returncode == 0, three.stdout + three.stderr
     for s in ("memcheck", "racecheck", "gpu_bench.py matmul", "gpu_bench.py vram24 --target build/synth-27b.gguf",
               "gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf",
-              "gpu_bench.py prefix --target build/synth-27b.gguf", "gpu_bench.py record"):
+              "gpu_bench.py prefix --target build/synth-27b.gguf", "gpu_bench.py record",
+              "gpu_bench.py slots --target build/synth-27b.gguf --draft build/synth-27b-draft"):
         assert s in three.stdout, s
     assert "llama-bench on the same file" not in two.stdout
     skip = _sh("--dry-run", "--skip-sanitize", "part3")
@@ -323,6 +324,8 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
     part("draftmodel", "--device", "cpu", "--threads", "2", "-n", "24", "--out", str(parts / "draftmodel.json"))
     part("prefix", "--device", "cpu", "--threads", "2", "--history", "600", "-n", "8", "--ctx", "1024",
          "--out", str(parts / "prefix.json"))
+    part("slots", "--device", "cpu", "--threads", "2", "-n", "16", "--slots", "3", "--ctx", "512",
+         "--out", str(parts / "slots.json"))
     junit = tmp_path / "j.xml"
     junit.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"/></testsuite></testsuites>')
     ops = tmp_path / "ops.log"
