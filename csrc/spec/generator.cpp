@@ -640,13 +640,14 @@ int Generator::finish_step(std::vector<int32_t>& out) {
     if (N == 1)  // an AR step's cost is every drafter's baseline
       for (AutoController& ac : autos_) ac.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
-      std::vector<uint8_t> on_path((size_t)rec.auto_budget, 0);
+      std::vector<uint8_t> on_path((size_t)std::max(rec.auto_budget, 0), 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
       autos_[(size_t)chosen_].observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget,
                                            on_path);
-    } else if (chosen_ >= 0 && auto_tree_.size() > 0) {
-      if (declined_.size() == kMaxDeclined) declined_.erase(declined_.begin());
-      declined_.push_back(Declined{chosen_, s, auto_tree_});
+      if (rec.auto_budget == 0 && auto_tree_.size() > 0) {  // drafted, then AR won: learnt once its tokens are decided
+        if (declined_.size() == kMaxDeclined) declined_.erase(declined_.begin());
+        declined_.push_back(Declined{chosen_, s, auto_tree_});
+      }
     }
     resolve_declined();
   }
