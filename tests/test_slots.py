@@ -194,3 +194,12 @@ def test_a_new_prompt_is_prefilled_between_the_running_steps(parallel_daemon, de
     start = log.index(("new", "start"))
     first = log.index(("new", "token"))
     assert sum(1 for w, e in log[start:first] if w == "running" and e == "token") >= 2, log[start:first]
+
+
+def test_more_verify_rows_than_one_batch_take_two_forwards():
+    """4 DDTree-22 slots hold 92 verify rows; with a 64-token batch their step runs as two shared forwards, and
+    every reply is still its solo decode."""
+    with Decoder(threads=2, batch=64, warm_up=False) as d:
+        ps = [d._settings(None, 24, dict(mode="ddtree", budget=22, ignore_eos=True)) for _ in range(4)]
+        ref = [d.generate(p, params=q, cache=False).tokens for p, q in zip(PROMPTS[:4], ps)]
+        assert [r.tokens for r in d.generate_many(PROMPTS[:4], params=ps, cache=False)] == ref

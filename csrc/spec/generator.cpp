@@ -442,18 +442,28 @@ int Generator::next_many(Generator* const* gs, int n, std::vector<int32_t>* outs
     if (g->plan_step()) planned.push_back(g);
     g->batch_slots_ = 1;
   }
-  if (!planned.empty()) {
+  // the verify batches as few forwards as the batch size allows (usually one): slots in order, each forward
+  // as many as fit its first context's batch
+  for (size_t i0 = 0; i0 < planned.size();) {
     std::vector<Context*> cs;
     std::vector<Batch> bs;
     std::vector<ForwardOutputs> os;
-    std::unique_ptr<bool[]> commit(new bool[planned.size()]);
-    for (size_t i = 0; i < planned.size(); ++i) {
+    std::vector<char> commit;
+    int rows = 0;
+    size_t i = i0;
+    for (; i < planned.size(); ++i) {
+      const int n = planned[i]->work_.b.n;
+      if (i > i0 && rows + n > planned[i0]->ctx_.params().n_batch) break;
+      rows += n;
       cs.push_back(&planned[i]->ctx_);
       bs.push_back(planned[i]->work_.b);
       os.push_back(planned[i]->work_.o);
-      commit[i] = planned[i]->work_.commit;
+      commit.push_back(planned[i]->work_.commit ? 1 : 0);
     }
-    Context::forward_many(cs.data(), bs.data(), os.data(), commit.get(), (int)planned.size());
+    std::unique_ptr<bool[]> flags(new bool[cs.size()]);
+    for (size_t k = 0; k < cs.size(); ++k) flags[k] = commit[k] != 0;
+    Context::forward_many(cs.data(), bs.data(), os.data(), flags.get(), (int)cs.size());
+    i0 = i;
   }
   for (size_t i = 0; i < planned.size(); ++i) {
     const size_t k = (size_t)(std::find(gs, gs + n, planned[i]) - gs);

@@ -109,8 +109,8 @@ class Generator {
   // Appends the tokens decided by one step; returns how many (0 when done).
   int next(std::vector<int32_t>& out);
   // One step of each of n generators (slots) whose contexts share a backend: their drafts are made one by one,
-  // their verify batches run as one Context::forward_many (the row-wise work once for all), then each accepts
-  // and commits on its own.  outs[k] gets generator k's tokens; returns how many in all (0: all done).  Each
+  // their verify batches run as one Context::forward_many (the row-wise work once for all; as few as the batch
+  // size allows when they hold more rows than one), then each accepts and commits on its own.  outs[k] gets generator k's tokens; returns how many in all (0: all done).  Each
   // generator decides exactly what its own next() would.
   static int next_many(Generator* const* gs, int n, std::vector<int32_t>* outs);
   bool done() const { return done_; }
