@@ -66,13 +66,17 @@ def checkpoint(tmp_path_factory):
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         st[f"mtp.{n}.weight"] = (rng.standard_normal(H) * 0.05).astype(np.float32)
     save_file(st, str(d / "model.safetensors"))
-    out = d.parent / "mtp-f32.gguf"
-    runner = d.parent / "run_converter.py"
+    return d, llamacpp_convert(d, d.parent / "mtp-f32.gguf")
+
+
+def llamacpp_convert(hf_dir: Path, out: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py (F32, MTP head kept) on a checkpoint directory."""
+    runner = out.parent / "run_converter.py"
     runner.write_text(RUNNER)
-    r = subprocess.run([sys.executable, str(runner), SRC, str(d), "--outtype", "f32", "--outfile", str(out)],
+    r = subprocess.run([sys.executable, str(runner), SRC, str(hf_dir), "--outtype", "f32", "--outfile", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    return d, out
+    return out
 
 
 def test_llamacpp_converted_head_equals_transformers(checkpoint):
@@ -101,13 +105,7 @@ def bundled_llamacpp(tmp_path_factory):
     from gguf_to_hf import export_hf
     from test_mtp_gguf import BUNDLED
     d = export_hf(BUNDLED, tmp_path_factory.mktemp("bundled") / "hf")
-    out = d.parent / "llamacpp-f32.gguf"
-    runner = d.parent / "run_converter.py"
-    runner.write_text(RUNNER)
-    r = subprocess.run([sys.executable, str(runner), SRC, str(d), "--outtype", "f32", "--outfile", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return d, out
+    return d, llamacpp_convert(d, d.parent / "llamacpp-f32.gguf")
 
 
 def test_llamacpp_and_our_converter_write_the_same_head(bundled_llamacpp, tmp_path):
