@@ -52,7 +52,7 @@ double AutoEstimates::verify_at(const std::vector<std::pair<int, double>>& pts, 
 }
 
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft, double max_loss, double min_gain, int slots) {
+                         bool with_draft, double max_loss, double min_gain, int slots, double slack) {
   AutoChoice best;
   const std::vector<std::pair<int, double>> verify = e.verify_points();  // once per call, not per budget
   const double ar = e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1);
@@ -71,8 +71,9 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
     const double rate = cost > 0 ? (others + 1.0 + accepted) / cost : 0.0;
     // a probe's tree grows only while its expected loss against AR stays affordable (its smallest always is)
     if (b > std::max(min_budget, 1) && cost - ar * (1.0 + accepted) > max_loss) break;
-    // ties keep the smaller tree; AR is beaten only by more than min_gain
-    if (!have || rate > (best.budget == 0 ? best.tok_s * (1.0 + min_gain) : best.tok_s)) {
+    // AR is beaten only by more than min_gain, a smaller tree by a larger one only by more than slack (ties
+    // keep the smaller tree)
+    if (!have || rate > best.tok_s * (1.0 + (best.budget == 0 ? min_gain : slack))) {
       best.budget = b;
       best.expected = 1.0 + accepted;
       best.tok_s = rate;
@@ -122,8 +123,8 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
   }
   // a probe may cost at most what the request affords it (wish's remaining tokens)
   const double max_loss = probe ? kRequestShare * e_.ar_s * remaining_ : 1e300;
-  return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss, look ? kLookGain : 0.0,
-                       slots);
+  return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss,
+                       look ? kLookGain : probe ? 0.0 : kSpecGain, slots, kTreeSlack);
 }
 
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }

@@ -69,7 +69,8 @@ struct AutoChoice {
 // tree then pays only if the batch as a whole gains: its step gives slots - 1 + (1 + accepted) tokens in its
 // cost, against slots tokens in an AR step's — the bar rises as slots fill (tok_s / ar_tok_s: the batch's).
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft, double max_loss = 1e300, double min_gain = 0, int slots = 1);
+                         bool with_draft, double max_loss = 1e300, double min_gain = 0, int slots = 1,
+                         double slack = 0);
 
 class AutoController {
  public:
@@ -100,6 +101,10 @@ class AutoController {
   // the bundled pair; with 0.15 the lowest 32-token request was 0.92x AR, with 0.3 0.96x, long requests
   // unchanged: bench/portfolio_cpu.py).
   static constexpr double kLookGain = 0.3;
+  // Any other tree must beat AR by kSpecGain, and a larger tree the smaller one by kTreeSlack: a 16-node tree
+  // expected to win 5% over AR lost 6 AR steps of a 32-token request when its first node missed; the
+  // estimates are not sharp enough to stake that much on a few percent.
+  static constexpr double kSpecGain = 0.1, kTreeSlack = 0.03;
   AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe, bool look = false, int slots = 1);
   // After the step: its timings, and for a speculative one which of the
   // verified nodes (1..budget) were accepted (`on_path`, indexed like depth).
