@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_rehearse.sh — runs, for real and without a GPU, the steps of bench/gpu_bench.sh that need none, through the
 # script's own functions (run under timeout, the background jobs, save_logs, record): the sm_90 nvcc build (its
-# device check then fails: no GPU), llama.cpp's toolkit check, the exactness part with the CPU standing in, the
+# device check then fails: no GPU), llama.cpp's toolkit check, the exactness and slots parts with the CPU standing in, the
 # test summary and the record, with OUT set.  --dry-run never calls timeout or the build; this does, so a script
 # error is found here, not on a lent GPU.  Needs nvcc and the .gpu/ llama.cpp tarball (bench/gpu_prepare.sh).
 # Usage: bash bench/gpu_rehearse.sh [OUT_DIR]      (leaves build/gpu*, build/llamacpp*; writes no bench/results file)
@@ -30,6 +30,8 @@ wait_for llamacpp 120
   { echo "REHEARSAL FAILED: llama.cpp's build script"; cat build/llamacpp.log; exit 1; }
 run 120 "exactness (the CPU stands in)" python3 bench/gpu_bench.py exact --device cpu --n-new 16 \
   --out "$PARTS/exact.json" || { echo "REHEARSAL FAILED: exact"; exit 1; }
+run 120 "slots (the CPU stands in)" python3 bench/gpu_bench.py slots --device cpu -n 16 --slots 3 --ctx 512 \
+  --out "$PARTS/slots.json" || { echo "REHEARSAL FAILED: slots"; exit 1; }
 checks_summary
 record
 for f in bench/results/gpu-*; do  # the record of this rehearsal only (a CPU stood in): not a result
