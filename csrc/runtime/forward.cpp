@@ -468,11 +468,11 @@ void Context::run_segments(const Segment* segs, int n_segs) {
   float* x = I.x.f();
   be.embed(M.tok_embd, x);
 
+  std::vector<AttnRows> parts((size_t)n_segs);  // each attention layer's: the segments' rows and caches
   for (int l = 0; l < c.n_layer; ++l) {
     const LayerWeights& w = M.layers[l];
     be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
     if (!c.is_recurrent[l]) {
-      std::vector<AttnRows> parts((size_t)n_segs);
       for (int k = 0; k < n_segs; ++k) {
         Impl& J = *segs[k].ctx->impl_;
         parts[(size_t)k] = AttnRows{&J.plan, J.k[l].u8(), J.v[l].u8(), segs[k].row0};

@@ -341,7 +341,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
-    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look, batch_slots_);
+    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look, work_.slots);
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
     auto_tree_ = t;
@@ -417,14 +417,14 @@ std::vector<int32_t> Generator::forced_tokens(int cap) {
 }
 
 int Generator::step(std::vector<int32_t>& out) {
-  if (!plan_step()) return 0;
+  if (!plan_step(1)) return 0;
   ctx_.forward(work_.b, work_.o, work_.commit);
   return finish_step(out);
 }
 
 int Generator::next_many(Generator* const* gs, int n, std::vector<int32_t>* outs) {
   // the first token of a request comes from its prefill: emitted without a forward
-  std::vector<Generator*> stepping;
+  std::vector<int> stepping;  // indices into gs
   int total = 0;
   for (int k = 0; k < n; ++k) {
     Generator& g = *gs[k];
@@ -433,48 +433,37 @@ int Generator::next_many(Generator* const* gs, int n, std::vector<int32_t>* outs
       total += g.next(outs[k]);
       continue;
     }
-    stepping.push_back(&g);
+    stepping.push_back(k);
   }
   const auto t0 = Clock::now();
-  std::vector<Generator*> planned;
-  for (Generator* g : stepping) {
-    g->batch_slots_ = (int)stepping.size();  // auto mode prices its tree against the whole batch's step
-    if (g->plan_step()) planned.push_back(g);
-    g->batch_slots_ = 1;
-  }
-  // the verify batches as few forwards as the batch size allows (usually one): slots in order, each forward
+  std::vector<int> planned;
+  for (int k : stepping)  // auto mode prices each tree against the whole batch's step
+    if (gs[k]->plan_step((int)stepping.size())) planned.push_back(k);
+  // the verify batches in as few forwards as the batch size allows (usually one): slots in order, each forward
   // as many as fit its first context's batch
-  for (size_t i0 = 0; i0 < planned.size();) {
-    std::vector<Context*> cs;
-    std::vector<Batch> bs;
-    std::vector<ForwardOutputs> os;
-    std::vector<char> commit;
-    int rows = 0;
-    size_t i = i0;
-    for (; i < planned.size(); ++i) {
-      const int n = planned[i]->work_.b.n;
-      if (i > i0 && rows + n > planned[i0]->ctx_.params().n_batch) break;
-      rows += n;
-      cs.push_back(&planned[i]->ctx_);
-      bs.push_back(planned[i]->work_.b);
-      os.push_back(planned[i]->work_.o);
-      commit.push_back(planned[i]->work_.commit ? 1 : 0);
-    }
-    std::unique_ptr<bool[]> flags(new bool[cs.size()]);
-    for (size_t k = 0; k < cs.size(); ++k) flags[k] = commit[k] != 0;
-    Context::forward_many(cs.data(), bs.data(), os.data(), flags.get(), (int)cs.size());
-    i0 = i;
-  }
+  std::vector<Context*> cs;
+  std::vector<Batch> bs;
+  std::vector<ForwardOutputs> os;
+  std::unique_ptr<bool[]> commit(new bool[planned.size() + 1]);
   for (size_t i = 0; i < planned.size(); ++i) {
-    const size_t k = (size_t)(std::find(gs, gs + n, planned[i]) - gs);
-    total += planned[i]->finish_step(outs[k]);
+    const Generator& g = *gs[planned[i]];
+    cs.push_back(&g.ctx_);
+    bs.push_back(g.work_.b);
+    os.push_back(g.work_.o);
+    commit[i] = g.work_.commit;
   }
+  for (size_t i0 = 0, i = 0; i0 < planned.size(); i0 = i) {
+    for (int rows = 0; i < planned.size() && (i == i0 || rows + bs[i].n <= cs[i0]->params().n_batch); ++i)
+      rows += bs[i].n;
+    Context::forward_many(cs.data() + i0, bs.data() + i0, os.data() + i0, commit.get() + i0, (int)(i - i0));
+  }
+  for (int k : planned) total += gs[k]->finish_step(outs[k]);
   const double dt = since(t0);  // each stepping request waited the whole shared step
-  for (Generator* g : stepping) g->stats_.decode_s += dt;
+  for (int k : stepping) gs[k]->stats_.decode_s += dt;
   return total;
 }
 
-bool Generator::plan_step() {
+bool Generator::plan_step(int slots) {
   const Qwen35Config& c = ctx_.model().cfg;
   const int32_t s = ctx_.n_past();
   const int room = ctx_.params().n_ctx - s;
@@ -487,6 +476,7 @@ bool Generator::plan_step() {
   // The draft block shrinks at the end (as z-lab's loop) and to the room left.
   int V = std::min({block_, remaining + 1, room});
   work_ = StepWork{};
+  work_.slots = slots;
   StepRecord& rec = work_.rec;
   work_.s = s, work_.remaining = remaining;
   work_.fwd0 = ctx_.n_forwards();
@@ -505,7 +495,7 @@ bool Generator::plan_step() {
     std::vector<AutoController::Wish> wish(autos_.size());
     int k = -1;
     for (size_t i = 0; i < drafters_.size(); ++i) {
-      wish[i] = autos_[i].wish(remaining, batch_slots_);
+      wish[i] = autos_[i].wish(remaining, work_.slots);
       const AutoController::Wish& w = wish[i];
       if (!w.draft) continue;
       const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;

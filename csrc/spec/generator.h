@@ -128,12 +128,13 @@ class Generator {
   int step(std::vector<int32_t>& out);
   // A step in two halves around its target forward (which next_many shares among slots): plan_step drafts and
   // fills work_ (false: nothing to do, the request ended); finish_step accepts, commits and emits.
-  bool plan_step();
+  bool plan_step(int slots);  // slots: the requests stepping with this one (next_many), what auto's choice pays for
   int finish_step(std::vector<int32_t>& out);
   struct StepWork {
     StepRecord rec;
     int32_t s = 0;
     int remaining = 0;
+    int slots = 1;
     bool speculate = false, commit = false;
     int64_t fwd0 = 0;
     Batch b;
@@ -142,7 +143,6 @@ class Generator {
     std::chrono::steady_clock::time_point t0;
   };
   StepWork work_;
-  int batch_slots_ = 1;  // slots stepping with this one (next_many): what auto mode's choice pays for
   // The first attached proposer with capability c (null: none).
   Proposer* first(Proposer::Capability c) const;
   // Draft tokens per step when the request sets none: the first positive default (0: none).

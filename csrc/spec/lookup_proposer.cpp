@@ -107,6 +107,7 @@ DraftTree LookupProposer::propose_tree(const DraftRequest& r, const TreeParams& 
 
 void LookupProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) {
   build(r);
+  const float cont = continue_logp();
   // depth d's candidates: the distinct tokens at depth d of the trie, by matches, the most recent first
   for (int d = 1; d <= r.L; ++d) {
     int k = 0;
@@ -122,7 +123,7 @@ void LookupProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, fl
       for (int j = 0; j < k; ++j) seen |= ids[(size_t)(d - 1) * K + j] == t;
       if (seen) continue;
       ids[(size_t)(d - 1) * K + k] = t;
-      logp[(size_t)(d - 1) * K + k] = std::log((float)trie_[(size_t)c].count / (float)total_) + continue_logp();
+      logp[(size_t)(d - 1) * K + k] = std::log((float)trie_[(size_t)c].count / (float)total_) + cont;
       ++k;
     }
     for (; k < K; ++k) {  // nothing more known at this depth

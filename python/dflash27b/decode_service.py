@@ -87,7 +87,6 @@ class DecodeService:
             raise DFlashError(f"parallel must be at least 1 (got {parallel})")
         self.decoder = decoder
         self.parallel = parallel
-        self.slots: list[Job | None] = [None] * parallel   # the job each slot decodes (worker-written)
         self.request_timeout = request_timeout
         self.log = log
         self.prompts = PromptTokenizer(decoder.tokenizer)
@@ -236,9 +235,8 @@ class DecodeService:
                     self._waiting.remove(job)
                     job.state = RUNNING
                     self.running_jobs.append(job)
-                slot = next(k for k in range(self.parallel) if k not in runs and self.slots[k] is None)
+                slot = next(k for k in range(self.parallel) if k not in runs)
                 run = _JobRun(self, job, self.decoder._slot(slot))
-                self.slots[slot] = job
                 # its prompt is prefilled chunk by chunk, the running jobs stepping once after each chunk
                 if run.start(between_chunks=self._step if runs else None):
                     runs[slot] = run
@@ -283,7 +281,6 @@ class DecodeService:
             if job in self.running_jobs:
                 self.running_jobs.remove(job)
             self.served += 1
-        self.slots[slot] = None
         job.finished()
         job.emit(end)
         job.emit(None)
@@ -373,7 +370,7 @@ class _JobRun:
             self.steps = self.view.stream_ids(p["prompt_ids"], params=p["params"], cache=p.get("cache_prompt", True),
                                               on_prefill=on_prefill,
                                               history=p.get("history"))
-            return self._take(time.monotonic(), None)   # (the first token: decided with the prefill)
+            return self._take(time.monotonic())   # (the first token: decided with the prefill)
         except Exception as e:  # noqa: BLE001 - every failure becomes the job's terminal event
             self.fail(e)
             return False
@@ -382,7 +379,7 @@ class _JobRun:
         """The tokens one batched step (begun at `decided`) gave this job; False when the job has ended."""
         self.view._batched = toks
         try:
-            return self._take(decided, toks)
+            return self._take(decided)
         except Exception as e:  # noqa: BLE001
             self.fail(e)
             return False
@@ -390,7 +387,7 @@ class _JobRun:
     def fail(self, e: BaseException) -> None:
         self.error = self.service._error_end(self.job, e)
 
-    def _take(self, decided: float, _toks) -> bool:
+    def _take(self, decided: float) -> bool:
         toks = next(self.steps, None)
         if toks is None:
             return False

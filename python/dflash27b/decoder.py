@@ -277,7 +277,7 @@ class Decoder:
             view._ctx = _handles.Context(self._model, *self._ctx_args, share=self._ctx)
             view._attach_drafters(view._ctx)
             view._batched = None
-            if self._has_drafter() and getattr(self, "_warmed", False):
+            if getattr(self, "_warmed", False):
                 view._warm_up()   # its drafters' buffers, and auto's prices for this slot's first probe
             slots[k] = view
         return slots[k]
@@ -326,11 +326,7 @@ class Decoder:
                 return
 
         def finish(view, i, tokens, p) -> None:
-            text = view.detokenize(tokens)
-            results[i] = GenerateResult(tokens=tokens, text=text, stats=view.last_stats(),
-                                        prompt_tokens=list(view._last_prompt),
-                                        logprobs=view.last_logprobs() if p.logprobs is not None else None,
-                                        message=view.reply_message(text, p) if chat else None)
+            results[i] = view._result(tokens, p, chat)
 
         for slot in range(n_slots):
             start(slot)
@@ -587,6 +583,10 @@ class Decoder:
         for toks in self.stream_ids(prompt, chat=chat, on_prefill=on_prefill, cache=cache, params=p,
                                     chat_template_kwargs=chat_template_kwargs):
             tokens.extend(toks)
+        return self._result(tokens, p, chat)
+
+    def _result(self, tokens: list[int], p: GenParams, chat: bool) -> GenerateResult:
+        """The last decode as a result: its tokens and text, stats, log-probs and (chat) the reply message."""
         text = self.detokenize(tokens)
         return GenerateResult(tokens=tokens, text=text, stats=self.last_stats(),
                               prompt_tokens=list(self._last_prompt),
