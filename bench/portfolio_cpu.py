@@ -4,6 +4,7 @@ Drafter sets, each in one Decoder serving the whole prompt set in order (as a da
 carry across requests), the bundled target throughout:
 
   ar          no drafter
+  ar again    no drafter, a second decoder: its ratios to `ar` are the bench's own noise
   dflash2     the bundled DFlash2 drafter, auto mode
   lookup      prompt lookup, auto mode
   mtp         the target's own MTP head (trained for it: models/train/train_mtp.py), auto mode
@@ -15,11 +16,12 @@ Prompt sets: `humaneval` (the first --n-humaneval HumanEval prompts, from the hu
 (shaped like agent traffic: a file read into the context and then written again with an edit, a tool-call turn
 under tools with tool_choice required, chat turns with thinking off).  Per set and drafter set: decode tok/s
 (tokens over decode time, all requests), mean accept length, the ratio to AR, and the lowest per-request
-ratio to AR ("never below 0.95x AR anywhere": the median over --reps passes, each pass's requests against
+ratio to AR ("never below 0.95x AR anywhere": the median over --reps (--short-reps) passes, each pass's requests against
 AR's in the same pass, so one slow spell of the machine does not decide it), at --new tokens a request and
 again at --short ones.  Every request's tokens are checked against AR's.
 
-    python bench/portfolio_cpu.py [--threads 2] [--new 128] [--short 32] [--reps 3] [--n-humaneval 8] [--out F.json]
+    python bench/portfolio_cpu.py [--threads 2] [--new 128] [--short 32] [--reps 3] [--short-reps 15]
+                                  [--n-humaneval 8] [--out F.json]
 """
 from __future__ import annotations
 
@@ -89,32 +91,41 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--short", type=int, default=32, help="new tokens of the short-request rows (0: none)")
     ap.add_argument("--reps", type=int, default=3, help="passes over every set (per-request ratios: the median)")
+    ap.add_argument("--short-reps", type=int, default=15,
+                    help="passes at --short tokens (cheap, and a 32-token request's time swings by several percent)")
     ap.add_argument("--n-humaneval", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "portfolio-cpu.json"))
     a = ap.parse_args(argv)
     target, draft2 = bundled_pair()
     sets = {"humaneval": humaneval(a.n_humaneval), "agent": agent()}
     lengths = {"": a.new} | ({" short": a.short} if a.short > 0 else {})
-    drafters = {"ar": None, "dflash2": [draft2], "lookup": ["lookup"], "mtp": ["mtp"],
+    reps = {"": a.reps, " short": a.short_reps}
+    drafters = {"ar": None, "ar again": None, "dflash2": [draft2], "lookup": ["lookup"], "mtp": ["mtp"],
                 "portfolio": [draft2, "lookup"], "mtp+lookup": ["mtp", "lookup"], "all": [draft2, "mtp", "lookup"]}
     from dflash27b.gguf_meta import read_gguf_metadata
     if not read_gguf_metadata(target).get("qwen35.nextn_predict_layers"):
         drafters = {k: v for k, v in drafters.items() if "mtp" not in (v or [])}   # a target without a head
     doc = {"bench": "portfolio_cpu", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
            "threads": a.threads, "new_tokens": a.new, "short_new_tokens": a.short, "reps": a.reps,
+           "short_reps": a.short_reps,
            "target": str(target), "rows": {}}
-    print(f"machine: {cpu_name()}, {a.threads} threads; {a.new} (and {a.short}) new tokens a request, {a.reps} passes")
+    print(f"machine: {cpu_name()}, {a.threads} threads; {a.new} (and {a.short}) new tokens a request, {a.reps} ({a.short_reps}) passes")
     decs = {d: Decoder(target, draft, threads=a.threads) for d, draft in drafters.items()}
-    # runs[(set + length, drafter set)][rep] = the results of one pass over the set; the passes interleave the
-    # drafter sets, so a slow spell of the machine hits them alike
+    # runs[(set + length, drafter set)][rep] = the results of one pass over the set; a pass runs each request
+    # with every drafter set before the next request, so a slow spell of the machine hits them alike
     runs: dict[tuple[str, str], list[list]] = {}
     try:
-        for _ in range(a.reps):
+        for rep in range(max(reps[ln] for ln in lengths)):
             for sname, reqs in sets.items():
                 for lname, n_new in lengths.items():
-                    for dname, dec in decs.items():
-                        mode = "ar" if drafters[dname] is None else "auto"
-                        runs.setdefault((sname + lname, dname), []).append(serve_all(dec, reqs, n_new, mode))
+                    if rep >= reps[lname]:
+                        continue
+                    this = {dname: [] for dname in decs}
+                    for r in reqs:   # each request by every drafter set in turn: its ratios pair runs seconds apart
+                        for dname, dec in decs.items():
+                            this[dname] += serve_all(dec, [r], n_new, "ar" if drafters[dname] is None else "auto")
+                    for dname, res in this.items():
+                        runs.setdefault((sname + lname, dname), []).append(res)
     finally:
         for dec in decs.values():
             dec.close()

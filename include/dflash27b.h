@@ -216,6 +216,8 @@ typedef struct {
   int32_t pruned;          /* draft nodes a constraint forbade, dropped before the verify */
   double mask_s;           /* a constraint's masks for the step (before the verify) */
   int32_t drafter;         /* auto: the portfolio's drafter that drafted (dfl_context_drafter_name; -1: none) */
+  int32_t declined_learnt; /* auto: trees drafted and declined earlier (AR won their step) whose tokens this step
+                              decided: their drafters' acceptance learnt from them */
 } dfl_step_stats;
 
 /* Log-probabilities of the emitted tokens (dfl_gen_params.n_logprobs >= 0): one entry per token, in order. */

@@ -13,7 +13,9 @@ extern "C" {
  * maximises expected tokens/s for a drafted tree whose nodes, in the DDTree
  * builder's order, have these depths and path log-probabilities, given costs
  * in seconds (verify time by node count, root included) and a calibration
- * per depth (index = depth; missing = 1).  with_draft prices the draft in. */
+ * per depth (index = depth; missing = 1).  with_draft prices the draft in.
+ * max_worst_s: the most a budget's worst case (its whole cost for one token, less an AR step) may lose, as
+ * the request's loss allowance bounds a bet (HUGE_VAL: no bound); no budget within it: AR. */
 typedef struct {
   double ar_s, draft_s, tree_s, commit_s;
   int32_t n_verify;
@@ -28,10 +30,13 @@ typedef struct {
   double tok_s, ar_tok_s;
 } dfl_auto_choice;
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
-                    int32_t min_budget, int32_t with_draft, dfl_auto_choice* out);
+                    int32_t min_budget, int32_t with_draft, double max_worst_s, dfl_auto_choice* out);
 /* What a context's auto mode has learnt so far for drafter i of its portfolio (0 = the most preferred): the
  * same tables (verify sizes timed, per-depth calibration).  DFL_ERROR for a drafter it does not hold. */
 int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_estimates* out);
+/* Auto mode's verify costs measured now (the Decoder's warm-up, after a generate): forwards of 2, 4, 8 ...
+ * max_nodes nodes after the committed text, never committed, each size's time given to every drafter. */
+int dfl_context_measure_verify(dfl_context* c, int32_t max_nodes);
 
 /* ---- op entry points for tests and tools ---- */
 /* The sampler alone: the token for absolute position pos drawn from logits. */

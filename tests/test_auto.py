@@ -15,6 +15,7 @@ import pytest
 
 from dflash27b import Decoder, DFlashError
 from dflash27b._lib import check, load
+from dflash27b.decoder import bundled_pair
 from dflash27b.tools.oracle_draft import attach_oracle
 from tiny_draft import make_tiny_draft
 
@@ -23,7 +24,7 @@ TRAIN_PROMPT = np.random.default_rng(0).integers(0, 2047, 16).tolist()  # the di
 
 
 def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(),
-           min_budget=0, with_draft=False):
+           min_budget=0, with_draft=False, max_worst=math.inf):
     ffi, lib = load()
     e = ffi.new("dfl_auto_estimates*")
     e.ar_s, e.draft_s, e.tree_s, e.commit_s = ar_s, draft_s, tree_s, commit_s
@@ -37,7 +38,7 @@ def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0,
     lp = np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
     out = ffi.new("dfl_auto_choice*")
     check(lib.dfl_auto_choose(e, ffi.cast("int32_t*", d.ctypes.data), ffi.cast("float*", lp.ctypes.data), len(d),
-                              min_budget, int(with_draft), out))
+                              min_budget, int(with_draft), max_worst, out))
     return out.budget, out.expected_tokens, out.tok_s, out.ar_tok_s
 
 
@@ -102,7 +103,33 @@ def test_chooser_rejects_bad_tables():
     e.n_verify = 65
     out = ffi.new("dfl_auto_choice*")
     with pytest.raises(DFlashError, match="at most 64 entries"):
-        check(lib.dfl_auto_choose(e, ffi.NULL, ffi.NULL, 0, 0, 0, out))
+        check(lib.dfl_auto_choose(e, ffi.NULL, ffi.NULL, 0, 0, 0, math.inf, out))
+
+
+def test_a_bet_is_sized_to_what_the_request_can_lose():
+    """The loss allowance (adaptive.h LossAllowance) bounds a tree by its worst case, its whole cost for one
+    token: a tree the odds favour is cut to the largest budget whose cost is within the allowance of an AR
+    step, and with nothing to lose the step is AR, however good the odds."""
+    depth, p = chain(22, 0.97)
+    ar = 0.010
+    verify = {2: 1.05 * ar, 8: 1.35 * ar, 23: 2.1 * ar}     # 0.05 AR steps a node from 2 to 8, then 0.05
+    assert choose(ar, verify, depth, p)[0] == 22
+    b, expected, _, _ = choose(ar, verify, depth, p, max_worst=0.36 * ar)   # verify(b + 1) <= 1.36 ar
+    assert b == 7 and expected == pytest.approx(1 + sum(p[:7]), rel=1e-5)
+    assert choose(ar, verify, depth, p, max_worst=0.04 * ar)[0] == 0
+    assert choose(ar, verify, depth, p, max_worst=0.04 * ar, min_budget=1)[0] == 0   # a probe too
+
+
+def test_verify_costs_are_measured_at_load():
+    """The warm-up times the verify forward of every tree size auto may choose (2, 4, 8, 16 and the default
+    budget's 23 nodes) and gives them to every drafter of the portfolio, so a first tree of a size is priced by
+    a measurement; without the warm-up nothing is known until trees of those sizes have run."""
+    with Decoder(draft=[str(bundled_pair()[1]), "lookup"], threads=2) as d:
+        for k in (0, 1):
+            v = d._ctx.auto_estimates(k)["verify_s"]
+            assert {2, 4, 8, 16, 23} <= set(v) and all(t > 0 for t in v.values())
+    with Decoder(draft="lookup", threads=2, warm_up=False) as d:
+        assert d._ctx.auto_estimates(0)["verify_s"] == {}
 
 
 # ---------------------------------------------------------------- decoding: exact whatever it chooses

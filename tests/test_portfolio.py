@@ -105,3 +105,21 @@ def test_each_drafters_estimates_are_its_own(portfolio):
     assert look["verify_s"] and look["depth_calib"]    # lookup drafted the repeating text and learnt from it
     with pytest.raises(DFlashError, match="drafter 2: the portfolio holds 2"):
         portfolio._ctx.auto_estimates(2)
+
+
+def test_declined_trees_teach_their_drafter():
+    """A tree auto mode drafts and then declines (AR wins the step) still teaches its drafter which of its
+    nodes the text followed, once the tokens they guessed are decided (AutoController::observe_declined), so an
+    estimate does not go stale while its drafter stops being verified.  Lookup looks at every step it has a
+    match and declines most of them on an edited file; each declined tree is learnt from at most once, and at
+    least one is (the step that decides its last token counts it)."""
+    src = open(os.path.join(os.path.dirname(__file__), "..", "python", "dflash27b", "results.py")).read()[:1800]
+    prompt = f"# results.py\n{src}\n\n# results.py, with the edit applied:\n{src[:600]}"
+    with Decoder(draft=["lookup"], threads=2) as d:
+        d.generate(prompt, 96, mode="auto", ignore_eos=True, cache=False)
+        steps = d._ctx.step_stats()
+    declined = [s for s in steps if s["drafter"] == 0 and s["auto_budget"] == 0]   # drafted, then AR
+    learnt = sum(s["declined_learnt"] for s in steps)
+    assert declined, "lookup never looked and declined: the test's text no longer exercises the path"
+    assert 0 < learnt <= len(declined)
+    assert all(s["declined_learnt"] == 0 for s in steps if s["auto_budget"] < 0)

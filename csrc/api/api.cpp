@@ -460,6 +460,7 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->expected_tokens = r.expected; o->est_tok_s = r.est_tok_s; o->est_ar_tok_s = r.est_ar_tok_s;
     o->pruned = r.pruned; o->mask_s = r.mask_s;
     o->drafter = r.drafter;
+    o->declined_learnt = r.declined_learnt;
   });
 }
 
@@ -487,8 +488,16 @@ int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_e
   });
 }
 
+int dfl_context_measure_verify(dfl_context* c, int32_t max_nodes) {
+  return guard([&] {
+    need(c, "context");
+    if (max_nodes < 0) dfl::fail("max_nodes must be >= 0 (got %d)", max_nodes);
+    c->gen->measure_verify(max_nodes);
+  });
+}
+
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
-                    int32_t min_budget, int32_t with_draft, dfl_auto_choice* out) {
+                    int32_t min_budget, int32_t with_draft, double max_worst_s, dfl_auto_choice* out) {
   return guard([&] {
     need(e, "estimates");
     need(out, "choice");
@@ -500,7 +509,8 @@ int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const flo
     est.ar_s = e->ar_s, est.draft_s = e->draft_s, est.tree_s = e->tree_s, est.commit_s = e->commit_s;
     for (int i = 0; i < e->n_verify; ++i) est.verify_s[e->verify_nodes[i]] = e->verify_s[i];
     est.depth_calib.assign(e->depth_calib, e->depth_calib + e->n_calib);
-    const dfl::AutoChoice c = dfl::choose_budget(est, depth, logp, n, min_budget, with_draft != 0);
+    const dfl::AutoChoice c =
+        dfl::choose_budget(est, depth, logp, n, min_budget, with_draft != 0, 1e300, 0, 1, 0, max_worst_s);
     out->budget = c.budget;
     out->expected_tokens = c.expected;
     out->tok_s = c.tok_s;

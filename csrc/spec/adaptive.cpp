@@ -52,7 +52,8 @@ double AutoEstimates::verify_at(const std::vector<std::pair<int, double>>& pts, 
 }
 
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
-                         bool with_draft, double max_loss, double min_gain, int slots, double slack) {
+                         bool with_draft, double max_loss, double min_gain, int slots, double slack,
+                         double max_worst) {
   AutoChoice best;
   const std::vector<std::pair<int, double>> verify = e.verify_points();  // once per call, not per budget
   const double ar = e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1);
@@ -68,6 +69,7 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
     accepted += std::min(1.0, e.calib(depth[b - 1]) * std::exp((double)logp[b - 1]));
     if (b < min_budget) continue;
     const double cost = fixed + AutoEstimates::verify_at(verify, b + 1);
+    if (cost - ar > max_worst) break;  // its worst case (one token for the whole step) is more than the request affords
     const double rate = cost > 0 ? (others + 1.0 + accepted) / cost : 0.0;
     // a probe's tree grows only while its expected loss against AR stays affordable (its smallest always is)
     if (b > std::max(min_budget, 1) && cost - ar * (1.0 + accepted) > max_loss) break;
@@ -80,7 +82,12 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
       have = true;
     }
   }
-  return best;
+  return best;  // (a probe with no budget affordable: AR)
+}
+
+double AutoController::worst_loss_s() const {
+  const double ar = e_.ar_s;
+  return std::max(0.0, e_.draft_s + e_.tree_s + e_.commit_s + AutoEstimates::verify_at(e_.verify_points(), 2) - ar);
 }
 
 AutoController::Wish AutoController::wish(int remaining, int slots) const {
@@ -114,20 +121,25 @@ void AutoController::decided(const Wish& w, bool drafted, int remaining) {
   }
 }
 
-AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n, bool probe, bool look, int slots) {
+AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n, bool probe, bool look, int slots,
+                                  double max_worst) {
   last_depth_.assign(depth, depth + n);
   last_logp_.assign(logp, logp + n);
   if (!have_spec_) {  // first probe: a small fixed tree, to measure
     const int b = std::min(kFirstProbeBudget, n);
-    return choose_budget(e_, depth, logp, b, b, false);
+    return choose_budget(e_, depth, logp, b, b, false, 1e300, 0, 1, 0, max_worst);
   }
   // a probe may cost at most what the request affords it (wish's remaining tokens)
   const double max_loss = probe ? kRequestShare * e_.ar_s * remaining_ : 1e300;
   return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss,
-                       look ? kLookGain : probe ? 0.0 : kSpecGain, slots, kTreeSlack);
+                       look ? kLookGain : probe ? 0.0 : kSpecGain, slots, kTreeSlack, max_worst);
 }
 
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }
+
+void AutoController::observe_verify(int n_nodes, double s) {
+  if (n_nodes >= 2 && s > 0) ema(e_.verify_s[n_nodes], s);
+}
 
 void AutoController::learn_acceptance(const int32_t* depth, const float* logp, int n, const uint8_t* on_path) {
   // acceptance per depth: decayed sums of predicted path probability and of hits

@@ -70,7 +70,35 @@ struct AutoChoice {
 // cost, against slots tokens in an AR step's — the bar rises as slots fill (tok_s / ar_tok_s: the batch's).
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
                          bool with_draft, double max_loss = 1e300, double min_gain = 0, int slots = 1,
-                         double slack = 0);
+                         double slack = 0, double max_worst = 1e300);
+
+// Auto mode's promise for each request: never below 0.95x AR's speed, short requests included.  Every
+// speculative step is a bet whose worst case (no draft accepted: its whole time for one token) costs more than
+// an AR step.  The request's allowance is kShare of its AR time (max_new_tokens AR steps) plus what its bets
+// have won so far, less what they have lost, counted in AR steps of the time each was made; a bet whose worst
+// case exceeds its share of what is left is not made (a smaller tree, or AR).  Early in a short request little is at stake,
+// so only cheap bets run; once a tree has won, larger ones may.  Probes, which explore rather than bet, have
+// their own bound (AutoController::kRequestShare); the two together are 5% of the request's AR time.  (A
+// request that stops early at an EOS had a smaller AR time than its max_new_tokens promised: it can end below
+// the floor by up to the allowance.)
+class LossAllowance {
+ public:
+  static constexpr double kShare = 0.03;
+  void begin(int max_new_tokens) { n_new_ = std::max(max_new_tokens, 0), lost_ = 0; }
+  // A step that drafted: its whole time, the tokens it committed and the AR step's time then.
+  void spent(double step_s, int committed, double ar_s) {
+    if (ar_s > 0) lost_ += step_s / ar_s - committed;
+  }
+  // Seconds one bet may lose in its worst case (AR steps of ar_s): kOneBet of what is left, so a first bet that
+  // fails leaves room for the next (one 8-node tree missing at once would otherwise end a short request's bets).
+  static constexpr double kOneBet = 0.5;
+  double bet_s(double ar_s) const { return kOneBet * std::max(0.0, kShare * n_new_ - lost_) * ar_s; }
+  double lost_steps() const { return lost_; }
+
+ private:
+  int n_new_ = 0;
+  double lost_ = 0;  // AR steps lost so far (negative: won)
+};
 
 class AutoController {
  public:
@@ -84,7 +112,7 @@ class AutoController {
   // `forecast` is the choice the last drafted tree predicts.  remaining: the request's tokens still to come;
   // a probe whose measured loss would exceed kRequestShare of their AR time waits for a longer request, so
   // no request pays more than that share for exploring.
-  static constexpr double kRequestShare = 0.03;
+  static constexpr double kRequestShare = 0.02;
   static constexpr double kFreeDraftShare = 0.05;  // draft + tree time below this share of an AR step: draft always
   struct Wish {
     bool draft = false, probe = false;
@@ -94,6 +122,10 @@ class AutoController {
     int rank() const { return !draft ? 0 : look ? 1 : probe ? 2 : 3; }
   };
   Wish wish(int remaining = 1 << 30, int slots = 1) const;
+  // The worst case of this drafter's smallest step against an AR step (seconds): draft, tree, commit and a
+  // 2-node verify for the one token it is sure to give.  A step is not drafted when this exceeds the request's
+  // LossAllowance.
+  double worst_loss_s() const;
   void decided(const Wish& w, bool drafted, int remaining = 1 << 30);
   // After drafting a tree of n nodes (builder order): the budget to verify.  A look's tree must beat AR by
   // kLookGain: a free drafter looks every step, and bets that win by less on average lose often enough to
@@ -105,10 +137,15 @@ class AutoController {
   // expected to win 5% over AR lost 6 AR steps of a 32-token request when its first node missed; the
   // estimates are not sharp enough to stake that much on a few percent.
   static constexpr double kSpecGain = 0.1, kTreeSlack = 0.03;
-  AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe, bool look = false, int slots = 1);
+  // max_worst: the request's LossAllowance less the draft already spent (seconds): the largest worst-case loss
+  // a budget may have; none fits: AR.
+  AutoChoice choose(const int32_t* depth, const float* logp, int n, bool probe, bool look = false, int slots = 1,
+                    double max_worst = 1e300);
   // After the step: its timings, and for a speculative one which of the
   // verified nodes (1..budget) were accepted (`on_path`, indexed like depth).
   void observe_ar(double step_s);
+  // A verify forward of n_nodes (root included) timed outside a step (Generator::measure_verify, at load).
+  void observe_verify(int n_nodes, double s);
   void observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                     const std::vector<uint8_t>& on_path);
   // A drafted tree that was not verified (AR won the step) once its tokens are decided: which of its n nodes

@@ -114,6 +114,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   declined_.clear();
   if (p.mode == DecodeMode::Auto)
     for (AutoController& ac : autos_) ac.new_request();
+  allowance_.begin(p.max_new_tokens);
   if (n_keep > 0 && capturing()) give_features(0, n_keep, nullptr, nullptr, nullptr);  // kept: skipped
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();
@@ -341,7 +342,10 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
-    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look, work_.slots);
+    const AutoController& ac = autos_[(size_t)chosen_];
+    const double max_worst = probe ? 1e300 : allowance_.bet_s(ac.estimates().ar_s) - rec.draft_s;  // the draft is spent already
+    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look,
+                                                        work_.slots, max_worst);
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
     auto_tree_ = t;
@@ -497,7 +501,8 @@ bool Generator::plan_step(int slots) {
     for (size_t i = 0; i < drafters_.size(); ++i) {
       wish[i] = autos_[i].wish(remaining, work_.slots);
       const AutoController::Wish& w = wish[i];
-      if (!w.draft) continue;
+      // a bet the request cannot afford to lose is not made, however good its odds
+      if (!w.draft || (!w.probe && autos_[i].worst_loss_s() > allowance_.bet_s(autos_[i].estimates().ar_s))) continue;
       const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;
       if (!best || w.rank() > best->rank() ||
           (w.rank() == 3 && best->rank() == 3 && w.forecast.tok_s > best->forecast.tok_s))
@@ -640,6 +645,15 @@ int Generator::finish_step(std::vector<int32_t>& out) {
     if (N == 1)  // an AR step's cost is every drafter's baseline
       for (AutoController& ac : autos_) ac.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
+      // a bet's outcome (a probe's is bounded apart: kRequestShare): a verified tree's whole time against AR's
+      // for what it gave; a declined one's draft alone (its verify was an AR step)
+      const double ar_s = autos_[(size_t)chosen_].estimates().ar_s;
+      if (rec.probe) {
+      } else if (rec.auto_budget > 0) {
+        allowance_.spent(rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s, rec.committed, ar_s);
+      } else {
+        allowance_.spent(ar_s + rec.draft_s + rec.tree_s, 1, ar_s);
+      }
       std::vector<uint8_t> on_path((size_t)std::max(rec.auto_budget, 0), 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
       autos_[(size_t)chosen_].observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget,
@@ -649,7 +663,7 @@ int Generator::finish_step(std::vector<int32_t>& out) {
         declined_.push_back(Declined{chosen_, s, auto_tree_});
       }
     }
-    resolve_declined();
+    rec.declined_learnt = resolve_declined();
   }
   steps_.push_back(rec);
   stats_.steps = (int)steps_.size();
@@ -660,12 +674,41 @@ int Generator::finish_step(std::vector<int32_t>& out) {
   return emitted;
 }
 
-void Generator::resolve_declined() {
+void Generator::measure_verify(int max_nodes) {
+  if (drafters_.empty() || hist_.empty()) return;  // nothing to price, or no committed text to verify after
+  const int s = ctx_.n_past();
+  const int cap = std::min({max_nodes, ctx_.params().n_batch, ctx_.params().n_ctx - s});
+  std::vector<int32_t> tok, pos, par, rows, ids;
+  std::vector<float> logp;
+  std::vector<int> sizes;
+  for (int n = 2; n <= cap; n *= 2) sizes.push_back(n);  // between sizes the estimate interpolates
+  if (cap >= 2 && (sizes.empty() || sizes.back() != cap)) sizes.push_back(cap);
+  for (int n : sizes) {
+    tok.assign((size_t)n, hist_.back()), pos.resize((size_t)n), par.resize((size_t)n), rows.resize((size_t)n);
+    for (int i = 0; i < n; ++i) pos[(size_t)i] = s + i, par[(size_t)i] = i - 1, rows[(size_t)i] = i;
+    ids.resize((size_t)n), logp.resize((size_t)n);
+    ForwardOutputs o;
+    o.n_logits = n, o.logit_rows = rows.data(), o.topk = 1, o.top_ids = ids.data(), o.top_logp = logp.data();
+    if (!readers_.empty()) {  // a step's verify captures the feature readers' rows too
+      o.n_capture = (int)capture_.size(), o.capture_layers = capture_.data(), o.hidden_on_backend = true;
+    }
+    double best = 1e300;
+    for (int rep = 0; rep < 2; ++rep) {  // the faster of two: a step's verify runs with its weights warm
+      const auto t0 = Clock::now();
+      ctx_.forward(Batch{n, tok.data(), pos.data(), par.data()}, o, /*commit=*/false);
+      best = std::min(best, since(t0));
+    }
+    for (AutoController& ac : autos_) ac.observe_verify(n, best);
+  }
+}
+
+int Generator::resolve_declined() {
   // The decided token at an absolute position: committed (hist_), the pending bonus, or not yet (-1).
   const int64_t n_hist = (int64_t)hist_.size();
   auto decided = [&](int64_t pos) -> int64_t { return pos < n_hist ? hist_[(size_t)pos] : pos == n_hist ? pending_ : -1; };
   std::vector<int8_t> on;  // per node: 1 on the decided text, 0 off it, -1 not known yet
   std::vector<uint8_t> hit;
+  int learnt = 0;
   for (size_t k = 0; k < declined_.size();) {
     const Declined& d = declined_[k];
     const DraftTree& t = d.tree;
@@ -689,7 +732,9 @@ void Generator::resolve_declined() {
     hit.assign(on.begin(), on.end());
     autos_[(size_t)d.drafter].observe_declined(t.depth.data(), t.logp.data(), t.size(), hit.data());
     declined_.erase(declined_.begin() + (std::ptrdiff_t)k);
+    ++learnt;
   }
+  return learnt;
 }
 
 }  // namespace dfl

@@ -79,6 +79,7 @@ struct StepRecord {
   bool probe = false;
   double expected = 0, est_tok_s = 0, est_ar_tok_s = 0;
   int drafter = -1;         // auto mode: the portfolio's drafter that drafted (-1: none, and outside auto)
+  int declined_learnt = 0;  // auto mode: declined trees whose tokens this step decided (observe_declined)
 };
 
 // Called after each prefill chunk with (tokens done, total); returning false
@@ -113,6 +114,11 @@ class Generator {
   // size allows when they hold more rows than one), then each accepts and commits on its own.  outs[k] gets generator k's tokens; returns how many in all (0: all done).  Each
   // generator decides exactly what its own next() would.
   static int next_many(Generator* const* gs, int n, std::vector<int32_t>* outs);
+  // Auto mode: times verify forwards of 2, 4, 8 ... max_nodes nodes (a chain after the committed text, never
+  // committed: the state is untouched) and gives each size's time to every drafter's controller, so a drafter's
+  // first tree of a size is priced by a measurement, not by extrapolating from an AR step (on a CPU an 8-node
+  // verify costs two or more AR steps; the extrapolation said 1.7).  Decoder's warm-up calls it at load.
+  void measure_verify(int max_nodes);
   bool done() const { return done_; }
   const GenStats& stats() const { return stats_; }
   const std::vector<StepRecord>& steps() const { return steps_; }
@@ -189,6 +195,7 @@ class Generator {
   // for its observation.
   std::vector<Proposer*> drafters_;
   std::vector<AutoController> autos_;
+  LossAllowance allowance_;  // the request's: what auto's bets may still lose
   int chosen_ = -1;
   DraftTree auto_tree_;
   // Trees auto mode drafted and declined (AR won the step), waiting for the tokens they guessed to be decided;
@@ -200,7 +207,7 @@ class Generator {
   };
   static constexpr size_t kMaxDeclined = 16;
   std::vector<Declined> declined_;
-  void resolve_declined();
+  int resolve_declined();  // returns how many it learnt from
   PrefillProgress progress_;
   Constraint* constraint_ = nullptr;
   bool prune_ = true;

@@ -406,7 +406,7 @@ class Context:
             out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "tree_depth",
                                                      "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s",
                                                      "auto_budget", "probe", "expected_tokens", "est_tok_s",
-                                                     "est_ar_tok_s", "pruned", "mask_s", "drafter")})
+                                                     "est_ar_tok_s", "pruned", "mask_s", "drafter", "declined_learnt")})
         return out
 
     def drafter_names(self) -> list[str]:
@@ -423,6 +423,10 @@ class Context:
         return {"ar_s": e.ar_s, "draft_s": e.draft_s, "tree_s": e.tree_s, "commit_s": e.commit_s,
                 "verify_s": {e.verify_nodes[i]: e.verify_s[i] for i in range(e.n_verify)},
                 "depth_calib": [e.depth_calib[i] for i in range(e.n_calib)]}
+
+    def measure_verify(self, max_nodes: int) -> None:
+        """Times verify forwards of 2, 4 .. max_nodes nodes now and gives them to auto mode's estimates."""
+        check(self._lib.dfl_context_measure_verify(self.handle, max_nodes))
 
     def close(self) -> None:
         if getattr(self, "_h", None) is not None:

@@ -349,9 +349,10 @@ class Decoder:
     def _warm_up(self) -> None:
         """Measures, at load, what auto mode's first probe would cost: a speculative decode first (buffers,
         graphs and caches warm, nothing recorded), then a few auto steps (one AR step, one probe per drafter)
-        that the controllers price their later probes by.  A drafter that costs many AR steps is then probed
-        only as often as its measured loss allows, so a short request stays at AR's speed; a cheap one is
-        probed at once."""
+        that the controllers price their later probes by, then the verify forward of each tree size auto may
+        choose.  A drafter that costs many AR steps is then probed only as often as its measured loss allows,
+        so a short request stays at AR's speed; a cheap one is probed at once; and a first tree of a size is
+        priced by what that size costs here (on a CPU an 8-node verify costs three AR steps)."""
         prompt = [int(t) for t in self.tokenize("def f(x):\n")] or [0]
         budget = min(4, self._batch - 1)
         n = 2 + 2 * max(1, len(self.drafts))
@@ -359,6 +360,8 @@ class Decoder:
             return  # too small a context to measure in
         self.generate(prompt, 6, mode="ddtree", ignore_eos=True, cache=False, budget=budget)
         self.generate(prompt, n, mode="auto", ignore_eos=True, cache=False, budget=budget)
+        # and the verify of every tree size auto mode may choose (default budget + the root), timed, not guessed
+        self._ctx.measure_verify(min(self._batch, GenParams().budget + 1))
 
     @staticmethod
     def connect(socket_path: str | os.PathLike, timeout: float | None = None):
