@@ -18,6 +18,8 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
             and on CUDA each op's GPU time per AR and DDTree-22 step and in the longest prefill
             (dfl_cuda_profile)
   draftmodel  classic draft-model speculation: a 0.8B-shaped qwen35 GGUF drafting for the 27B, step costs
+  drafters  the 27B with an MTP head: the head's chain / DDTree steps, lookup and the portfolio of head, DFlash
+            and lookup in auto mode; each drafter's draft and the verify by size in AR steps (issue 43's table)
   slots     several requests at once (Decoder.generate_many): N AR streams' aggregate decode tok/s vs one
             stream, N auto streams, every reply == its solo decode (issue 41: 4 streams >= 3.5x one)
   prefix    the prefix cache: turn 2 of an 8K-token conversation (turn 1 + reply + 24 tokens) vs turn 1,
@@ -608,6 +610,53 @@ def part_draftmodel(target: str | None, draft: str | None, device: str, n_new: i
     return out
 
 
+def part_drafters(target: str | None, draft: str | None, device: str, n_new: int, threads: int, ctx: int) -> dict:
+    """The drafters beside DFlash on the 27B with an MTP head (issue 43's table): the model's own head, prompt
+    lookup and the portfolio of all three, in one decoder (the head first: chain and DDTree draft with it).
+    Per drafter, auto mode's measured costs after the warm-up and the decodes: the draft in AR steps and the
+    verify by node count; the head's chain and DDTree steps (step, draft, verify in AR steps, accept length,
+    == AR); auto over the portfolio (tok/s vs AR, its AR steps' cost against a plain AR step: what carrying
+    the drafters costs, == AR).  Random weights accept next to nothing, so the costs are the record here,
+    not the acceptance."""
+    from dflash27b import Decoder
+
+    if target is None:  # the CPU check: a tiny target with an MTP head and a drafter of its shape
+        import tempfile
+        from dflash27b.tools.synth import write_synthetic, write_synthetic_draft
+        tmp = tempfile.mkdtemp()
+        target = str(write_synthetic(f"{tmp}/t.gguf", "tiny", "f32", seed=0, mtp=True))
+        draft = str(write_synthetic_draft(f"{tmp}/d", "tiny", seed=0))
+    out: dict = {"target": target, "draft": draft, "n_new": n_new, "notes": []}
+    with Decoder(target, ["mtp", draft, "lookup"], device=device, ctx=ctx, threads=threads) as dec:
+        ids = dec.tokenize(PROMPTS[0])
+        ar = dec.generate(ids, n_new, ignore_eos=True, mode="ar", cache=False)
+        ar_ms = _median(ar.stats.verify_ms)
+        out["ar_ms"], out["ar_tok_s"] = ar_ms, ar.stats.decode_tok_s
+        in_ar = lambda ms: ms / ar_ms if ms is not None and ar_ms else None  # noqa: E731
+        for mode in ("chain", "ddtree"):  # the head's own steps
+            r = dec.generate(ids, n_new, ignore_eos=True, mode=mode, cache=False)
+            st = r.stats
+            out[f"mtp_{mode}"] = {"accept_length": st.mean_accept, "step_in_ar": in_ar(_median(_step_ms(st))),
+                                  "draft_in_ar": in_ar(_median(st.draft_ms)), "verify_in_ar": in_ar(_median(st.verify_ms)),
+                                  "tok_s": st.decode_tok_s, "eq_ar": r.tokens == ar.tokens}
+        auto = dec.generate(ids, n_new, ignore_eos=True, mode="auto", cache=False)
+        st = auto.stats
+        ar_steps = [v for v, b in zip(st.verify_ms, st.auto_budget) if b == 0]
+        out["auto"] = {"tok_s": st.decode_tok_s, "vs_ar": st.decode_tok_s / ar.stats.decode_tok_s
+                       if ar.stats.decode_tok_s else None, "accept_length": st.mean_accept,
+                       "ar_step_in_ar": in_ar(_median(ar_steps)) if ar_steps else None,
+                       "trees_by_drafter": {d: st.drafter.count(d) for d in sorted({d for d in st.drafter if d})},
+                       "eq_ar": auto.tokens == ar.tokens}
+        ctx_ = dec._ctx
+        out["estimates"] = {}
+        for k, name in enumerate(ctx_.drafter_names()):
+            e = ctx_.auto_estimates(k)
+            a = e["ar_s"]
+            out["estimates"][name] = {"ar_ms": a * 1e3, "draft_in_ar": e["draft_s"] / a if a else None,
+                                      "verify_in_ar": {n: v / a for n, v in e["verify_s"].items()} if a else None}
+    return out
+
+
 def part_slots(target: str | None, draft: str | None, device: str, n_new: int, threads: int, slots: int,
                ctx: int) -> dict:
     """N requests decoded at once (slots sharing the backend, one batched forward a step) against one stream:
@@ -683,8 +732,9 @@ def _get(d: dict | None, *keys, default=None):
 
 def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
     """The record from the parts (each may be missing: its keys are null)."""
-    ex, ck, lc, ours, mm, v24, v262, pf, dm, sl = (parts.get(k) or {} for k in (
-        "exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel", "slots"))
+    ex, ck, lc, ours, mm, v24, v262, pf, dm, sl, dr = (parts.get(k) or {} for k in (
+        "exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel", "slots",
+        "drafters"))
 
     def capped(v: dict) -> dict | None:
         return {k: v.get(k) for k in ("ctx", "draft_type", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v \
@@ -721,10 +771,12 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
         "slots": {k: sl.get(k) for k in ("slots", "one_stream_tok_s", "ar_tok_s", "ar_vs_one", "ar_eq_solo",
                                          "auto_tok_s", "auto_eq_solo")} if sl else None,
+        "drafters": {k: dr.get(k) for k in ("target", "ar_ms", "ar_tok_s", "mtp_chain", "mtp_ddtree", "auto",
+                                            "estimates")} if dr else None,
         "profile": ours.get("profile"),
         "graphs": ours.get("graphs"),
         "attention": ours.get("attention"),
-        "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm, sl) for n in (p.get("notes") or [])] +
+        "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm, sl, dr) for n in (p.get("notes") or [])] +
                  [f"{name}: {v['error']}" for name, v in (("vram24", v24), ("vram24_262k", v262)) if v.get("error")],
     }
     weights = _get(ours, "memory", "plan", "weights")
@@ -820,6 +872,23 @@ def markdown(rec: dict) -> str:
         lines += ["", f"{sl.get('slots')} requests at once: AR {_f(sl.get('ar_tok_s'))} tok/s in all vs one stream "
                       f"{_f(sl.get('one_stream_tok_s'))} ({_f(sl.get('ar_vs_one'), '.2f')}x), auto "
                       f"{_f(sl.get('auto_tok_s'))}; == solo: AR {sl.get('ar_eq_solo')}, auto {sl.get('auto_eq_solo')}"]
+    dr = rec.get("drafters")
+    if dr:
+        lines += ["", f"drafters on `{dr.get('target')}` (AR step {_f(dr.get('ar_ms'), '.2f')} ms): costs in AR steps",
+                  "", "| | draft | verify 2 / 8 / 23 nodes | step | accept | == AR |", "|---|---:|---:|---:|---:|---|"]
+        est = dr.get("estimates") or {}
+        for name, e in est.items():
+            v = e.get("verify_in_ar") or {}
+            vs = " / ".join(_f(v.get(n, v.get(str(n))), ".2f") for n in (2, 8, 23))
+            lines.append(f"| {name} (auto's estimates) | {_f(e.get('draft_in_ar'), '.2f')} | {vs} | | | |")
+        for mode in ("chain", "ddtree"):
+            m = dr.get(f"mtp_{mode}") or {}
+            lines.append(f"| MTP head, {mode} | {_f(m.get('draft_in_ar'), '.2f')} | {_f(m.get('verify_in_ar'), '.2f')} "
+                         f"| {_f(m.get('step_in_ar'), '.2f')} | {_f(m.get('accept_length'), '.2f')} | {m.get('eq_ar')} |")
+        au = dr.get("auto") or {}
+        lines += ["", f"auto over head + DFlash + lookup: {_f(au.get('tok_s'))} tok/s, {_f(au.get('vs_ar'), '.2f')}x AR; "
+                      f"its AR steps {_f(au.get('ar_step_in_ar'), '.3f')} AR steps (what carrying the drafters costs); "
+                      f"trees {au.get('trees_by_drafter')}; == AR {au.get('eq_ar')}"]
     for name, prof in (rec.get("profile") or {}).items():
         lines += ["", f"| {name} step, op by op ({_f(prof.get('ms_per_step'), '.3f')} ms of GPU time a step) | ms a "
                       "step | calls a step | GB/s |", "|---|---:|---:|---:|"]
@@ -840,7 +909,7 @@ def markdown(rec: dict) -> str:
 def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
     parts = {}
     for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel",
-                 "slots"):
+                 "slots", "drafters"):
         p = Path(parts_dir) / f"{name}.json"
         if p.is_file():
             parts[name] = json.loads(p.read_text())
@@ -934,6 +1003,15 @@ def main(argv: list[str] | None = None) -> int:
     dmp.add_argument("--blocks", type=_ints, default=[5, 9])
     dmp.add_argument("--out", required=True)
 
+    drp = sub.add_parser("drafters", help="the MTP head, lookup and the portfolio on the 27B: costs in AR steps")
+    drp.add_argument("--target")
+    drp.add_argument("--draft")
+    drp.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    drp.add_argument("-n", "--n-new", type=int, default=64)
+    drp.add_argument("--threads", type=int, default=4)
+    drp.add_argument("--ctx", type=int, default=2048)
+    drp.add_argument("--out", required=True)
+
     slp = sub.add_parser("slots", help="several requests at once: N streams' aggregate tok/s vs one stream")
     slp.add_argument("--target")
     slp.add_argument("--draft")
@@ -979,6 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
                                   a.threads))
     elif a.part == "draftmodel":
         _write(a.out, part_draftmodel(a.target, a.draft, a.device, a.n_new, a.threads, a.blocks))
+    elif a.part == "drafters":
+        _write(a.out, part_drafters(a.target, a.draft, a.device, a.n_new, a.threads, a.ctx))
     elif a.part == "slots":
         _write(a.out, part_slots(a.target, a.draft, a.device, a.n_new, a.threads, a.slots, a.ctx))
     elif a.part == "prefix":

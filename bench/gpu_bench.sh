@@ -13,7 +13,8 @@
 #                                   file: AR decode / prefill, AR step, verify at 2..32 nodes (chain, tree),
 #                                   drafter block, DDTree-22 step, commit, oracle drafter at accept length ~8,
 #                                   memory peak vs plan, copy bandwidth; then the record
-#   bash bench/gpu_bench.sh part3   compute-sanitizer memcheck + racecheck on a DDTree decode; the prefix
+#   bash bench/gpu_bench.sh part3   compute-sanitizer memcheck + racecheck on a DDTree decode; 4 slots; the
+#                                   MTP head, lookup and the portfolio on a 27B with an MTP head; the prefix
 #                                   cache on an 8K-token conversation, the 24 GiB cap run (128K
 #                                   context, Q4_0 KV, DDTree == AR), the matmul table; the record again (all parts)
 #   bash bench/gpu_bench.sh all     all three, one after the other
@@ -192,6 +193,10 @@ start_background_jobs() {
   if [ "${1:-}" = small ]; then
     [ -s build/synth-0.8b.gguf ] || running synth08 ||
       background synth08 nice -n 5 python3 -m dflash27b.cli synth build/synth-0.8b.gguf --shape 0.8b --ftype q4_k_m
+    # the 27B with an MTP head (one more block): the drafters part's; written while the parts before it run
+    [ -s build/synth-27b-mtp.gguf ] || running synth27mtp ||
+      background synth27mtp nice -n 5 python3 -m dflash27b.cli synth build/synth-27b-mtp.gguf --shape 27b \
+        --ftype q4_k_m --mtp
   fi
 }
 # wait_for_synth SECONDS [small]: the synthetic files part2 (and with small, part3) reads
@@ -327,6 +332,13 @@ part3() {
   run 120 "4 requests at once (slots, one batched forward a step) vs one stream (27B + drafter)" \
     python3 bench/gpu_bench.py slots --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/slots.json"
+  if wait_for synth27mtp 180; then
+    run 150 "the MTP head, lookup and the portfolio on the 27B with an MTP head (costs in AR steps)" \
+      python3 bench/gpu_bench.py drafters --target build/synth-27b-mtp.gguf --draft build/synth-27b-draft \
+      --out "$PARTS/drafters.json"
+  else
+    status=1
+  fi
   run 120 "prefix cache: turn 2 of an 8K-token conversation vs turn 1 (27B)" \
     python3 bench/gpu_bench.py prefix --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --out "$PARTS/prefix.json"

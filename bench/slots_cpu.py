@@ -14,7 +14,8 @@ and, through `dflash27b serve --parallel N` on the bundled pair: the time to fir
 alone and while N - 1 other requests stream (its prefill runs a 512-token chunk at a time, the running
 requests stepping between chunks), with the longest gap between the running requests' tokens meanwhile.
 
-Every reply is checked against its solo decode (==).  Decode time is the slots' shared decode time (the
+Per model, the forward's own ceiling: one sequence's forward of N tokens against its forward of one (N streams
+can be at most N * t1 / tN faster than one).  Every reply is checked against its solo decode (==).  Decode time is the slots' shared decode time (the
 longest of them; prefills are not counted, as in the other benches).
 
     python bench/slots_cpu.py [--threads 2] [--slots 4] [--new 64] [--reps 3] [--out F.json]
@@ -67,10 +68,35 @@ def run_model(name: str, target, draft, prompts, n_slots: int, n_new: int, reps:
             auto = d.generate_many(ps, n_new, mode="auto", ignore_eos=True, cache=False)
             rows.setdefault(f"{n_slots} x auto", []).append(aggregate(auto))
             equal &= [r.tokens for r in auto] == [r.tokens for r in solo]
+        roof = batch_roof(d, ps[0], n_slots)
     out = {k: round(statistics.median(v), 1) for k, v in rows.items()}
     base = out["1 x AR"]
     return {"model": name, "tok_s": out, "vs_one_stream": {k: round(v / base, 3) for k, v in out.items()},
-            "equals_solo": equal}
+            "equals_solo": equal, "batch_roof": roof}
+
+
+def batch_roof(d: Decoder, prompt, n_slots: int, reps: int = 200) -> dict:
+    """What the forward itself allows, before any slot's own work: one sequence's forward of n_slots tokens
+    against its forward of one (the target alone, after a prompt; never committed).  n_slots streams can be at
+    most n_slots * t1 / tn faster than one, the attention and delta-net of n_slots sequences still to add.  On
+    a bandwidth-bound model tn is close to t1; on a tiny one whose weights sit in cache it is compute: every
+    row's multiply-adds at the core's FMA rate."""
+    ctx = d._ctx
+    d.generate(prompt, 2, mode="ar", ignore_eos=True, cache=False)
+    p = ctx.n_past
+
+    def best(n: int) -> float:
+        toks, pos = [5] * n, list(range(p, p + n))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ctx.forward(toks, pos=pos, commit=False)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    t1, tn = best(1), best(n_slots)
+    return {"forward_1_ms": round(t1 * 1e3, 3), f"forward_{n_slots}_ms": round(tn * 1e3, 3),
+            "ceiling_vs_one_stream": round(n_slots * t1 / tn, 2)}
 
 
 def ttft(n_slots: int, threads: int, reps: int) -> dict:
@@ -170,6 +196,9 @@ def main(argv=None) -> int:
         for k, v in r["tok_s"].items():
             print(f"  {name:22s} {k:28s} {v:8.1f} tok/s  {r['vs_one_stream'][k]:.2f}x one stream")
         print(f"  {name:22s} every reply == its solo decode: {r['equals_solo']}")
+        b = r["batch_roof"]
+        print(f"  {name:22s} one sequence's forward: 1 token {b['forward_1_ms']:.3f} ms, {a.slots} tokens "
+              f"{b[f'forward_{a.slots}_ms']:.3f} ms: {a.slots} streams at most {b['ceiling_vs_one_stream']:.2f}x one")
     doc["ttft"] = t = ttft(a.slots, a.threads, a.reps)
     print(f"  serve --parallel {a.slots}: a {t['prompt_tokens']}-token prompt's first token after {t['ttft_alone_s']:.3f} s "
           f"alone, {t['ttft_with_others_s']:.3f} s while {a.slots - 1} others stream; their longest wait meanwhile "

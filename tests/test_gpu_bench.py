@@ -120,9 +120,13 @@ def test_gpu_bench_sh_dry_run_lists_every_step():
     for s in ("memcheck", "racecheck", "gpu_bench.py matmul", "gpu_bench.py vram24 --target build/synth-27b.gguf",
               "gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf",
               "gpu_bench.py prefix --target build/synth-27b.gguf", "gpu_bench.py record",
-              "gpu_bench.py slots --target build/synth-27b.gguf --draft build/synth-27b-draft"):
+              "gpu_bench.py slots --target build/synth-27b.gguf --draft build/synth-27b-draft",
+              "gpu_bench.py drafters --target build/synth-27b-mtp.gguf --draft build/synth-27b-draft"):
         assert s in three.stdout, s
     assert "llama-bench on the same file" not in two.stdout
+    # the drafters part's 27B with an MTP head is written in the background (not in a dry run)
+    assert "synth build/synth-27b-mtp.gguf --shape 27b \\\n        --ftype q4_k_m --mtp" in \
+        (ROOT / "bench" / "gpu_bench.sh").read_text()
     skip = _sh("--dry-run", "--skip-sanitize", "part3")
     assert "racecheck" not in skip.stdout and "gpu_bench.py prefix" in skip.stdout
 
@@ -326,6 +330,8 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
          "--out", str(parts / "prefix.json"))
     part("slots", "--device", "cpu", "--threads", "2", "-n", "16", "--slots", "3", "--ctx", "512",
          "--out", str(parts / "slots.json"))
+    part("drafters", "--device", "cpu", "--threads", "2", "-n", "16", "--ctx", "512",
+         "--out", str(parts / "drafters.json"))
     junit = tmp_path / "j.xml"
     junit.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"/></testsuite></testsuites>')
     ops = tmp_path / "ops.log"
@@ -360,9 +366,15 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
         {"ddtree-5-expand4", "ddtree-9-expand4"} and all(v["eq_ar"] for v in dmb.values())
     assert dmb["chain-9"]["accept_length"] >= 3 and dmb["chain-9"]["step_in_ar"] > 0
     assert rec["prefix"]["turn2_ttft_s"] < rec["prefix"]["turn1_ttft_s"]
+    dr = rec["drafters"]   # a tiny target with an MTP head: every drafter priced, every mode == AR
+    assert set(dr["estimates"]) == {"mtp", "dflash", "lookup"}
+    assert all(e["draft_in_ar"] > 0 and {"2", "8", "23"} <= set(e["verify_in_ar"]) for e in dr["estimates"].values())
+    assert dr["mtp_chain"]["eq_ar"] and dr["mtp_ddtree"]["eq_ar"] and dr["auto"]["eq_ar"]
+    assert dr["mtp_chain"]["step_in_ar"] > 0 and dr["auto"]["ar_step_in_ar"] > 0
     assert rec["memory"]["plan_bytes"] > 0 and rec["memory"]["peak_bytes"] is None  # no device counter on the CPU
     md = recs[0].with_suffix(".md").read_text()
     assert "| decode |" in md and "| verify 8 nodes (tree) |" in md and "DDTree-22 step" in md and "| chain-9 |" in md
+    assert "| MTP head, chain |" in md and "| lookup (auto's estimates) |" in md and "auto over head + DFlash" in md
     assert "parts not measured in this run: matmul" not in md  # matmul is optional, not a missing part
     assert "wrote " in r.stdout
 

@@ -164,3 +164,20 @@ def test_cli(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     r = GGUFReader(tmp_path / "c.gguf")
     assert len(r.fields["tokenizer.ggml.tokens"].contents()) == 1024
+
+
+def test_mtp_head_is_written_as_llama_cpp_writes_it(tmp_path):
+    """`synth --mtp` (the GPU record's 27B for the drafters part): one more block, full attention, with the
+    nextn tensors, nextn_predict_layers = 1; the trunk's recurrent pattern unchanged; -md mtp drafts with it."""
+    from dflash27b import Decoder
+    p = write_synthetic(tmp_path / "m.gguf", "tiny", "f32", seed=0, mtp=True)
+    r = GGUFReader(str(p))
+    kv = {f.name: f.parts[f.data[0]] for f in r.fields.values() if f.data}
+    n = resolve_shape("tiny")["n_layer"]
+    assert int(kv["qwen35.block_count"][0]) == n + 1 and int(kv["qwen35.nextn_predict_layers"][0]) == 1
+    names = {t.name for t in r.tensors}
+    assert {f"blk.{n}.nextn.{k}.weight" for k in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} <= names
+    assert f"blk.{n}.attn_q.weight" in names and f"blk.{n}.ssm_a" not in names
+    with Decoder(str(p), "mtp", threads=2, ctx=256) as d:
+        ar = d.generate("def f(x):", 12, mode="ar", ignore_eos=True).tokens
+        assert d.generate("def f(x):", 12, mode="chain", ignore_eos=True).tokens == ar

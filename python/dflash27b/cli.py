@@ -266,7 +266,8 @@ def convert(hf_dir, out, outtype):
 @click.option("--drafter", is_flag=True,
               help="write a DFlash drafter directory for a target of this shape instead (the 27B shape: z-lab's "
                    "published drafter shapes, BF16, random weights)")
-def synth(out, shape, ftype, seed, drafter):
+@click.option("--mtp", is_flag=True, help="with an MTP head after the trunk, as llama.cpp's converter writes one")
+def synth(out, shape, ftype, seed, drafter, mtp):
     """Write a synthetic qwen35 GGUF (random weights, exact layout and type mix), or with --drafter a
     DFlash drafter directory of the matching shape."""
     from .tools.synth import SHAPES, write_synthetic, write_synthetic_draft
@@ -276,7 +277,7 @@ def synth(out, shape, ftype, seed, drafter):
         if drafter:
             write_synthetic_draft(out, shape, seed)
         else:
-            write_synthetic(out, shape, ftype, seed)
+            write_synthetic(out, shape, ftype, seed, mtp=mtp)
     except (ValueError, KeyError, OSError) as e:
         _fail(str(e))
     click.echo(f"wrote {out}")

@@ -204,11 +204,14 @@ def _tensor_out(name: str, shape: tuple[int, ...], qtype: T, rng: np.random.Gene
 
 def write_synthetic(out_path: str | Path, shape: str | Mapping[str, Any] = "tiny", ftype: str = "q4_k_m",
                     seed: int = 0, vocab: Mapping[str, Any] | None = None,
-                    random_quant: bool | None = None, sparse: bool = False) -> Path:
+                    random_quant: bool | None = None, sparse: bool = False, mtp: bool = False) -> Path:
     """Write a synthetic qwen35 GGUF. `vocab`: GGUF tokenizer keys to embed instead of the trained vocab.
     `random_quant`: write random quant blocks directly (default: when the model has > 1e9 parameters).
-    `sparse`: all-zero weights left as holes in the file (the layout alone, for plans and loader tests)."""
+    `sparse`: all-zero weights left as holes in the file (the layout alone, for plans and loader tests).
+    `mtp`: with an MTP head, as llama.cpp's converter writes one (with_mtp_head)."""
     hp = resolve_shape(shape)
+    if mtp:
+        hp = with_mtp_head(hp)
     plan = type_plan(hp, ftype)
     tok = dict(vocab) if vocab is not None else synth_tokenizer(hp["vocab"])
     if len(tok["tokenizer.ggml.tokens"]) != hp["vocab"]:
@@ -225,6 +228,17 @@ def write_synthetic(out_path: str | Path, shape: str | Mapping[str, Any] = "tiny
     out_path = Path(out_path)
     write_gguf(out_path, add_kv, outs, sparse=sparse)
     return out_path
+
+
+def with_mtp_head(hp: Mapping[str, Any]) -> dict[str, Any]:
+    """The shape with a one-layer MTP head after the trunk: one more block, a full-attention one (not
+    recurrent) with the nextn tensors, `nextn_predict_layers` = 1 (layout.py writes what llama.cpp's converter
+    writes for Qwen3.5's mtp.* weights)."""
+    from .layout import is_recurrent
+    out = dict(hp)
+    out["recurrent"] = [is_recurrent(hp, i) for i in range(hp["n_layer"])] + [False]
+    out["n_mtp"] = 1
+    return out
 
 
 def synth_draft_config(shape: str | Mapping[str, Any] = "27b") -> dict[str, Any]:
