@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu_rehearse.sh — runs, for real and without a GPU, the steps of bench/gpu_bench.sh that need none, through the
 # script's own functions (run under timeout, the background jobs, save_logs, record): the sm_90 nvcc build (its
-# device check then fails: no GPU), llama.cpp's toolkit check, the exactness and slots parts with the CPU standing in, the
+# device check then fails: no GPU), llama.cpp's toolkit check, the exactness, slots and drafters parts with the CPU
+# standing in (and the drafters part's `synth --mtp` writer as a background job, on the tiny shape), the
 # test summary and the record, with OUT set.  --dry-run never calls timeout or the build; this does, so a script
 # error is found here, not on a lent GPU.  Needs nvcc and the .gpu/ llama.cpp tarball (bench/gpu_prepare.sh).
 # Usage: bash bench/gpu_rehearse.sh [OUT_DIR]      (leaves build/gpu*, build/llamacpp*; writes no bench/results file)
@@ -32,6 +33,12 @@ run 120 "exactness (the CPU stands in)" python3 bench/gpu_bench.py exact --devic
   --out "$PARTS/exact.json" || { echo "REHEARSAL FAILED: exact"; exit 1; }
 run 120 "slots (the CPU stands in)" python3 bench/gpu_bench.py slots --device cpu -n 16 --slots 3 --ctx 512 \
   --out "$PARTS/slots.json" || { echo "REHEARSAL FAILED: slots"; exit 1; }
+# the drafters part's writer (part3 writes the 27B so, in the background) on the tiny shape, then the part
+background synth27mtp python3 -m dflash27b.cli synth build/rehearse-mtp.gguf --shape tiny --ftype q4_k_m --mtp
+wait_for synth27mtp 60 || { echo "REHEARSAL FAILED: synth --mtp"; exit 1; }
+run 120 "drafters (the CPU stands in)" python3 bench/gpu_bench.py drafters --device cpu -n 16 --ctx 512 \
+  --out "$PARTS/drafters.json" || { echo "REHEARSAL FAILED: drafters"; exit 1; }
+rm -f build/rehearse-mtp.gguf build/synth27mtp.log build/synth27mtp.done
 checks_summary
 record
 for f in bench/results/gpu-*; do  # the record of this rehearsal only (a CPU stood in): not a result
