@@ -676,9 +676,18 @@ def part_slots(target: str | None, draft: str | None, device: str, n_new: int, t
         many = dec.generate_many(prompts, n_new, ignore_eos=True, mode="ar", cache=False)  # (warm)
         rows = {"one_stream_tok_s": one, "ar_tok_s": aggregate(many),
                 "ar_eq_solo": [r.tokens for r in many] == [r.tokens for r in solo]}
-        if draft is not None:
+        if dec._has_drafter():   # (the CPU check's bundled pair too)
             auto = dec.generate_many(prompts, n_new, ignore_eos=True, mode="auto", cache=False)
             rows.update(auto_tok_s=aggregate(auto), auto_eq_solo=[r.tokens for r in auto] == [r.tokens for r in solo])
+            # DDTree in every slot: the drafters' blocks in one drafter forward a step, against one stream's
+            tree = dict(ignore_eos=True, mode="ddtree", budget=8, cache=False)
+            one_tree = dec.generate(prompts[0], n_new, **tree)
+            many_tree = dec.generate_many(prompts, n_new, **tree)
+            rows.update(ddtree_one_tok_s=one_tree.stats.decode_tok_s, ddtree_tok_s=aggregate(many_tree),
+                        ddtree_draft_ms=_median([ms for r in many_tree for ms in r.stats.draft_ms]),
+                        ddtree_one_draft_ms=_median(one_tree.stats.draft_ms),
+                        ddtree_eq_solo=[r.tokens for r in many_tree] ==
+                        [dec.generate(p, n_new, **tree).tokens for p in prompts])
         rows["ar_vs_one"] = rows["ar_tok_s"] / one if one else None
         out.update(rows)
     return out
@@ -770,7 +779,8 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
                                           "exact")} if pf else None,
         "draft_model": {"ar_ms": dm.get("ar_ms"), "blocks": dm.get("blocks")} if dm else None,
         "slots": {k: sl.get(k) for k in ("slots", "one_stream_tok_s", "ar_tok_s", "ar_vs_one", "ar_eq_solo",
-                                         "auto_tok_s", "auto_eq_solo")} if sl else None,
+                                         "auto_tok_s", "auto_eq_solo", "ddtree_one_tok_s", "ddtree_tok_s",
+                                         "ddtree_one_draft_ms", "ddtree_draft_ms", "ddtree_eq_solo")} if sl else None,
         "drafters": {k: dr.get(k) for k in ("target", "ar_ms", "ar_tok_s", "mtp_chain", "mtp_ddtree", "auto",
                                             "estimates")} if dr else None,
         "profile": ours.get("profile"),
@@ -871,7 +881,11 @@ def markdown(rec: dict) -> str:
     if sl:
         lines += ["", f"{sl.get('slots')} requests at once: AR {_f(sl.get('ar_tok_s'))} tok/s in all vs one stream "
                       f"{_f(sl.get('one_stream_tok_s'))} ({_f(sl.get('ar_vs_one'), '.2f')}x), auto "
-                      f"{_f(sl.get('auto_tok_s'))}; == solo: AR {sl.get('ar_eq_solo')}, auto {sl.get('auto_eq_solo')}"]
+                      f"{_f(sl.get('auto_tok_s'))}; == solo: AR {sl.get('ar_eq_solo')}, auto {sl.get('auto_eq_solo')}",
+                  f"DDTree-8 in every slot: {_f(sl.get('ddtree_tok_s'))} tok/s in all vs one stream "
+                  f"{_f(sl.get('ddtree_one_tok_s'))}; the drafter step {_f(sl.get('ddtree_draft_ms'), '.2f')} ms for all "
+                  f"slots' blocks at once vs {_f(sl.get('ddtree_one_draft_ms'), '.2f')} ms for one; == solo "
+                  f"{sl.get('ddtree_eq_solo')}"]
     dr = rec.get("drafters")
     if dr:
         lines += ["", f"drafters on `{dr.get('target')}` (AR step {_f(dr.get('ar_ms'), '.2f')} ms): costs in AR steps",

@@ -218,6 +218,8 @@ typedef struct {
   int32_t drafter;         /* auto: the portfolio's drafter that drafted (dfl_context_drafter_name; -1: none) */
   int32_t declined_learnt; /* auto: trees drafted and declined earlier (AR won their step) whose tokens this step
                               decided: their drafters' acceptance learnt from them */
+  int32_t draft_batch;     /* slots (dfl_generate_next_many): the blocks its drafter forward made at once, this
+                              slot's among them (0: a forward of its own, or none) */
 } dfl_step_stats;
 
 /* Log-probabilities of the emitted tokens (dfl_gen_params.n_logprobs >= 0): one entry per token, in order. */

@@ -472,3 +472,8 @@ def test_cuda_slots_equal_their_solo_decodes(pair):
         want = [d.generate(p, params=q, cache=False).tokens for p, q in zip(PROMPTS + PROMPTS[:1], ps)]
         got = d.generate_many(PROMPTS + PROMPTS[:1], params=ps, cache=False)
         assert [r.tokens for r in got] == want
+        # two drafting slots (DDTree, chain): their blocks in one drafter forward, each block's plan in turn
+        req = dict(mode="ddtree", budget=6, ignore_eos=True, cache=False)
+        want = [d.generate(p, n, **req).tokens for p in PROMPTS[:2]]
+        assert [r.tokens for r in d.generate_many(PROMPTS[:2], n, **req)] == want
+        assert 2 in [s["draft_batch"] for k in range(2) for s in d._slot(k)._ctx.step_stats()]

@@ -366,6 +366,8 @@ def test_every_part_on_the_cpu_makes_a_complete_record(tmp_path):
         {"ddtree-5-expand4", "ddtree-9-expand4"} and all(v["eq_ar"] for v in dmb.values())
     assert dmb["chain-9"]["accept_length"] >= 3 and dmb["chain-9"]["step_in_ar"] > 0
     assert rec["prefix"]["turn2_ttft_s"] < rec["prefix"]["turn1_ttft_s"]
+    sl = rec["slots"]   # the bundled pair in 3 slots: AR, auto and DDTree (one drafter forward a step) == solo
+    assert sl["ar_eq_solo"] and sl["auto_eq_solo"] and sl["ddtree_eq_solo"] and sl["ddtree_tok_s"] > 0
     dr = rec["drafters"]   # a tiny target with an MTP head: every drafter priced, every mode == AR
     assert set(dr["estimates"]) == {"mtp", "dflash", "lookup"}
     assert all(e["draft_in_ar"] > 0 and {"2", "8", "23"} <= set(e["verify_in_ar"]) for e in dr["estimates"].values())

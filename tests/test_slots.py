@@ -203,3 +203,18 @@ def test_more_verify_rows_than_one_batch_take_two_forwards():
         ps = [d._settings(None, 24, dict(mode="ddtree", budget=22, ignore_eos=True)) for _ in range(4)]
         ref = [d.generate(p, params=q, cache=False).tokens for p, q in zip(PROMPTS[:4], ps)]
         assert [r.tokens for r in d.generate_many(PROMPTS[:4], params=ps, cache=False)] == ref
+
+
+@pytest.mark.parametrize("req", [dict(mode="ddtree", budget=8), dict(mode="chain"),
+                                 dict(mode="ddtree", budget=6, temperature=0.9, seed=5)])
+def test_drafting_slots_share_one_drafter_forward(dec, req):
+    """The DFlash drafter's blocks of every drafting slot are made in one drafter forward
+    (Drafter::prefetch_blocks: the row-wise work once over every block's rows, attention and DFlash2's
+    convolutions per block on its own drafter's context), and each slot's drafts are the bits its own forward
+    gives: every reply == its solo decode, and the steps where all three drafted say so."""
+    ps = PROMPTS[:3]
+    solo = [dec.generate(p, 24, ignore_eos=True, cache=False, **req).tokens for p in ps]
+    many = dec.generate_many(ps, 24, ignore_eos=True, cache=False, parallel=3, **req)
+    assert [r.tokens for r in many] == solo
+    batches = [s["draft_batch"] for k in range(3) for s in dec._slot(k)._ctx.step_stats()]
+    assert batches.count(3) >= 3 and set(batches) <= {0, 2, 3}

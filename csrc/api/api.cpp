@@ -461,6 +461,7 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->pruned = r.pruned; o->mask_s = r.mask_s;
     o->drafter = r.drafter;
     o->declined_learnt = r.declined_learnt;
+    o->draft_batch = r.draft_batch;
   });
 }
 

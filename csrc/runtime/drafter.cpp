@@ -159,6 +159,7 @@ void Drafter::consume_features() {
 void Drafter::project_context(int32_t pos0, int n) {
   const DraftConfig& c = d_.cfg;
   Backend& be = *be_;
+  ++epoch_;  // its scratch: a block result prefetched there is gone
   const int H = c.hidden;
   const size_t w = (size_t)feature_width();
   ensure_scratch(std::max(n, kProjectChunk));
@@ -227,10 +228,10 @@ void Drafter::plan_block(const int32_t* tokens, int B, bool causal, int64_t W, C
 }
 
 void Drafter::propose(const int32_t* block_tokens, int n_block, float* logits) {
-  forward_block(block_tokens, n_block);
+  const BlockResult r = forward_block(block_tokens, n_block);
   const DraftConfig& c = d_.cfg;
   const size_t nl = (size_t)(n_block - 1) * t_.cfg.n_vocab;
-  be_->download(logits, logits_.f(), nl * 4);
+  be_->download(logits, r.logits, nl * 4);
   if (c.final_logit_softcapping > 0.f) {
     const float cap = c.final_logit_softcapping;
     for (size_t i = 0; i < nl; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
@@ -238,25 +239,32 @@ void Drafter::propose(const int32_t* block_tokens, int n_block, float* logits) {
 }
 
 void Drafter::propose_topk(const int32_t* block_tokens, int n_block, int k, int32_t* ids, float* logp) {
+  topk_block(block_tokens, n_block, k, ids, logp);
+}
+
+Drafter::BlockResult Drafter::topk_block(const int32_t* block_tokens, int n_block, int k, int32_t* ids, float* logp) {
   const int V = t_.cfg.n_vocab, rows = n_block - 1;
   if (k < 1 || k > V) fail("draft top-k of %d over a vocabulary of %d", k, V);
+  const BlockResult r = forward_block(block_tokens, n_block);
   if (d_.cfg.final_logit_softcapping > 0.f) {  // soft-capping happens on the host: rank there too
     std::vector<float> logits((size_t)std::max(rows, 0) * V);
-    propose(block_tokens, n_block, logits.data());
-    for (int r = 0; r < rows; ++r)
-      topk_logprobs(logits.data() + (size_t)r * V, V, k, ids + (size_t)r * k, logp + (size_t)r * k);
-    return;
+    be_->download(logits.data(), r.logits, logits.size() * 4);
+    const float cap = d_.cfg.final_logit_softcapping;
+    for (float& x : logits) x = std::tanh(x / cap) * cap;
+    for (int i = 0; i < rows; ++i)
+      topk_logprobs(logits.data() + (size_t)i * V, V, k, ids + (size_t)i * k, logp + (size_t)i * k);
+    return r;
   }
-  forward_block(block_tokens, n_block);
   const size_t n = (size_t)rows * k;
   if (top_.bytes < n * 8) top_ = BackendBuf(*be_, n * 8);
   int32_t* d_ids = reinterpret_cast<int32_t*>(top_.u8());
   float* d_lp = reinterpret_cast<float*>(top_.u8() + n * 4);
-  be_->row_topk(logits_.f(), rows, V, k, d_ids, d_lp);
+  be_->row_topk(r.logits, rows, V, k, d_ids, d_lp);
   std::vector<uint8_t> both(n * 8);  // ids then log-probs: one transfer
   be_->download(both.data(), top_.p, both.size());
   std::memcpy(ids, both.data(), n * 4);
   std::memcpy(logp, both.data() + n * 4, n * 4);
+  return r;
 }
 
 // The selector's scoring of one block: the block forward (candidates and their log-probs) and g_t = P h_t;
@@ -291,11 +299,11 @@ Drafter::SelectorScores Drafter::selector_scores(const int32_t* block_tokens, in
   const DraftConfig& c = d_.cfg;
   if (!c.dflash2) fail("internal: the candidate selector belongs to DFlash2 drafters");
   const int rows = n_block - 1, K = c.selector_top_k, Rk = c.selector_rank;
-  propose_topk(block_tokens, n_block, K, cand_ids, cand_logp);  // the block forward; hn_ = its final-normed rows
+  const BlockResult r = topk_block(block_tokens, n_block, K, cand_ids, cand_logp);  // r.hn: the final-normed rows
   Backend& be = *be_;
   const size_t ng = (size_t)rows * Rk;
   if (sel_.bytes < ng * 4) sel_ = BackendBuf(be, ng * 4);
-  be.matmul(d_.selector.hidden_projection, hn_.f(), rows, sel_.f());
+  be.matmul(d_.selector.hidden_projection, r.hn, rows, sel_.f());
   SelectorScores S{*this, rows, K, Rk, cand_ids, cand_logp, std::vector<float>(ng), std::vector<float>((size_t)Rk),
                    std::vector<float>((size_t)Rk),
                    std::vector<uint8_t>(std::max(d_.selector.predecessor.row_bytes, d_.selector.successor.row_bytes))};
@@ -334,78 +342,151 @@ void Drafter::propose_path(const int32_t* block_tokens, int n_block, int32_t* pa
   if (cand_logp) std::memcpy(cand_logp, lp.data(), lp.size() * 4);
 }
 
-void Drafter::forward_block(const int32_t* block_tokens, int n_block) {
-  const DraftConfig& c = d_.cfg;
-  const Qwen35Config& tc = t_.cfg;
-  if (n_block < 2) fail("a draft block needs at least 2 positions (got %d)", n_block);
-  for (int i = 0; i < n_block; ++i)
-    if (block_tokens[i] < 0 || block_tokens[i] >= tc.n_vocab)
-      fail("draft block token %d at index %d is outside the vocabulary", block_tokens[i], i);
-  consume_features();
+Drafter::BlockResult Drafter::forward_block(const int32_t* block_tokens, int n_block) {
+  Prefetched& pf = prefetched_;
+  if (pf.lead && pf.lead->epoch_ == pf.epoch && pf.pos == n_pos_ && consumed_ == n_pos_ &&
+      (int)pf.block.size() == n_block && std::equal(pf.block.begin(), pf.block.end(), block_tokens)) {
+    pf.lead = nullptr;  // one use: the step that prefetched it
+    return pf.r;
+  }
+  pf.lead = nullptr;
+  Drafter* self = this;
+  BlockResult r;
+  forward_blocks(&self, &block_tokens, &n_block, 1, &r);
+  return r;
+}
 
-  Backend& be = *be_;
-  const int B = n_block, H = c.hidden;
-  ensure_scratch(B);
-  ensure_block_rows(B);
-  // Layer kinds share a plan: (causal, window) per layer; re-upload only when it changes.
+void Drafter::prefetch_blocks(Drafter* const* ds, const int32_t* const* blocks, const int* n_block, int n) {
+  if (n <= 0) return;
+  std::vector<BlockResult> rs((size_t)n);
+  forward_blocks(ds, blocks, n_block, n, rs.data());
+  for (int k = 0; k < n; ++k) {
+    Prefetched& pf = ds[k]->prefetched_;
+    pf.lead = ds[0];
+    pf.epoch = ds[0]->epoch_;
+    pf.pos = ds[k]->n_pos_;
+    pf.block.assign(blocks[k], blocks[k] + n_block[k]);
+    pf.r = rs[(size_t)k];
+  }
+}
+
+void Drafter::forward_blocks(Drafter* const* ds, const int32_t* const* blocks, const int* n_block, int n,
+                             BlockResult* out) {
+  Drafter& lead = *ds[0];
+  const DraftConfig& c = lead.d_.cfg;
+  const Qwen35Config& tc = lead.t_.cfg;
+  const int H = c.hidden;
+  int R = 0, P = 0;  // rows in all, and rows past each block's root (the lm_head's)
+  std::vector<int> row0((size_t)n), prow0((size_t)n);
+  for (int k = 0; k < n; ++k) {
+    Drafter& d = *ds[k];
+    if (&d.d_ != &lead.d_ || d.be_ != lead.be_)
+      fail("internal: drafters batched in one forward must share a draft model and a backend");
+    const int B = n_block[k];
+    if (B < 2) fail("a draft block needs at least 2 positions (got %d)", B);
+    for (int i = 0; i < B; ++i)
+      if (blocks[k][i] < 0 || blocks[k][i] >= tc.n_vocab)
+        fail("draft block token %d at index %d is outside the vocabulary", blocks[k][i], i);
+    d.consume_features();
+    d.ensure_block_rows(B);
+    row0[(size_t)k] = R, prow0[(size_t)k] = P;
+    R += B, P += B - 1;
+  }
+  lead.ensure_scratch(R);
+  ++lead.epoch_;
+  Backend& be = *lead.be_;
+  // Layer kinds share a plan: (causal, window) per layer.  One block re-uploads its plan only when the kind
+  // changes; several take turns, each block's plan before its attention.
   auto kind = [&](int l) {
     const bool causal = c.is_causal >= 0 ? c.is_causal == 1 : c.is_sliding[l] != 0;  // z-lab's rule
     return std::make_pair(causal, (int64_t)(c.is_sliding[l] ? c.sliding_window : 0));
   };
-  std::pair<bool, int64_t> current{false, -1};
-  auto use_plan = [&](int l) {
-    const auto k = kind(l);
-    if (k == current) return;
-    plan_block(block_tokens, B, k.first, k.second, plan_b_);
-    be.begin_chunk(plan_b_);
-    current = k;
+  std::vector<std::pair<bool, int64_t>> planned((size_t)n, {false, -1});
+  auto use_plan = [&](int k, int l) {
+    Drafter& d = *ds[k];
+    const auto kd = kind(l);
+    if (kd != planned[(size_t)k]) {
+      d.plan_block(blocks[k], n_block[k], kd.first, kd.second, d.plan_b_);
+      planned[(size_t)k] = kd;
+    } else if (n == 1) {
+      return;  // already the backend's plan
+    }
+    be.begin_chunk(d.plan_b_);
   };
-  use_plan(0);
-  be.embed(t_.tok_embd, x_.f());
-  if (c.input_embedding_scale != 1.f) be.scale(x_.f(), c.input_embedding_scale, (size_t)B * H);
+  float* x = lead.x_.f();
+  if (n == 1) {
+    use_plan(0, 0);
+  } else {  // the embedding reads every block's tokens: one plan of all rows
+    ChunkPlan& A = lead.plan_all_;
+    A = ChunkPlan{};
+    A.n = R;
+    for (int k = 0; k < n; ++k)
+      for (int i = 0; i < n_block[k]; ++i) A.tokens.push_back(blocks[k][i]), A.pos.push_back(ds[k]->n_pos_ + i);
+    be.begin_chunk(A);
+  }
+  be.embed(lead.t_.tok_embd, x);
+  if (c.input_embedding_scale != 1.f) be.scale(x, c.input_embedding_scale, (size_t)R * H);
 
   // DFlash2: each sublayer between two grouped dynamic convolutions whose per-token kernels come from one
-  // projection of the sublayer's normed input (side 0 on that input, side 1 on the sublayer's output)
+  // projection of the sublayer's normed input (side 0 on that input, side 1 on the sublayer's output); the
+  // convolution runs along each block's own rows
   const int T = c.conv_kernel, G = c.conv_groups();
-  auto conv_in = [&](const DraftConvWeights& cw) -> const float* {  // hn_ -> the sublayer's input
-    if (!c.dflash2) return hn_.f();
-    be.matmul(cw.proj, hn_.f(), B, dl_.f());
-    be.grouped_conv(hn_.f(), be.vec(cw.base), dl_.f(), 0, B, H, T, G, cv_.f());
-    return cv_.f();
+  float *hn = lead.hn_.f(), *dl = lead.dl_.f(), *cv = lead.cv_.f(), *out_ = lead.out_.f();
+  auto conv = [&](const float* u, const DraftConvWeights& cw, int side) {
+    for (int k = 0; k < n; ++k) {
+      const size_t r0 = (size_t)row0[(size_t)k];
+      be.grouped_conv(u + r0 * H, be.vec(cw.base), dl + r0 * 2 * T * G, side, n_block[k], H, T, G, cv + r0 * H);
+    }
   };
-  auto add_out = [&](const DraftConvWeights& cw) {  // x += the sublayer's output (out_), convolved for DFlash2
-    if (c.dflash2) be.grouped_conv(out_.f(), be.vec(cw.base), dl_.f(), 1, B, H, T, G, cv_.f());
-    be.add(x_.f(), c.dflash2 ? cv_.f() : out_.f(), (size_t)B * H);
+  auto conv_in = [&](const DraftConvWeights& cw) -> const float* {  // hn -> the sublayer's input
+    if (!c.dflash2) return hn;
+    be.matmul(cw.proj, hn, R, dl);
+    conv(hn, cw, 0);
+    return cv;
   };
+  auto add_out = [&](const DraftConvWeights& cw) {  // x += the sublayer's output, convolved for DFlash2
+    if (c.dflash2) conv(out_, cw, 1);
+    be.add(x, c.dflash2 ? cv : out_, (size_t)R * H);
+  };
+  const size_t qd = (size_t)c.q_dim(), kvd = (size_t)c.kv_dim();
   for (int l = 0; l < c.n_layer; ++l) {
-    const DraftLayerWeights& L = d_.layers[l];
-    use_plan(l);
-    be.rmsnorm(x_.f(), be.vec(L.input_norm), B, H, c.rms_eps, hn_.f());
+    const DraftLayerWeights& L = lead.d_.layers[l];
+    be.rmsnorm(x, be.vec(L.input_norm), R, H, c.rms_eps, hn);
     const float* a_in = conv_in(L.attn_conv);
-    be.matmul(L.wq, a_in, B, q_.f());
-    be.matmul(L.wk, a_in, B, kb_.f());
-    be.matmul(L.wv, a_in, B, vb_.f());
-    const AttnLayer A{attn_, k_[l].u8(), v_[l].u8(), be.vec(L.q_norm), be.vec(L.k_norm)};  // plan: slots cap..
-    be.attn_store(q_.f(), kb_.f(), vb_.f(), A);
-    be.attention(q_.f(), A, att_.f());
-    be.matmul(L.wo, att_.f(), B, out_.f());
+    be.matmul(L.wq, a_in, R, lead.q_.f());
+    be.matmul(L.wk, a_in, R, lead.kb_.f());
+    be.matmul(L.wv, a_in, R, lead.vb_.f());
+    for (int k = 0; k < n; ++k) {  // each block on its own drafter's context (plan: its slots cap..)
+      Drafter& d = *ds[k];
+      const size_t r0 = (size_t)row0[(size_t)k];
+      use_plan(k, l);
+      const AttnLayer A{d.attn_, d.k_[l].u8(), d.v_[l].u8(), be.vec(L.q_norm), be.vec(L.k_norm)};
+      be.attn_store(lead.q_.f() + r0 * qd, lead.kb_.f() + r0 * kvd, lead.vb_.f() + r0 * kvd, A);
+      be.attention(lead.q_.f() + r0 * qd, A, lead.att_.f() + r0 * qd);
+    }
+    be.matmul(L.wo, lead.att_.f(), R, out_);
     add_out(L.attn_conv);
 
-    be.rmsnorm(x_.f(), be.vec(L.post_norm), B, H, c.rms_eps, hn_.f());
+    be.rmsnorm(x, be.vec(L.post_norm), R, H, c.rms_eps, hn);
     const float* m_in = conv_in(L.mlp_conv);
-    be.matmul(L.gate, m_in, B, g_.f());
-    be.matmul(L.up, m_in, B, u_.f());
-    be.swiglu(g_.f(), u_.f(), (size_t)B * c.n_ff);
-    be.matmul(L.down, g_.f(), B, out_.f());
+    be.matmul(L.gate, m_in, R, lead.g_.f());
+    be.matmul(L.up, m_in, R, lead.u_.f());
+    be.swiglu(lead.g_.f(), lead.u_.f(), (size_t)R * c.n_ff);
+    be.matmul(L.down, lead.g_.f(), R, out_);
     add_out(L.mlp_conv);
   }
 
-  // The draft's own final norm, then the target's lm_head for positions 1..B-1.
-  be.rmsnorm(x_.f() + H, be.vec(d_.norm), B - 1, H, c.rms_eps, hn_.f());
-  const size_t nl = (size_t)(B - 1) * tc.n_vocab;
-  if (logits_.bytes < nl * 4) logits_ = BackendBuf(be, nl * 4);
-  be.matmul(t_.output, hn_.f(), B - 1, logits_.f());
-  if (c.output_multiplier != 1.f) be.scale(logits_.f(), c.output_multiplier, nl);
+  // The draft's own final norm over each block's rows past its root (packed: block k's at prow0[k]), then the
+  // target's lm_head over them all.
+  for (int k = 0; k < n; ++k)
+    be.rmsnorm(x + ((size_t)row0[(size_t)k] + 1) * H, be.vec(lead.d_.norm), n_block[k] - 1, H, c.rms_eps,
+               hn + (size_t)prow0[(size_t)k] * H);
+  const size_t nl = (size_t)P * tc.n_vocab;
+  if (lead.logits_.bytes < nl * 4) lead.logits_ = BackendBuf(be, nl * 4);
+  be.matmul(lead.t_.output, hn, P, lead.logits_.f());
+  if (c.output_multiplier != 1.f) be.scale(lead.logits_.f(), c.output_multiplier, nl);
+  for (int k = 0; k < n; ++k)
+    out[k] = BlockResult{lead.logits_.f() + (size_t)prow0[(size_t)k] * tc.n_vocab, hn + (size_t)prow0[(size_t)k] * H};
 }
 
 }  // namespace dfl

@@ -38,6 +38,7 @@ class Drafter {
   ~Drafter();
 
   const DraftConfig& config() const { return d_.cfg; }
+  const DraftModel* draft_model() const { return &d_; }
   int capacity() const { return cap_; }
   int feature_width() const { return d_.cfg.fc_in(); }
   // Next position whose features are expected (= committed tokens pushed so far).
@@ -77,8 +78,18 @@ class Drafter {
   // propose_path is the greedy walk of it.
   void propose_lattice(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp, float* edge);
 
+  // The blocks of n drafters of one draft model on one backend (the slots of a server: Generator::next_many) in
+  // one forward: the row-wise work (embedding, norms, projections, MLP, the lm_head) once over every block's
+  // rows, attention and DFlash2's convolutions per block on its own drafter's context.  Each drafter keeps its
+  // block's result for its next propose* call on the same block at the same position (no forward then);
+  // each block's rows get exactly the arithmetic of its own forward, so those calls give the same bits.
+  static void prefetch_blocks(Drafter* const* ds, const int32_t* const* blocks, const int* n_block, int n);
+
  private:
   struct SelectorScores;
+  struct BlockResult;
+  // propose_topk's work, returning the block's result (the selector reads its final-normed rows)
+  BlockResult topk_block(const int32_t* block_tokens, int n_block, int k, int32_t* ids, float* logp);
   SelectorScores selector_scores(const int32_t* block_tokens, int n_block, int32_t* cand_ids, float* cand_logp);
 
  public:
@@ -95,8 +106,16 @@ class Drafter {
   void ensure_scratch(int rows);
   void ensure_block_rows(int B);
   // The plan of a block attending with this layer kind (causal, window W).
-  // The block forward up to the (multiplied) logits in logits_; rows = n_block - 1.
-  void forward_block(const int32_t* block_tokens, int n_block);
+  // A block's forward up to its (multiplied) logits and final-normed rows (rows = n_block - 1): a result
+  // prefetched for this block (prefetch_blocks), else the drafter's own forward.
+  struct BlockResult {
+    const float* logits = nullptr;  // backend memory [(n_block - 1)][n_vocab]
+    const float* hn = nullptr;      // backend memory [(n_block - 1)][hidden]: the draft's final norm
+  };
+  BlockResult forward_block(const int32_t* block_tokens, int n_block);
+  // The forward of n drafters' blocks in the lead's (ds[0]'s) scratch; each drafter's result there.
+  static void forward_blocks(Drafter* const* ds, const int32_t* const* blocks, const int* n_block, int n,
+                             BlockResult* out);
   void plan_block(const int32_t* tokens, int B, bool causal, int64_t W, ChunkPlan& P) const;
 
   const DraftModel& d_;
@@ -118,7 +137,17 @@ class Drafter {
   BackendBuf sel_;      // DFlash2: P h of the block's rows [rows][selector_rank]
   BackendBuf logits_;  // [(block - 1)][n_vocab], grown on demand
   BackendBuf top_;     // top-k ids then log-probs
-  ChunkPlan plan_a_, plan_b_;
+  ChunkPlan plan_a_, plan_b_, plan_all_;
+  // A prefetched block's result, valid while its lead's scratch is untouched (the lead's epoch) and this
+  // drafter has read no new position.
+  struct Prefetched {
+    const Drafter* lead = nullptr;
+    uint64_t epoch = 0;
+    int32_t pos = -1;
+    std::vector<int32_t> block;
+    BlockResult r;
+  } prefetched_;
+  uint64_t epoch_ = 0;  // bumped whenever this drafter's scratch is written
 };
 
 }  // namespace dfl

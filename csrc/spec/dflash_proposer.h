@@ -45,6 +45,22 @@ class DFlashProposer final : public Proposer {
     d_.propose_lattice(block_.data(), r.L + 1, ids_.data(), logp_.data(), edge_.data());
     return build_ddtree_lattice(ids_.data(), logp_.data(), edge_.data(), r.L, S, tp);
   }
+  const void* batch_key() const override { return d_.draft_model(); }
+  void prefetch_many(Proposer* const* ps, const DraftRequest* rs, int n) override {
+    std::vector<Drafter*> ds((size_t)n);
+    std::vector<std::vector<int32_t>> blocks((size_t)n);
+    std::vector<const int32_t*> bp((size_t)n);
+    std::vector<int> nb((size_t)n);
+    for (int k = 0; k < n; ++k) {
+      DFlashProposer& q = static_cast<DFlashProposer&>(*ps[k]);  // (one batch key: DFlash proposers alike)
+      ds[(size_t)k] = &q.d_;
+      blocks[(size_t)k].assign((size_t)rs[k].L + 1, d_.config().mask_token_id);
+      blocks[(size_t)k][0] = rs[k].root;
+      bp[(size_t)k] = blocks[(size_t)k].data();
+      nb[(size_t)k] = rs[k].L + 1;
+    }
+    Drafter::prefetch_blocks(ds.data(), bp.data(), nb.data(), n);
+  }
   void reset() override { d_.reset(); }
   const std::vector<int32_t>* feature_layers() const override { return &d_.config().target_layer_ids; }
   int feature_capacity() const override { return d_.capacity(); }

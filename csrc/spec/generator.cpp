@@ -262,7 +262,7 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
     const std::vector<int32_t> f = forced_tokens(V - 1);
     std::copy(f.begin(), f.end(), tokens_.begin() + 1);
   }
-  rec.draft_s = since(t0);
+  rec.draft_s += since(t0);  // (+: a slot's share of a batched drafter forward, next_many's)
 }
 
 // The tree with the constraint's forced tokens as its first chain (depth 1..nf, log-prob 0: certain); a
@@ -309,7 +309,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   DraftTree t;
   if (whole) {  // a proposer that gives the whole tree (a hook): verified as given
     t = whole->propose_tree(request(s, V), tp, 0);
-    rec.draft_s = since(t0);
+    rec.draft_s += since(t0);
   } else {
     if (V < 2 || cap <= 0) {
       tokens_.resize(1), parent_.resize(1), depth_.resize(1);
@@ -330,7 +330,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
       top_ids_.resize((size_t)(V - 1) * K), top_logp_.resize((size_t)(V - 1) * K);
       rank->propose_topk(request(s, V), K, top_ids_.data(), top_logp_.data());
     }
-    rec.draft_s = since(t0);
+    rec.draft_s += since(t0);
     t0 = Clock::now();
     if (!expander) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
   }
@@ -442,7 +442,33 @@ int Generator::next_many(Generator* const* gs, int n, std::vector<int32_t>* outs
   const auto t0 = Clock::now();
   std::vector<int> planned;
   for (int k : stepping)  // auto mode prices each tree against the whole batch's step
-    if (gs[k]->plan_step((int)stepping.size())) planned.push_back(k);
+    if (gs[k]->decide_step((int)stepping.size())) planned.push_back(k);
+  // the slots whose blocks one drafter forward can make (a DFlash drafter's, shared): drafted together first
+  std::vector<bool> grouped(planned.size(), false);
+  std::vector<Proposer*> ps(planned.size());
+  std::vector<DraftRequest> rs(planned.size());
+  for (size_t i = 0; i < planned.size(); ++i) ps[i] = gs[planned[i]]->block_proposer(&rs[i]);
+  for (size_t i = 0; i < planned.size(); ++i) {
+    if (grouped[i] || !ps[i] || !ps[i]->batch_key()) continue;
+    std::vector<Proposer*> gp;
+    std::vector<DraftRequest> gr;
+    std::vector<size_t> members;
+    for (size_t j = i; j < planned.size(); ++j)
+      if (!grouped[j] && ps[j] && ps[j]->batch_key() == ps[i]->batch_key()) {
+        gp.push_back(ps[j]), gr.push_back(rs[j]), members.push_back(j);
+        grouped[j] = true;
+      }
+    if (gp.size() < 2) continue;
+    const auto tp = Clock::now();
+    gp[0]->prefetch_many(gp.data(), gr.data(), (int)gp.size());
+    const double dt = since(tp);  // each slot of the group waited the whole forward (its draft time, as alone)
+    for (size_t j : members) {
+      StepRecord& rec = gs[planned[j]]->work_.rec;
+      rec.draft_batch = (int)gp.size();
+      rec.draft_s = dt;
+    }
+  }
+  for (int k : planned) gs[k]->draft_step();
   // the verify batches in as few forwards as the batch size allows (usually one): slots in order, each forward
   // as many as fit its first context's batch
   std::vector<Context*> cs;
@@ -468,7 +494,12 @@ int Generator::next_many(Generator* const* gs, int n, std::vector<int32_t>* outs
 }
 
 bool Generator::plan_step(int slots) {
-  const Qwen35Config& c = ctx_.model().cfg;
+  if (!decide_step(slots)) return false;
+  draft_step();
+  return true;
+}
+
+bool Generator::decide_step(int slots) {
   const int32_t s = ctx_.n_past();
   const int room = ctx_.params().n_ctx - s;
   if (room <= 0) {
@@ -519,6 +550,36 @@ bool Generator::plan_step(int slots) {
     rec.auto_budget = 0;
     rec.expected = 1.0, rec.est_tok_s = forecast.ar_tok_s, rec.est_ar_tok_s = forecast.ar_tok_s;
   }
+  work_.speculate = speculate, work_.look = look, work_.V = V, work_.room = room;
+  return true;
+}
+
+Proposer* Generator::block_proposer(DraftRequest* r) const {
+  // the proposer draft_tree / draft_chain will ask for this step's block, as they choose it
+  const int V = work_.V, room = work_.room;
+  if (V < 2) return nullptr;
+  Proposer* p = nullptr;
+  if (work_.speculate) {
+    if (std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1}) <= 0) return nullptr;
+    if (p_.mode == DecodeMode::DDTree && first(Proposer::Tree)) return nullptr;  // a hook's whole tree
+    Proposer* rank = ranker();
+    Proposer* expander = p_.tree.expand > 0 ? (chosen_ >= 0 ? (rank->can(Proposer::Expand) ? rank : nullptr)
+                                                            : first(Proposer::Expand))
+                                            : nullptr;
+    p = expander ? expander : rank;
+  } else if (p_.mode == DecodeMode::Chain) {
+    p = first(Proposer::Chain);
+  }
+  if (p) *r = request(work_.s, V);
+  return p;
+}
+
+void Generator::draft_step() {
+  const Qwen35Config& c = ctx_.model().cfg;
+  StepRecord& rec = work_.rec;
+  const int32_t s = work_.s;
+  const int V = work_.V, room = work_.room;
+  const bool speculate = work_.speculate, look = work_.look;
   if (speculate) {
     draft_tree(s, V, room, rec, rec.probe, look);
   } else if (p_.mode == DecodeMode::Chain) {
@@ -543,7 +604,6 @@ bool Generator::plan_step(int slots) {
   rec.tree_depth = N > 1 ? *std::max_element(depth_.begin(), depth_.end()) : 0;
 
   // ---- VERIFY ---- one target forward over the root and every draft node
-  work_.speculate = speculate;
   work_.t0 = Clock::now();
   pos_.resize(N);
   std::vector<int32_t>& rows = work_.rows;
@@ -569,7 +629,6 @@ bool Generator::plan_step(int slots) {
   }
   // AR, and auto's AR steps, append the root directly; everything else verifies then commits.
   work_.commit = p_.mode == DecodeMode::AR || (p_.mode == DecodeMode::Auto && N == 1);
-  return true;
 }
 
 int Generator::finish_step(std::vector<int32_t>& out) {

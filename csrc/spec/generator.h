@@ -80,6 +80,7 @@ struct StepRecord {
   double expected = 0, est_tok_s = 0, est_ar_tok_s = 0;
   int drafter = -1;         // auto mode: the portfolio's drafter that drafted (-1: none, and outside auto)
   int declined_learnt = 0;  // auto mode: declined trees whose tokens this step decided (observe_declined)
+  int draft_batch = 0;      // slots: the blocks its drafter forward made at once (0: its own forward, or none)
 };
 
 // Called after each prefill chunk with (tokens done, total); returning false
@@ -135,13 +136,20 @@ class Generator {
   // A step in two halves around its target forward (which next_many shares among slots): plan_step drafts and
   // fills work_ (false: nothing to do, the request ended); finish_step accepts, commits and emits.
   bool plan_step(int slots);  // slots: the requests stepping with this one (next_many), what auto's choice pays for
+  // plan_step's halves: decide (auto's choice of drafter, the block size; false: the request ended), then
+  // draft and fill the batch.  Between them next_many drafts, in one drafter forward, the blocks of the slots
+  // whose drafters can share one (block_proposer: the proposer and request draft_step will use; null: none).
+  bool decide_step(int slots);
+  void draft_step();
+  Proposer* block_proposer(DraftRequest* r) const;
   int finish_step(std::vector<int32_t>& out);
   struct StepWork {
     StepRecord rec;
     int32_t s = 0;
     int remaining = 0;
     int slots = 1;
-    bool speculate = false, commit = false;
+    int V = 1, room = 0;  // the step's block (root included) and the context room left
+    bool speculate = false, look = false, commit = false;
     int64_t fwd0 = 0;
     Batch b;
     ForwardOutputs o;

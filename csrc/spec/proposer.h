@@ -53,6 +53,13 @@ class Proposer {
   // OwnTree: this shape for DDTree and auto (best-first with log-probs, as the builder's), instead of Rank.
   virtual DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K);
 
+  // Slots (Generator::next_many): proposers whose drafts for several slots can run as one forward give the
+  // same non-null key (a DFlash drafter: its draft model); prefetch_many(ps, rs, n) then drafts every slot's
+  // request at once, called on ps[0] with each ps[k] of that key, and each keeps its own result for its slot's
+  // propose_* call this step (the same bits as drafting alone).
+  virtual const void* batch_key() const { return nullptr; }
+  virtual void prefetch_many(Proposer* const* /*ps*/, const DraftRequest* /*rs*/, int /*n*/) {}
+
   // Lifecycle: every attached proposer is reset when a request begins; in a request that drafts (any mode
   // but AR) it then sees the prompt once the target has it (a proposer with a context of its own catches up)
   // and, when it reads features, every committed position (a prefix-cache hit's kept positions as skipped).

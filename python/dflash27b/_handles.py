@@ -406,7 +406,8 @@ class Context:
             out.append({k: getattr(st, k) for k in ("committed", "drafted", "accepted", "tree_depth",
                                                      "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s",
                                                      "auto_budget", "probe", "expected_tokens", "est_tok_s",
-                                                     "est_ar_tok_s", "pruned", "mask_s", "drafter", "declined_learnt")})
+                                                     "est_ar_tok_s", "pruned", "mask_s", "drafter", "declined_learnt",
+                                                     "draft_batch")})
         return out
 
     def drafter_names(self) -> list[str]:
