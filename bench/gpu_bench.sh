@@ -107,6 +107,7 @@ background() {
   step "background: $job"
   if [ $DRY = 1 ]; then echo "(dry run) $*"; return 0; fi
   rm -f "build/$job.done"
+  : > "build/$job.log"  # now, not when the job's shell gets to it: a wait_for right after must find it started
   setsid bash -c '"$@" > "build/'"$job"'.log" 2>&1; echo $? > "build/'"$job"'.done"' _ "$@" < /dev/null &
   echo "started $job (log build/$job.log)"
 }
