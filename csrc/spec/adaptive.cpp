@@ -85,6 +85,12 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   return best;  // (a probe with no budget affordable: AR)
 }
 
+void LossAllowance::settle(const StepRecord& rec, double ar_s) {
+  if (rec.probe || ar_s <= 0) return;
+  if (rec.auto_budget > 0) lost_ += (rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s) / ar_s - rec.committed;
+  else lost_ += (rec.draft_s + rec.tree_s) / ar_s;
+}
+
 double AutoController::worst_loss_s() const {
   const double ar = e_.ar_s;
   return std::max(0.0, e_.draft_s + e_.tree_s + e_.commit_s + AutoEstimates::verify_at(e_.verify_points(), 2) - ar);

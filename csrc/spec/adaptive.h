@@ -76,8 +76,8 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
 // speculative step is a bet whose worst case (no draft accepted: its whole time for one token) costs more than
 // an AR step.  The request's allowance is kShare of its AR time (max_new_tokens AR steps) plus what its bets
 // have won so far, less what they have lost, counted in AR steps of the time each was made; a bet whose worst
-// case exceeds its share of what is left is not made (a smaller tree, or AR).  Early in a short request little is at stake,
-// so only cheap bets run; once a tree has won, larger ones may.  Probes, which explore rather than bet, have
+// case exceeds its share of what is left is not made (a smaller tree, or AR).  Early in a short request little
+// is at stake, so only cheap bets run; once a tree has won, larger ones may.  Probes, which explore rather than bet, have
 // their own bound (AutoController::kRequestShare); the two together are 5% of the request's AR time.  (A
 // request that stops early at an EOS had a smaller AR time than its max_new_tokens promised: it can end below
 // the floor by up to the allowance.)
@@ -85,15 +85,16 @@ class LossAllowance {
  public:
   static constexpr double kShare = 0.03;
   void begin(int max_new_tokens) { n_new_ = std::max(max_new_tokens, 0), lost_ = 0; }
-  // A step that drafted: its whole time, the tokens it committed and the AR step's time then.
-  void spent(double step_s, int committed, double ar_s) {
-    if (ar_s > 0) lost_ += step_s / ar_s - committed;
-  }
+  // A step that drafted, once done (ar_s: the AR step's time then): a verified tree's whole time against AR's
+  // for the tokens it gave; a declined one's draft alone (its verify was an AR step); a probe's nothing.
+  void settle(const StepRecord& rec, double ar_s);
   // Seconds one bet may lose in its worst case (AR steps of ar_s): kOneBet of what is left, so a first bet that
-  // fails leaves room for the next (one 8-node tree missing at once would otherwise end a short request's bets).
+  // fails leaves room for the next (one 8-node tree missing at once would otherwise end a short request's
+  // bets).  A probe is not bounded here (kRequestShare bounds it).
   static constexpr double kOneBet = 0.5;
-  double bet_s(double ar_s) const { return kOneBet * std::max(0.0, kShare * n_new_ - lost_) * ar_s; }
-  double lost_steps() const { return lost_; }
+  double bet_s(double ar_s, bool probe = false) const {
+    return probe ? 1e300 : kOneBet * std::max(0.0, kShare * n_new_ - lost_) * ar_s;
+  }
 
  private:
   int n_new_ = 0;

@@ -21,42 +21,34 @@ class DFlashProposer final : public Proposer {
   unsigned capabilities() const override { return Rank | Chain | (d_.config().dflash2 ? OwnTree : 0u); }
   int default_block() const override { return d_.config().block_size; }
   void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override {
-    block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
-    block_[0] = r.root;
-    d_.propose_topk(block_.data(), r.L + 1, K, ids, logp);
+    d_.propose_topk(block(r), r.L + 1, K, ids, logp);
   }
   // DFlash2: the candidate selector's path; DFlash: the top-1 of each depth
   void propose_chain(const DraftRequest& r, int32_t* tokens) override {
     if (!d_.config().dflash2) return Proposer::propose_chain(r, tokens);
-    block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
-    block_[0] = r.root;
-    d_.propose_path(block_.data(), r.L + 1, tokens);
+    d_.propose_path(block(r), r.L + 1, tokens);
   }
   DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K) override {
-    block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
-    block_[0] = r.root;
+    const int32_t* b = block(r);
     if (tp.scores == TreeParams::Scores::Draft) {
       ids_.resize((size_t)r.L * K), logp_.resize((size_t)r.L * K);
-      d_.propose_topk(block_.data(), r.L + 1, K, ids_.data(), logp_.data());
+      d_.propose_topk(b, r.L + 1, K, ids_.data(), logp_.data());
       return build_ddtree_topk(ids_.data(), logp_.data(), r.L, K, tp);
     }
     const int S = d_.config().selector_top_k;  // the lattice's candidates per depth
     ids_.resize((size_t)r.L * S), logp_.resize((size_t)r.L * S), edge_.resize((size_t)r.L * S * S);
-    d_.propose_lattice(block_.data(), r.L + 1, ids_.data(), logp_.data(), edge_.data());
+    d_.propose_lattice(b, r.L + 1, ids_.data(), logp_.data(), edge_.data());
     return build_ddtree_lattice(ids_.data(), logp_.data(), edge_.data(), r.L, S, tp);
   }
   const void* batch_key() const override { return d_.draft_model(); }
   void prefetch_many(Proposer* const* ps, const DraftRequest* rs, int n) override {
     std::vector<Drafter*> ds((size_t)n);
-    std::vector<std::vector<int32_t>> blocks((size_t)n);
     std::vector<const int32_t*> bp((size_t)n);
     std::vector<int> nb((size_t)n);
     for (int k = 0; k < n; ++k) {
       DFlashProposer& q = static_cast<DFlashProposer&>(*ps[k]);  // (one batch key: DFlash proposers alike)
       ds[(size_t)k] = &q.d_;
-      blocks[(size_t)k].assign((size_t)rs[k].L + 1, d_.config().mask_token_id);
-      blocks[(size_t)k][0] = rs[k].root;
-      bp[(size_t)k] = blocks[(size_t)k].data();
+      bp[(size_t)k] = q.block(rs[k]);  // each slot's block in its own proposer, as its propose call makes it
       nb[(size_t)k] = rs[k].L + 1;
     }
     Drafter::prefetch_blocks(ds.data(), bp.data(), nb.data(), n);
@@ -76,6 +68,12 @@ class DFlashProposer final : public Proposer {
   Drafter& drafter() { return d_; }
 
  private:
+  // The block the drafter reads for request r: root, then mask tokens (in block_).
+  const int32_t* block(const DraftRequest& r) {
+    block_.assign((size_t)r.L + 1, d_.config().mask_token_id);
+    block_[0] = r.root;
+    return block_.data();
+  }
   Drafter& d_;
   std::vector<int32_t> block_;  // the block the drafter reads: root, then mask tokens
   std::vector<int32_t> ids_;    // a tree's candidates [L][K]

@@ -294,15 +294,29 @@ static DraftTree graft_forced(const DraftTree& t, const int32_t* f, int nf) {
   return g;
 }
 
+Generator::TreeDrafter Generator::tree_drafter() const {
+  TreeDrafter d;
+  d.whole = p_.mode == DecodeMode::DDTree ? first(Proposer::Tree) : nullptr;
+  if (d.whole) return d;
+  // Expanding branches, or a ranking proposer whose children depend on their parent (the first that ranks,
+  // in order of preference): the proposer builds the tree itself; else one ranking, then the builder.
+  d.rank = ranker();
+  d.expander = p_.tree.expand > 0 ? (chosen_ >= 0 ? (d.rank->can(Proposer::Expand) ? d.rank : nullptr)
+                                                  : first(Proposer::Expand))
+                                  : nullptr;
+  if (!d.expander && d.rank && d.rank->can(Proposer::OwnTree)) d.expander = d.rank;
+  return d;
+}
+
 void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe, bool look) {
   const int n_vocab = ctx_.model().cfg.n_vocab;
-  // Nodes that fit: the budget, the KV room left and the verify batch.
-  const int cap = std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1});
+  const int cap = tree_cap(room);
   TreeParams tp = p_.tree;
   tp.budget = cap;
+  const TreeDrafter td = tree_drafter();
+  Proposer* whole = td.whole;
   // Under a constraint that prunes, draft more than fits and keep the best `cap` the constraint allows:
   // forbidden branches make room for allowed ones instead of leaving the verify short.
-  Proposer* whole = p_.mode == DecodeMode::DDTree ? first(Proposer::Tree) : nullptr;
   const bool overdraft = constraint_ && prune_ && !whole;
   if (overdraft) tp.budget = std::min({cap * kOverdraft, room - 1, ctx_.params().n_batch - 1});
   auto t0 = Clock::now();
@@ -317,13 +331,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     }
     if (tp.topk <= 0) tp.topk = overdraft ? tp.budget : p_.tree.budget;  // K from the budget, not the room left
     const int K = ddtree_k(tp, n_vocab);
-    // Expanding branches, or a ranking proposer whose children depend on their parent (the first that ranks,
-    // in order of preference): the proposer builds the tree itself; else one ranking, then the builder.
-    Proposer* rank = ranker();
-    Proposer* expander = tp.expand > 0 ? (chosen_ >= 0 ? (rank->can(Proposer::Expand) ? rank : nullptr)
-                                                       : first(Proposer::Expand))
-                                       : nullptr;
-    if (!expander && rank && rank->can(Proposer::OwnTree)) expander = rank;
+    Proposer *rank = td.rank, *expander = td.expander;
     if (expander) {
       t = expander->propose_tree(request(s, V), tp, K);
     } else {
@@ -342,10 +350,9 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   if (p_.mode == DecodeMode::Auto) {
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
-    const AutoController& ac = autos_[(size_t)chosen_];
-    const double max_worst = probe ? 1e300 : allowance_.bet_s(ac.estimates().ar_s) - rec.draft_s;  // the draft is spent already
-    const AutoChoice c = autos_[(size_t)chosen_].choose(t.depth.data(), t.logp.data(), t.size(), probe, look,
-                                                        work_.slots, max_worst);
+    AutoController& ac = autos_[(size_t)chosen_];
+    const double max_worst = allowance_.bet_s(ac.estimates().ar_s, probe) - rec.draft_s;  // the draft is spent
+    const AutoChoice c = ac.choose(t.depth.data(), t.logp.data(), t.size(), probe, look, work_.slots, max_worst);
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
     auto_tree_ = t;
@@ -533,7 +540,7 @@ bool Generator::decide_step(int slots) {
       wish[i] = autos_[i].wish(remaining, work_.slots);
       const AutoController::Wish& w = wish[i];
       // a bet the request cannot afford to lose is not made, however good its odds
-      if (!w.draft || (!w.probe && autos_[i].worst_loss_s() > allowance_.bet_s(autos_[i].estimates().ar_s))) continue;
+      if (!w.draft || autos_[i].worst_loss_s() > allowance_.bet_s(autos_[i].estimates().ar_s, w.probe)) continue;
       const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;
       if (!best || w.rank() > best->rank() ||
           (w.rank() == 3 && best->rank() == 3 && w.forecast.tok_s > best->forecast.tok_s))
@@ -560,13 +567,9 @@ Proposer* Generator::block_proposer(DraftRequest* r) const {
   if (V < 2) return nullptr;
   Proposer* p = nullptr;
   if (work_.speculate) {
-    if (std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1}) <= 0) return nullptr;
-    if (p_.mode == DecodeMode::DDTree && first(Proposer::Tree)) return nullptr;  // a hook's whole tree
-    Proposer* rank = ranker();
-    Proposer* expander = p_.tree.expand > 0 ? (chosen_ >= 0 ? (rank->can(Proposer::Expand) ? rank : nullptr)
-                                                            : first(Proposer::Expand))
-                                            : nullptr;
-    p = expander ? expander : rank;
+    const TreeDrafter td = tree_drafter();
+    if (tree_cap(room) <= 0 || td.whole) return nullptr;  // nothing drafted, or a hook's whole tree
+    p = td.expander ? td.expander : td.rank;
   } else if (p_.mode == DecodeMode::Chain) {
     p = first(Proposer::Chain);
   }
@@ -704,15 +707,7 @@ int Generator::finish_step(std::vector<int32_t>& out) {
     if (N == 1)  // an AR step's cost is every drafter's baseline
       for (AutoController& ac : autos_) ac.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
-      // a bet's outcome (a probe's is bounded apart: kRequestShare): a verified tree's whole time against AR's
-      // for what it gave; a declined one's draft alone (its verify was an AR step)
-      const double ar_s = autos_[(size_t)chosen_].estimates().ar_s;
-      if (rec.probe) {
-      } else if (rec.auto_budget > 0) {
-        allowance_.spent(rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s, rec.committed, ar_s);
-      } else {
-        allowance_.spent(ar_s + rec.draft_s + rec.tree_s, 1, ar_s);
-      }
+      allowance_.settle(rec, autos_[(size_t)chosen_].estimates().ar_s);
       std::vector<uint8_t> on_path((size_t)std::max(rec.auto_budget, 0), 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
       autos_[(size_t)chosen_].observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget,

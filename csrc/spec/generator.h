@@ -142,6 +142,14 @@ class Generator {
   bool decide_step(int slots);
   void draft_step();
   Proposer* block_proposer(DraftRequest* r) const;
+  // The proposers a tree step asks (draft_tree, block_proposer): a hook's whole tree (DDTree mode), else the one
+  // that builds the tree itself (expanding branches, or its own tree), else the ranker and the builder.
+  struct TreeDrafter {
+    Proposer *whole = nullptr, *expander = nullptr, *rank = nullptr;
+  };
+  TreeDrafter tree_drafter() const;
+  // Tree nodes that fit: the budget, the KV room left and the verify batch.
+  int tree_cap(int room) const { return std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1}); }
   int finish_step(std::vector<int32_t>& out);
   struct StepWork {
     StepRecord rec;
