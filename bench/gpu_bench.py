@@ -27,6 +27,8 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
   vram24    the 24 GB card on a bigger GPU: a ballast leaves 24 GiB free; the 27B + drafter at 128K context,
             Q4_0 KV, DDTree-22 after a long prompt; peak vs plan vs cap, DDTree == AR on that run
   matmul    the CUDA matmul alone: GB/s per format and token count on the 27B's FFN shapes
+  matvec    the K-quant matvec on every AR-step shape of the 27B, each rows-per-CTA choice and the automatic
+            one (issue 45: which CTA shape streams the weights fastest; every choice gives the same bits)
   record    the parts -> the record (keys below, null where a part is missing) + a markdown table
 
 Record keys (other tools read them): device, commit, date, tests {passed, failed}, sanitizer
@@ -37,7 +39,7 @@ verify_tree_ms {nodes: ms}, draft_ms, tree_ms, ddtree22_step_ms, commit_ms}, ora
 speedup}, memory {plan_bytes, peak_bytes, plan}, copy_gb_s, vram24 {ctx, peak_bytes, plan_bytes, cap_bytes,
 exact}, profile {ar, ddtree22, prefill_P: {steps, ms_per_step, ops [{op, ms_per_step, calls_per_step,
 gb_s}]}}; plus
-matmul, target, draft and notes.
+matmul, matvec {shape: {n: {auto|16|8|4|2|1: {ms, gb_s}, best}}}, target, draft and notes.
 """
 from __future__ import annotations
 
@@ -730,6 +732,49 @@ def part_matmul(ns: list[int], formats: list[str]) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------------- matvec
+# The 27B's AR-step matmuls (format, rows x cols), from the first H100 record's op profile
+# (bench/results/gpu-20261127-0552.md): the FFN, the attention and delta-net projections, the 48-row
+# per-head projections of a delta-net layer.
+MATVEC_SHAPES = [("Q4_K", 17408, 5120), ("Q6_K", 5120, 17408), ("Q4_K", 5120, 17408), ("Q4_K", 5120, 6144),
+                 ("Q4_K", 6144, 5120), ("Q6_K", 10240, 5120), ("Q4_K", 10240, 5120), ("Q4_K", 12288, 5120),
+                 ("Q4_K", 1024, 5120), ("Q4_K", 48, 5120)]
+MATVEC_ROWS = (0, 16, 8, 4, 2, 1)  # rows per CTA (dfl_cuda_matvec_rows); 0 = the automatic choice
+
+
+def part_matvec(ns: list[int]) -> dict:
+    """The K-quant matvec (n <= 8 tokens) on each AR-step shape with every CTA shape dfl_cuda_matvec_rows can
+    pin (16 rows: a lane group walks a row; fewer: the CTA's groups split the row's super-blocks), and the
+    automatic choice: GB/s of weights read.  Every choice gives the same bits (tests/test_cuda_ops.py), so the
+    fastest is the one to keep; `best` names it per shape and n."""
+    from dflash27b._lib import last_error, load
+    ffi, lib = load()
+    out: dict = {"shapes": {}, "notes": []}
+    try:
+        for fmt, rows, cols in MATVEC_SHAPES:
+            tid, be, bpb = MATMUL_FORMATS[fmt]
+            gb = rows * (cols // be) * bpb / 1e9
+            table: dict = {}
+            for n in ns:
+                row: dict = {}
+                for pin in MATVEC_ROWS:
+                    if lib.dfl_cuda_matvec_rows(pin) != 0:
+                        out["notes"].append(f"matvec: {last_error()}")
+                        return out
+                    ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, n, 200, 1)
+                    if ms < 0:
+                        out["notes"].append(f"matvec: {last_error()}")
+                        return out
+                    row["auto" if pin == 0 else str(pin)] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
+                pinned = {k: v for k, v in row.items() if k != "auto"}
+                row["best"] = min(pinned, key=lambda k: pinned[k]["ms"])
+                table[str(n)] = row
+            out["shapes"][f"{fmt} {rows}x{cols}"] = table
+    finally:
+        lib.dfl_cuda_matvec_rows(0)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- record
 def _get(d: dict | None, *keys, default=None):
     for k in keys:
@@ -741,9 +786,9 @@ def _get(d: dict | None, *keys, default=None):
 
 def assemble(parts: dict[str, dict], commit: str | None, device: str | None, date: _dt.datetime) -> dict:
     """The record from the parts (each may be missing: its keys are null)."""
-    ex, ck, lc, ours, mm, v24, v262, pf, dm, sl, dr = (parts.get(k) or {} for k in (
+    ex, ck, lc, ours, mm, v24, v262, pf, dm, sl, dr, mv = (parts.get(k) or {} for k in (
         "exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel", "slots",
-        "drafters"))
+        "drafters", "matvec"))
 
     def capped(v: dict) -> dict | None:
         return {k: v.get(k) for k in ("ctx", "draft_type", "peak_bytes", "plan_bytes", "cap_bytes", "exact")} if v \
@@ -773,6 +818,7 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "target": ours.get("target"),
         "draft": ours.get("draft"),
         "matmul": mm.get("shapes"),
+        "matvec": mv.get("shapes"),
         "vram24": capped(v24),
         "vram24_262k": capped(v262),
         "prefix": {k: pf.get(k) for k in ("history", "turn1_ttft_s", "turn2_ttft_s", "ratio", "cached_tokens",
@@ -786,7 +832,7 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "profile": ours.get("profile"),
         "graphs": ours.get("graphs"),
         "attention": ours.get("attention"),
-        "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm, sl, dr) for n in (p.get("notes") or [])] +
+        "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm, sl, dr, mv) for n in (p.get("notes") or [])] +
                  [f"{name}: {v['error']}" for name, v in (("vram24", v24), ("vram24_262k", v262)) if v.get("error")],
     }
     weights = _get(ours, "memory", "plan", "weights")
@@ -915,6 +961,14 @@ def markdown(rec: dict) -> str:
                   "", "| format | " + " | ".join(f"n={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
         for fmt, row in table.items():
             lines.append(f"| {fmt} | " + " | ".join(_f(row[n]["gb_s"], ".0f") for n in ns) + " |")
+    if rec.get("matvec"):
+        pins = ["auto"] + [str(p) for p in MATVEC_ROWS if p]
+        lines += ["", "K-quant matvec: GB/s of weights read by rows per CTA (dfl_cuda_matvec_rows; every choice the "
+                  "same bits)", "", "| shape | n | " + " | ".join(pins) + " | best |", "|---|---:|" + "---:|" * len(pins) + "---|"]
+        for shape, table in rec["matvec"].items():
+            for n, row in table.items():
+                lines.append(f"| {shape} | {n} | " + " | ".join(_f(_get(row, p, "gb_s"), ".0f") for p in pins) +
+                             f" | {row.get('best', '—')} |")
     if rec.get("notes"):
         lines += ["", "notes:"] + [f"- {n}" for n in rec["notes"]]
     return "\n".join(lines) + "\n"
@@ -923,7 +977,7 @@ def markdown(rec: dict) -> str:
 def part_record(parts_dir: str, out_dir: str, commit: str | None, device: str | None) -> Path:
     parts = {}
     for name in ("exact", "checks", "llamacpp", "ours", "matmul", "vram24", "vram24_262k", "prefix", "draftmodel",
-                 "slots", "drafters"):
+                 "slots", "drafters", "matvec"):
         p = Path(parts_dir) / f"{name}.json"
         if p.is_file():
             parts[name] = json.loads(p.read_text())
@@ -990,6 +1044,10 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--oracle-block", type=int, default=8, help="block size of the oracle run (accept length ~ it)")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--out", required=True)
+
+    mv = sub.add_parser("matvec", help="the K-quant matvec on the AR step's shapes, every rows-per-CTA choice")
+    mv.add_argument("--n", type=_ints, default=[1, 8])
+    mv.add_argument("--out", required=True)
 
     m = sub.add_parser("matmul", help="the CUDA matmul table (every format, FFN shapes)")
     m.add_argument("--n", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 512])
@@ -1061,6 +1119,10 @@ def main(argv: list[str] | None = None) -> int:
         _write(a.out, part_slots(a.target, a.draft, a.device, a.n_new, a.threads, a.slots, a.ctx))
     elif a.part == "prefix":
         _write(a.out, part_prefix(a.target, a.draft, a.device, a.history, a.n_new, a.ctx, a.threads, a.seed))
+    elif a.part == "matvec":
+        if any(n < 1 or n > 8 for n in a.n):
+            ap.error("matvec: --n takes token counts 1..8 (more take the tensor-core kernel)")
+        _write(a.out, part_matvec(a.n))
     elif a.part == "matmul":
         bad = [f for f in a.formats.split(",") if f not in MATMUL_FORMATS]
         if bad:

@@ -16,7 +16,7 @@
 #   bash bench/gpu_bench.sh part3   compute-sanitizer memcheck + racecheck on a DDTree decode; 4 slots; the
 #                                   MTP head, lookup and the portfolio on a 27B with an MTP head; the prefix
 #                                   cache on an 8K-token conversation, the 24 GiB cap run (128K
-#                                   context, Q4_0 KV, DDTree == AR), the matmul table; the record again (all parts)
+#                                   context, Q4_0 KV, DDTree == AR), the matvec and matmul tables; the record again (all parts)
 #   bash bench/gpu_bench.sh all     all three, one after the other
 #   bash bench/gpu_bench.sh first   for a session with 15 minutes of device time, ONE call (timeout_s 600) with
 #                                   --budget 540: part1, then a shortened part2 (ours first, then llama-bench
@@ -307,6 +307,9 @@ part2_short() {
   run 300 "ours on the same file, short: decode, prefill, verify 2/8/23, DDTree-22, oracle, memory" \
     python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --repeats 1 --n-decode 64 --nodes 2,8,23 --steps-tokens 16 --out "$PARTS/ours.json"
+  # ~20 s while llama.cpp builds: which matvec CTA shape streams each AR-step weight fastest
+  run 60 "K-quant matvec by rows per CTA (the AR step's shapes, n 1 and 8)" \
+    python3 bench/gpu_bench.py matvec --out "$PARTS/matvec.json"
   if [ $SKIP_LLAMACPP = 0 ]; then
     step "llama.cpp build"
     # llama-bench itself needs ~60 s of what is left (load 16 GB, pp8192, tg128)
@@ -352,6 +355,8 @@ part3() {
   run 90 "draft model: a 0.8B-shaped qwen35 drafting for the 27B (chain / DDTree, block 5 and 9)" \
     python3 bench/gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf \
     --out "$PARTS/draftmodel.json"
+  run 60 "K-quant matvec by rows per CTA (the AR step's shapes, n 1 and 8)" \
+    python3 bench/gpu_bench.py matvec --out "$PARTS/matvec.json"
   run 120 "matmul table (every format, exact and float kernels; n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
 }
 

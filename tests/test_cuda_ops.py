@@ -184,6 +184,27 @@ def test_cuda_matmul_exact_equals_cpu(name):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_cuda_matvec_rows_per_cta_give_the_same_bits(name):
+    """The K-quant matvec (n <= 8) with every CTA shape dfl_cuda_matvec_rows can pin: 16 rows (a lane group walks
+    a whole row) and 8, 4, 2, 1 (the CTA's lane groups split a row's 17 super-blocks into rounds, the last one
+    partly empty): each == the CPU's dfl_matmul, token for token.  A bad pin is refused with the choices."""
+    tid, raw, wf, x = make_case(name, 8, seed=5)
+    cols = wf.shape[1]
+    ffi, lib = load()
+    try:
+        for rows_per_cta in (16, 8, 4, 2, 1):
+            assert lib.dfl_cuda_matvec_rows(rows_per_cta) == 0, last_error()
+            for n in (1, 2, 3, 8):
+                y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
+                assert np.array_equal(y, cpu_matmul(tid, raw, ROWS, cols, x[:n])), f"{name} R={rows_per_cta} n={n}"
+        assert lib.dfl_cuda_matvec_rows(3) == -1
+        assert "use 1, 2, 4, 8 or 16, or 0" in last_error()
+    finally:
+        assert lib.dfl_cuda_matvec_rows(0) == 0
+
+
+@pytest.mark.cuda
 def test_cuda_matmul_exact_refuses_other_formats():
     ffi, lib = load()
     w = np.zeros(2 * 128, np.uint8)

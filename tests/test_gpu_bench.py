@@ -117,7 +117,8 @@ def test_gpu_bench_sh_dry_run_lists_every_step():
         assert s in two.stdout, s
     three = _sh("--dry-run", "part3")
     assert three.returncode == 0, three.stdout + three.stderr
-    for s in ("memcheck", "racecheck", "gpu_bench.py matmul", "gpu_bench.py vram24 --target build/synth-27b.gguf",
+    for s in ("memcheck", "racecheck", "gpu_bench.py matmul", "gpu_bench.py matvec",
+              "gpu_bench.py vram24 --target build/synth-27b.gguf",
               "gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf",
               "gpu_bench.py prefix --target build/synth-27b.gguf", "gpu_bench.py record",
               "gpu_bench.py slots --target build/synth-27b.gguf --draft build/synth-27b-draft",
@@ -141,6 +142,7 @@ def test_gpu_bench_sh_first_fits_one_call():
     # ours before llama-bench: llama.cpp's CUDA build (~5-6 min on 16 cores) would starve ours otherwise
     order = ["build (sm_90)", "dfl_backend_ops", "pytest -m cuda", "gpu_bench.py exact --device cuda",
              "gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft --repeats 1",
+             "gpu_bench.py matvec",
              "gpu_bench.py llamacpp --bench build/llamacpp/bin/llama-bench --model build/synth-27b.gguf --reps 1",
              "gpu_bench.py record"]
     at = [r.stdout.index(s) for s in order]
@@ -458,3 +460,44 @@ def test_attention_grouping_section():
     assert rec["attention"] == att
     md = gb.markdown(rec)
     assert "| verify 23 nodes (tree) after 100 tokens, attention grouped / one row a CTA | 5.000 / 15.000 | 3.00x" in md
+
+
+def test_matvec_table(monkeypatch):
+    """The matvec part times every AR-step shape with each rows-per-CTA pin and auto, names the fastest pin,
+    and restores the automatic choice even when a call fails; the record and its table carry it."""
+    import dflash27b._lib as libmod
+
+    class Lib:
+        pins: list = []
+
+        def dfl_cuda_matvec_rows(self, r):
+            self.pins.append(r)
+            return 0
+
+        def dfl_cuda_bench_matmul(self, tid, rows, cols, n, iters, exact):
+            assert exact == 1 and iters == 200 and n in (1, 8)
+            return {0: 0.010, 16: 0.020, 8: 0.015, 4: 0.010, 2: 0.012, 1: 0.030}[self.pins[-1]]
+
+    lib = Lib()
+    monkeypatch.setattr(libmod, "load", lambda: (None, lib))
+    part = gb.part_matvec([1, 8])
+    assert len(part["shapes"]) == len(gb.MATVEC_SHAPES) and not part["notes"]
+    row = part["shapes"]["Q4_K 5120x17408"]["1"]
+    assert row["best"] == "4" and set(row) == {"auto", "16", "8", "4", "2", "1", "best"}
+    assert row["4"]["gb_s"] == pytest.approx(5120 * 68 * 144 / 1e9 / 1e-5)
+    assert lib.pins[-1] == 0
+    rec = gb.assemble({"matvec": part}, "c", "H100", gb._dt.datetime(2026, 11, 27))
+    md = gb.markdown(rec)
+    rows = [ln for ln in md.splitlines() if ln.startswith(("| Q4_K ", "| Q6_K "))]
+    assert len(rows) == 2 * len(gb.MATVEC_SHAPES) and all(ln.endswith(" | 4 |") for ln in rows)
+    assert "| Q4_K 5120x17408 | 1 | " in md
+
+    class Failing(Lib):
+        def dfl_cuda_bench_matmul(self, *a):
+            return -1.0
+
+    bad = Failing()
+    monkeypatch.setattr(libmod, "load", lambda: (None, bad))
+    monkeypatch.setattr(libmod, "last_error", lambda: "no device")
+    part = gb.part_matvec([1])
+    assert part["notes"] == ["matvec: no device"] and bad.pins[-1] == 0

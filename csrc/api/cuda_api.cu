@@ -274,6 +274,10 @@ int dfl_cuda_attention_rows(int32_t toks, int32_t heads) {
   });
 }
 
+int dfl_cuda_matvec_rows(int32_t rows_per_cta) {
+  return dfl::api_guard([&] { dfl::cuda::set_matvec_rows(rows_per_cta); });
+}
+
 int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len) {
   using namespace dfl::cuda;
   return dfl::api_guard([&] {

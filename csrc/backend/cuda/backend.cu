@@ -340,6 +340,16 @@ class CudaBackend final : public Backend {
 
   void rmsnorm(const float* x, const float* w, int n, int dim, float eps, float* y) override {
     const OpScope op(*this, "rmsnorm");
+    const int nq = dim / 4, pv = (nq + 1023) / 1024;
+    if (dim % 4 == 0 && pv <= 4) {  // the CTA's width and each thread's quads follow from dim alone
+      const dim3 grid((unsigned)n), block((unsigned)(((nq + pv - 1) / pv + 31) / 32 * 32));
+      switch (pv) {
+        case 1: return launch(fwd::rmsnorm_quad_kernel<1>, grid, block, 0, stream_, x, w, dim, eps, y);
+        case 2: return launch(fwd::rmsnorm_quad_kernel<2>, grid, block, 0, stream_, x, w, dim, eps, y);
+        case 3: return launch(fwd::rmsnorm_quad_kernel<3>, grid, block, 0, stream_, x, w, dim, eps, y);
+        default: return launch(fwd::rmsnorm_quad_kernel<4>, grid, block, 0, stream_, x, w, dim, eps, y);
+      }
+    }
     launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
   }
 

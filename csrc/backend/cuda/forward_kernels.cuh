@@ -81,6 +81,56 @@ __global__ void rmsnorm_kernel(const float* x, const float* __restrict__ w, int 
   for (int i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
 }
 
+// The same for rows of dim a multiple of 4 (up to 16384): thread i takes values 4i..4i+3, then
+// 4(i + width).., at most PV such quads, and holds them in registers between the two passes; the CTA
+// is as wide as that needs.  An AR step's norm is one row, which the loop above walks 20 loads deep
+// on 256 threads, twice.  The summation order follows from dim alone (the launch picks PV and the
+// width from it), so a row's result does not depend on the batch, nor on whether the rows are
+// 16-byte aligned (float4 loads) or not (four scalar loads, the same values in the same order).
+__device__ __forceinline__ float4 ld_quad(const float* p, bool vec) {
+  return vec ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
+}
+__device__ __forceinline__ void st_quad(float* p, float4 v, bool vec) {
+  if (vec) {
+    *reinterpret_cast<float4*>(p) = v;
+  } else {
+    p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+  }
+}
+template <int PV>
+__global__ void rmsnorm_quad_kernel(const float* x, const float* __restrict__ w, int dim, float eps, float* y) {
+  __shared__ float red[32];
+  const int nq = dim / 4;
+  const float* xr = x + (int64_t)blockIdx.x * dim;
+  float* yr = y + (int64_t)blockIdx.x * dim;
+  const bool vec = ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(yr) |
+                     reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+  float4 v[PV];
+  float ss = 0.f;
+#pragma unroll
+  for (int p = 0; p < PV; ++p) {
+    const int i = threadIdx.x + p * blockDim.x;
+    v[p] = i < nq ? ld_quad(xr + 4 * i, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+    ss += v[p].x * v[p].x;
+    ss += v[p].y * v[p].y;
+    ss += v[p].z * v[p].z;
+    ss += v[p].w * v[p].w;
+  }
+  ss = block_sum(ss, red);
+  const float scale = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+  for (int p = 0; p < PV; ++p) {
+    const int i = threadIdx.x + p * blockDim.x;
+    if (i >= nq) break;
+    float4 o = make_float4(v[p].x * scale, v[p].y * scale, v[p].z * scale, v[p].w * scale);
+    if (w) {
+      const float4 wv = ld_quad(w + 4 * i, vec);
+      o = make_float4(o.x * wv.x, o.y * wv.y, o.z * wv.z, o.w * wv.w);
+    }
+    st_quad(yr + 4 * i, o, vec);
+  }
+}
+
 // ---------------------------------------------------------------- elementwise
 __global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -175,17 +225,18 @@ __device__ void store_kv(DType kvt, const float* v, int len, uint8_t* dst) {
 __device__ __forceinline__ float kv_elem(DType kvt, const uint8_t* row, int i) {
   switch (kvt) {
     case DType::F32: return reinterpret_cast<const float*>(row)[i];
-    case DType::F16: return f16_bits_to_f32((uint32_t)row[2 * i] | (uint32_t)row[2 * i + 1] << 8);
-    case DType::BF16: return bf16_bits_to_f32((uint32_t)row[2 * i] | (uint32_t)row[2 * i + 1] << 8);
+    // K / V rows and their blocks (34 and 18 bytes) start at even offsets: one 16-bit load a value or scale
+    case DType::F16: return f16_bits_to_f32(*reinterpret_cast<const uint16_t*>(row + 2 * i));
+    case DType::BF16: return bf16_bits_to_f32(*reinterpret_cast<const uint16_t*>(row + 2 * i));
     case DType::Q8_0: {
       const uint8_t* b = row + (i / 32) * sizeof(block_q8_0);
-      return f16_bits_to_f32((uint32_t)b[0] | (uint32_t)b[1] << 8) * (float)(int8_t)b[kQ8_0_qs + (i & 31)];
+      return f16_bits_to_f32(*reinterpret_cast<const uint16_t*>(b)) * (float)(int8_t)b[kQ8_0_qs + (i & 31)];
     }
     case DType::Q4_0: {
       const uint8_t* b = row + (i / 32) * sizeof(block_q4_0);
       const int j = i & 31;
       const uint32_t q = b[kQ4_0_qs + (j & 15)];
-      return f16_bits_to_f32((uint32_t)b[0] | (uint32_t)b[1] << 8) * (float)((int)(j < 16 ? (q & 15u) : (q >> 4)) - 8);
+      return f16_bits_to_f32(*reinterpret_cast<const uint16_t*>(b)) * (float)((int)(j < 16 ? (q & 15u) : (q >> 4)) - 8);
     }
     default: return 0.f;
   }
@@ -309,7 +360,7 @@ struct AttnArgs {
   DType kvt;
   bool gated;  // output times sigmoid(gate), the gate stored after q in each head's q_stride
 };
-constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512, kSplit = 512;
+constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512, kSplit = 512, kVGather = 8;
 
 // Rows a CTA can hold for kD = ceil(head_dim / 128) dims a thread: its
 // accumulators (rows x kD a thread) stay in registers.
@@ -369,24 +420,37 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
       if (tid == 0) nt_of[tt] = nt;
     }
     __syncthreads();
-    // scores: a warp per (token, slot), the K row read once for the token's G heads
-    for (int it = warp; it < TT * kTile; it += kAttnThreads / 32) {
-      const int tt = it / kTile, s = it % kTile;
-      if (s >= nt_of[tt]) continue;
-      const uint8_t* kr = a.k_cache + (int64_t)slot_of[tt * kTile + s] * a.kv_row + (int64_t)m * a.head_bytes;
-      float kv[kMaxHeadDim / 32];
+    // scores: a warp per (token, slot), the K row read once for the token's G heads; a warp takes
+    // two of its (token, slot) items at a time, both K rows' loads in flight before either's math
+    constexpr int kWarps = kAttnThreads / 32, kPair = 2;
+    for (int it0 = warp; it0 < TT * kTile; it0 += kWarps * kPair) {
+      float kv[kPair][kMaxHeadDim / 32];
+      bool live[kPair];
 #pragma unroll
-      for (int c = 0; c < kMaxHeadDim / 32; ++c) kv[c] = lane + 32 * c < hd ? kv_elem(a.kvt, kr, lane + 32 * c) : 0.f;
-      for (int g = 0; g < G; ++g) {
-        const int r = tt * G + g;
-        const float* qr = q + r * hd;
-        float d = 0.f;
+      for (int u = 0; u < kPair; ++u) {
+        const int it = it0 + u * kWarps, tt = it / kTile, s = it % kTile;
+        live[u] = it < TT * kTile && s < nt_of[tt];
+        const uint8_t* kr = a.k_cache + (int64_t)(live[u] ? slot_of[tt * kTile + s] : 0) * a.kv_row +
+                            (int64_t)m * a.head_bytes;
 #pragma unroll
         for (int c = 0; c < kMaxHeadDim / 32; ++c)
-          if (lane + 32 * c < hd) d = fmaf(kv[c], qr[lane + 32 * c], d);
+          kv[u][c] = live[u] && lane + 32 * c < hd ? kv_elem(a.kvt, kr, lane + 32 * c) : 0.f;
+      }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
-        if (lane == 0) sc[r * kTile + s] = __fmul_rn(d, a.scale);
+      for (int u = 0; u < kPair; ++u) {
+        if (!live[u]) continue;  // warp-uniform: the whole warp takes an item
+        const int it = it0 + u * kWarps, tt = it / kTile, s = it % kTile;
+        for (int g = 0; g < G; ++g) {
+          const int r = tt * G + g;
+          const float* qr = q + r * hd;
+          float d = 0.f;
+#pragma unroll
+          for (int c = 0; c < kMaxHeadDim / 32; ++c)
+            if (lane + 32 * c < hd) d = fmaf(kv[u][c], qr[lane + 32 * c], d);
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
+          if (lane == 0) sc[r * kTile + s] = __fmul_rn(d, a.scale);
+        }
       }
     }
     __syncthreads();
@@ -424,13 +488,22 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
       const float c = corr[r];
       const float* pr = sc + r * kTile;
       const int32_t* so = slot_of + tt * kTile;
+      const uint8_t* vbase = a.v_cache + (int64_t)m * a.head_bytes;
 #pragma unroll
       for (int e = 0; e < kD; ++e) {
         const int d = tid + e * kAttnThreads;
         if (d >= hd) break;
         float v = __fmul_rn(acc[r][e], c);
-        for (int s = 0; s < nt; ++s)
-          v = fmaf(pr[s], kv_elem(a.kvt, a.v_cache + (int64_t)so[s] * a.kv_row + (int64_t)m * a.head_bytes, d), v);
+        // the slots' V values are loaded 8 at a time before their fmas (which stay in slot order)
+        int s = 0;
+        for (; s + kVGather <= nt; s += kVGather) {
+          float vv[kVGather];
+#pragma unroll
+          for (int u = 0; u < kVGather; ++u) vv[u] = kv_elem(a.kvt, vbase + (int64_t)so[s + u] * a.kv_row, d);
+#pragma unroll
+          for (int u = 0; u < kVGather; ++u) v = fmaf(pr[s + u], vv[u], v);
+        }
+        for (; s < nt; ++s) v = fmaf(pr[s], kv_elem(a.kvt, vbase + (int64_t)so[s] * a.kv_row, d), v);
         acc[r][e] = v;
       }
     }

@@ -22,6 +22,7 @@
 //
 // Speed is still to be measured and tuned on the first GPU (issue 19): the
 // tensor-core kernel's weight loads are not yet staged through shared memory.
+#include <atomic>
 #include <type_traits>
 
 #include "formats.cuh"
@@ -411,6 +412,112 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     if (t == j && t < n) y[(int64_t)t * rows + r] = __fsub_rn(acc[t], accm[t]);
 }
 
+// ---------------------------------------------------------------- n <= 8, fewer rows: split K
+// The same lane-group arithmetic with the CTA's 16 groups of 8 lanes spread over R rows x
+// S = 16 / R super-block slots: in round k, group (row, slot) takes super-block S k + slot of its
+// row and leaves the exact integer sums (isum, msum per token) and the float scales in shared
+// memory; after the round's barrier one thread per (row, token) takes the round's float steps
+// over slots 0..S-1, i.e. super-blocks in k order.  The results are the dp4a kernel's bits; what
+// changes is how many loads are in flight: a 5120-row weight gets 16 / R times the CTAs, and the
+// 48-row projections of a delta-net layer a CTA per row instead of three CTAs in all, each walking
+// its whole row one super-block at a time.  Shared memory is double-buffered by round parity, so
+// a round needs one barrier: the writes of round k + 2 come after every thread passed round
+// k + 1's barrier, which a chain thread reaches only after reading round k.
+constexpr int kLaneGroups = kWarpsPerCta * 32 / 8;
+
+template <DType T, int NT, int R>
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+    kquant_splitk_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                         const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                         const int16_t* __restrict__ xbsum, int n, float* __restrict__ y) {
+  using F = ExactFmt<T>;
+  constexpr int BS = kBlockBytes<T>, S = kLaneGroups / R;
+  static_assert(R * S == kLaneGroups && R * NT <= kWarpsPerCta * 32, "a CTA's groups and chain threads");
+  __shared__ int part_isum[2][kLaneGroups][NT], part_msum[2][kLaneGroups][NT];
+  __shared__ float part_d[2][kLaneGroups], part_dm[2][kLaneGroups];
+  const int lane = threadIdx.x & 31, j = lane & 7, grp = threadIdx.x >> 3;
+  const int slot = grp % S;
+  const int64_t nb = cols / kQK;
+  const uint8_t* row = w + min((int64_t)blockIdx.x * R + grp / S, rows - 1) * row_bytes;  // past the end: the last
+  const int e_lo = F::elem(j, 0), e_hi = F::elem(j, 16);
+  const int crow = threadIdx.x / NT, ctok = threadIdx.x % NT;  // the chain thread's (row, token), if < R * NT
+  const bool chain = threadIdx.x < R * NT;
+  const int64_t ctok_read = min(ctok, n - 1);
+  float acc = 0.f, accm = 0.f;
+  typename ExactTask<T>::Raw raw = ExactTask<T>::fetch(row + min((int64_t)slot, nb - 1) * BS, j);
+  int buf = 0;
+  for (int64_t i0 = 0; i0 < nb; i0 += S, buf ^= 1) {
+    // a slot past the row's end computes the last super-block again and writes nothing: the
+    // warp's shuffles need all its lanes
+    const bool live = i0 + slot < nb;
+    const int64_t i = min(i0 + slot, nb - 1);
+    // the next round's loads go out before this one's math (past the end: the last, unused)
+    const typename ExactTask<T>::Raw next = ExactTask<T>::fetch(row + min(i0 + slot + S, nb - 1) * BS, j);
+    {
+      ExactTask<T> q;
+      q.decode(raw, j);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int64_t tok = min(t, n - 1);
+        const uint8_t* xp = reinterpret_cast<const uint8_t*>(xq + tok * cols + i * kQK);
+        const uint4 xl = ld16(xp + e_lo), xh = ld16(xp + e_hi);
+        int dl = 0, dh = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          dl = __dp4a((int)q.lo[k], (int)u4_word(xl, k), dl);
+          dh = __dp4a((int)q.hi[k], (int)u4_word(xh, k), dh);
+        }
+        const int16_t* bs = xbsum + tok * (cols / 16) + 16 * i + 2 * j;
+        int isum = q.sc_lo * dl + q.sc_hi * dh;
+        int msum = q.m0 * (int)bs[0] + q.m1 * (int)bs[1];
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) {  // within the group's 8 lanes (xor 4, 2, 1 stays inside it)
+          isum += __shfl_xor_sync(0xffffffffu, isum, o);
+          msum += __shfl_xor_sync(0xffffffffu, msum, o);
+        }
+        if (live && j == t) part_isum[buf][grp][t] = isum, part_msum[buf][grp][t] = msum;
+      }
+      if (live && j == 0) part_d[buf][grp] = q.d, part_dm[buf][grp] = q.dm;
+    }
+    raw = next;
+    __syncthreads();
+    if (chain) {  // the round's float steps, super-blocks i0, i0 + 1, ... in k order
+      const int steps = (int)min((int64_t)S, nb - i0);
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        if (s >= steps) break;
+        const int g = crow * S + s;
+        const float xdi = xd[ctok_read * nb + i0 + s];
+        acc = fmaf(__fmul_rn(part_d[buf][g], xdi), (float)part_isum[buf][g][ctok], acc);
+        accm = fmaf(__fmul_rn(part_dm[buf][g], xdi), (float)part_msum[buf][g][ctok], accm);
+      }
+    }
+  }
+  const int64_t r = (int64_t)blockIdx.x * R + crow;
+  if (chain && r < rows && ctok < n) y[(int64_t)ctok * rows + r] = __fsub_rn(acc, accm);
+}
+
+std::atomic<int> g_matvec_rows_pin{0};
+
+// Rows a matvec CTA takes: the most (16: no shared memory, no barrier) that still gives the device
+// about 1024 CTAs (8 a SM on an H100), but never more slots than the row has super-blocks.  Speed
+// only: every choice gives the same bits (set_matvec_rows pins it for tests and the GPU bench).
+int matvec_rows_per_cta(int64_t rows, int64_t nb) {
+  if (const int pin = g_matvec_rows_pin.load(std::memory_order_relaxed); pin > 0) return pin;
+  constexpr int64_t kWantCtas = 1024;
+  int R = 16;
+  while (R > 1 && (rows + R - 1) / R < kWantCtas) R /= 2;
+  while (R < 16 && kLaneGroups / R > nb) R *= 2;
+  return R;
+}
+
+template <DType T, int NT, int R>
+void launch_splitk(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq,
+                   const float* xd, const int16_t* xbsum, int n, float* y, cudaStream_t stream) {
+  launch(kquant_splitk_kernel<T, NT, R>, dim3((unsigned)((rows + R - 1) / R)), dim3(32 * kWarpsPerCta), 0, stream, w,
+         rows, cols, row_bytes, xq, xd, xbsum, n, y);
+}
+
 template <DType T, int NT>
 void launch_dp4a(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq, const float* xd,
                  const int16_t* xbsum, int n, float* y, cudaStream_t stream) {
@@ -419,15 +526,30 @@ void launch_dp4a(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes
          stream, w, rows, cols, row_bytes, xq, xd, xbsum, n, y);
 }
 
+// The K-quant matvec for R rows a CTA: 16 is the dp4a kernel (a group of 8 lanes walks a whole row),
+// fewer the split-K kernel.  Every R gives the same bits.
+template <DType T, int NT>
+void launch_matvec(int R, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq,
+                   const float* xd, const int16_t* xbsum, int n, float* y, cudaStream_t stream) {
+  switch (R) {
+    case 1: return launch_splitk<T, NT, 1>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    case 2: return launch_splitk<T, NT, 2>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    case 4: return launch_splitk<T, NT, 4>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    case 8: return launch_splitk<T, NT, 8>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    default: return launch_dp4a<T, NT>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+  }
+}
+
 template <DType T>
 void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd,
                   const int16_t* xbsum, int n, float* y, cudaStream_t stream) {
   const int64_t row_bytes = cols / kQK * kBlockBytes<T>;
   if (n <= kDp4aMaxTokens) {
-    if (n == 1) return launch_dp4a<T, 1>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
-    if (n == 2) return launch_dp4a<T, 2>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
-    if (n <= 4) return launch_dp4a<T, 4>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
-    return launch_dp4a<T, 8>(w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    const int R = matvec_rows_per_cta(rows, cols / kQK);
+    if (n == 1) return launch_matvec<T, 1>(R, w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    if (n == 2) return launch_matvec<T, 2>(R, w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    if (n <= 4) return launch_matvec<T, 4>(R, w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+    return launch_matvec<T, 8>(R, w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
   }
   // the tiles per warp fit the batch (registers grow with them): 9..16 tokens 2, ..32 4, more 8
   const int tiles = n <= 16 ? 2 : n <= 32 ? 4 : kMaxTokTiles;
@@ -722,6 +844,13 @@ void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, 
     case DType::Q5_K: return launch_exact<DType::Q5_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
     default: return launch_exact<DType::Q6_K>(wb, rows, cols, xq, xd, xbsum, n, y, stream);
   }
+}
+
+void set_matvec_rows(int rows_per_cta) {
+  if (rows_per_cta != 0 && rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4 && rows_per_cta != 8 &&
+      rows_per_cta != 16)
+    fail("matvec rows per CTA %d: use 1, 2, 4, 8 or 16, or 0 for the automatic choice", rows_per_cta);
+  g_matvec_rows_pin.store(rows_per_cta);
 }
 
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
