@@ -740,6 +740,7 @@ MATVEC_SHAPES = [("Q4_K", 17408, 5120), ("Q6_K", 5120, 17408), ("Q4_K", 5120, 17
                  ("Q4_K", 6144, 5120), ("Q6_K", 10240, 5120), ("Q4_K", 10240, 5120), ("Q4_K", 12288, 5120),
                  ("Q4_K", 1024, 5120), ("Q4_K", 48, 5120)]
 MATVEC_ROWS = (0, 16, 8, 4, 2, 1)  # rows per CTA (dfl_cuda_matvec_rows); 0 = the automatic choice
+MATVEC_FEW_ROWS = 2048  # weights with fewer rows verify on the matvec, 8 tokens a pass (matmul_exact.cu)
 
 
 def part_matvec(ns: list[int]) -> dict:
@@ -769,6 +770,17 @@ def part_matvec(ns: list[int]) -> dict:
                 pinned = {k: v for k, v in row.items() if k != "auto"}
                 row["best"] = min(pinned, key=lambda k: pinned[k]["ms"])
                 table[str(n)] = row
+            if rows < MATVEC_FEW_ROWS:  # a 23-node verify: the matvec 8 tokens a pass (auto) vs the tensor cores
+                row = {}
+                for pin, key in ((0, "auto"), (-1, "mma")):
+                    lib.dfl_cuda_matvec_rows(pin)
+                    ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, 23, 200, 1)
+                    if ms < 0:
+                        out["notes"].append(f"matvec: {last_error()}")
+                        return out
+                    row[key] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
+                row["best"] = min(("auto", "mma"), key=lambda k: row[k]["ms"])
+                table["23"] = row
             out["shapes"][f"{fmt} {rows}x{cols}"] = table
     finally:
         lib.dfl_cuda_matvec_rows(0)
@@ -962,9 +974,9 @@ def markdown(rec: dict) -> str:
         for fmt, row in table.items():
             lines.append(f"| {fmt} | " + " | ".join(_f(row[n]["gb_s"], ".0f") for n in ns) + " |")
     if rec.get("matvec"):
-        pins = ["auto"] + [str(p) for p in MATVEC_ROWS if p]
+        pins = ["auto"] + [str(p) for p in MATVEC_ROWS if p] + ["mma"]
         lines += ["", "K-quant matvec: GB/s of weights read by rows per CTA (dfl_cuda_matvec_rows; every choice the "
-                  "same bits)", "", "| shape | n | " + " | ".join(pins) + " | best |", "|---|---:|" + "---:|" * len(pins) + "---|"]
+                  "same bits; n=23 on few rows: the matvec 8 tokens a pass vs the tensor cores, mma)", "", "| shape | n | " + " | ".join(pins) + " | best |", "|---|---:|" + "---:|" * len(pins) + "---|"]
         for shape, table in rec["matvec"].items():
             for n, row in table.items():
                 lines.append(f"| {shape} | {n} | " + " | ".join(_f(_get(row, p, "gb_s"), ".0f") for p in pins) +

@@ -130,10 +130,11 @@ int dfl_cuda_graph_mode(int32_t mode);
  * grouping, so results do not change. */
 int dfl_cuda_attention_rows(int32_t toks, int32_t heads);
 
-/* Pin the rows a K-quant matvec CTA takes (AR steps and verifies of up to 8 tokens): 16 (a group of 8
- * lanes walks a whole row), 8, 4, 2 or 1 (the CTA's groups split the row's super-blocks), or 0 for the
- * automatic choice by the weight's shape (the default).  Speed only, to compare: every choice gives the
- * same bits. */
+/* Pin the rows a K-quant matvec CTA takes (AR steps and verifies of up to 8 tokens; verifies of up to 64
+ * on weights of fewer than 2048 rows, 8 tokens a pass): 16 (a group of 8 lanes walks a whole row), 8, 4,
+ * 2 or 1 (the CTA's groups split the row's super-blocks), or 0 for the automatic choice by the weight's
+ * shape (the default); -1: the automatic choice, and every verify of more than 8 tokens on the tensor
+ * cores.  Speed only, to compare: every choice gives the same bits. */
 int dfl_cuda_matvec_rows(int32_t rows_per_cta);
 
 /* Test hook: when set, chain steps take their drafts from fn instead of the

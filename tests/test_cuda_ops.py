@@ -171,14 +171,21 @@ def test_cuda_matmul_exact_equals_cpu(name):
     quantised = name not in ("F16", "BF16")
     same = quantised
     full = cuda_matmul_exact(tid, raw, ROWS, cols, x)
-    for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 23, 32, 33, 64, 70):
-        y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
-        assert np.array_equal(y, full[:n]), f"{name}: n={n} differs from the same tokens in a batch of 70"
-        want = cpu_matmul(tid, raw, ROWS, cols, x[:n])
-        if same:
-            assert np.array_equal(y, want), f"{name} n={n}"
-        else:
-            assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), f"{name} n={n}"
+    # K-quants: 37 rows are few, so verifies of up to 64 tokens take the matvec 8 tokens a pass; pin -1 sends
+    # them to the tensor cores
+    for pin in (0, -1) if name.endswith("_K") else (0,):
+        assert lib.dfl_cuda_matvec_rows(pin) == 0, last_error()
+        try:
+            for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 23, 32, 33, 64, 70):
+                y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
+                assert np.array_equal(y, full[:n]), f"{name}: n={n} differs from the same tokens in a batch of 70"
+                want = cpu_matmul(tid, raw, ROWS, cols, x[:n])
+                if same:
+                    assert np.array_equal(y, want), f"{name} n={n} pin {pin}"
+                else:
+                    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), f"{name} n={n}"
+        finally:
+            assert lib.dfl_cuda_matvec_rows(0) == 0
     alone = cuda_matmul_exact(tid, raw, ROWS, cols, x[-1:])
     assert np.array_equal(alone[0], full[-1])
 
@@ -186,16 +193,17 @@ def test_cuda_matmul_exact_equals_cpu(name):
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_cuda_matvec_rows_per_cta_give_the_same_bits(name):
-    """The K-quant matvec (n <= 8) with every CTA shape dfl_cuda_matvec_rows can pin: 16 rows (a lane group walks
-    a whole row) and 8, 4, 2, 1 (the CTA's lane groups split a row's 17 super-blocks into rounds, the last one
-    partly empty): each == the CPU's dfl_matmul, token for token.  A bad pin is refused with the choices."""
-    tid, raw, wf, x = make_case(name, 8, seed=5)
+    """The K-quant matvec with every CTA shape dfl_cuda_matvec_rows can pin: 16 rows (a lane group walks a whole
+    row) and 8, 4, 2, 1 (the CTA's lane groups split a row's 17 super-blocks into rounds, the last one partly
+    empty), for AR-sized batches and for verifies of few-row weights (8 tokens a pass): each == the CPU's
+    dfl_matmul, token for token.  A bad pin is refused with the choices."""
+    tid, raw, wf, x = make_case(name, 64, seed=5)
     cols = wf.shape[1]
     ffi, lib = load()
     try:
         for rows_per_cta in (16, 8, 4, 2, 1):
             assert lib.dfl_cuda_matvec_rows(rows_per_cta) == 0, last_error()
-            for n in (1, 2, 3, 8):
+            for n in (1, 2, 3, 8, 9, 23, 64):
                 y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
                 assert np.array_equal(y, cpu_matmul(tid, raw, ROWS, cols, x[:n])), f"{name} R={rows_per_cta} n={n}"
         assert lib.dfl_cuda_matvec_rows(3) == -1

@@ -475,8 +475,9 @@ def test_matvec_table(monkeypatch):
             return 0
 
         def dfl_cuda_bench_matmul(self, tid, rows, cols, n, iters, exact):
-            assert exact == 1 and iters == 200 and n in (1, 8)
-            return {0: 0.010, 16: 0.020, 8: 0.015, 4: 0.010, 2: 0.012, 1: 0.030}[self.pins[-1]]
+            assert exact == 1 and iters == 200 and n in (1, 8, 23)
+            assert n < 23 or rows < 2048  # verifies on the matvec: few-row weights only
+            return {0: 0.010, 16: 0.020, 8: 0.015, 4: 0.010, 2: 0.012, 1: 0.030, -1: 0.05}[self.pins[-1]]
 
     lib = Lib()
     monkeypatch.setattr(libmod, "load", lambda: (None, lib))
@@ -488,8 +489,10 @@ def test_matvec_table(monkeypatch):
     assert lib.pins[-1] == 0
     rec = gb.assemble({"matvec": part}, "c", "H100", gb._dt.datetime(2026, 11, 27))
     md = gb.markdown(rec)
-    rows = [ln for ln in md.splitlines() if ln.startswith(("| Q4_K ", "| Q6_K "))]
+    assert part["shapes"]["Q4_K 48x5120"]["23"]["best"] == "auto" and "23" not in part["shapes"]["Q4_K 5120x6144"]
+    rows = [ln for ln in md.splitlines() if ln.startswith(("| Q4_K ", "| Q6_K ")) and " | 23 | " not in ln]
     assert len(rows) == 2 * len(gb.MATVEC_SHAPES) and all(ln.endswith(" | 4 |") for ln in rows)
+    assert "| Q4_K 48x5120 | 23 | 14 | — | — | — | — | — | 3 | auto |" in md
     assert "| Q4_K 5120x17408 | 1 | " in md
 
     class Failing(Lib):

@@ -503,7 +503,7 @@ std::atomic<int> g_matvec_rows_pin{0};
 // about 1024 CTAs (8 a SM on an H100), but never more slots than the row has super-blocks.  Speed
 // only: every choice gives the same bits (set_matvec_rows pins it for tests and the GPU bench).
 int matvec_rows_per_cta(int64_t rows, int64_t nb) {
-  if (const int pin = g_matvec_rows_pin.load(std::memory_order_relaxed); pin > 0) return pin;
+  if (const int pin = g_matvec_rows_pin.load(std::memory_order_relaxed); pin > 0) return pin;  // -1: auto
   constexpr int64_t kWantCtas = 1024;
   int R = 16;
   while (R > 1 && (rows + R - 1) / R < kWantCtas) R /= 2;
@@ -525,6 +525,10 @@ void launch_dp4a(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes
   launch(kquant_dp4a_kernel<T, NT>, dim3((unsigned)((rows + per_cta - 1) / per_cta)), dim3(32 * kWarpsPerCta), 0,
          stream, w, rows, cols, row_bytes, xq, xd, xbsum, n, y);
 }
+
+// Weights with fewer rows than this take the matvec for verifies of up to kFewRowsMaxTokens tokens.
+constexpr int64_t kFewRows = 2048;
+constexpr int kFewRowsMaxTokens = 64;
 
 // The K-quant matvec for R rows a CTA: 16 is the dp4a kernel (a group of 8 lanes walks a whole row),
 // fewer the split-K kernel.  Every R gives the same bits.
@@ -550,6 +554,24 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
     if (n == 2) return launch_matvec<T, 2>(R, w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
     if (n <= 4) return launch_matvec<T, 4>(R, w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
     return launch_matvec<T, 8>(R, w, rows, cols, row_bytes, xq, xd, xbsum, n, y, stream);
+  }
+  if (rows < kFewRows && n <= kFewRowsMaxTokens && g_matvec_rows_pin.load(std::memory_order_relaxed) >= 0) {
+    // Few rows (a delta-net layer's 48-row projections, 1024-row K / V): the tensor-core kernel would
+    // have rows / 16 CTAs (3 for 48 rows), so the matvec takes the tokens 8 at a time instead; the
+    // weights stay in L2 between the passes, and every kernel gives a token the same bits.
+    const int R = matvec_rows_per_cta(rows, cols / kQK);
+    const int64_t nb = cols / kQK;
+    for (int t0 = 0; t0 < n; t0 += kDp4aMaxTokens) {
+      const int g = min(kDp4aMaxTokens, n - t0);
+      const int8_t* gq = xq + (int64_t)t0 * cols;
+      const float* gd = xd + (int64_t)t0 * nb;
+      const int16_t* gs = xbsum + (int64_t)t0 * (cols / 16);
+      float* gy = y + (int64_t)t0 * rows;
+      if (g == 8) launch_matvec<T, 8>(R, w, rows, cols, row_bytes, gq, gd, gs, g, gy, stream);
+      else if (g <= 4) launch_matvec<T, 4>(R, w, rows, cols, row_bytes, gq, gd, gs, g, gy, stream);
+      else launch_matvec<T, 8>(R, w, rows, cols, row_bytes, gq, gd, gs, g, gy, stream);
+    }
+    return;
   }
   // the tiles per warp fit the batch (registers grow with them): 9..16 tokens 2, ..32 4, more 8
   const int tiles = n <= 16 ? 2 : n <= 32 ? 4 : kMaxTokTiles;
@@ -847,9 +869,10 @@ void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, 
 }
 
 void set_matvec_rows(int rows_per_cta) {
-  if (rows_per_cta != 0 && rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4 && rows_per_cta != 8 &&
-      rows_per_cta != 16)
-    fail("matvec rows per CTA %d: use 1, 2, 4, 8 or 16, or 0 for the automatic choice", rows_per_cta);
+  if (rows_per_cta != -1 && rows_per_cta != 0 && rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4 &&
+      rows_per_cta != 8 && rows_per_cta != 16)
+    fail("matvec rows per CTA %d: use 1, 2, 4, 8 or 16, or 0 for the automatic choice (-1: automatic, and "
+         "verifies of few-row weights on the tensor cores)", rows_per_cta);
   g_matvec_rows_pin.store(rows_per_cta);
 }
 

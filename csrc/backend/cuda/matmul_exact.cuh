@@ -39,9 +39,10 @@ void matmul_exact_quantize(ExactAct a, const float* x, int64_t cols, int n, void
 void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                             const void* scratch, cudaStream_t stream);
 
-// Pin the K-quant matvec's rows per CTA (n <= 8 tokens) to 1, 2, 4, 8 or 16, or 0 for the automatic
-// choice by the weight's shape.  Speed only: the bits are the same for every choice.  For tests and the
-// GPU bench (dfl_cuda_matvec_rows).
+// Pin the K-quant matvec's rows per CTA (n <= 8 tokens, and verifies of up to 64 on weights of fewer
+// than 2048 rows) to 1, 2, 4, 8 or 16, or 0 for the automatic choice by the weight's shape; -1 is the
+// automatic choice with every verify on the tensor cores.  Speed only: the bits are the same for every
+// choice.  For tests and the GPU bench (dfl_cuda_matvec_rows).
 void set_matvec_rows(int rows_per_cta);
 
 // F16 / BF16 weights on the tf32 tensor cores, batch-invariant (matmul_half.cu).
