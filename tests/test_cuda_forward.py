@@ -429,7 +429,8 @@ def test_cuda_portfolio_and_lookup_equal_cuda_ar(pair):
 
 def test_cuda_mtp_head_equals_cuda_ar(tmp_path):
     """The target's MTP head drafting on the CUDA backend (its layer uploaded with the trunk, its KV there):
-    chain and DDTree give CUDA AR's tokens."""
+    chain and DDTree give CUDA AR's tokens; two slots drafting make each depth of both chains in one head forward
+    (Context::mtp_forward_many, each part's plan in turn) and equal their solo decodes."""
     from test_mtp_gguf import BUNDLED, copy_with_mtp
     f = tmp_path / "tiny-mtp.gguf"
     copy_with_mtp(str(BUNDLED), str(f))
@@ -439,6 +440,10 @@ def test_cuda_mtp_head_equals_cuda_ar(tmp_path):
         ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
         for mode in ("chain", "ddtree"):
             assert d.generate(ids, n, ignore_eos=True, mode=mode).tokens == ar, mode
+        req = dict(mode="ddtree", budget=6, ignore_eos=True, cache=False)
+        want = [d.generate(p, n, **req).tokens for p in PROMPTS[:2]]
+        assert [r.tokens for r in d.generate_many(PROMPTS[:2], n, **req)] == want
+        assert 2 in [s["draft_batch"] for k in range(2) for s in d._slot(k)._ctx.step_stats()]
 
 
 @pytest.mark.parametrize("first", ["mtp", "draft2"])

@@ -126,3 +126,18 @@ def test_a_file_without_a_head_is_refused(tmp_path):
     trunk_only(str(BUNDLED), str(trunk))
     with pytest.raises(DFlashError, match="has no MTP head"):
         Decoder(trunk, "mtp", threads=1)
+
+
+@pytest.mark.parametrize("req", [dict(mode="ddtree", budget=8), dict(mode="chain"),
+                                 dict(mode="ddtree", budget=6, temperature=0.9, seed=5)])
+def test_mtp_slots_draft_in_one_head_forward(mtp_dec, req):
+    """Slots drafting with the MTP head make each depth of every slot's chain in one head forward
+    (Context::mtp_forward_many: the head's matmuls and the output matrix once over every slot's rows, attention
+    on each slot's own head KV), and every slot's ranks are the bits its own forward gives: each reply == its
+    solo decode, and the steps where all three drafted say so."""
+    ps = PROMPTS + ["class Stack:\n    def __init__(self):\n"]
+    solo = [mtp_dec.generate(p, 24, ignore_eos=True, cache=False, **req).tokens for p in ps]
+    many = mtp_dec.generate_many(ps, 24, ignore_eos=True, cache=False, parallel=3, **req)
+    assert [r.tokens for r in many] == solo
+    batches = [s["draft_batch"] for k in range(3) for s in mtp_dec._slot(k)._ctx.step_stats()]
+    assert batches.count(3) >= 3 and set(batches) <= {0, 2, 3}

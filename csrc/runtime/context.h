@@ -115,6 +115,21 @@ class Context {
   // logits (host, optional): every row's logits [n][n_vocab] (tests).
   void mtp_forward(const int32_t* tokens, int n, int32_t pos0, const float* hidden, bool post_norm, int k,
                    int32_t* ids, float* logp, float* head_out, float* logits = nullptr);
+  // mtp_forward for the slots of a server in one forward: part p runs on cs[p]'s head KV as cs[p]->mtp_forward
+  // would (every part's rows get the arithmetic they get alone: the same bits), the row-wise work (the head's
+  // matmuls, norms and the output matrix) once over all parts' rows.  The contexts share one backend and model;
+  // the rows in all must fit the first context's batch size.
+  struct MtpRows {
+    const int32_t* tokens;
+    int n;
+    int32_t pos0;
+    const float* hidden;
+    int32_t* ids;
+    float* logp;
+    float* head_out;
+    float* logits;
+  };
+  static void mtp_forward_many(Context* const* cs, const MtpRows* rs, int n_parts, bool post_norm, int k);
 
   // Target forwards run since construction (tests count them per step).
   int64_t n_forwards() const { return n_forwards_; }

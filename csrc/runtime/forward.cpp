@@ -627,26 +627,65 @@ void Context::mlp_sublayer(const LayerWeights& w, float* x, int n) {
 
 void Context::mtp_forward(const int32_t* tokens, int n, int32_t pos0, const float* hidden, bool post_norm, int k,
                           int32_t* ids, float* logp, float* head_out, float* logits) {
-  Impl& I = *impl_;
+  Context* self = this;
+  const MtpRows rows{tokens, n, pos0, hidden, ids, logp, head_out, logits};
+  mtp_forward_many(&self, &rows, 1, post_norm, k);
+}
+
+void Context::mtp_forward_many(Context* const* cs, const MtpRows* rs, int n_parts, bool post_norm, int k) {
+  if (n_parts <= 0) return;
+  Context& lead = *cs[0];
+  Impl& I = *lead.impl_;
   Backend& be = *I.be;
-  const Model& M = model_;
+  const Model& M = lead.model_;
   const Qwen35Config& c = M.cfg;
   const MtpWeights& W = M.mtp;
   const int H = c.n_embd;
   if (!W.present()) fail("the model has no MTP head (qwen35.nextn_predict_layers is 0 or its tensors are missing)");
-  if (n <= 0 || n > params_.n_batch) fail("MTP batch of %d rows (1..%d)", n, params_.n_batch);
-  if (pos0 < 0 || pos0 + n > params_.n_ctx) fail("MTP rows at %d..%d outside the context (%d)", pos0, pos0 + n - 1,
-                                                 params_.n_ctx);
   if (widest_row(c) < (size_t)2 * H) fail("MTP head: scratch rows narrower than 2 x n_embd");
-  if (!I.mtp_k.p) {
-    I.mtp_k = BackendBuf(be, (size_t)params_.n_ctx * I.kv_row);
-    I.mtp_v = BackendBuf(be, (size_t)params_.n_ctx * I.kv_row);
+  int n = 0;
+  for (int p = 0; p < n_parts; ++p) {
+    Context& x = *cs[p];
+    const MtpRows& r = rs[p];
+    if (x.impl_->be != I.be) fail("MTP forward: context %d does not share the first one's backend", p);
+    if (&x.model_ != &M) fail("MTP forward: context %d decodes another model", p);
+    for (int q = 0; q < p; ++q)
+      if (cs[q] == cs[p]) fail("MTP forward: context %d appears twice", p);
+    if (r.n <= 0 || r.n > x.params_.n_batch) fail("MTP batch of %d rows (1..%d)", r.n, x.params_.n_batch);
+    if (r.pos0 < 0 || r.pos0 + r.n > x.params_.n_ctx)
+      fail("MTP rows at %d..%d outside the context (%d)", r.pos0, r.pos0 + r.n - 1, x.params_.n_ctx);
+    if (k > 0 && (!r.ids || !r.logp)) fail("MTP forward: top-%d asked without ids / logp", k);
+    n += r.n;
   }
-  std::vector<int32_t> pos((size_t)n);
-  for (int t = 0; t < n; ++t) pos[(size_t)t] = pos0 + t;
-  const Batch b{n, tokens, pos.data(), nullptr};
-  plan_chunk(b, 0, n, /*commit=*/true, pos0, I.node_parent, I.mtp_plan);  // a chain from slot pos0
-  be.begin_chunk(I.mtp_plan);
+  if (n > lead.params_.n_batch) fail("MTP forward: %d rows in all exceed the batch size %d", n, lead.params_.n_batch);
+  // each part a chain from its own slot pos0 on its context's head KV; the row-wise work over every part's rows
+  std::vector<AttnRows> parts((size_t)n_parts);
+  ChunkPlan* all = nullptr;
+  for (int p = 0, row0 = 0; p < n_parts; row0 += rs[p].n, ++p) {
+    Impl& J = *cs[p]->impl_;
+    if (!J.mtp_k.p) {
+      J.mtp_k = BackendBuf(be, (size_t)cs[p]->params_.n_ctx * J.kv_row);
+      J.mtp_v = BackendBuf(be, (size_t)cs[p]->params_.n_ctx * J.kv_row);
+    }
+    std::vector<int32_t> pos((size_t)rs[p].n);
+    for (int t = 0; t < rs[p].n; ++t) pos[(size_t)t] = rs[p].pos0 + t;
+    const Batch b{rs[p].n, rs[p].tokens, pos.data(), nullptr};
+    plan_chunk(b, 0, rs[p].n, /*commit=*/true, rs[p].pos0, J.node_parent, J.mtp_plan);
+    parts[(size_t)p] = AttnRows{&J.mtp_plan, J.mtp_k.u8(), J.mtp_v.u8(), row0};
+  }
+  if (n_parts == 1) {
+    all = &I.mtp_plan;
+  } else {
+    all = &I.many_plan;
+    *all = ChunkPlan{};
+    all->n = n;
+    for (int p = 0; p < n_parts; ++p) {
+      const ChunkPlan& q = cs[p]->impl_->mtp_plan;
+      all->tokens.insert(all->tokens.end(), q.tokens.begin(), q.tokens.end());
+      all->pos.insert(all->pos.end(), q.pos.begin(), q.pos.end());
+    }
+  }
+  be.begin_chunk(*all);
   // x = eh_proj . [enorm(embed(token)) | hnorm(h)]
   float* x = I.x.f();
   float* cat = I.a2.f();
@@ -654,43 +693,54 @@ void Context::mtp_forward(const int32_t* tokens, int n, int32_t pos0, const floa
   be.embed(M.tok_embd, x);
   be.rmsnorm(x, be.vec(W.enorm), n, H, c.rms_eps, I.hn.f());
   be.copy_rows(cat, 2 * row, I.hn.f(), row, row, (size_t)n);
-  const float* h = hidden;
-  if (!post_norm) {  // the trunk's hidden as its head sees it: after output_norm
-    be.rmsnorm(hidden, be.vec(M.output_norm), n, H, c.rms_eps, I.out.f());
-    h = I.out.f();
-  }
+  float* h = I.out.f();  // every part's hidden rows, one after another
+  for (int p = 0; p < n_parts; ++p) be.copy(h + (size_t)parts[(size_t)p].row0 * H, rs[p].hidden, rs[p].n * row);
+  if (!post_norm)  // the trunk's hidden as its head sees it: after output_norm
+    be.rmsnorm(h, be.vec(M.output_norm), n, H, c.rms_eps, h);
   be.rmsnorm(h, be.vec(W.hnorm), n, H, c.rms_eps, I.hn.f());
   be.copy_rows(cat + H, 2 * row, I.hn.f(), row, row, (size_t)n);
   be.matmul(W.eh_proj, cat, n, x);
-  // one full-attention decoder layer, the trunk's arithmetic, on the head's KV
+  // one full-attention decoder layer, the trunk's arithmetic, each part on its own head KV
   const LayerWeights& w = W.layer;
   be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
-  const AttnRows head{&I.mtp_plan, I.mtp_k.u8(), I.mtp_v.u8(), 0};
-  attention_sublayer(w, &head, 1, n, I.mtp_plan);
+  lead.attention_sublayer(w, parts.data(), n_parts, n, *all);
   be.add(x, I.out.f(), (size_t)n * H);
-  mlp_sublayer(w, x, n);
+  lead.mlp_sublayer(w, x, n);
   // the head: shared_head_norm, then the trunk's output matrix
   float* hs = I.hn.f();
   be.rmsnorm(x, be.vec(W.head_norm), n, H, c.rms_eps, hs);
-  if (head_out) be.copy(head_out, hs, (size_t)n * row);
-  if (k <= 0 && !logits) return;
-  const int group = std::min(kLogitGroup, params_.n_batch);
+  bool any_logits = false;
+  for (int p = 0; p < n_parts; ++p) {
+    if (rs[p].head_out) be.copy(rs[p].head_out, hs + (size_t)parts[(size_t)p].row0 * H, rs[p].n * row);
+    any_logits = any_logits || rs[p].logits;
+  }
+  if (k <= 0 && !any_logits) return;
+  const int group = std::min(kLogitGroup, lead.params_.n_batch);
   if (!I.logits.p) I.logits = BackendBuf(be, (size_t)group * c.n_vocab * 4);
-  const size_t kk8 = (size_t)k;
+  const size_t kk8 = (size_t)std::max(k, 0);
   if (I.top.bytes < (size_t)group * kk8 * 8) I.top = BackendBuf(be, (size_t)group * kk8 * 8);
   std::vector<uint8_t> both((size_t)group * kk8 * 8);
+  // rows g0 .. g0 + m - 1 of all: part p's row t is row parts[p].row0 + t
   for (int g0 = 0; g0 < n; g0 += group) {
     const int m = std::min(group, n - g0);
     be.matmul(M.output, hs + (size_t)g0 * H, m, I.logits.f());
-    if (logits) be.download(logits + (size_t)g0 * c.n_vocab, I.logits.f(), (size_t)m * c.n_vocab * 4);
+    for (int p = 0; p < n_parts; ++p) {
+      const int a = std::max(g0, parts[(size_t)p].row0), z = std::min(g0 + m, parts[(size_t)p].row0 + rs[p].n);
+      if (rs[p].logits && a < z)
+        be.download(rs[p].logits + (size_t)(a - parts[(size_t)p].row0) * c.n_vocab,
+                    I.logits.f() + (size_t)(a - g0) * c.n_vocab, (size_t)(z - a) * c.n_vocab * 4);
+    }
     if (k <= 0) continue;
     int32_t* tid = reinterpret_cast<int32_t*>(I.top.u8());
     float* tlp = reinterpret_cast<float*>(I.top.u8() + (size_t)group * kk8 * 4);
     be.row_topk(I.logits.f(), m, c.n_vocab, k, tid, tlp);
     be.download(both.data(), I.top.p, both.size());
-    for (int j = 0; j < m; ++j) {
-      std::memcpy(ids + (size_t)(g0 + j) * kk8, both.data() + j * kk8 * 4, kk8 * 4);
-      std::memcpy(logp + (size_t)(g0 + j) * kk8, both.data() + ((size_t)group + j) * kk8 * 4, kk8 * 4);
+    for (int p = 0; p < n_parts; ++p) {
+      const int r0 = parts[(size_t)p].row0;
+      for (int j = std::max(g0, r0); j < std::min(g0 + m, r0 + rs[p].n); ++j) {
+        std::memcpy(rs[p].ids + (size_t)(j - r0) * kk8, both.data() + (size_t)(j - g0) * kk8 * 4, kk8 * 4);
+        std::memcpy(rs[p].logp + (size_t)(j - r0) * kk8, both.data() + ((size_t)group + (j - g0)) * kk8 * 4, kk8 * 4);
+      }
     }
   }
 }

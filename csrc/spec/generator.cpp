@@ -311,14 +311,9 @@ Generator::TreeDrafter Generator::tree_drafter() const {
 void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe, bool look) {
   const int n_vocab = ctx_.model().cfg.n_vocab;
   const int cap = tree_cap(room);
-  TreeParams tp = p_.tree;
-  tp.budget = cap;
   const TreeDrafter td = tree_drafter();
   Proposer* whole = td.whole;
-  // Under a constraint that prunes, draft more than fits and keep the best `cap` the constraint allows:
-  // forbidden branches make room for allowed ones instead of leaving the verify short.
-  const bool overdraft = constraint_ && prune_ && !whole;
-  if (overdraft) tp.budget = std::min({cap * kOverdraft, room - 1, ctx_.params().n_batch - 1});
+  TreeParams tp = step_tree(room, whole != nullptr);
   auto t0 = Clock::now();
   DraftTree t;
   if (whole) {  // a proposer that gives the whole tree (a hook): verified as given
@@ -329,7 +324,6 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
       tokens_.resize(1), parent_.resize(1), depth_.resize(1);
       return;
     }
-    if (tp.topk <= 0) tp.topk = overdraft ? tp.budget : p_.tree.budget;  // K from the budget, not the room left
     const int K = ddtree_k(tp, n_vocab);
     Proposer *rank = td.rank, *expander = td.expander;
     if (expander) {
@@ -561,6 +555,18 @@ bool Generator::decide_step(int slots) {
   return true;
 }
 
+TreeParams Generator::step_tree(int room, bool whole) const {
+  TreeParams tp = p_.tree;
+  tp.budget = tree_cap(room);
+  if (whole) return tp;  // a hook's whole tree: verified as given
+  // Under a constraint that prunes, draft more than fits and keep the best `cap` the constraint allows:
+  // forbidden branches make room for allowed ones instead of leaving the verify short.
+  const bool overdraft = constraint_ && prune_;
+  if (overdraft) tp.budget = std::min({tp.budget * kOverdraft, room - 1, ctx_.params().n_batch - 1});
+  if (tp.topk <= 0) tp.topk = overdraft ? tp.budget : p_.tree.budget;  // K from the budget, not the room left
+  return tp;
+}
+
 Proposer* Generator::block_proposer(DraftRequest* r) const {
   // the proposer draft_tree / draft_chain will ask for this step's block, as they choose it
   const int V = work_.V, room = work_.room;
@@ -573,7 +579,11 @@ Proposer* Generator::block_proposer(DraftRequest* r) const {
   } else if (p_.mode == DecodeMode::Chain) {
     p = first(Proposer::Chain);
   }
-  if (p) *r = request(work_.s, V);
+  if (p) {
+    *r = request(work_.s, V);
+    // the ranks per depth its propose call will ask for (a chain: the top-1)
+    r->K = work_.speculate ? ddtree_k(step_tree(room, false), ctx_.model().cfg.n_vocab) : 1;
+  }
   return p;
 }
 

@@ -150,6 +150,9 @@ class Generator {
   TreeDrafter tree_drafter() const;
   // Tree nodes that fit: the budget, the KV room left and the verify batch.
   int tree_cap(int room) const { return std::min({p_.tree.budget, room - 1, ctx_.params().n_batch - 1}); }
+  // A tree step's parameters with `room` positions left: its budget (kOverdraft times the cap under a pruning
+  // constraint) and, unless a hook gives the whole tree, the ranks per depth it asks for (topk).
+  TreeParams step_tree(int room, bool whole) const;
   int finish_step(std::vector<int32_t>& out);
   struct StepWork {
     StepRecord rec;

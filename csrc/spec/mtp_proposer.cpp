@@ -24,6 +24,7 @@ MtpProposer::MtpProposer(Context& ctx, int block) : ctx_(ctx), block_(block) {
 }
 
 void MtpProposer::reset() {
+  pf_.valid = false;
   n_pos_ = n_written_ = 0;
   wait_tok_.clear();
   std::vector<float> zero((size_t)ctx_.model().cfg.n_embd, 0.f);
@@ -43,6 +44,7 @@ void MtpProposer::flush() {
 void MtpProposer::take_features(int32_t pos0, int n, const float* captured, size_t stride, const int32_t* rows,
                                 const int32_t* tokens) {
   if (n <= 0) return;
+  pf_.valid = false;
   Backend& be = ctx_.backend();
   const int H = ctx_.model().cfg.n_embd;
   const size_t row = (size_t)H * 4;
@@ -77,10 +79,70 @@ void MtpProposer::take_features(int32_t pos0, int n, const float* captured, size
   n_pos_ = pos0 + n;
 }
 
+void MtpProposer::prefetch_many(Proposer* const* ps, const DraftRequest* rs, int n) {
+  std::vector<MtpProposer*> qs((size_t)n);
+  std::vector<Context*> cs;
+  std::vector<Context::MtpRows> rows;
+  for (int j = 0; j < n; ++j) {
+    MtpProposer& q = *static_cast<MtpProposer*>(ps[j]);  // (one batch key: one head, MTP proposers alike)
+    qs[(size_t)j] = &q;
+    q.pf_.valid = false;
+    if (rs[j].root_pos != q.n_pos_)
+      fail("MTP head: the draft's root is at %d but the head has read positions up to %d", rs[j].root_pos, q.n_pos_);
+    if (!q.wait_tok_.empty()) {  // the committed rows each slot's head has not written yet
+      cs.push_back(&q.ctx_);
+      rows.push_back({q.wait_tok_.data(), (int)q.wait_tok_.size(), q.n_written_, q.rows_.f(), nullptr, nullptr,
+                      nullptr, nullptr});
+    }
+  }
+  Context::mtp_forward_many(cs.data(), rows.data(), (int)rows.size(), /*post_norm=*/false, 0);
+  int L = 0, K = 1;
+  for (int j = 0; j < n; ++j) {
+    MtpProposer& q = *qs[(size_t)j];
+    q.n_written_ += (int)q.wait_tok_.size();
+    q.wait_tok_.clear();
+    L = std::max(L, rs[j].L);
+    K = std::max(K, rs[j].K);
+  }
+  // depth d of every chain still that deep: (root or the depth before's top-1, the trunk's hidden or the head's
+  // own output) at slot root_pos + d, as propose_topk takes them one slot at a time
+  std::vector<int32_t> tok((size_t)n);
+  for (int j = 0; j < n; ++j) {
+    MtpProposer& q = *qs[(size_t)j];
+    q.pf_ = Prefetched{true, rs[j].root_pos, rs[j].root, rs[j].L, K, {}, {}};
+    q.pf_.ids.resize((size_t)std::max(rs[j].L, 0) * K);
+    q.pf_.logp.resize(q.pf_.ids.size());
+    tok[(size_t)j] = rs[j].root;
+  }
+  for (int d = 0; d < L; ++d) {
+    cs.clear(), rows.clear();
+    std::vector<int> at;
+    for (int j = 0; j < n; ++j) {
+      MtpProposer& q = *qs[(size_t)j];
+      if (rs[j].L <= d) continue;
+      cs.push_back(&q.ctx_);
+      rows.push_back({&tok[(size_t)j], 1, rs[j].root_pos + d, d == 0 ? q.last_h_.f() : q.head_.f(),
+                      q.pf_.ids.data() + (size_t)d * K, q.pf_.logp.data() + (size_t)d * K, q.head_.f(), nullptr});
+      at.push_back(j);
+    }
+    Context::mtp_forward_many(cs.data(), rows.data(), (int)rows.size(), /*post_norm=*/d > 0, K);
+    for (int j : at) tok[(size_t)j] = qs[(size_t)j]->pf_.ids[(size_t)d * K];
+  }
+}
+
 void MtpProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) {
   if (r.L <= 0) return;
   if (r.root_pos != n_pos_)
     fail("MTP head: the draft's root is at %d but the head has read positions up to %d", r.root_pos, n_pos_);
+  if (pf_.valid && pf_.root_pos == r.root_pos && pf_.root == r.root && pf_.L == r.L && K <= pf_.k) {
+    for (int d = 0; d < r.L; ++d) {  // this slot's ranks from prefetch_many: the first K of each depth's k
+      std::copy_n(pf_.ids.data() + (size_t)d * pf_.k, K, ids + (size_t)d * K);
+      std::copy_n(pf_.logp.data() + (size_t)d * pf_.k, K, logp + (size_t)d * K);
+    }
+    pf_.valid = false;
+    return;
+  }
+  pf_.valid = false;
   flush();
   int32_t tok = r.root;
   const float* h = last_h_.f();

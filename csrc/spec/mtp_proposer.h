@@ -30,6 +30,10 @@ class MtpProposer final : public Proposer {
   void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override;
   void reset() override;
   void prompt_done(const int32_t*, int) override { flush(); }
+  // Slots: every slot's waiting rows in one head forward, then each depth of every slot's chain in one
+  // (Context::mtp_forward_many); each slot keeps its ranks for its propose_topk this step.
+  const void* batch_key() const override { return &ctx_.model().mtp; }
+  void prefetch_many(Proposer* const* ps, const DraftRequest* rs, int n) override;
   const std::vector<int32_t>* feature_layers() const override { return &layers_; }
   int feature_capacity() const override { return 1 << 30; }  // every position: the head attends over them all
   void take_features(int32_t pos0, int n, const float* captured, size_t stride, const int32_t* rows,
@@ -47,6 +51,15 @@ class MtpProposer final : public Proposer {
   BackendBuf last_h_;            // the trunk's hidden at n_pos_ - 1 (zeros at the start or after a skip)
   BackendBuf rows_;              // [n_batch][H]: the waiting rows' input hidden states
   BackendBuf head_;              // [H]: a draft depth's output, the next depth's input
+  // prefetch_many's ranks for this slot's next propose_topk: valid for that root and L, any K <= k (the top-k
+  // lists are best first, lower id first on ties: a smaller k is a prefix)
+  struct Prefetched {
+    bool valid = false;
+    int32_t root_pos = 0, root = 0;
+    int L = 0, k = 0;
+    std::vector<int32_t> ids;
+    std::vector<float> logp;
+  } pf_;
 };
 
 }  // namespace dfl

@@ -31,6 +31,7 @@ struct DraftRequest {
   int32_t root = 0;
   const int32_t* hist = nullptr;
   int L = 0;
+  int K = 0;  // prefetch_many's hint: the ranks per depth the step's propose call will ask for (0: not known)
 };
 
 class Proposer {

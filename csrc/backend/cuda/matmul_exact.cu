@@ -357,6 +357,31 @@ struct ExactTask {
   }
 };
 
+// Super-block i's exact integer sums for token tok, over the 8 lanes of a row's group: lane j's task
+// dotted with the activations by dp4a, then an xor butterfly (4, 2, 1 stays inside the group; exact
+// in any order).  Every lane of the group gets the totals.
+template <DType T>
+__device__ __forceinline__ void group_sums(const ExactTask<T>& q, const int8_t* __restrict__ xq,
+                                           const int16_t* __restrict__ xbsum, int64_t cols, int64_t i, int64_t tok,
+                                           int j, int e_lo, int e_hi, int& isum, int& msum) {
+  const uint8_t* xp = reinterpret_cast<const uint8_t*>(xq + tok * cols + i * kQK);
+  const uint4 xl = ld16(xp + e_lo), xh = ld16(xp + e_hi);
+  int dl = 0, dh = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    dl = __dp4a((int)q.lo[k], (int)u4_word(xl, k), dl);
+    dh = __dp4a((int)q.hi[k], (int)u4_word(xh, k), dh);
+  }
+  const int16_t* bs = xbsum + tok * (cols / 16) + 16 * i + 2 * j;
+  isum = q.sc_lo * dl + q.sc_hi * dh;
+  msum = q.m0 * (int)bs[0] + q.m1 * (int)bs[1];
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) {
+    isum += __shfl_xor_sync(0xffffffffu, isum, o);
+    msum += __shfl_xor_sync(0xffffffffu, msum, o);
+  }
+}
+
 constexpr int kDp4aMaxTokens = 8;
 constexpr int kRowsPerDp4aWarp = 4;  // a group of 8 lanes per row
 
@@ -385,22 +410,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const int64_t tok = min(t, n - 1);
-      const uint8_t* xp = reinterpret_cast<const uint8_t*>(xq + tok * cols + i * kQK);
-      const uint4 xl = ld16(xp + e_lo), xh = ld16(xp + e_hi);
-      int dl = 0, dh = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        dl = __dp4a((int)q.lo[k], (int)u4_word(xl, k), dl);
-        dh = __dp4a((int)q.hi[k], (int)u4_word(xh, k), dh);
-      }
-      const int16_t* bs = xbsum + tok * (cols / 16) + 16 * i + 2 * j;
-      int isum = q.sc_lo * dl + q.sc_hi * dh;
-      int msum = q.m0 * (int)bs[0] + q.m1 * (int)bs[1];
-#pragma unroll
-      for (int o = 4; o > 0; o >>= 1) {  // within the row's 8 lanes; exact in any order
-        isum += __shfl_xor_sync(0xffffffffu, isum, o);
-        msum += __shfl_xor_sync(0xffffffffu, msum, o);
-      }
+      int isum, msum;
+      group_sums<T>(q, xq, xbsum, cols, i, tok, j, e_lo, e_hi, isum, msum);
       const float xdi = xd[tok * nb + i];
       acc[t] = fmaf(__fmul_rn(q.d, xdi), (float)isum, acc[t]);
       accm[t] = fmaf(__fmul_rn(q.dm, xdi), (float)msum, accm[t]);
@@ -458,23 +469,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
       q.decode(raw, j);
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
-        const int64_t tok = min(t, n - 1);
-        const uint8_t* xp = reinterpret_cast<const uint8_t*>(xq + tok * cols + i * kQK);
-        const uint4 xl = ld16(xp + e_lo), xh = ld16(xp + e_hi);
-        int dl = 0, dh = 0;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          dl = __dp4a((int)q.lo[k], (int)u4_word(xl, k), dl);
-          dh = __dp4a((int)q.hi[k], (int)u4_word(xh, k), dh);
-        }
-        const int16_t* bs = xbsum + tok * (cols / 16) + 16 * i + 2 * j;
-        int isum = q.sc_lo * dl + q.sc_hi * dh;
-        int msum = q.m0 * (int)bs[0] + q.m1 * (int)bs[1];
-#pragma unroll
-        for (int o = 4; o > 0; o >>= 1) {  // within the group's 8 lanes (xor 4, 2, 1 stays inside it)
-          isum += __shfl_xor_sync(0xffffffffu, isum, o);
-          msum += __shfl_xor_sync(0xffffffffu, msum, o);
-        }
+        int isum, msum;
+        group_sums<T>(q, xq, xbsum, cols, i, min(t, n - 1), j, e_lo, e_hi, isum, msum);
         if (live && j == t) part_isum[buf][grp][t] = isum, part_msum[buf][grp][t] = msum;
       }
       if (live && j == 0) part_d[buf][grp] = q.d, part_dm[buf][grp] = q.dm;
