@@ -261,13 +261,19 @@ def test_cuda_logprobs(cuda_dec, mode):
 
 
 def test_cuda_draft_model_speculation(synth_gguf):
-    """A draft model on the device: its own context, snapshots and rollback in device memory; DDTree == AR."""
+    """A draft model on the device: its own context, snapshots and rollback in device memory; DDTree == AR; two
+    slots draft in one draft-model forward a depth (their draft contexts share the backend) == their solo
+    decodes."""
     with Decoder(synth_gguf("f32"), synth_gguf("q4_k_m"), device="cuda", ctx=256, threads=2) as d:
         ids = d.tokenize(PROMPTS[0])
         n = 10 if EMULATED else 64
         ar = d.generate(ids, n, ignore_eos=True, mode="ar").tokens
         r = d.generate(ids, n, ignore_eos=True, mode="ddtree", block_size=5)
         assert r.tokens == ar and r.stats.mean_accept > 1.5
+        req = dict(mode="ddtree", block_size=5, ignore_eos=True, cache=False)
+        want = [d.generate(p, n, **req).tokens for p in PROMPTS[:2]]
+        assert [r.tokens for r in d.generate_many(PROMPTS[:2], n, **req)] == want
+        assert 2 in [s["draft_batch"] for k in range(2) for s in d._slot(k)._ctx.step_stats()]
 
 
 def graph_stats() -> tuple[int, int, int]:

@@ -44,6 +44,22 @@ def test_draft_model_speculation_equals_ar(dec):
         dec.generate(other, 32, ignore_eos=True, mode="ar", frequency_penalty=0.5).tokens
 
 
+@pytest.mark.parametrize("req", [dict(mode="ddtree", budget=8), dict(mode="chain"),
+                                 dict(mode="ddtree", budget=6, temperature=0.9, seed=5)])
+def test_draft_model_slots_draft_in_one_forward(dec, req):
+    """Slots share their draft model's backend (dfl_context_new_slot's base), so every slot's catch-up and then
+    each depth of every slot's greedy chain run as one draft-model forward (DraftModelProposer::prefetch_many,
+    Context::forward_many), each slot's ranks the bits it gets alone: every reply == its solo decode, and the
+    steps where all three drafted say so; a second round (rollback from snapshots) stays exact."""
+    ps = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n"]
+    for _ in range(2):
+        solo = [dec.generate(p, 24, ignore_eos=True, cache=False, **req).tokens for p in ps]
+        many = dec.generate_many(ps, 24, ignore_eos=True, cache=False, parallel=3, **req)
+        assert [r.tokens for r in many] == solo
+        batches = [s["draft_batch"] for k in range(3) for s in dec._slot(k)._ctx.step_stats()]
+        assert batches.count(3) >= 3 and set(batches) <= {0, 2, 3}
+
+
 def test_another_vocabulary_is_refused(synth_gguf, tmp_path):
     small = write_synthetic(tmp_path / "vocab1024.gguf", {"base": "tiny", "vocab": 1024}, "q4_k_m", seed=0)
     with pytest.raises(DFlashError, match=r"draft model .*vocab1024\.gguf and target .*tiny-f32\.gguf have "

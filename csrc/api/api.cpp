@@ -187,6 +187,7 @@ dfl_context* dfl_context_new_slot(dfl_context* base, const dfl_context_params* p
     auto c = std::make_unique<dfl_context>();
     c->ctx = std::make_unique<dfl::Context>(base->ctx->model(), cp, base->ctx.get());
     c->gen = std::make_unique<dfl::Generator>(*c->ctx);
+    c->slot_base = base;
     out = c.release();
   });
   return out;

@@ -118,7 +118,12 @@ int dfl_context_attach_draft_model(dfl_context* c, const dfl_model* m) {
     c->draft_model.reset();
     c->refresh_proposers();
     if (!m) return;
-    c->draft_model = std::make_unique<dfl::DraftModelProposer>(*m->m, c->ctx->model(), c->ctx->params());
+    // a slot's draft context shares its base's (same draft model): the slots' drafts then run as one forward
+    dfl::DraftModelProposer* share = c->slot_base && c->slot_base->draft_model &&
+                                             &c->slot_base->draft_model->draft_model() == m->m.get()
+                                         ? c->slot_base->draft_model.get()
+                                         : nullptr;
+    c->draft_model = std::make_unique<dfl::DraftModelProposer>(*m->m, c->ctx->model(), c->ctx->params(), share);
     c->attached(c->draft_model.get());
     c->refresh_proposers();
   });

@@ -36,6 +36,7 @@ struct dfl_context {
   std::unique_ptr<dfl::Proposer> chain_hook, tree_hook, topk_hook;
   std::unique_ptr<dfl::Constraint> constraint;  // structured output (dfl_context_set_constraint)
   mutable std::string backend_name;        // dfl_context_backend's string
+  dfl_context* slot_base = nullptr;        // a slot (dfl_context_new_slot): the context whose backend it shares
 
   // The attached drafters in the order they were attached: the order of preference (a chain or DDTree step
   // drafts with the first that can; auto ranks them by what they earn).

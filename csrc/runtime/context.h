@@ -137,6 +137,7 @@ class Context {
   ThreadPool& pool();
   // The backend the context computes on, shared with a drafter serving it.
   Backend& backend();
+  const Backend& backend() const;
   // Backend memory: the last forward's captured rows when it asked for hidden_on_backend.
   const float* captured() const;
 

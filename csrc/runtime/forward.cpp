@@ -175,6 +175,7 @@ size_t Context::state_bytes() const {
 
 ThreadPool& Context::pool() { return *impl_->pool; }
 Backend& Context::backend() { return *impl_->be; }
+const Backend& Context::backend() const { return *impl_->be; }
 const float* Context::captured() const { return impl_->captured.f(); }
 
 size_t Context::committed_state_size() const {

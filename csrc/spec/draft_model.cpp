@@ -2,20 +2,23 @@
 #include "spec/draft_model.h"
 
 #include <algorithm>
+#include <memory>
 #include <numeric>
 
 #include "util/error.h"
 
 namespace dfl {
 
-DraftModelProposer::DraftModelProposer(const Model& draft, const Model& target, const ContextParams& p)
-    : ctx_(draft, p) {
+DraftModelProposer::DraftModelProposer(const Model& draft, const Model& target, const ContextParams& p,
+                                       DraftModelProposer* share)
+    : ctx_(draft, p, share ? &share->ctx_ : nullptr) {
   if (draft.cfg.n_vocab != target.cfg.n_vocab)
     fail("draft model/target mismatch: the draft model has a vocabulary of %d tokens, the target %d",
          draft.cfg.n_vocab, target.cfg.n_vocab);
 }
 
 void DraftModelProposer::reset() {
+  pf_.valid = false;
   ctx_.reset();
   seen_.clear();
   snap_base_ = -1;
@@ -42,6 +45,11 @@ void DraftModelProposer::feed(const int32_t* tokens, int n, int32_t pos0) {
 }
 
 void DraftModelProposer::sync(const int32_t* hist, int32_t s) {
+  if (sync_prefix(hist, s) > 0) feed(hist + seen_.size(), s - (int)seen_.size(), (int32_t)seen_.size());
+}
+
+int DraftModelProposer::sync_prefix(const int32_t* hist, int32_t s) {
+  pf_.valid = false;
   int c = 0;
   const int held = (int)seen_.size();
   while (c < held && c < s && seen_[c] == hist[c]) ++c;
@@ -70,7 +78,108 @@ void DraftModelProposer::sync(const int32_t* hist, int32_t s) {
     seen_.insert(seen_.end(), hist + tree_base_, hist + tree_base_ + path.size());
   }
   tree_base_ = -1;
-  if ((int)seen_.size() < s) feed(hist + seen_.size(), s - (int)seen_.size(), (int32_t)seen_.size());
+  return std::max(0, s - (int)seen_.size());
+}
+
+void DraftModelProposer::ensure_snapshots(int L) {
+  if ((int)snaps_.size() < L) {
+    snaps_.reserve(L);
+    while ((int)snaps_.size() < L) snaps_.push_back(ctx_.new_recurrent_snapshot());
+  }
+}
+
+void DraftModelProposer::drafted(int d, int32_t tok) {
+  seen_.push_back(tok);
+  ctx_.save_recurrent(snaps_[(size_t)d]);
+  n_snap_ = d + 1;
+}
+
+static std::unique_ptr<bool[]> all_true(size_t n) {
+  std::unique_ptr<bool[]> b(new bool[n]);
+  std::fill_n(b.get(), n, true);
+  return b;
+}
+
+void DraftModelProposer::prefetch_many(Proposer* const* ps, const DraftRequest* rs, int n) {
+  std::vector<DraftModelProposer*> qs((size_t)n);
+  int L = 0, K = 1, n_batch = ctx_.params().n_batch;
+  for (int j = 0; j < n; ++j) {
+    qs[(size_t)j] = static_cast<DraftModelProposer*>(ps[j]);  // (one batch key: one backend, one draft model)
+    const DraftModelProposer& q = *qs[(size_t)j];
+    if (rs[j].root_pos + rs[j].L > q.ctx_.params().n_ctx)
+      fail("draft model: %d + %d positions exceed its context %d", rs[j].root_pos, rs[j].L, q.ctx_.params().n_ctx);
+    L = std::max(L, rs[j].L);
+    K = std::max(K, rs[j].K);
+    n_batch = std::min(n_batch, q.ctx_.params().n_batch);
+  }
+  // the catch-ups: each context's unseen tokens, one forward for all when they fit a batch
+  std::vector<Context*> cs;
+  std::vector<Batch> bs;
+  std::vector<std::vector<int32_t>> pos((size_t)n);
+  int rows = 0;
+  for (int j = 0; j < n; ++j) {
+    DraftModelProposer& q = *qs[(size_t)j];
+    const int m = q.sync_prefix(rs[j].hist, rs[j].root_pos);
+    if (m <= 0) continue;
+    const int32_t p0 = (int32_t)q.seen_.size();
+    if (rows + m > n_batch) {  // too many for one forward: this slot alone, in chunks
+      q.feed(rs[j].hist + p0, m, p0);
+      continue;
+    }
+    pos[(size_t)j].resize((size_t)m);
+    for (int i = 0; i < m; ++i) pos[(size_t)j][(size_t)i] = p0 + i;
+    cs.push_back(&q.ctx_);
+    bs.push_back(Batch{m, rs[j].hist + p0, pos[(size_t)j].data(), nullptr});
+    rows += m;
+  }
+  if (!cs.empty()) {
+    std::vector<ForwardOutputs> none(cs.size());
+    const std::unique_ptr<bool[]> commit = all_true(cs.size());
+    Context::forward_many(cs.data(), bs.data(), none.data(), commit.get(), (int)cs.size());
+    for (size_t i = 0; i < cs.size(); ++i)
+      for (int j = 0; j < n; ++j)
+        if (&qs[(size_t)j]->ctx_ == cs[i]) {
+          DraftModelProposer& q = *qs[(size_t)j];
+          q.seen_.insert(q.seen_.end(), bs[i].tokens, bs[i].tokens + bs[i].n);
+        }
+  }
+  // each depth of every chain still that deep, one token a context (as propose_topk runs them alone)
+  std::vector<int32_t> tok((size_t)n), at_pos((size_t)n), row0((size_t)n, 0);
+  for (int j = 0; j < n; ++j) {
+    DraftModelProposer& q = *qs[(size_t)j];
+    q.ensure_snapshots(rs[j].L);
+    q.snap_base_ = rs[j].root_pos;
+    q.n_snap_ = 0;
+    q.pf_.start(rs[j], K);
+    tok[(size_t)j] = rs[j].root;
+  }
+  for (int d = 0; d < L; ++d) {
+    cs.clear(), bs.clear();
+    std::vector<ForwardOutputs> outs;
+    std::vector<int> at;
+    for (int j = 0; j < n; ++j) {
+      DraftModelProposer& q = *qs[(size_t)j];
+      if (rs[j].L <= d) continue;
+      at_pos[(size_t)j] = rs[j].root_pos + d;
+      ForwardOutputs o;
+      o.n_logits = 1;
+      o.logit_rows = &row0[(size_t)j];
+      o.topk = K;
+      o.top_ids = q.pf_.ids.data() + (size_t)d * K;
+      o.top_logp = q.pf_.logp.data() + (size_t)d * K;
+      cs.push_back(&q.ctx_);
+      bs.push_back(Batch{1, &tok[(size_t)j], &at_pos[(size_t)j], nullptr});
+      outs.push_back(o);
+      at.push_back(j);
+    }
+    const std::unique_ptr<bool[]> commit = all_true(cs.size());
+    Context::forward_many(cs.data(), bs.data(), outs.data(), commit.get(), (int)cs.size());
+    for (int j : at) {
+      DraftModelProposer& q = *qs[(size_t)j];
+      q.drafted(d, tok[(size_t)j]);
+      tok[(size_t)j] = q.pf_.ids[(size_t)d * K];
+    }
+  }
 }
 
 void DraftModelProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) {
@@ -78,13 +187,11 @@ void DraftModelProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids
   const int32_t s = r.root_pos, root = r.root;
   const int L = r.L;
   if (s + L > ctx_.params().n_ctx) fail("draft model: %d + %d positions exceed its context %d", s, L, ctx_.params().n_ctx);
+  if (pf_.take(r, K, ids, logp)) return;  // drafted by prefetch_many with the other slots (its context did)
   sync(hist, s);  // agree with the target on [0, s)
   // the root, then the draft's own greedy chain: one token per forward,
   //    each depth's top-K kept, the state after every position snapshotted
-  if ((int)snaps_.size() < L) {
-    snaps_.reserve(L);
-    while ((int)snaps_.size() < L) snaps_.push_back(ctx_.new_recurrent_snapshot());
-  }
+  ensure_snapshots(L);
   snap_base_ = s;
   n_snap_ = 0;
   int32_t tok = root;
@@ -99,9 +206,7 @@ void DraftModelProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids
     o.top_ids = ids + (size_t)d * K;
     o.top_logp = logp + (size_t)d * K;
     ctx_.forward(b, o, true);
-    seen_.push_back(tok);
-    ctx_.save_recurrent(snaps_[(size_t)d]);
-    n_snap_ = d + 1;
+    drafted(d, tok);
     tok = ids[(size_t)d * K];
   }
 }

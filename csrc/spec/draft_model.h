@@ -34,7 +34,11 @@ class DraftModelProposer final : public Proposer {
  public:
   // draft: a qwen35 model with the target's vocabulary size (the caller checks
   // the tokens themselves); p: the target context's parameters (device, KV type, ...).
-  DraftModelProposer(const Model& draft, const Model& target, const ContextParams& p);
+  // share: the same draft model's proposer of another slot: this one's context decodes on its backend, so the
+  // slots' drafts can run as one forward (prefetch_many).
+  DraftModelProposer(const Model& draft, const Model& target, const ContextParams& p,
+                     DraftModelProposer* share = nullptr);
+  const Model& draft_model() const { return ctx_.model(); }
   const char* name() const override { return "draft model"; }
   unsigned capabilities() const override { return Rank | Chain | Expand; }
   int default_block() const override { return kDraftModelBlock; }
@@ -56,9 +60,23 @@ class DraftModelProposer final : public Proposer {
   // (budget = tp.budget, width = tp.expand, chain_seed = tp.chain_seed)
   DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K) override;
   size_t state_bytes() const override;
+  // Slots whose draft contexts share a backend: every slot's catch-up (the tokens its context has not seen)
+  // in one forward, then each depth of every slot's greedy chain in one (Context::forward_many, each context's
+  // rows the bits they get alone); each slot keeps its ranks for its propose_topk this step.  Expanding
+  // branches (propose_tree) still drafts slot by slot.
+  const void* batch_key() const override { return &ctx_.backend(); }
+  void prefetch_many(Proposer* const* ps, const DraftRequest* rs, int n) override;
 
  private:
   void feed(const int32_t* tokens, int n, int32_t pos0);  // commits n tokens at pos0.. (no logits)
+  // sync without its feed: rolls back to the prefix shared with hist[0, s), commits an expanded tree's
+  // accepted path; returns the tokens still to feed (hist[n_seen, s)).
+  int sync_prefix(const int32_t* hist, int32_t s);
+  void ensure_snapshots(int L);
+  // After depth d's forward of a chain drafted from the root at s: the state is snapshot d.
+  void drafted(int d, int32_t tok);
+
+  PrefetchedRanks pf_;  // prefetch_many's ranks for this slot's next propose_topk
 
   Context ctx_;
   std::vector<int32_t> seen_;       // the tokens the draft context holds, positions [0, n_past)

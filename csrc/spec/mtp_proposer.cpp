@@ -109,9 +109,7 @@ void MtpProposer::prefetch_many(Proposer* const* ps, const DraftRequest* rs, int
   std::vector<int32_t> tok((size_t)n);
   for (int j = 0; j < n; ++j) {
     MtpProposer& q = *qs[(size_t)j];
-    q.pf_ = Prefetched{true, rs[j].root_pos, rs[j].root, rs[j].L, K, {}, {}};
-    q.pf_.ids.resize((size_t)std::max(rs[j].L, 0) * K);
-    q.pf_.logp.resize(q.pf_.ids.size());
+    q.pf_.start(rs[j], K);
     tok[(size_t)j] = rs[j].root;
   }
   for (int d = 0; d < L; ++d) {
@@ -134,15 +132,7 @@ void MtpProposer::propose_topk(const DraftRequest& r, int K, int32_t* ids, float
   if (r.L <= 0) return;
   if (r.root_pos != n_pos_)
     fail("MTP head: the draft's root is at %d but the head has read positions up to %d", r.root_pos, n_pos_);
-  if (pf_.valid && pf_.root_pos == r.root_pos && pf_.root == r.root && pf_.L == r.L && K <= pf_.k) {
-    for (int d = 0; d < r.L; ++d) {  // this slot's ranks from prefetch_many: the first K of each depth's k
-      std::copy_n(pf_.ids.data() + (size_t)d * pf_.k, K, ids + (size_t)d * K);
-      std::copy_n(pf_.logp.data() + (size_t)d * pf_.k, K, logp + (size_t)d * K);
-    }
-    pf_.valid = false;
-    return;
-  }
-  pf_.valid = false;
+  if (pf_.take(r, K, ids, logp)) return;  // drafted by prefetch_many with the other slots
   flush();
   int32_t tok = r.root;
   const float* h = last_h_.f();

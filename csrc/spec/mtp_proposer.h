@@ -51,15 +51,7 @@ class MtpProposer final : public Proposer {
   BackendBuf last_h_;            // the trunk's hidden at n_pos_ - 1 (zeros at the start or after a skip)
   BackendBuf rows_;              // [n_batch][H]: the waiting rows' input hidden states
   BackendBuf head_;              // [H]: a draft depth's output, the next depth's input
-  // prefetch_many's ranks for this slot's next propose_topk: valid for that root and L, any K <= k (the top-k
-  // lists are best first, lower id first on ties: a smaller k is a prefix)
-  struct Prefetched {
-    bool valid = false;
-    int32_t root_pos = 0, root = 0;
-    int L = 0, k = 0;
-    std::vector<int32_t> ids;
-    std::vector<float> logp;
-  } pf_;
+  PrefetchedRanks pf_;  // prefetch_many's ranks for this slot's next propose_topk
 };
 
 }  // namespace dfl

@@ -34,6 +34,32 @@ struct DraftRequest {
   int K = 0;  // prefetch_many's hint: the ranks per depth the step's propose call will ask for (0: not known)
 };
 
+// A ranking proposer's prefetch_many result kept for its slot's propose_topk this step: ranks [L][k] for one
+// root, valid for any K <= k (top-k lists are best first, lower id first on ties: a smaller K is a prefix).
+struct PrefetchedRanks {
+  bool valid = false;
+  int32_t root_pos = 0, root = 0;
+  int L = 0, k = 0;
+  std::vector<int32_t> ids;
+  std::vector<float> logp;
+  void start(const DraftRequest& r, int k_) {
+    valid = true, root_pos = r.root_pos, root = r.root, L = r.L, k = k_;
+    ids.resize((size_t)(L > 0 ? L : 0) * k), logp.resize(ids.size());
+  }
+  // Writes request r's [r.L][K] ranks when they were prefetched, and spends them; false: draft as usual.
+  bool take(const DraftRequest& r, int K, int32_t* out_ids, float* out_logp) {
+    const bool hit = valid && root_pos == r.root_pos && root == r.root && L == r.L && K <= k;
+    valid = false;
+    if (!hit) return false;
+    for (int d = 0; d < L; ++d)
+      for (int j = 0; j < K; ++j) {
+        out_ids[(size_t)d * K + j] = ids[(size_t)d * k + j];
+        out_logp[(size_t)d * K + j] = logp[(size_t)d * k + j];
+      }
+    return true;
+  }
+};
+
 class Proposer {
  public:
   enum Capability : unsigned { Rank = 1u, Chain = 2u, Tree = 4u, Expand = 8u, OwnTree = 16u };
