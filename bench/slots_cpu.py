@@ -18,7 +18,10 @@ Per model, the forward's own ceiling: one sequence's forward of N tokens against
 can be at most N * t1 / tN faster than one).  Every reply is checked against its solo decode (==).  Decode time is the slots' shared decode time (the
 longest of them; prefills are not counted, as in the other benches).
 
-    python bench/slots_cpu.py [--threads 2] [--slots 4] [--new 64] [--reps 3] [--out F.json]
+Per batched drafter of the bundled pair (DFlash2, the MTP head, a draft model): the draft cost of N DDTree slots
+drafted in one forward against one slot's draft alone (N alone would cost N x).
+
+    python bench/slots_cpu.py [--threads 2] [--slots 4] [--new 64] [--reps 3] [--out F.json] [--drafts-only]
 """
 from __future__ import annotations
 
@@ -175,6 +178,30 @@ def ttft(n_slots: int, threads: int, reps: int) -> dict:
         proc.wait(30)
 
 
+def draft_batching(target, drafts: dict, prompts, n_slots: int, n_new: int, threads: int) -> dict:
+    """Each batched drafter's draft cost for n_slots DDTree-8 slots in one step (its prefetch_many: one forward
+    for every slot's block or chain depth) against one slot's draft alone: the median draft time of the steps
+    where all n_slots drafted together, over the median of the solo decodes' tree steps (the same requests).
+    n_slots drafts alone would cost n_slots x one; every reply is checked against its solo decode."""
+    out = {}
+    for name, src in drafts.items():
+        with Decoder(target, src, threads=threads) as d:
+            ps = prompts[:n_slots]
+            req = dict(mode="ddtree", budget=8, ignore_eos=True, cache=False)
+            d.generate_many(ps, 8, **req)  # every slot made, warm
+            solo = [d.generate(p, n_new, **req) for p in ps]
+            one = [ms for r in solo for ms in r.stats.draft_ms if ms > 0]
+            many = d.generate_many(ps, n_new, **req)
+            batch = [st["draft_s"] * 1e3 for k in range(n_slots) for st in d._slot(k)._ctx.step_stats()
+                     if st["draft_batch"] == n_slots]
+            one_ms, batch_ms = statistics.median(one), statistics.median(batch) if batch else None
+            out[name] = {"one_ms": round(one_ms, 3), "batch_ms": round(batch_ms, 3) if batch_ms else None,
+                         "batch_vs_one": round(batch_ms / one_ms, 2) if batch_ms else None,
+                         "batched_steps": len(batch) // n_slots,
+                         "equals_solo": [r.tokens for r in many] == [r.tokens for r in solo]}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -182,14 +209,29 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "slots-cpu.json"))
+    ap.add_argument("--drafts-only", action="store_true",
+                    help="only the drafters' batched draft cost (the 'drafts' section; --out gets it alone)")
     a = ap.parse_args(argv)
     doc = {"bench": "slots_cpu", "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
            "threads": a.threads, "slots": a.slots, "new_tokens": a.new, "reps": a.reps, "models": []}
     print(f"machine: {cpu_name()}, {a.threads} threads; {a.slots} slots, {a.new} new tokens a request")
+    target, draft2 = bundled_pair()
+    # the bundled pair's batched drafters: DFlash2, its target's MTP head, and the target itself as a draft model
+    # (a qwen35 GGUF of the same vocabulary; what it costs, not what it accepts, is measured)
+    doc["drafts"] = dr = draft_batching(target, {"dflash2": draft2, "mtp": "mtp", "draft model": str(target)},
+                                        CODE, a.slots, a.new, a.threads)
+    for name, v in dr.items():
+        print(f"  drafts, {name:12s} one slot {v['one_ms']:.3f} ms, {a.slots} slots in one forward {v['batch_ms']} ms "
+              f"({v['batch_vs_one']}x one; {v['batched_steps']} steps), == solo {v['equals_solo']}")
+    if a.drafts_only:
+        del doc["models"]
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
+            print(f"wrote {a.out}")
+        return 0
     synth = ensure_model(Path("/tmp/dflash27b-bench") / "qwen35-0.8b-q4_k_m.gguf", "0.8b")
     rng = np.random.default_rng(0)
     rand = [rng.integers(0, 240000, size=int(n)).tolist() for n in rng.integers(32, 128, size=a.slots)]
-    target, draft2 = bundled_pair()
     for name, t, dr, ps in (("synthetic 0.8b q4_k_m", synth, "lookup", rand), ("bundled pair", target, draft2, CODE)):
         r = run_model(name, t, dr, ps, a.slots, a.new, a.reps, a.threads)
         doc["models"].append(r)
