@@ -60,6 +60,17 @@ def test_draft_model_slots_draft_in_one_forward(dec, req):
         assert batches.count(3) >= 3 and set(batches) <= {0, 2, 3}
 
 
+def test_expanding_slots_draft_alone(dec):
+    """Slots that expand branches (expand=2) draft in propose_tree, each alone: prefetch_many leaves them (a chain
+    drafted for them would only be rolled back); every reply == its solo decode."""
+    ps = ["def fibonacci(n):\n", "import os\nimport sys\n"]
+    req = dict(mode="ddtree", expand=2, budget=8, ignore_eos=True, cache=False)
+    solo = [dec.generate(p, 24, **req) for p in ps]
+    many = dec.generate_many(ps, 24, parallel=2, **req)
+    assert [r.tokens for r in many] == [r.tokens for r in solo]
+    assert [r.stats.mean_accept for r in many] == [r.stats.mean_accept for r in solo]
+
+
 def test_another_vocabulary_is_refused(synth_gguf, tmp_path):
     small = write_synthetic(tmp_path / "vocab1024.gguf", {"base": "tiny", "vocab": 1024}, "q4_k_m", seed=0)
     with pytest.raises(DFlashError, match=r"draft model .*vocab1024\.gguf and target .*tiny-f32\.gguf have "

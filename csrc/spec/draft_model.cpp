@@ -100,7 +100,14 @@ static std::unique_ptr<bool[]> all_true(size_t n) {
   return b;
 }
 
-void DraftModelProposer::prefetch_many(Proposer* const* ps, const DraftRequest* rs, int n) {
+void DraftModelProposer::prefetch_many(Proposer* const* ps_all, const DraftRequest* rs_all, int n_all) {
+  // slots that expand branches draft alone in propose_tree (a chain drafted here would only be rolled back)
+  std::vector<Proposer*> ps;
+  std::vector<DraftRequest> rs;
+  for (int j = 0; j < n_all; ++j)
+    if (!rs_all[j].expand) ps.push_back(ps_all[j]), rs.push_back(rs_all[j]);
+  const int n = (int)ps.size();
+  if (n == 0) return;
   std::vector<DraftModelProposer*> qs((size_t)n);
   int L = 0, K = 1, n_batch = ctx_.params().n_batch;
   for (int j = 0; j < n; ++j) {

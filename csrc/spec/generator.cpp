@@ -583,6 +583,7 @@ Proposer* Generator::block_proposer(DraftRequest* r) const {
     *r = request(work_.s, V);
     // the ranks per depth its propose call will ask for (a chain: the top-1)
     r->K = work_.speculate ? ddtree_k(step_tree(room, false), ctx_.model().cfg.n_vocab) : 1;
+    r->expand = work_.speculate && p->can(Proposer::Expand) && p_.tree.expand > 0;
   }
   return p;
 }

@@ -32,6 +32,7 @@ struct DraftRequest {
   const int32_t* hist = nullptr;
   int L = 0;
   int K = 0;  // prefetch_many's hint: the ranks per depth the step's propose call will ask for (0: not known)
+  bool expand = false;  // prefetch_many's hint: the step expands branches (propose_tree with tp.expand > 0)
 };
 
 // A ranking proposer's prefetch_many result kept for its slot's propose_topk this step: ranks [L][k] for one
