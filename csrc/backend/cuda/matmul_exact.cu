@@ -563,8 +563,7 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
       const float* gd = xd + (int64_t)t0 * nb;
       const int16_t* gs = xbsum + (int64_t)t0 * (cols / 16);
       float* gy = y + (int64_t)t0 * rows;
-      if (g == 8) launch_matvec<T, 8>(R, w, rows, cols, row_bytes, gq, gd, gs, g, gy, stream);
-      else if (g <= 4) launch_matvec<T, 4>(R, w, rows, cols, row_bytes, gq, gd, gs, g, gy, stream);
+      if (g <= 4) launch_matvec<T, 4>(R, w, rows, cols, row_bytes, gq, gd, gs, g, gy, stream);
       else launch_matvec<T, 8>(R, w, rows, cols, row_bytes, gq, gd, gs, g, gy, stream);
     }
     return;
