@@ -28,7 +28,8 @@ tests/test_gpu_bench.py does exactly that, so the script is known to work before
             Q4_0 KV, DDTree-22 after a long prompt; peak vs plan vs cap, DDTree == AR on that run
   matmul    the CUDA matmul alone: GB/s per format and token count on the 27B's FFN shapes
   matvec    the K-quant matvec on every AR-step shape of the 27B, each rows-per-CTA choice and the automatic
-            one (issue 45: which CTA shape streams the weights fastest; every choice gives the same bits)
+            one, and the tensor-core verify (16, 23, 64 tokens; 512, a prefill chunk) by K split (issue 45: which kernel shape
+            streams the weights fastest; every choice gives the same bits)
   record    the parts -> the record (keys below, null where a part is missing) + a markdown table
 
 Record keys (other tools read them): device, commit, date, tests {passed, failed}, sanitizer
@@ -39,7 +40,8 @@ verify_tree_ms {nodes: ms}, draft_ms, tree_ms, ddtree22_step_ms, commit_ms}, ora
 speedup}, memory {plan_bytes, peak_bytes, plan}, copy_gb_s, vram24 {ctx, peak_bytes, plan_bytes, cap_bytes,
 exact}, profile {ar, ddtree22, prefill_P: {steps, ms_per_step, ops [{op, ms_per_step, calls_per_step,
 gb_s}]}}; plus
-matmul, matvec {shape: {n: {auto|16|8|4|2|1: {ms, gb_s}, best}}}, target, draft and notes.
+matmul, matvec {shape: {n: {auto|16|8|4|2|1: {ms, gb_s}, best}}}, mma_verify {shape: {n: {auto|w1|w2|w4|sync:
+{ms, gb_s}, best}}}, target, draft and notes.
 """
 from __future__ import annotations
 
@@ -741,16 +743,22 @@ MATVEC_SHAPES = [("Q4_K", 17408, 5120), ("Q6_K", 5120, 17408), ("Q4_K", 5120, 17
                  ("Q4_K", 1024, 5120), ("Q4_K", 48, 5120)]
 MATVEC_ROWS = (0, 16, 8, 4, 2, 1)  # rows per CTA (dfl_cuda_matvec_rows); 0 = the automatic choice
 MATVEC_FEW_ROWS = 2048  # weights with fewer rows verify on the matvec, 8 tokens a pass (matmul_exact.cu)
+# verifies on the tensor cores (dfl_cuda_mma_split): the streaming kernel with 1, 2 or 4 warps splitting a row
+# group's K, the automatic choice, and the round-synchronous kernel the first record timed
+VERIFY_NS = (16, 23, 64, 512)  # 512: a prefill chunk (the streaming kernel only when pinned)
+MMA_SPLITS = ((0, "auto"), (1, "w1"), (2, "w2"), (4, "w4"), (-1, "sync"))
 
 
 def part_matvec(ns: list[int]) -> dict:
     """The K-quant matvec (n <= 8 tokens) on each AR-step shape with every CTA shape dfl_cuda_matvec_rows can
     pin (16 rows: a lane group walks a row; fewer: the CTA's groups split the row's super-blocks), and the
-    automatic choice: GB/s of weights read.  Every choice gives the same bits (tests/test_cuda_ops.py), so the
-    fastest is the one to keep; `best` names it per shape and n."""
+    automatic choice: GB/s of weights read.  Then `verify`: the tensor-core kernels on the shapes of 2048 rows
+    or more for verifies of VERIFY_NS tokens, by dfl_cuda_mma_split (the streaming kernel with 1, 2 or 4 warps
+    a row group, auto, and the round-synchronous kernel).  Every choice gives the same bits
+    (tests/test_cuda_ops.py), so the fastest is the one to keep; `best` names it per shape and n."""
     from dflash27b._lib import last_error, load
     ffi, lib = load()
-    out: dict = {"shapes": {}, "notes": []}
+    out: dict = {"shapes": {}, "verify": {}, "notes": []}
     try:
         for fmt, rows, cols in MATVEC_SHAPES:
             tid, be, bpb = MATMUL_FORMATS[fmt]
@@ -782,8 +790,31 @@ def part_matvec(ns: list[int]) -> dict:
                 row["best"] = min(("auto", "mma"), key=lambda k: row[k]["ms"])
                 table["23"] = row
             out["shapes"][f"{fmt} {rows}x{cols}"] = table
+        # verifies of 9..64 tokens on the tensor cores: the streaming kernel by K split, vs the round-synchronous one
+        for fmt, rows, cols in MATVEC_SHAPES:
+            if rows < MATVEC_FEW_ROWS:
+                continue
+            tid, be, bpb = MATMUL_FORMATS[fmt]
+            gb = rows * (cols // be) * bpb / 1e9
+            table = {}
+            for n in VERIFY_NS:
+                row = {}
+                for split, key in MMA_SPLITS:
+                    if lib.dfl_cuda_mma_split(split) != 0:
+                        out["notes"].append(f"verify: {last_error()}")
+                        return out
+                    ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, n, 100 if n <= 64 else 20, 1)
+                    if ms < 0:
+                        out["notes"].append(f"verify: {last_error()}")
+                        return out
+                    row[key] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
+                pinned = {k: v for k, v in row.items() if k != "auto"}
+                row["best"] = min(pinned, key=lambda k: pinned[k]["ms"])
+                table[str(n)] = row
+            out["verify"][f"{fmt} {rows}x{cols}"] = table
     finally:
         lib.dfl_cuda_matvec_rows(0)
+        lib.dfl_cuda_mma_split(0)
     return out
 
 
@@ -831,6 +862,7 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "draft": ours.get("draft"),
         "matmul": mm.get("shapes"),
         "matvec": mv.get("shapes"),
+        "mma_verify": mv.get("verify"),
         "vram24": capped(v24),
         "vram24_262k": capped(v262),
         "prefix": {k: pf.get(k) for k in ("history", "turn1_ttft_s", "turn2_ttft_s", "ratio", "cached_tokens",
@@ -980,6 +1012,16 @@ def markdown(rec: dict) -> str:
         for shape, table in rec["matvec"].items():
             for n, row in table.items():
                 lines.append(f"| {shape} | {n} | " + " | ".join(_f(_get(row, p, "gb_s"), ".0f") for p in pins) +
+                             f" | {row.get('best', '—')} |")
+    if rec.get("mma_verify"):
+        keys = [k for _, k in MMA_SPLITS]
+        lines += ["", "K-quant verify on the tensor cores: GB/s of weights read by K split (dfl_cuda_mma_split: the "
+                  "streaming kernel with 1, 2, 4 warps a row group; sync = the round-synchronous kernel; every "
+                  "choice the same bits)", "", "| shape | n | " + " | ".join(keys) + " | best |",
+                  "|---|---:|" + "---:|" * len(keys) + "---|"]
+        for shape, table in rec["mma_verify"].items():
+            for n, row in table.items():
+                lines.append(f"| {shape} | {n} | " + " | ".join(_f(_get(row, k, "gb_s"), ".0f") for k in keys) +
                              f" | {row.get('best', '—')} |")
     if rec.get("notes"):
         lines += ["", "notes:"] + [f"- {n}" for n in rec["notes"]]

@@ -192,6 +192,32 @@ def test_cuda_matmul_exact_equals_cpu(name):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_cuda_mma_split_gives_the_same_bits(name):
+    """The K-quant tensor-core verify with every K split dfl_cuda_mma_split can pin: the streaming kernel with 1
+    warp a row group (the lane takes its float steps itself, no barrier), 2 or 4 (the row's 17 super-blocks in
+    rounds, the last one partly empty, sums met in shared memory), and -1, the round-synchronous kernel; 37 rows
+    leave a row group half empty and a CTA's others empty.  Each == the CPU's dfl_matmul, token for token, for
+    verifies of 9..64 tokens (two token CTAs above 32) and a 70-token prefill chunk (a pinned split takes it to
+    the streaming kernel, 3 token CTAs).  A bad pin is refused."""
+    tid, raw, wf, x = make_case(name, 70, seed=7)
+    cols = wf.shape[1]
+    ffi, lib = load()
+    assert lib.dfl_cuda_matvec_rows(-1) == 0, last_error()  # 37 rows: else the matvec takes the verifies
+    try:
+        for split in (1, 2, 4, -1, 0):
+            assert lib.dfl_cuda_mma_split(split) == 0, last_error()
+            for n in (9, 16, 17, 23, 32, 33, 64, 70):
+                y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
+                assert np.array_equal(y, cpu_matmul(tid, raw, ROWS, cols, x[:n])), f"{name} split {split} n={n}"
+        assert lib.dfl_cuda_mma_split(3) == -1
+        assert "use 1, 2 or 4 warps" in last_error()
+    finally:
+        assert lib.dfl_cuda_mma_split(0) == 0
+        assert lib.dfl_cuda_matvec_rows(0) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_cuda_matvec_rows_per_cta_give_the_same_bits(name):
     """The K-quant matvec with every CTA shape dfl_cuda_matvec_rows can pin: 16 rows (a lane group walks a whole
     row) and 8, 4, 2, 1 (the CTA's lane groups split a row's 17 super-blocks into rounds, the last one partly

@@ -469,14 +469,22 @@ def test_matvec_table(monkeypatch):
 
     class Lib:
         pins: list = []
+        splits: list = [0]
 
         def dfl_cuda_matvec_rows(self, r):
             self.pins.append(r)
             return 0
 
+        def dfl_cuda_mma_split(self, w):
+            self.splits.append(w)
+            return 0
+
         def dfl_cuda_bench_matmul(self, tid, rows, cols, n, iters, exact):
-            assert exact == 1 and iters == 200 and n in (1, 8, 23)
-            assert n < 23 or rows < 2048  # verifies on the matvec: few-row weights only
+            assert exact == 1
+            if n > 8 and rows >= 2048:  # the tensor-core verify by K split
+                assert iters == (100 if n <= 64 else 20) and n in gb.VERIFY_NS
+                return {0: 0.05, 1: 0.04, 2: 0.03, 4: 0.035, -1: 0.2}[self.splits[-1]]
+            assert iters == 200 and n in (1, 8, 23) and self.splits[-1] == 0
             return {0: 0.010, 16: 0.020, 8: 0.015, 4: 0.010, 2: 0.012, 1: 0.030, -1: 0.05}[self.pins[-1]]
 
     lib = Lib()
@@ -490,10 +498,18 @@ def test_matvec_table(monkeypatch):
     rec = gb.assemble({"matvec": part}, "c", "H100", gb._dt.datetime(2026, 11, 27))
     md = gb.markdown(rec)
     assert part["shapes"]["Q4_K 48x5120"]["23"]["best"] == "auto" and "23" not in part["shapes"]["Q4_K 5120x6144"]
-    rows = [ln for ln in md.splitlines() if ln.startswith(("| Q4_K ", "| Q6_K ")) and " | 23 | " not in ln]
+    matvec_md = md.split("K-quant verify")[0]
+    rows = [ln for ln in matvec_md.splitlines() if ln.startswith(("| Q4_K ", "| Q6_K ")) and " | 23 | " not in ln]
     assert len(rows) == 2 * len(gb.MATVEC_SHAPES) and all(ln.endswith(" | 4 |") for ln in rows)
     assert "| Q4_K 48x5120 | 23 | 14 | — | — | — | — | — | 3 | auto |" in md
     assert "| Q4_K 5120x17408 | 1 | " in md
+    big = [f"{f} {r}x{c}" for f, r, c in gb.MATVEC_SHAPES if r >= 2048]
+    assert list(part["verify"]) == big and list(part["verify"][big[0]]) == ["16", "23", "64", "512"]
+    v = part["verify"]["Q4_K 17408x5120"]["23"]
+    assert v["best"] == "w2" and set(v) == {"auto", "w1", "w2", "w4", "sync", "best"}
+    assert v["sync"]["gb_s"] == pytest.approx(17408 * 20 * 144 / 1e9 / 2e-4)
+    assert lib.splits[-1] == 0 and rec["mma_verify"] == part["verify"]
+    assert "| Q4_K 17408x5120 | 23 | 1003 | 1253 | 1671 | 1432 | 251 | w2 |" in md
 
     class Failing(Lib):
         def dfl_cuda_bench_matmul(self, *a):

@@ -278,6 +278,10 @@ int dfl_cuda_matvec_rows(int32_t rows_per_cta) {
   return dfl::api_guard([&] { dfl::cuda::set_matvec_rows(rows_per_cta); });
 }
 
+int dfl_cuda_mma_split(int32_t warps) {
+  return dfl::api_guard([&] { dfl::cuda::set_mma_split(warps); });
+}
+
 int dfl_cuda_profile_report(char* buf, int64_t cap, int64_t* len) {
   using namespace dfl::cuda;
   return dfl::api_guard([&] {

@@ -62,6 +62,11 @@ int dfl_cuda_matvec_rows(int32_t) {
   return DFL_ERROR;
 }
 
+int dfl_cuda_mma_split(int32_t) {
+  dfl::set_last_error("CUDA backend not built");
+  return DFL_ERROR;
+}
+
 int dfl_cuda_profile_report(char*, int64_t, int64_t*) {
   dfl::set_last_error("CUDA backend not built");
   return DFL_ERROR;

@@ -384,11 +384,16 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       check(label("matmul", f + " input overwritten vs CPU", n), y4.get(ny), ya.get(ny),
             W.type == DType::BF16 || W.type == DType::F16 ? tol : 2e-2);
     }
-    // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse)
-    if (Family f("row_topk"); f.on) for (int k : {1, 22}) {
-      const int cols = 3001;
+    // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse).  The
+    // second shape puts a row's top 22 in one stripe of the CUDA kernel's CTA (ids 17 + 1024 m), with ties and
+    // -inf among them, so that thread refills its buffer of 4 several times
+    if (Family f("row_topk"); f.on) for (int k : {1, 22}) for (int cols : {3001, 30001}) {
       auto x = randn((size_t)n * cols, 3.f);
       for (int t = 0; t < n; ++t) x[(size_t)t * cols + 17] = x[(size_t)t * cols + 1500] = 50.f;  // a tie at the top
+      if (cols > 3001)
+        for (int t = 0; t < n; ++t)
+          for (int m = 1; m < 26; ++m)
+            x[(size_t)t * cols + 17 + 1024 * m] = m == 20 ? -INFINITY : 40.f - (float)(m / 3);
       Buf xa(*cpu, x.size() * 4), xb(*cud, x.size() * 4), ia(*cpu, (size_t)n * k * 4), ib(*cud, (size_t)n * k * 4),
           la(*cpu, (size_t)n * k * 4), lb(*cud, (size_t)n * k * 4);
       xa.put(x), xb.put(x), ib.poison(), lb.poison();
@@ -398,10 +403,10 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       const bool same = ids_a == ids_b;
       int32_t first = 0;
       std::memcpy(&first, ids_b.data(), 4);
-      std::printf("%-58s %s\n", label("row_topk", "k=" + std::to_string(k) + " ids", n).c_str(),
+      std::printf("%-58s %s\n", label("row_topk", "k=" + std::to_string(k) + " cols=" + std::to_string(cols) + " ids", n).c_str(),
                   same && first == 17 ? "ok" : "FAIL");
       failures += !(same && first == 17);
-      check(label("row_topk", "k=" + std::to_string(k) + " logp", n), lb.get((size_t)n * k), la.get((size_t)n * k), 1e-6);
+      check(label("row_topk", "k=" + std::to_string(k) + " cols=" + std::to_string(cols) + " logp", n), lb.get((size_t)n * k), la.get((size_t)n * k), 1e-6);
     }
     // scale
     if (Family f("elementwise"); f.on) {

@@ -554,11 +554,39 @@ __global__ void __launch_bounds__(kAttnThreads) attention_combine_kernel(AttnArg
 }
 
 // ---------------------------------------------------------------- top-k
-// grid n_rows, kTopkThreads threads.  log-sum-exp of the row, then k passes:
-// pass r finds the largest element strictly after pick r-1 in the order
-// (value descending, id ascending) — no exclusion list, ties broken as the
-// CPU's topk_logprobs does.
+// grid n_rows, kTopkThreads threads; the order is the CPU's topk_logprobs: value descending, ties to the
+// lower id.  One read of the row fills each thread's buffer with the best kTopkBuf elements of its stripe
+// (i = tid, tid + blockDim.x, ...), a second one sums the log-sum-exp, then k rounds each pick the best
+// buffer head of the CTA; the thread whose head was picked pops it and, when its buffer runs empty,
+// refills it from its stripe with the elements strictly after the last one it gave (rare: a stripe holding
+// more than kTopkBuf of the row's top k).  The first record's kernel re-read the whole row (1 MB at the
+// 27B's vocabulary) in each of the k rounds.
 constexpr int kTopkThreads = 1024;
+constexpr int kTopkBuf = 4;
+constexpr int kTopkNone = 0x7fffffff;  // an empty slot: (-inf, kTopkNone) comes after every element
+
+// (v, i) is picked before (w, j)
+__device__ __forceinline__ bool topk_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+// The best kTopkBuf elements of the thread's stripe strictly after (pv, pi), best first.
+__device__ __forceinline__ void topk_fill(const float* __restrict__ row, int n_cols, float pv, int pi,
+                                          float (&bv)[kTopkBuf], int (&bi)[kTopkBuf]) {
+#pragma unroll
+  for (int s = 0; s < kTopkBuf; ++s) bv[s] = -INFINITY, bi[s] = kTopkNone;
+  for (int i = threadIdx.x; i < n_cols; i += blockDim.x) {
+    float v = row[i];
+    // NaN is never after anything, so never picked (as the CPU)
+    if (!(v < pv || (v == pv && i > pi)) || !topk_before(v, i, bv[kTopkBuf - 1], bi[kTopkBuf - 1])) continue;
+    int id = i;
+#pragma unroll
+    for (int s = 0; s < kTopkBuf; ++s)
+      if (topk_before(v, id, bv[s], bi[s])) {
+        const float tv = bv[s];
+        const int ti = bi[s];
+        bv[s] = v, bi[s] = id, v = tv, id = ti;
+      }
+  }
+}
 
 __global__ void __launch_bounds__(kTopkThreads)
     row_topk_kernel(const float* __restrict__ rows, int n_cols, int k, int32_t* ids, float* logp) {
@@ -567,42 +595,44 @@ __global__ void __launch_bounds__(kTopkThreads)
   __shared__ int ri[32];
   const float* row = rows + (int64_t)blockIdx.x * n_cols;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-  float mx = -INFINITY;
-  for (int i = tid; i < n_cols; i += blockDim.x) mx = fmaxf(mx, row[i]);
-  mx = block_max(mx, red);
+  float bv[kTopkBuf];
+  int bi[kTopkBuf];
+  topk_fill(row, n_cols, INFINITY, -1, bv, bi);
+  const float mx = block_max(bv[0], red);  // a stripe's best is its largest value: the row's max
   float sum = 0.f;
   for (int i = tid; i < n_cols; i += blockDim.x) sum += expf(row[i] - mx);
   sum = block_sum(sum, red);
   const float lse = mx + logf(sum);
-  float pv = INFINITY;
-  int pi = -1;
+  int popped = 0;
   for (int r = 0; r < k; ++r) {
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = tid; i < n_cols; i += blockDim.x) {
-      const float v = row[i];
-      const bool after = v < pv || (v == pv && i > pi);
-      if (after && (v > bv || (v == bv && i < bi))) { bv = v; bi = i; }
-    }
+    float gv = bv[0];
+    int gi = bi[0];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+      const float ov = __shfl_xor_sync(0xffffffffu, gv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, gi, o);
+      if (topk_before(ov, oi, gv, gi)) gv = ov, gi = oi;
     }
-    __syncthreads();  // rv / ri of the previous pass are read
-    if (lane == 0) { rv[warp] = bv; ri[warp] = bi; }
+    __syncthreads();  // rv / ri of the previous round are read
+    if (lane == 0) rv[warp] = gv, ri[warp] = gi;
     __syncthreads();
-    bv = rv[0];
-    bi = ri[0];
+    gv = rv[0];
+    gi = ri[0];
     for (int w = 1; w < nw; ++w)
-      if (rv[w] > bv || (rv[w] == bv && ri[w] < bi)) { bv = rv[w]; bi = ri[w]; }
+      if (topk_before(rv[w], ri[w], gv, gi)) gv = rv[w], gi = ri[w];
     if (tid == 0) {
-      ids[(int64_t)blockIdx.x * k + r] = bi;
-      logp[(int64_t)blockIdx.x * k + r] = bv - lse;
+      ids[(int64_t)blockIdx.x * k + r] = gi;
+      logp[(int64_t)blockIdx.x * k + r] = gv - lse;
     }
-    pv = bv;
-    pi = bi;
+    if (gi != kTopkNone && bi[0] == gi) {  // ids are unique: this thread's head was picked
+#pragma unroll
+      for (int s = 0; s + 1 < kTopkBuf; ++s) bv[s] = bv[s + 1], bi[s] = bi[s + 1];
+      bv[kTopkBuf - 1] = -INFINITY, bi[kTopkBuf - 1] = kTopkNone;
+      if (++popped == kTopkBuf) {
+        topk_fill(row, n_cols, gv, gi, bv, bi);
+        popped = 0;
+      }
+    }
   }
 }
 

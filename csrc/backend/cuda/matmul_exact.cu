@@ -11,17 +11,21 @@
 // Integer sums are exact in any order, so the instruction's internal order cannot
 // change a result, and each output's float steps run in one lane in k order:
 // a token's result is the same for every n (AR, verify, prefill) and the same as
-// the CPU backend's.  Two kernels share that arithmetic:
-//   n <= 8:  kquant_dp4a_kernel, a matvec (8 lanes per row, dp4a) that streams
-//            the weights once for AR steps and small verifies;
-//   n > 8:   kquant_mma_kernel, one warp = 16 rows x up to 64 tokens (8 tiles of
-//            8) on the tensor cores, so a verify of up to 64 tokens reads each
-//            weight once.
+// the CPU backend's.  The kernels that share that arithmetic:
+//   n <= 8:     kquant_dp4a_kernel / kquant_splitk_kernel, a matvec (8 lanes per
+//               row, dp4a) that streams the weights once for AR steps and small
+//               verifies (and verifies of few-row weights, 8 tokens a pass);
+//   9..64:      kquant_mma_stream_kernel, a warp = 16 rows x up to 32 tokens on the
+//               tensor cores with the next super-block's loads in flight, so a
+//               verify reads each weight once from DRAM;
+//   more:       kquant_mma_kernel, one warp = 16 rows x up to 64 tokens (8 tiles
+//               of 8) in rounds of 4 super-blocks (prefill chunks).
 // Q8_0 / Q4_0 have their own pair further down (8 float chains by block index).
 // The CUDA backend takes them for every K-quant, Q8_0 and Q4_0 matmul (backend.cu).
 //
-// Speed is still to be measured and tuned on the first GPU (issue 19): the
-// tensor-core kernel's weight loads are not yet staged through shared memory.
+// Speed: the first H100 record (bench/results/gpu-20261127-0552.md) timed the
+// matvec at up to 1.8 TB/s and kquant_mma_kernel on verifies at 0.3-0.4 TB/s,
+// hence the streaming kernel; the prefill kernel is still to be tuned.
 #include <atomic>
 #include <type_traits>
 
@@ -493,6 +497,262 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   if (chain && r < rows && ctok < n) y[(int64_t)ctok * rows + r] = __fsub_rn(acc, accm);
 }
 
+// ---------------------------------------------------------------- 9..64 tokens: the streaming verify kernel
+// The first H100 record timed kquant_mma_kernel at 300-390 GB/s on a 23-token verify (1.8 TB/s for
+// the AR matvec): its warps load a super-block only after the previous round's barrier and float
+// chain, one 4-byte load per fragment register, so each SM has a few KB of weights in flight.  This
+// kernel keeps the same integer sums and float steps (so the same bits) and streams:
+//  - A permuted K order inside each 32-value sub-block (integer sums are exact in any order, as
+//    long as A and B use the same one): lane (g, t4) holds values 8 t4 .. 8 t4 + 7 of every
+//    sub-block, so its quants are one 8-byte load per row and 32-value chunk (Q4_K / Q5_K: the
+//    chunk qs[32 c + 8 t4 ..] holds sub-blocks 2c and 2c + 1 as low and high nibbles), and its B
+//    fragment one 8-byte load of the activations.
+//  - The next super-block's loads are issued before this one's math (registers, double-buffered).
+//  - W warps split a row group's K (super-blocks ks, ks + W, ...; W = 1, 2 or 4 by shape, so a
+//    5120-row weight still has ~1280 warps): with W = 1 a lane takes its outputs' float steps
+//    itself after each super-block and the kernel has no barrier; with W > 1 the integer sums meet
+//    in double-buffered shared memory, one barrier a round, and lane (ks, ...) takes the steps of
+//    tiles ks, ks + W, ... over the round's super-blocks in k order.
+//  - At most 4 token tiles (32 tokens) a CTA; larger verifies take more CTAs on the grid's fast
+//    axis, so the CTAs that share a row group run together and read the weights once from DRAM.
+template <DType T>
+struct StreamBlock {  // one lane's share of 16 rows' super-block i: rows a = g, b = g + 8
+  uint4 hdr[2];       // Q4_K/Q5_K: d, dmin, scales[12];  Q6_K: scales[16]
+  uint2 q[2][4];      // Q4_K/Q5_K: qs[32 c + 8 t4 ..] for c = 0..3;  Q6_K: ql[64 h + 32 p + 8 t4 ..], index 2h + p
+  uint2 qh[2][2];     // Q5_K: qh[8 t4 ..] (index 0);  Q6_K: qh[32 h + 8 t4 ..]
+  uint32_t d6[2];     // Q6_K: d
+
+  // 8 bytes from a 2-byte aligned address (Q6_K's 210-byte blocks): three aligned words and two
+  // funnel shifts; the third word stays inside the block for every chunk this kernel reads.
+  __device__ __forceinline__ static uint2 ld8_a2(const uint8_t* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uint32_t sh = (uint32_t)(a & 3u) * 8u;
+    const unsigned int* wp = reinterpret_cast<const unsigned int*>(a & ~(uintptr_t)3);
+    const uint32_t w0 = __ldg(wp), w1 = __ldg(wp + 1), w2 = __ldg(wp + 2);
+    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
+  }
+  __device__ __forceinline__ static uint2 ld8(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+
+  __device__ __forceinline__ void fetch(const uint8_t* blk_a, const uint8_t* blk_b, int t4) {
+    const uint8_t* blk[2] = {blk_a, blk_b};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (T == DType::Q6_K) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) q[r][k] = ld8_a2(blk[r] + kQ6_K_ql + 64 * (k >> 1) + 32 * (k & 1) + 8 * t4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) qh[r][h] = ld8_a2(blk[r] + kQ6_K_qh + 32 * h + 8 * t4);
+        hdr[r] = ld16_u(blk[r] + kQ6_K_scales);
+        d6[r] = ld_u16(blk[r] + kQ6_K_d);
+      } else {  // 144- and 176-byte blocks: rows and chunks stay 16- and 8-byte aligned
+        constexpr bool Q5 = T == DType::Q5_K;
+        hdr[r] = ld16(blk[r]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) q[r][c] = ld8(blk[r] + (Q5 ? kQ5_K_qs : kQ4_K_qs) + 32 * c + 8 * t4);
+        if constexpr (Q5) qh[r][0] = ld8(blk[r] + kQ5_K_qh + 8 * t4);
+        d6[r] = 0u;
+      }
+    }
+  }
+
+  // The lane's A values of sub-block j, row r: word 0 = values 8 t4 .. + 3, word 1 = 8 t4 + 4 .. + 7.
+  __device__ __forceinline__ uint2 quants(int r, int j) const {
+    if constexpr (T == DType::Q6_K) {  // value 128 h + 32 s + l: ql nibble (s >= 2: high) | qh bits 2s, 2s + 1
+      const int h = j >> 2, s = j & 3;
+      const uint2 l = q[r][2 * h + (s & 1)], b = qh[r][h];
+      const int ls = s >= 2 ? 4 : 0;
+      return make_uint2(((l.x >> ls) & 0x0f0f0f0fu) | (((b.x >> (2 * s)) & 0x03030303u) << 4),
+                        ((l.y >> ls) & 0x0f0f0f0fu) | (((b.y >> (2 * s)) & 0x03030303u) << 4));
+    } else {  // sub-block j = 2c + h: nibble h of qs[32 c + l] (+16 from qh bit j for Q5_K)
+      const uint2 v = q[r][j >> 1];
+      const int ls = 4 * (j & 1);
+      uint2 out = make_uint2((v.x >> ls) & 0x0f0f0f0fu, (v.y >> ls) & 0x0f0f0f0fu);
+      if constexpr (T == DType::Q5_K) {
+        out.x |= ((qh[r][0].x >> j) & 0x01010101u) << 4;
+        out.y |= ((qh[r][0].y >> j) & 0x01010101u) << 4;
+      }
+      return out;
+    }
+  }
+  // Row r's integer scale(s) of sub-block j (Q6_K: its two 16-value groups) and offset weight
+  // (Q4_K/Q5_K: the sub-block's min; Q6_K: the group's scale, per lane: values 8 t4 .. are group
+  // t4 >= 2 of the sub-block).
+  __device__ __forceinline__ void scales(int r, int j, int t4, int& s_lo, int& s_hi, int& m) const {
+    if constexpr (T == DType::Q6_K) {
+      s_lo = (int)(int8_t)byte_of(hdr[r], 2 * j);
+      s_hi = (int)(int8_t)byte_of(hdr[r], 2 * j + 1);
+      m = t4 >= 2 ? s_hi : s_lo;
+    } else {
+      uint32_t s, mn;
+      kq_scale_min_bits(hdr[r], j, s, mn);
+      s_lo = s_hi = (int)s;
+      m = (int)mn;
+    }
+  }
+  __device__ __forceinline__ float d(int r) const {
+    return T == DType::Q6_K ? f16_bits_to_f32(d6[r]) : f16_bits_to_f32(hdr[r].x);
+  }
+  __device__ __forceinline__ float dm(int r) const {
+    return T == DType::Q6_K ? f16_bits_to_f32(d6[r]) : f16_bits_to_f32(hdr[r].x >> 16);
+  }
+};
+
+constexpr int kStreamMaxTiles = 4;
+
+template <DType T, int kTiles, int W>
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+    kquant_mma_stream_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                             const int8_t* __restrict__ xq, const float* __restrict__ xd, int n,
+                             float* __restrict__ y) {
+  constexpr int BS = kBlockBytes<T>, G = kWarpsPerCta / W;  // row groups of 16 a CTA
+  constexpr int CT = (kTiles + W - 1) / W;                  // tiles whose float steps a lane takes
+  static_assert(G * W == kWarpsPerCta && kTiles <= kStreamMaxTiles, "a CTA's warps and tiles");
+  // W > 1: a round's integer sums by K slot (array sizes of 1 when W == 1: no shared memory used)
+  __shared__ int part_isum[W > 1 ? 2 : 1][G][W > 1 ? W : 1][W > 1 ? kTiles : 1][4][32];
+  __shared__ int part_msum[W > 1 ? 2 : 1][G][W > 1 ? W : 1][W > 1 ? kTiles : 1][4][32];
+  __shared__ float part_d[W > 1 ? 2 : 1][G][W > 1 ? W : 1][16], part_dm[W > 1 ? 2 : 1][G][W > 1 ? W : 1][16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int rg = warp / W, ks = warp % W;
+  const int64_t m0 = ((int64_t)blockIdx.y * G + rg) * 16;
+  const int tok0 = blockIdx.x * 8 * kTiles;
+  const int tiles = min(kTiles, (n - tok0 + 7) / 8);
+  const int64_t nb = cols / kQK;
+  // rows and tokens past the end are read (as the last one), never written
+  const uint8_t* row_a = w + min(m0 + g, rows - 1) * row_bytes;
+  const uint8_t* row_b = w + min(m0 + g + 8, rows - 1) * row_bytes;
+  const int8_t* xb[kTiles];  // the lane's B-fragment token per tile, at its 8 values of sub-block 0
+#pragma unroll
+  for (int tt = 0; tt < kTiles; ++tt) xb[tt] = xq + (int64_t)min(tok0 + 8 * tt + g, n - 1) * cols + 8 * t4;
+  int tokC[kTiles][2];  // the lane's C-fragment tokens per tile (2 t4, 2 t4 + 1)
+#pragma unroll
+  for (int tt = 0; tt < kTiles; ++tt)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) tokC[tt][u] = min(tok0 + 8 * tt + 2 * t4 + u, n - 1);
+  float acc[CT][4], accm[CT][4];
+#pragma unroll
+  for (int c = 0; c < CT; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[c][e] = accm[c][e] = 0.f;
+
+  StreamBlock<T> cur, next;
+  {
+    const int64_t i = min((int64_t)ks, nb - 1);
+    cur.fetch(row_a + i * BS, row_b + i * BS, t4);
+  }
+  int buf = 0;
+  for (int64_t i0 = 0; i0 < nb; i0 += W, buf ^= 1) {
+    // a K slot past the row's end computes the last super-block again and writes nothing
+    const bool live = i0 + ks < nb;
+    const int64_t i = min(i0 + ks, nb - 1);
+    {
+      const int64_t in = min(i0 + ks + W, nb - 1);  // past the end: the last again, unused
+      next.fetch(row_a + in * BS, row_b + in * BS, t4);
+    }
+    int isum[kTiles][4], msum[kTiles][4];
+#pragma unroll
+    for (int tt = 0; tt < kTiles; ++tt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) isum[tt][e] = msum[tt][e] = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint2 qa = cur.quants(0, j), qb = cur.quants(1, j);
+      int sa_lo, sa_hi, ma, sb_lo, sb_hi, mb;
+      cur.scales(0, j, t4, sa_lo, sa_hi, ma);
+      cur.scales(1, j, t4, sb_lo, sb_hi, mb);
+      const uint32_t am[4] = {bcast4(ma), bcast4(mb), bcast4(ma), bcast4(mb)};
+      const int32_t zero[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int tt = 0; tt < kTiles; ++tt) {
+        if (tt >= tiles) break;
+        const uint2 xv = __ldg(reinterpret_cast<const uint2*>(xb[tt] + i * kQK + 32 * j));
+        const uint32_t b[2] = {xv.x, xv.y};
+        int32_t c[4];
+        if constexpr (T == DType::Q6_K) {  // values 8 t4 .. are group t4 >= 2: the groups' lanes apart
+          const bool lo_lane = t4 < 2;
+          const uint32_t lo[4] = {lo_lane ? qa.x : 0u, lo_lane ? qb.x : 0u, lo_lane ? qa.y : 0u, lo_lane ? qb.y : 0u};
+          const uint32_t hi[4] = {lo_lane ? 0u : qa.x, lo_lane ? 0u : qb.x, lo_lane ? 0u : qa.y, lo_lane ? 0u : qb.y};
+          int32_t c2[4];
+          mma_m16n8k32_s8(c, lo, b, zero);
+          mma_m16n8k32_s8(c2, hi, b, zero);
+          isum[tt][0] += sa_lo * c[0] + sa_hi * c2[0];
+          isum[tt][1] += sa_lo * c[1] + sa_hi * c2[1];
+          isum[tt][2] += sb_lo * c[2] + sb_hi * c2[2];
+          isum[tt][3] += sb_lo * c[3] + sb_hi * c2[3];
+        } else {
+          const uint32_t a[4] = {qa.x, qb.x, qa.y, qb.y};
+          mma_m16n8k32_s8(c, a, b, zero);
+          isum[tt][0] += sa_lo * c[0];
+          isum[tt][1] += sa_lo * c[1];
+          isum[tt][2] += sb_lo * c[2];
+          isum[tt][3] += sb_lo * c[3];
+        }
+        mma_m16n8k32_s8(msum[tt], am, b, msum[tt]);
+      }
+    }
+    if constexpr (W == 1) {  // the float steps of super-block i, in the lane that holds the sums
+      const float da = cur.d(0), db = cur.d(1), dma = cur.dm(0), dmb = cur.dm(1);
+#pragma unroll
+      for (int tt = 0; tt < kTiles; ++tt) {
+        if (tt >= tiles) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float xdi = xd[(int64_t)tokC[tt][e & 1] * nb + i];
+          const int ms = T == DType::Q6_K ? 32 * msum[tt][e] : msum[tt][e];
+          acc[tt][e] = fmaf(__fmul_rn(e < 2 ? da : db, xdi), (float)isum[tt][e], acc[tt][e]);
+          accm[tt][e] = fmaf(__fmul_rn(e < 2 ? dma : dmb, xdi), (float)ms, accm[tt][e]);
+        }
+      }
+    } else {
+      if (live) {
+#pragma unroll
+        for (int tt = 0; tt < kTiles; ++tt) {
+          if (tt >= tiles) break;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            part_isum[buf][rg][ks][tt][e][lane] = isum[tt][e];
+            part_msum[buf][rg][ks][tt][e][lane] = T == DType::Q6_K ? 32 * msum[tt][e] : msum[tt][e];
+          }
+        }
+        if (t4 == 0) {
+          part_d[buf][rg][ks][g] = cur.d(0), part_d[buf][rg][ks][g + 8] = cur.d(1);
+          part_dm[buf][rg][ks][g] = cur.dm(0), part_dm[buf][rg][ks][g + 8] = cur.dm(1);
+        }
+      }
+      __syncthreads();
+      // the float steps of tiles ks, ks + W, ... over the round's super-blocks i0, i0 + 1, ... in k order
+      const int steps = (int)min((int64_t)W, nb - i0);
+#pragma unroll
+      for (int c = 0; c < CT; ++c) {
+        const int tt = ks + W * c;
+        if (tt >= tiles) break;
+        for (int s = 0; s < steps; ++s) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = g + (e < 2 ? 0 : 8), tok = min(tok0 + 8 * tt + 2 * t4 + (e & 1), n - 1);
+            const float xdi = xd[(int64_t)tok * nb + i0 + s];  // (tt is not a constant here: no tokC)
+            acc[c][e] = fmaf(__fmul_rn(part_d[buf][rg][s][r], xdi), (float)part_isum[buf][rg][s][tt][e][lane],
+                             acc[c][e]);
+            accm[c][e] = fmaf(__fmul_rn(part_dm[buf][rg][s][r], xdi), (float)part_msum[buf][rg][s][tt][e][lane],
+                              accm[c][e]);
+          }
+        }
+      }
+    }
+    cur = next;
+  }
+#pragma unroll
+  for (int c = 0; c < CT; ++c) {
+    const int tt = W == 1 ? c : ks + W * c;
+    if (tt >= tiles) break;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t r = m0 + g + (e < 2 ? 0 : 8);
+      const int t = tok0 + 8 * tt + 2 * t4 + (e & 1);
+      if (r < rows && t < n) y[(int64_t)t * rows + r] = __fsub_rn(acc[c][e], accm[c][e]);
+    }
+  }
+}
+
 std::atomic<int> g_matvec_rows_pin{0};
 
 // Rows a matvec CTA takes: the most (16: no shared memory, no barrier) that still gives the device
@@ -520,6 +780,49 @@ void launch_dp4a(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes
   const int64_t per_cta = (int64_t)kWarpsPerCta * kRowsPerDp4aWarp;
   launch(kquant_dp4a_kernel<T, NT>, dim3((unsigned)((rows + per_cta - 1) / per_cta)), dim3(32 * kWarpsPerCta), 0,
          stream, w, rows, cols, row_bytes, xq, xd, xbsum, n, y);
+}
+
+std::atomic<int> g_mma_split_pin{0};
+constexpr int kStreamMaxTokens = 64;  // more (prefill chunks): kquant_mma_kernel, 64 tokens a CTA
+
+// Warps that split a row group's K in the streaming kernel: the fewest (1: no barrier) that give the
+// device about 1024 warps, at most 4 and never more than the row's super-blocks.  Speed only: every
+// choice gives the same bits (set_mma_split pins it for tests and the GPU bench).
+int stream_split(int64_t rows, int64_t nb) {
+  if (const int pin = g_mma_split_pin.load(std::memory_order_relaxed); pin > 0) return pin;
+  constexpr int64_t kWantWarps = 1024;
+  const int64_t groups = (rows + 15) / 16;
+  int W = 1;
+  while (W < 4 && groups * W < kWantWarps && 2 * W <= nb) W *= 2;
+  return W;
+}
+
+template <DType T, int kTiles, int W>
+void launch_stream_w(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq,
+                     const float* xd, int n, float* y, cudaStream_t stream) {
+  constexpr int64_t rows_per_cta = 16 * (kWarpsPerCta / W);
+  const int64_t row_ctas = (rows + rows_per_cta - 1) / rows_per_cta;
+  if (row_ctas > 65535) fail("matmul_exact: %lld rows are more than the streaming kernel's grid holds", (long long)rows);
+  // tokens on the grid's fast axis: the CTAs of one row group run together and share its weights in L2
+  launch(kquant_mma_stream_kernel<T, kTiles, W>, dim3((unsigned)((n + 8 * kTiles - 1) / (8 * kTiles)),
+                                                       (unsigned)row_ctas),
+         dim3(32 * kWarpsPerCta), 0, stream, w, rows, cols, row_bytes, xq, xd, n, y);
+}
+
+template <DType T, int kTiles>
+void launch_stream_t(int W, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq,
+                     const float* xd, int n, float* y, cudaStream_t stream) {
+  if (W == 1) return launch_stream_w<T, kTiles, 1>(w, rows, cols, row_bytes, xq, xd, n, y, stream);
+  if (W == 2) return launch_stream_w<T, kTiles, 2>(w, rows, cols, row_bytes, xq, xd, n, y, stream);
+  launch_stream_w<T, kTiles, 4>(w, rows, cols, row_bytes, xq, xd, n, y, stream);
+}
+
+template <DType T>
+void launch_stream(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq,
+                   const float* xd, int n, float* y, cudaStream_t stream) {
+  const int W = stream_split(rows, cols / kQK);
+  if (n <= 16) return launch_stream_t<T, 2>(W, w, rows, cols, row_bytes, xq, xd, n, y, stream);
+  launch_stream_t<T, kStreamMaxTiles>(W, w, rows, cols, row_bytes, xq, xd, n, y, stream);
 }
 
 // Weights with fewer rows than this take the matvec for verifies of up to kFewRowsMaxTokens tokens.
@@ -568,6 +871,10 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
     }
     return;
   }
+  // a pinned split sends prefill chunks to the streaming kernel too (32 tokens a CTA), for the GPU bench to
+  // compare with kquant_mma_kernel there
+  if (const int split = g_mma_split_pin.load(std::memory_order_relaxed); (n <= kStreamMaxTokens && split >= 0) || split > 0)
+    return launch_stream<T>(w, rows, cols, row_bytes, xq, xd, n, y, stream);
   // the tiles per warp fit the batch (registers grow with them): 9..16 tokens 2, ..32 4, more 8
   const int tiles = n <= 16 ? 2 : n <= 32 ? 4 : kMaxTokTiles;
   const dim3 grid((unsigned)((rows + 15) / 16), (unsigned)((n + 8 * tiles - 1) / (8 * tiles)));
@@ -869,6 +1176,13 @@ void set_matvec_rows(int rows_per_cta) {
     fail("matvec rows per CTA %d: use 1, 2, 4, 8 or 16, or 0 for the automatic choice (-1: automatic, and "
          "verifies of few-row weights on the tensor cores)", rows_per_cta);
   g_matvec_rows_pin.store(rows_per_cta);
+}
+
+void set_mma_split(int warps) {
+  if (warps != -1 && warps != 0 && warps != 1 && warps != 2 && warps != 4)
+    fail("tensor-core K split %d: use 1, 2 or 4 warps a row group, 0 for the automatic choice, or -1 for the "
+         "round-synchronous kernel", warps);
+  g_mma_split_pin.store(warps);
 }
 
 void matmul_exact(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,

@@ -45,6 +45,12 @@ void matmul_exact_quantized(DType t, const void* w, int64_t rows, int64_t cols, 
 // choice.  For tests and the GPU bench (dfl_cuda_matvec_rows).
 void set_matvec_rows(int rows_per_cta);
 
+// Pin the K-quant tensor-core verify (9..64 tokens): the streaming kernel with 1, 2 or 4 warps splitting
+// each 16 rows' K, 0 for the automatic choice by shape, -1 for the round-synchronous kernel (the one the
+// first GPU record timed, and the one prefill chunks of more than 64 tokens take unless a split is pinned).
+// Speed only: the bits are the same for every choice.  For tests and the GPU bench (dfl_cuda_mma_split).
+void set_mma_split(int warps);
+
 // F16 / BF16 weights on the tf32 tensor cores, batch-invariant (matmul_half.cu).
 void matmul_half(DType t, const void* w, int64_t rows, int64_t cols, const float* x, int n, float* y,
                  cudaStream_t stream);

@@ -32,12 +32,14 @@
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 
+struct uint2 { uint32_t x, y; };
 struct uint4 { uint32_t x, y, z, w; };
 struct float4 { float x, y, z, w; };
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
   constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
 };
+inline uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 using std::max;
@@ -48,6 +50,12 @@ inline uint4 __ldg(const uint4* p) {
   if ((uintptr_t)p & 15) std::abort();
   uint4 v;
   std::memcpy(&v, p, 16);
+  return v;
+}
+inline uint2 __ldg(const uint2* p) {
+  if ((uintptr_t)p & 7) std::abort();
+  uint2 v;
+  std::memcpy(&v, p, 8);
   return v;
 }
 inline float4 __ldg(const float4* p) {
