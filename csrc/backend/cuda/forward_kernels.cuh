@@ -328,13 +328,18 @@ __global__ void attn_store_kernel(StoreArgs a) {
 // share most of their slots and the heads of a KV group all of them, so each
 // K / V row comes from L2 once per CTA instead of once per (token, head).  A
 // split is walked in tiles of kTile visible indices; for each row:
-//   scores   a warp per (token, slot): lane l sums k[i] q[i] for i = l, l+32, ...
-//            in order (fma), then an xor butterfly (16 .. 1); times the scale;
+//   scores   a warp per (token, slot) — per slot when every token's slots of the
+//            tile are the same prefix slots (prefill, a chain's prefix): the K
+//            row is read once for all the rows that see it — lane l sums
+//            k[i] q[i] for i = l, l+32, ... in order (fma), then an xor
+//            butterfly (16 .. 1); times the scale;
 //   softmax  a warp per row: the tile max (exact), p = exp(score - new max),
 //            the tile's p summed lane-wise (p[l] + p[l+32]) then by butterfly;
 //            sum = sum * corr + tile sum, corr = exp(old max - new max);
 //   output   each thread owns dims d = tid, tid + 128, ...: out = out * corr,
-//            then out = fma(p_s, v_s[d], out) over the tile's slots in order.
+//            then out = fma(p_s, v_s[d], out) over the tile's slots in order;
+//            the slots' V values are loaded 16 at a time, once for a token's G
+//            rows (once for every row when the tile's slots are shared).
 // The partial (max, sum, unnormalised output) goes to scratch;
 // attention_combine_kernel merges a token's partials and applies the gate.
 // Every row takes exactly these steps whatever else shares its CTA, so how
@@ -360,7 +365,7 @@ struct AttnArgs {
   DType kvt;
   bool gated;  // output times sigmoid(gate), the gate stored after q in each head's q_stride
 };
-constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512, kSplit = 512, kVGather = 8;
+constexpr int kAttnThreads = 128, kTile = 64, kMaxHeadDim = 512, kSplit = 512, kVGather = 16;
 
 // Rows a CTA can hold for kD = ceil(head_dim / 128) dims a thread: its
 // accumulators (rows x kD a thread) stay in registers.
@@ -369,11 +374,32 @@ __host__ __device__ constexpr int attn_max_rows(int kD) { return kD == 1 ? 32 : 
 // each row's running max / sum / correction.
 inline size_t attn_smem_bytes(int rows, int toks, int head_dim) {
   return (size_t)rows * head_dim * 4 + (size_t)rows * kTile * 4 + (size_t)toks * kTile * 4 + (size_t)rows * 3 * 4 +
-         (size_t)toks * 4;
+         (size_t)toks * 4 * 2;
+}
+
+// The warp's 32 per-row sums (v[r] in every lane) reduced so that lane r gets row r's total by the same
+// additions as warp_sum's xor butterfly (16, 8, 4, 2, 1) gives each row: at each level a lane keeps half of
+// its rows, adds the partner's values of them and sends the other half (31 shuffles for 32 rows instead of 160).
+template <int O>  // one level: 2 O rows in, O out (in place, indices all constants)
+__device__ __forceinline__ void sum_rows_level(float* w) {
+  const bool up = (threadIdx.x & O) != 0;
+#pragma unroll
+  for (int i = 0; i < O; ++i) {
+    const float send = up ? w[i] : w[i + O], keep = up ? w[i + O] : w[i];
+    w[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, O));
+  }
+}
+__device__ __forceinline__ float warp_sum_rows(float (&v)[32]) {
+  sum_rows_level<16>(v);
+  sum_rows_level<8>(v);
+  sum_rows_level<4>(v);
+  sum_rows_level<2>(v);
+  sum_rows_level<1>(v);
+  return v[0];
 }
 
 template <int kD>
-__global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs a) {
+__global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnArgs a) {
   constexpr int kRows = attn_max_rows(kD);
   const int TT = a.tok_per_cta, G = a.heads_per_cta, R = TT * G, hd = a.head_dim;
   const int gs = a.n_head / a.n_head_kv, hgroups = gs / G;
@@ -388,6 +414,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
   float* run_sum = run_max + R;                                 // [R]
   float* corr = run_sum + R;                                    // [R]
   int32_t* nt_of = reinterpret_cast<int32_t*>(corr + R);        // [TT]: this tile's slots of each token
+  int32_t* own_of = nt_of + TT;  // [TT]: 1 if a token's slots of this tile are not just prefix slots s0, s0 + 1, ...
   // a row r is token tl0 + r / G (local to the launch), head j0 + r % G
   auto tok_of = [&](int r) { return tl0 + r / G; };
   for (int r = 0; r < R; ++r) {
@@ -417,35 +444,59 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
       const int nt = live ? max(0, min(kTile, min(n_vis, s_begin + kSplit) - s0)) : 0;
       const int32_t* extra = a.extra_slots + a.extra_begin[t];
       for (int s = tid; s < nt; s += kAttnThreads) slot_of[tt * kTile + s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
-      if (tid == 0) nt_of[tt] = nt;
+      if (tid == 0) nt_of[tt] = nt, own_of[tt] = nt > 0 && s0 + nt > n_prefix;
     }
     __syncthreads();
-    // scores: a warp per (token, slot), the K row read once for the token's G heads; a warp takes
-    // two of its (token, slot) items at a time, both K rows' loads in flight before either's math
+    // the tile's slots shared by every token (index s is slot s0 + s for all): K and V rows are then read once
+    // for all the CTA's rows; nt_max is the longest token's count
+    bool shared = true;
+    int nt_max = 0;
+    for (int tt = 0; tt < TT; ++tt) shared = shared && !own_of[tt], nt_max = max(nt_max, nt_of[tt]);
+    // scores: a warp per (token, slot), the K row read once for the token's G heads (per slot when shared:
+    // once for every row that sees it, the rows' butterflies done as one, warp_sum_rows); a warp takes two
+    // items at a time, their K rows' loads in flight before any one's math
     constexpr int kWarps = kAttnThreads / 32, kPair = 2;
-    for (int it0 = warp; it0 < TT * kTile; it0 += kWarps * kPair) {
-      float kv[kPair][kMaxHeadDim / 32];
+    const int n_items = shared ? kTile : TT * kTile;  // (token, slot) items, or slots when shared
+    for (int it0 = warp; it0 < n_items; it0 += kWarps * kPair) {
+      float kv[kPair][4 * kD];  // head_dim <= 128 kD: a lane's elements lane + 32 c, c < 4 kD
       bool live[kPair];
 #pragma unroll
       for (int u = 0; u < kPair; ++u) {
-        const int it = it0 + u * kWarps, tt = it / kTile, s = it % kTile;
-        live[u] = it < TT * kTile && s < nt_of[tt];
-        const uint8_t* kr = a.k_cache + (int64_t)(live[u] ? slot_of[tt * kTile + s] : 0) * a.kv_row +
-                            (int64_t)m * a.head_bytes;
+        const int it = it0 + u * kWarps, tt = shared ? 0 : it / kTile, s = it % kTile;
+        live[u] = it < n_items && s < (shared ? nt_max : nt_of[tt]);
+        const int slot = !live[u] ? 0 : shared ? s0 + s : slot_of[tt * kTile + s];
+        const uint8_t* kr = a.k_cache + (int64_t)slot * a.kv_row + (int64_t)m * a.head_bytes;
 #pragma unroll
-        for (int c = 0; c < kMaxHeadDim / 32; ++c)
+        for (int c = 0; c < 4 * kD; ++c)
           kv[u][c] = live[u] && lane + 32 * c < hd ? kv_elem(a.kvt, kr, lane + 32 * c) : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < kPair; ++u) {
         if (!live[u]) continue;  // warp-uniform: the whole warp takes an item
-        const int it = it0 + u * kWarps, tt = it / kTile, s = it % kTile;
-        for (int g = 0; g < G; ++g) {
-          const int r = tt * G + g;
+        const int it = it0 + u * kWarps, s = it % kTile;
+        if (shared) {  // every row's lane sums, then one transposed butterfly: lane r gets row r's total
+          float v[32];
+#pragma unroll
+          for (int r = 0; r < 32; ++r) {
+            v[r] = 0.f;
+            if (r >= kRows || r >= R || s >= nt_of[r / G]) continue;  // (a row whose token does not see s)
+            const float* qr = q + r * hd;
+            float d = 0.f;
+#pragma unroll
+            for (int c = 0; c < 4 * kD; ++c)
+              if (lane + 32 * c < hd) d = fmaf(kv[u][c], qr[lane + 32 * c], d);
+            v[r] = d;
+          }
+          const float tot = warp_sum_rows(v);  // (v is consumed)
+          if (lane < R && s < nt_of[lane / G]) sc[lane * kTile + s] = __fmul_rn(tot, a.scale);
+          continue;
+        }
+        const int tt = it / kTile;
+        for (int r = tt * G; r < (tt + 1) * G; ++r) {
           const float* qr = q + r * hd;
           float d = 0.f;
 #pragma unroll
-          for (int c = 0; c < kMaxHeadDim / 32; ++c)
+          for (int c = 0; c < 4 * kD; ++c)
             if (lane + 32 * c < hd) d = fmaf(kv[u][c], qr[lane + 32 * c], d);
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
@@ -479,32 +530,49 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttnArgs 
       }
     }
     __syncthreads();
-    // output: each thread its dims of every row, slots in order
+    // output: each thread its dims of every row, slots in order.  First each row's correction (a row that
+    // sees nothing in this tile is left as it is), then the slots 16 at a time: their V values loaded once for
+    // a token's G rows (once for all rows when shared), each row's fmas in slot order
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (r >= R) break;
-      const int tt = r / G, nt = nt_of[tt];
-      if (nt == 0) continue;
+      if (nt_of[r / G] == 0) continue;
       const float c = corr[r];
-      const float* pr = sc + r * kTile;
-      const int32_t* so = slot_of + tt * kTile;
-      const uint8_t* vbase = a.v_cache + (int64_t)m * a.head_bytes;
 #pragma unroll
-      for (int e = 0; e < kD; ++e) {
-        const int d = tid + e * kAttnThreads;
-        if (d >= hd) break;
-        float v = __fmul_rn(acc[r][e], c);
-        // the slots' V values are loaded 8 at a time before their fmas (which stay in slot order)
-        int s = 0;
-        for (; s + kVGather <= nt; s += kVGather) {
-          float vv[kVGather];
+      for (int e = 0; e < kD; ++e)
+        if (tid + e * kAttnThreads < hd) acc[r][e] = __fmul_rn(acc[r][e], c);
+    }
+    const uint8_t* vbase = a.v_cache + (int64_t)m * a.head_bytes;
+    for (int s = 0; s < nt_max; s += kVGather) {
+      float vv[kD][kVGather];
 #pragma unroll
-          for (int u = 0; u < kVGather; ++u) vv[u] = kv_elem(a.kvt, vbase + (int64_t)so[s + u] * a.kv_row, d);
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= R) break;
+        const int tt = r / G, nt = nt_of[tt];
+        if (shared ? r == 0 : r % G == 0) {  // the first row of its token (of all rows when shared)
+          const int lim = shared ? nt_max : nt;
+          const int32_t* so = slot_of + tt * kTile;
 #pragma unroll
-          for (int u = 0; u < kVGather; ++u) v = fmaf(pr[s + u], vv[u], v);
+          for (int u = 0; u < kVGather; ++u) {
+            const bool in = s + u < lim;
+            const int slot = !in ? 0 : shared ? s0 + s + u : so[s + u];
+#pragma unroll
+            for (int e = 0; e < kD; ++e) {
+              const int d = tid + e * kAttnThreads;
+              vv[e][u] = in && d < hd ? kv_elem(a.kvt, vbase + (int64_t)slot * a.kv_row, d) : 0.f;
+            }
+          }
         }
-        for (; s < nt; ++s) v = fmaf(pr[s], kv_elem(a.kvt, vbase + (int64_t)so[s] * a.kv_row, d), v);
-        acc[r][e] = v;
+        if (s >= nt) continue;
+        const float* pr = sc + r * kTile + s;
+        const int nu = min(kVGather, nt - s);
+#pragma unroll
+        for (int e = 0; e < kD; ++e) {
+          if (tid + e * kAttnThreads >= hd) break;
+#pragma unroll
+          for (int u = 0; u < kVGather; ++u)
+            if (u < nu) acc[r][e] = fmaf(pr[u], vv[e][u], acc[r][e]);
+        }
       }
     }
     __syncthreads();  // sc / slot_of / nt_of are rewritten by the next tile
