@@ -57,6 +57,16 @@ __device__ __forceinline__ uint32_t ld_u32_act(const int8_t* p) {  // activation
   return *reinterpret_cast<const uint32_t*>(p);
 }
 __device__ __forceinline__ uint32_t bcast4(int v) { return (uint32_t)(uint8_t)v * 0x01010101u; }
+// 8 bytes from a 2-byte aligned address (Q6_K's 210-byte blocks): three aligned words and two funnel
+// shifts.  The third word is read even when unused (4-aligned p): the caller's chunks end at least 4 bytes
+// before their block does (Q6_K's ql / qh chunks end by byte 192 of 210).
+__device__ __forceinline__ uint2 ld8_a2(const uint8_t* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uint32_t sh = (uint32_t)(a & 3u) * 8u;
+  const unsigned int* wp = reinterpret_cast<const unsigned int*>(a & ~(uintptr_t)3);
+  const uint32_t w0 = __ldg(wp), w1 = __ldg(wp + 1), w2 = __ldg(wp + 2);
+  return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
+}
 
 // The CPU's quantize_act_row (block 256): one warp per (token, block), 8 values a lane.
 __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
@@ -522,15 +532,6 @@ struct StreamBlock {  // one lane's share of 16 rows' super-block i: rows a = g,
   uint2 qh[2][2];     // Q5_K: qh[8 t4 ..] (index 0);  Q6_K: qh[32 h + 8 t4 ..]
   uint32_t d6[2];     // Q6_K: d
 
-  // 8 bytes from a 2-byte aligned address (Q6_K's 210-byte blocks): three aligned words and two
-  // funnel shifts; the third word stays inside the block for every chunk this kernel reads.
-  __device__ __forceinline__ static uint2 ld8_a2(const uint8_t* p) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    const uint32_t sh = (uint32_t)(a & 3u) * 8u;
-    const unsigned int* wp = reinterpret_cast<const unsigned int*>(a & ~(uintptr_t)3);
-    const uint32_t w0 = __ldg(wp), w1 = __ldg(wp + 1), w2 = __ldg(wp + 2);
-    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
-  }
   __device__ __forceinline__ static uint2 ld8(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
 
   __device__ __forceinline__ void fetch(const uint8_t* blk_a, const uint8_t* blk_b, int t4) {
@@ -900,8 +901,9 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
 //           an xor butterfly (4, 2, 1), whose additions are sum_chains';
 //   n > 8:  block32_mma_kernel, 8 warps a CTA, warp w the blocks of chain w
 //           for 16 rows x up to 64 tokens (a block is one m16n8k32 per 8
-//           tokens); the chains meet in shared memory.  A verify of up to 64
-//           tokens reads each weight once.
+//           tokens, the chain's next block loaded during its math); the
+//           chains meet in shared memory.  A verify of up to 64 tokens reads
+//           each weight once.
 
 // The CPU's quantize_act_row with 32-value blocks: one warp per (token, block).
 __global__ void quantize_act32_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
@@ -1030,13 +1032,22 @@ __global__ void __launch_bounds__(kBlock32MmaWarps * 32)
   for (int tt = 0; tt < kTokTiles; ++tt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[tt][e] = 0.f;
-  for (int64_t i = warp; i < nb; i += kBlock32MmaWarps) {  // chain `warp`: blocks warp, warp + 8, ...
+  // A fragment: rows g / g + 8, values 4 t4.. and 16 + 4 t4.. of a block, and the rows' scales; the next
+  // block's loads are issued before this one's math (past the end: the last block again, unused)
+  auto fetch = [&](int64_t i, uint32_t (&a)[4], float (&dw)[2]) {
     const uint8_t* blk_a = row_a + i * BS;
     const uint8_t* blk_b = row_b + i * BS;
-    // A fragment: rows g / g + 8, values 4 t4.. and 16 + 4 t4.. of block i
-    const uint32_t a[4] = {block32_quants4<T>(blk_a, t4), block32_quants4<T>(blk_b, t4),
-                           block32_quants4<T>(blk_a, 4 + t4), block32_quants4<T>(blk_b, 4 + t4)};
-    const float dw[2] = {ld_f16(blk_a), ld_f16(blk_b)};
+    a[0] = block32_quants4<T>(blk_a, t4), a[1] = block32_quants4<T>(blk_b, t4);
+    a[2] = block32_quants4<T>(blk_a, 4 + t4), a[3] = block32_quants4<T>(blk_b, 4 + t4);
+    dw[0] = ld_f16(blk_a), dw[1] = ld_f16(blk_b);
+  };
+  uint32_t a[4];
+  float dw[2];
+  fetch(min((int64_t)warp, nb - 1), a, dw);
+  for (int64_t i = warp; i < nb; i += kBlock32MmaWarps) {  // chain `warp`: blocks warp, warp + 8, ...
+    uint32_t an[4];
+    float dwn[2];
+    fetch(min(i + kBlock32MmaWarps, nb - 1), an, dwn);
     const int32_t zero[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int tt = 0; tt < kTokTiles; ++tt) {
@@ -1053,6 +1064,9 @@ __global__ void __launch_bounds__(kBlock32MmaWarps * 32)
         acc[tt][e] = fmaf(__fmul_rn(dw[e >> 1], xd[tok * nb + i]), (float)isum, acc[tt][e]);
       }
     }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) a[k] = an[k];
+    dw[0] = dwn[0], dw[1] = dwn[1];
   }
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt)
