@@ -749,13 +749,15 @@ VERIFY_NS = (16, 23, 64, 512)  # 512: a prefill chunk (the streaming kernel only
 MMA_SPLITS = ((0, "auto"), (1, "w1"), (2, "w2"), (4, "w4"), (-1, "sync"))
 
 
-def part_matvec(ns: list[int]) -> dict:
+def part_matvec(ns: list[int], checkpoint=None) -> dict:
     """The K-quant matvec (n <= 8 tokens) on each AR-step shape with every CTA shape dfl_cuda_matvec_rows can
     pin (16 rows: a lane group walks a row; fewer: the CTA's groups split the row's super-blocks), and the
     automatic choice: GB/s of weights read.  Then `verify`: the tensor-core kernels on the shapes of 2048 rows
     or more for verifies of VERIFY_NS tokens, by dfl_cuda_mma_split (the streaming kernel with 1, 2 or 4 warps
     a row group, auto, and the round-synchronous kernel).  Every choice gives the same bits
-    (tests/test_cuda_ops.py), so the fastest is the one to keep; `best` names it per shape and n."""
+    (tests/test_cuda_ops.py), so the fastest is the one to keep; `best` names it per shape and n.
+    checkpoint(out): called after each shape with what is measured so far (marked partial), so a run cut
+    short by its time limit still leaves its numbers."""
     from dflash27b._lib import last_error, load
     ffi, lib = load()
     out: dict = {"shapes": {}, "verify": {}, "notes": []}
@@ -790,6 +792,8 @@ def part_matvec(ns: list[int]) -> dict:
                 row["best"] = min(("auto", "mma"), key=lambda k: row[k]["ms"])
                 table["23"] = row
             out["shapes"][f"{fmt} {rows}x{cols}"] = table
+            if checkpoint:
+                checkpoint({**out, "partial": True})
         # verifies of 9..64 tokens on the tensor cores: the streaming kernel by K split, vs the round-synchronous one
         for fmt, rows, cols in MATVEC_SHAPES:
             if rows < MATVEC_FEW_ROWS:
@@ -812,6 +816,8 @@ def part_matvec(ns: list[int]) -> dict:
                 row["best"] = min(pinned, key=lambda k: pinned[k]["ms"])
                 table[str(n)] = row
             out["verify"][f"{fmt} {rows}x{cols}"] = table
+            if checkpoint:
+                checkpoint({**out, "partial": True})
     finally:
         lib.dfl_cuda_matvec_rows(0)
         lib.dfl_cuda_mma_split(0)
@@ -1176,7 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.part == "matvec":
         if any(n < 1 or n > 8 for n in a.n):
             ap.error("matvec: --n takes token counts 1..8 (more take the tensor-core kernel)")
-        _write(a.out, part_matvec(a.n))
+        _write(a.out, part_matvec(a.n, checkpoint=lambda o: _write(a.out, o)))
     elif a.part == "matmul":
         bad = [f for f in a.formats.split(",") if f not in MATMUL_FORMATS]
         if bad:

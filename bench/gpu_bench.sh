@@ -308,7 +308,7 @@ part2_short() {
     python3 bench/gpu_bench.py ours --device cuda --target build/synth-27b.gguf --draft build/synth-27b-draft \
     --repeats 1 --n-decode 64 --nodes 2,8,23 --steps-tokens 16 --out "$PARTS/ours.json"
   # ~40 s while llama.cpp builds: which matvec CTA shape and which verify K split stream each weight fastest
-  run 90 "K-quant matvec by rows per CTA (the AR step's shapes, n 1 and 8), the verify by K split (n 16, 23, 64, 512)" \
+  run 120 "K-quant matvec by rows per CTA (the AR step's shapes, n 1 and 8), the verify by K split (n 16, 23, 64, 512)" \
     python3 bench/gpu_bench.py matvec --out "$PARTS/matvec.json"
   if [ $SKIP_LLAMACPP = 0 ]; then
     step "llama.cpp build"
@@ -355,7 +355,7 @@ part3() {
   run 90 "draft model: a 0.8B-shaped qwen35 drafting for the 27B (chain / DDTree, block 5 and 9)" \
     python3 bench/gpu_bench.py draftmodel --target build/synth-27b.gguf --draft build/synth-0.8b.gguf \
     --out "$PARTS/draftmodel.json"
-  run 90 "K-quant matvec by rows per CTA (the AR step's shapes, n 1 and 8), the verify by K split (n 16, 23, 64, 512)" \
+  run 120 "K-quant matvec by rows per CTA (the AR step's shapes, n 1 and 8), the verify by K split (n 16, 23, 64, 512)" \
     python3 bench/gpu_bench.py matvec --out "$PARTS/matvec.json"
   run 120 "matmul table (every format, exact and float kernels; n 1..512, ffn shapes)" python3 bench/gpu_bench.py matmul --out "$PARTS/matmul.json"
 }

@@ -489,8 +489,12 @@ def test_matvec_table(monkeypatch):
 
     lib = Lib()
     monkeypatch.setattr(libmod, "load", lambda: (None, lib))
-    part = gb.part_matvec([1, 8])
+    saved = []
+    part = gb.part_matvec([1, 8], checkpoint=saved.append)
     assert len(part["shapes"]) == len(gb.MATVEC_SHAPES) and not part["notes"]
+    # a partial record after every shape, so a run cut short by its time limit keeps what it measured
+    assert all(p["partial"] for p in saved) and "partial" not in part
+    assert [len(p["shapes"]) + len(p["verify"]) for p in saved] == list(range(1, len(saved) + 1))
     row = part["shapes"]["Q4_K 5120x17408"]["1"]
     assert row["best"] == "4" and set(row) == {"auto", "16", "8", "4", "2", "1", "best"}
     assert row["4"]["gb_s"] == pytest.approx(5120 * 68 * 144 / 1e9 / 1e-5)
