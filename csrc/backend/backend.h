@@ -145,6 +145,12 @@ class Backend {
   virtual void matmul(const Weight& W, const float* x, int n, float* y) = 0;
   // x += y over count values.
   virtual void add(float* x, const float* y, size_t count) = 0;
+  // x += y (n rows of dim), then out = rmsnorm(x) with w: a sublayer's residual and the next norm in one op
+  // where a backend can fuse them (CUDA: one pass over x); the same bits as add then rmsnorm.
+  virtual void add_rmsnorm(float* x, const float* y, const float* w, int n, int dim, float eps, float* out) {
+    add(x, y, (size_t)n * dim);
+    rmsnorm(x, w, n, dim, eps, out);
+  }
   // x *= s over count values.
   virtual void scale(float* x, float s, size_t count) = 0;
   // g = silu(g) * u over count values.

@@ -168,9 +168,10 @@ class Context {
   };
   // The sublayers the trunk's attention layers and the MTP head share, on the chunk begun: gated full attention
   // of the normed rows (scratch hn, n in all) part by part, into scratch out (`all`: the plan of every row, for
-  // the row-wise matmuls); x += SwiGLU(post_norm(x)).
+  // the row-wise matmuls); x += residual (the sublayer before's output), then x += SwiGLU(post_norm(x)), the
+  // residual and the norm in one backend op (add_rmsnorm).
   void attention_sublayer(const LayerWeights& w, const AttnRows* parts, int n_parts, int n, const ChunkPlan& all);
-  void mlp_sublayer(const LayerWeights& w, float* x, int n);
+  void mlp_sublayer(const LayerWeights& w, float* x, const float* residual, int n);
 
   const Model& model_;
   ContextParams params_;

@@ -504,8 +504,7 @@ void Context::run_segments(const Segment* segs, int n_segs) {
       if (n_segs > 1) be.begin_chunk(*all);
       be.matmul(w.ssm_out, y, n, I.out.f());
     }
-    be.add(x, I.out.f(), (size_t)n * H);
-    mlp_sublayer(w, x, n);
+    mlp_sublayer(w, x, I.out.f(), n);
 
     for (int k = 0; k < n_segs; ++k) {
       const Segment& g = segs[k];
@@ -612,11 +611,11 @@ void Context::attention_sublayer(const LayerWeights& w, const AttnRows* parts, i
   be.matmul(w.wo, o, n, I.out.f());
 }
 
-void Context::mlp_sublayer(const LayerWeights& w, float* x, int n) {
+void Context::mlp_sublayer(const LayerWeights& w, float* x, const float* residual, int n) {
   Impl& I = *impl_;
   Backend& be = *I.be;
   const Qwen35Config& c = model_.cfg;
-  be.rmsnorm(x, be.vec(w.post_norm), n, c.n_embd, c.rms_eps, I.hn.f());
+  be.add_rmsnorm(x, residual, be.vec(w.post_norm), n, c.n_embd, c.rms_eps, I.hn.f());
   float* g = I.a0.f();
   float* u = I.a1.f();
   be.matmul(w.ffn_gate, I.hn.f(), n, g);
@@ -705,8 +704,7 @@ void Context::mtp_forward_many(Context* const* cs, const MtpRows* rs, int n_part
   const LayerWeights& w = W.layer;
   be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
   lead.attention_sublayer(w, parts.data(), n_parts, n, *all);
-  be.add(x, I.out.f(), (size_t)n * H);
-  lead.mlp_sublayer(w, x, n);
+  lead.mlp_sublayer(w, x, I.out.f(), n);
   // the head: shared_head_norm, then the trunk's output matrix
   float* hs = I.hn.f();
   be.rmsnorm(x, be.vec(W.head_norm), n, H, c.rms_eps, hs);

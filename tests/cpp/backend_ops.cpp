@@ -306,6 +306,25 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       cpu->rmsnorm(xa.f(), cpu->vec(M.layers[0].attn_norm), n, H, c.rms_eps, xa.f());
       cud->rmsnorm(xb.f(), cud->vec(M.layers[0].attn_norm), n, H, c.rms_eps, xb.f());
       check(label("rmsnorm", "in place", n), xb.get(x.size()), xa.get(x.size()), 2e-6);
+      // add_rmsnorm (a sublayer's residual and the next norm, fused on CUDA): x == add's bits, out == rmsnorm's
+      // bits on the sums (CUDA's own two ops), and within rmsnorm's tolerance of the CPU
+      for (int with_w = 0; with_w < 2; ++with_w) {
+        auto res = randn(x.size(), 1.f);
+        const float* wa = with_w ? cpu->vec(M.layers[0].post_norm) : nullptr;
+        const float* wb = with_w ? cud->vec(M.layers[0].post_norm) : nullptr;
+        Buf xa2(*cpu, x.size() * 4), xb2(*cud, x.size() * 4), xs(*cud, x.size() * 4), ra(*cpu, x.size() * 4),
+            rb(*cud, x.size() * 4), oa(*cpu, x.size() * 4), ob(*cud, x.size() * 4), os(*cud, x.size() * 4);
+        xa2.put(x), xb2.put(x), xs.put(x), ra.put(res), rb.put(res), ob.poison(), os.poison();
+        cpu->add_rmsnorm(xa2.f(), ra.f(), wa, n, H, c.rms_eps, oa.f());
+        cud->add_rmsnorm(xb2.f(), rb.f(), wb, n, H, c.rms_eps, ob.f());
+        cud->add(xs.f(), rb.f(), x.size());
+        cud->rmsnorm(xs.f(), wb, n, H, c.rms_eps, os.f());
+        const std::string form = with_w ? "weighted" : "plain";
+        check(label("add_rmsnorm", form + " x == add", n), xb2.get(x.size()), xs.get(x.size()), 0.0);
+        check(label("add_rmsnorm", form + " == add, rmsnorm", n), ob.get(x.size()), os.get(x.size()), 0.0);
+        check(label("add_rmsnorm", form + " x vs CPU", n), xb2.get(x.size()), xa2.get(x.size()), 0.0);
+        check(label("add_rmsnorm", form + " vs CPU", n), ob.get(x.size()), oa.get(x.size()), 2e-6);
+      }
     }
     // matmul, every format (the CPU quantises activations to int8 for quantised weights; K-quants, Q8_0
     // and Q4_0 on CUDA take the exact kernels, which do the same: bit for bit the CPU's result on every

@@ -353,6 +353,20 @@ class CudaBackend final : public Backend {
     launch(fwd::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream_, x, w, dim, eps, y);
   }
 
+  void add_rmsnorm(float* x, const float* r, const float* w, int n, int dim, float eps, float* y) override {
+    const int nq = dim / 4, pv = (nq + 1023) / 1024;
+    if (dim % 4 || pv > 4) return Backend::add_rmsnorm(x, r, w, n, dim, eps, y);  // the two ops
+    const OpScope op(*this, "add_rmsnorm");
+    // rmsnorm's CTA shape for dim, so the sums of squares are added in its order
+    const dim3 grid((unsigned)n), block((unsigned)(((nq + pv - 1) / pv + 31) / 32 * 32));
+    switch (pv) {
+      case 1: return launch(fwd::add_rmsnorm_quad_kernel<1>, grid, block, 0, stream_, x, r, w, dim, eps, y);
+      case 2: return launch(fwd::add_rmsnorm_quad_kernel<2>, grid, block, 0, stream_, x, r, w, dim, eps, y);
+      case 3: return launch(fwd::add_rmsnorm_quad_kernel<3>, grid, block, 0, stream_, x, r, w, dim, eps, y);
+      default: return launch(fwd::add_rmsnorm_quad_kernel<4>, grid, block, 0, stream_, x, r, w, dim, eps, y);
+    }
+  }
+
   // Every matmul of a K-quant, Q8_0, Q4_0, F16 or BF16 model (the drafter's BF16
   // included) takes the batch-invariant kernels (matmul_exact.cuh): a token's
   // result is the same for every batch size, so an AR step, a verify of any tree
