@@ -97,20 +97,16 @@ __device__ __forceinline__ void st_quad(float* p, float4 v, bool vec) {
     p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
   }
 }
+// The quad kernels' norm of one row held in registers (v: the thread's quads, zeros past the row): the sum of
+// squares in the thread's quad order then block_sum, the scale, y = v * scale (* w).  The order follows from
+// dim and the CTA width alone, so rmsnorm and add_rmsnorm give the same bits.
 template <int PV>
-__global__ void rmsnorm_quad_kernel(const float* x, const float* __restrict__ w, int dim, float eps, float* y) {
-  __shared__ float red[32];
+__device__ __forceinline__ void rmsnorm_quads(const float4 (&v)[PV], const float* __restrict__ w, int dim, float eps,
+                                              float* yr, bool vec, float* red) {
   const int nq = dim / 4;
-  const float* xr = x + (int64_t)blockIdx.x * dim;
-  float* yr = y + (int64_t)blockIdx.x * dim;
-  const bool vec = ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(yr) |
-                     reinterpret_cast<uintptr_t>(w)) & 15) == 0;
-  float4 v[PV];
   float ss = 0.f;
 #pragma unroll
   for (int p = 0; p < PV; ++p) {
-    const int i = threadIdx.x + p * blockDim.x;
-    v[p] = i < nq ? ld_quad(xr + 4 * i, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
     ss += v[p].x * v[p].x;
     ss += v[p].y * v[p].y;
     ss += v[p].z * v[p].z;
@@ -131,6 +127,23 @@ __global__ void rmsnorm_quad_kernel(const float* x, const float* __restrict__ w,
   }
 }
 
+template <int PV>
+__global__ void rmsnorm_quad_kernel(const float* x, const float* __restrict__ w, int dim, float eps, float* y) {
+  __shared__ float red[32];
+  const int nq = dim / 4;
+  const float* xr = x + (int64_t)blockIdx.x * dim;
+  float* yr = y + (int64_t)blockIdx.x * dim;
+  const bool vec = ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(yr) |
+                     reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+  float4 v[PV];
+#pragma unroll
+  for (int p = 0; p < PV; ++p) {
+    const int i = threadIdx.x + p * blockDim.x;
+    v[p] = i < nq ? ld_quad(xr + 4 * i, vec) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  rmsnorm_quads<PV>(v, w, dim, eps, yr, vec, red);
+}
+
 // x += r, then rmsnorm_quad_kernel's steps on the sums: the bits of add_kernel then rmsnorm_quad_kernel, with
 // one read of x (AR steps run this after every attention / delta-net sublayer).
 template <int PV>
@@ -144,35 +157,16 @@ __global__ void add_rmsnorm_quad_kernel(float* x, const float* __restrict__ r, c
   const bool vec = ((reinterpret_cast<uintptr_t>(xr) | reinterpret_cast<uintptr_t>(rr) |
                      reinterpret_cast<uintptr_t>(yr) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
   float4 v[PV];
-  float ss = 0.f;
 #pragma unroll
   for (int p = 0; p < PV; ++p) {
     const int i = threadIdx.x + p * blockDim.x;
-    if (i < nq) {
-      const float4 a = ld_quad(xr + 4 * i, vec), b = ld_quad(rr + 4 * i, vec);
-      v[p] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-      st_quad(xr + 4 * i, v[p], vec);
-    } else {
-      v[p] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    ss += v[p].x * v[p].x;
-    ss += v[p].y * v[p].y;
-    ss += v[p].z * v[p].z;
-    ss += v[p].w * v[p].w;
+    v[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (i >= nq) continue;
+    const float4 a = ld_quad(xr + 4 * i, vec), b = ld_quad(rr + 4 * i, vec);
+    v[p] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+    st_quad(xr + 4 * i, v[p], vec);
   }
-  ss = block_sum(ss, red);
-  const float scale = 1.f / sqrtf(ss / (float)dim + eps);
-#pragma unroll
-  for (int p = 0; p < PV; ++p) {
-    const int i = threadIdx.x + p * blockDim.x;
-    if (i >= nq) break;
-    float4 o = make_float4(v[p].x * scale, v[p].y * scale, v[p].z * scale, v[p].w * scale);
-    if (w) {
-      const float4 wv = ld_quad(w + 4 * i, vec);
-      o = make_float4(o.x * wv.x, o.y * wv.y, o.z * wv.z, o.w * wv.w);
-    }
-    st_quad(yr + 4 * i, o, vec);
-  }
+  rmsnorm_quads<PV>(v, w, dim, eps, yr, vec, red);
 }
 
 // ---------------------------------------------------------------- elementwise
