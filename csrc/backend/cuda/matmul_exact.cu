@@ -57,6 +57,18 @@ __device__ __forceinline__ uint32_t ld_u32_act(const int8_t* p) {  // activation
   return *reinterpret_cast<const uint32_t*>(p);
 }
 __device__ __forceinline__ uint32_t bcast4(int v) { return (uint32_t)(uint8_t)v * 0x01010101u; }
+// One output's float steps over a round's super-blocks s = 0 .. steps - 1 (consecutive in k), as the CPU
+// takes them: acc = fma(d_s * xd_s, isum_s, acc), accm = fma(dm_s * xd_s, msum_s, accm).  The split-K kernels'
+// round exchanges lay d / dm and the sums out at strides of their own.
+__device__ __forceinline__ void round_float_steps(float& acc, float& accm, const float* d, const float* dm,
+                                                  int d_stride, const int* isum, const int* msum, int sum_stride,
+                                                  const float* xd_round, int steps) {
+  for (int s = 0; s < steps; ++s) {
+    const float xdi = xd_round[s];
+    acc = fmaf(__fmul_rn(d[s * d_stride], xdi), (float)isum[s * sum_stride], acc);
+    accm = fmaf(__fmul_rn(dm[s * d_stride], xdi), (float)msum[s * sum_stride], accm);
+  }
+}
 // 8 bytes from a 2-byte aligned address (Q6_K's 210-byte blocks): three aligned words and two funnel
 // shifts.  The third word is read even when unused (4-aligned p): the caller's chunks end at least 4 bytes
 // before their block does (Q6_K's ql / qh chunks end by byte 192 of 210).
@@ -261,14 +273,11 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     for (int c = 0; c < CT; ++c) {
       const int tt = warp + W * c;
       if (tt >= tiles) break;
-      for (int s = 0; s < steps; ++s) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = g + (e < 2 ? 0 : 8), tok = min(tok0 + 8 * tt + 2 * t4 + (e & 1), n - 1);
-          const float xdi = xd[(int64_t)tok * nb + i0 + s];
-          acc[c][e] = fmaf(__fmul_rn(part_d[s][r], xdi), (float)part_isum[s][tt][e][lane], acc[c][e]);
-          accm[c][e] = fmaf(__fmul_rn(part_dm[s][r], xdi), (float)part_msum[s][tt][e][lane], accm[c][e]);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int r = g + (e < 2 ? 0 : 8), tok = min(tok0 + 8 * tt + 2 * t4 + (e & 1), n - 1);
+        round_float_steps(acc[c][e], accm[c][e], &part_d[0][r], &part_dm[0][r], 16, &part_isum[0][tt][e][lane],
+                          &part_msum[0][tt][e][lane], kTokTiles * 4 * 32, xd + (int64_t)tok * nb + i0, steps);
       }
     }
     __syncthreads();
@@ -492,15 +501,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     raw = next;
     __syncthreads();
     if (chain) {  // the round's float steps, super-blocks i0, i0 + 1, ... in k order
-      const int steps = (int)min((int64_t)S, nb - i0);
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        if (s >= steps) break;
-        const int g = crow * S + s;
-        const float xdi = xd[ctok_read * nb + i0 + s];
-        acc = fmaf(__fmul_rn(part_d[buf][g], xdi), (float)part_isum[buf][g][ctok], acc);
-        accm = fmaf(__fmul_rn(part_dm[buf][g], xdi), (float)part_msum[buf][g][ctok], accm);
-      }
+      const int steps = (int)min((int64_t)S, nb - i0), g0 = crow * S;
+      round_float_steps(acc, accm, &part_d[buf][g0], &part_dm[buf][g0], 1, &part_isum[buf][g0][ctok],
+                        &part_msum[buf][g0][ctok], NT, xd + ctok_read * nb + i0, steps);
     }
   }
   const int64_t r = (int64_t)blockIdx.x * R + crow;
@@ -726,16 +729,12 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
       for (int c = 0; c < CT; ++c) {
         const int tt = ks + W * c;
         if (tt >= tiles) break;
-        for (int s = 0; s < steps; ++s) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = g + (e < 2 ? 0 : 8), tok = min(tok0 + 8 * tt + 2 * t4 + (e & 1), n - 1);
-            const float xdi = xd[(int64_t)tok * nb + i0 + s];  // (tt is not a constant here: no tokC)
-            acc[c][e] = fmaf(__fmul_rn(part_d[buf][rg][s][r], xdi), (float)part_isum[buf][rg][s][tt][e][lane],
-                             acc[c][e]);
-            accm[c][e] = fmaf(__fmul_rn(part_dm[buf][rg][s][r], xdi), (float)part_msum[buf][rg][s][tt][e][lane],
-                              accm[c][e]);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int r = g + (e < 2 ? 0 : 8), tok = min(tok0 + 8 * tt + 2 * t4 + (e & 1), n - 1);  // (tt varies)
+          round_float_steps(acc[c][e], accm[c][e], &part_d[buf][rg][0][r], &part_dm[buf][rg][0][r], 16,
+                            &part_isum[buf][rg][0][tt][e][lane], &part_msum[buf][rg][0][tt][e][lane],
+                            (W > 1 ? kTiles : 1) * 4 * 32, xd + (int64_t)tok * nb + i0, steps);
         }
       }
     }
