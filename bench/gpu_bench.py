@@ -749,6 +749,27 @@ VERIFY_NS = (16, 23, 64, 512)  # 512: a prefill chunk (the streaming kernel only
 MMA_SPLITS = ((0, "auto"), (1, "w1"), (2, "w2"), (4, "w4"), (-1, "sync"))
 
 
+class _BenchFailed(Exception):
+    pass
+
+
+def _timed_by_pin(lib, last_error, what: str, set_pin, pins, tid: int, rows: int, cols: int, n: int, iters: int,
+                  gb: float) -> dict:
+    """One table row: the exact matmul of n tokens timed with each (pin, key) set by set_pin, GB/s of weights
+    read, and `best`, the fastest pinned choice (auto, pin 0, is never `best`: it is one of the others)."""
+    row: dict = {}
+    for pin, key in pins:
+        if set_pin(pin) != 0:
+            raise _BenchFailed(f"{what}: {last_error()}")
+        ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, n, iters, 1)
+        if ms < 0:
+            raise _BenchFailed(f"{what}: {last_error()}")
+        row[key] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
+    pinned = [k for k in row if k != "auto"]
+    row["best"] = min(pinned, key=lambda k: row[k]["ms"])
+    return row
+
+
 def part_matvec(ns: list[int], checkpoint=None) -> dict:
     """The K-quant matvec (n <= 8 tokens) on each AR-step shape with every CTA shape dfl_cuda_matvec_rows can
     pin (16 rows: a lane group walks a row; fewer: the CTA's groups split the row's super-blocks), and the
@@ -761,36 +782,18 @@ def part_matvec(ns: list[int], checkpoint=None) -> dict:
     from dflash27b._lib import last_error, load
     ffi, lib = load()
     out: dict = {"shapes": {}, "verify": {}, "notes": []}
+    rows_pins = [(p, "auto" if p == 0 else str(p)) for p in MATVEC_ROWS]
     try:
         for fmt, rows, cols in MATVEC_SHAPES:
             tid, be, bpb = MATMUL_FORMATS[fmt]
             gb = rows * (cols // be) * bpb / 1e9
-            table: dict = {}
-            for n in ns:
-                row: dict = {}
-                for pin in MATVEC_ROWS:
-                    if lib.dfl_cuda_matvec_rows(pin) != 0:
-                        out["notes"].append(f"matvec: {last_error()}")
-                        return out
-                    ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, n, 200, 1)
-                    if ms < 0:
-                        out["notes"].append(f"matvec: {last_error()}")
-                        return out
-                    row["auto" if pin == 0 else str(pin)] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
-                pinned = {k: v for k, v in row.items() if k != "auto"}
-                row["best"] = min(pinned, key=lambda k: pinned[k]["ms"])
-                table[str(n)] = row
+            table = {str(n): _timed_by_pin(lib, last_error, "matvec", lib.dfl_cuda_matvec_rows, rows_pins, tid, rows,
+                                           cols, n, 200, gb) for n in ns}
             if rows < MATVEC_FEW_ROWS:  # a 23-node verify: the matvec 8 tokens a pass (auto) vs the tensor cores
-                row = {}
-                for pin, key in ((0, "auto"), (-1, "mma")):
-                    lib.dfl_cuda_matvec_rows(pin)
-                    ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, 23, 200, 1)
-                    if ms < 0:
-                        out["notes"].append(f"matvec: {last_error()}")
-                        return out
-                    row[key] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
-                row["best"] = min(("auto", "mma"), key=lambda k: row[k]["ms"])
-                table["23"] = row
+                table["23"] = _timed_by_pin(lib, last_error, "matvec", lib.dfl_cuda_matvec_rows,
+                                            ((0, "auto"), (-1, "mma")), tid, rows, cols, 23, 200, gb)
+                table["23"]["best"] = min(("auto", "mma"), key=lambda k: table["23"][k]["ms"])
+            lib.dfl_cuda_matvec_rows(0)
             out["shapes"][f"{fmt} {rows}x{cols}"] = table
             if checkpoint:
                 checkpoint({**out, "partial": True})
@@ -800,24 +803,13 @@ def part_matvec(ns: list[int], checkpoint=None) -> dict:
                 continue
             tid, be, bpb = MATMUL_FORMATS[fmt]
             gb = rows * (cols // be) * bpb / 1e9
-            table = {}
-            for n in VERIFY_NS:
-                row = {}
-                for split, key in MMA_SPLITS:
-                    if lib.dfl_cuda_mma_split(split) != 0:
-                        out["notes"].append(f"verify: {last_error()}")
-                        return out
-                    ms = lib.dfl_cuda_bench_matmul(tid, rows, cols, n, 100 if n <= 64 else 20, 1)
-                    if ms < 0:
-                        out["notes"].append(f"verify: {last_error()}")
-                        return out
-                    row[key] = {"ms": ms, "gb_s": gb / (ms * 1e-3)}
-                pinned = {k: v for k, v in row.items() if k != "auto"}
-                row["best"] = min(pinned, key=lambda k: pinned[k]["ms"])
-                table[str(n)] = row
-            out["verify"][f"{fmt} {rows}x{cols}"] = table
+            out["verify"][f"{fmt} {rows}x{cols}"] = {
+                str(n): _timed_by_pin(lib, last_error, "verify", lib.dfl_cuda_mma_split, MMA_SPLITS, tid, rows, cols,
+                                      n, 100 if n <= 64 else 20, gb) for n in VERIFY_NS}
             if checkpoint:
                 checkpoint({**out, "partial": True})
+    except _BenchFailed as e:
+        out["notes"].append(str(e))
     finally:
         lib.dfl_cuda_matvec_rows(0)
         lib.dfl_cuda_mma_split(0)
