@@ -743,10 +743,11 @@ MATVEC_SHAPES = [("Q4_K", 17408, 5120), ("Q6_K", 5120, 17408), ("Q4_K", 5120, 17
                  ("Q4_K", 1024, 5120), ("Q4_K", 48, 5120)]
 MATVEC_ROWS = (0, 16, 8, 4, 2, 1)  # rows per CTA (dfl_cuda_matvec_rows); 0 = the automatic choice
 MATVEC_FEW_ROWS = 2048  # weights with fewer rows verify on the matvec, 8 tokens a pass (matmul_exact.cu)
-# verifies on the tensor cores (dfl_cuda_mma_split): the streaming kernel with 1, 2 or 4 warps splitting a row
-# group's K, the automatic choice, and the round-synchronous kernel the first record timed
-VERIFY_NS = (16, 23, 64, 512)  # 512: a prefill chunk (the streaming kernel only when pinned)
-MMA_SPLITS = ((0, "auto"), (1, "w1"), (2, "w2"), (4, "w4"), (-1, "sync"))
+# verifies and prefill chunks on the tensor cores (dfl_cuda_mma_split): the streaming kernel with 1, 2 or 4 warps
+# splitting a row group's K, the automatic choice, the round-synchronous kernel the first record timed, and the
+# tiled kernel (shared-memory tiles of 128 rows x 64 tokens) that takes prefill chunks by default
+VERIFY_NS = (16, 23, 64, 512)  # 512: a prefill chunk
+MMA_SPLITS = ((0, "auto"), (1, "w1"), (2, "w2"), (4, "w4"), (-1, "sync"), (-2, "tiled"))
 
 
 class _BenchFailed(Exception):
@@ -775,7 +776,7 @@ def part_matvec(ns: list[int], checkpoint=None) -> dict:
     pin (16 rows: a lane group walks a row; fewer: the CTA's groups split the row's super-blocks), and the
     automatic choice: GB/s of weights read.  Then `verify`: the tensor-core kernels on the shapes of 2048 rows
     or more for verifies of VERIFY_NS tokens, by dfl_cuda_mma_split (the streaming kernel with 1, 2 or 4 warps
-    a row group, auto, and the round-synchronous kernel).  Every choice gives the same bits
+    a row group, auto, the round-synchronous kernel and the tiled one).  Every choice gives the same bits
     (tests/test_cuda_ops.py), so the fastest is the one to keep; `best` names it per shape and n.
     checkpoint(out): called after each shape with what is measured so far (marked partial), so a run cut
     short by its time limit still leaves its numbers."""
@@ -1014,7 +1015,8 @@ def markdown(rec: dict) -> str:
     if rec.get("mma_verify"):
         keys = [k for _, k in MMA_SPLITS]
         lines += ["", "K-quant verify on the tensor cores: GB/s of weights read by K split (dfl_cuda_mma_split: the "
-                  "streaming kernel with 1, 2, 4 warps a row group; sync = the round-synchronous kernel; every "
+                  "streaming kernel with 1, 2, 4 warps a row group; sync = the round-synchronous kernel; tiled = the "
+                  "shared-memory tiles of prefill chunks; every "
                   "choice the same bits)", "", "| shape | n | " + " | ".join(keys) + " | best |",
                   "|---|---:|" + "---:|" * len(keys) + "---|"]
         for shape, table in rec["mma_verify"].items():

@@ -137,10 +137,12 @@ int dfl_cuda_attention_rows(int32_t toks, int32_t heads);
  * cores.  Speed only, to compare: every choice gives the same bits. */
 int dfl_cuda_matvec_rows(int32_t rows_per_cta);
 
-/* Pin the K-quant tensor-core verify (9..64 tokens on weights of 2048 rows or more): the streaming kernel
- * with 1, 2 or 4 warps splitting each 16 rows' K, 0 for the automatic choice by the weight's shape (the
- * default), or -1 for the round-synchronous kernel (what the first GPU record timed; prefill chunks of more
- * than 64 tokens take it unless a split is pinned).  Speed only, to compare: every choice gives the same bits. */
+/* Pin the K-quant tensor-core kernels (verifies of 9..64 tokens on weights of 2048 rows or more, and
+ * prefill chunks): the streaming kernel with 1, 2 or 4 warps splitting each 16 rows' K, 0 for the automatic
+ * choice (the default: the streaming kernel split by the weight's shape up to 64 tokens, the tiled kernel
+ * for more), -1 for the round-synchronous kernel (what the first GPU record timed) or -2 for the tiled
+ * kernel; a pin takes every verify and prefill chunk to its kernel.  Speed only, to compare: every choice
+ * gives the same bits. */
 int dfl_cuda_mma_split(int32_t warps);
 
 /* Test hook: when set, chain steps take their drafts from fn instead of the

@@ -195,25 +195,55 @@ def test_cuda_matmul_exact_equals_cpu(name):
 def test_cuda_mma_split_gives_the_same_bits(name):
     """The K-quant tensor-core verify with every K split dfl_cuda_mma_split can pin: the streaming kernel with 1
     warp a row group (the lane takes its float steps itself, no barrier), 2 or 4 (the row's 17 super-blocks in
-    rounds, the last one partly empty, sums met in shared memory), and -1, the round-synchronous kernel; 37 rows
-    leave a row group half empty and a CTA's others empty.  Each == the CPU's dfl_matmul, token for token, for
-    verifies of 9..64 tokens (two token CTAs above 32) and a 70-token prefill chunk (a pinned split takes it to
-    the streaming kernel, 3 token CTAs).  A bad pin is refused."""
+    rounds, the last one partly empty, sums met in shared memory), -1, the round-synchronous kernel, and -2, the
+    tiled kernel (prefill chunks); 37 rows leave a row group half empty and a CTA's others empty.  Each == the
+    CPU's dfl_matmul, token for token, for verifies of 9..64 tokens (two token CTAs above 32) and a 70-token
+    prefill chunk (a pinned split takes it to the streaming kernel, 3 token CTAs).  A bad pin is refused."""
     tid, raw, wf, x = make_case(name, 70, seed=7)
     cols = wf.shape[1]
     ffi, lib = load()
     assert lib.dfl_cuda_matvec_rows(-1) == 0, last_error()  # 37 rows: else the matvec takes the verifies
     try:
-        for split in (1, 2, 4, -1, 0):
+        for split in (1, 2, 4, -1, -2, 0):
             assert lib.dfl_cuda_mma_split(split) == 0, last_error()
             for n in (9, 16, 17, 23, 32, 33, 64, 70):
                 y = cuda_matmul_exact(tid, raw, ROWS, cols, x[:n])
                 assert np.array_equal(y, cpu_matmul(tid, raw, ROWS, cols, x[:n])), f"{name} split {split} n={n}"
-        assert lib.dfl_cuda_mma_split(3) == -1
-        assert "use 1, 2 or 4 warps" in last_error()
+        for bad in (3, -3):
+            assert lib.dfl_cuda_mma_split(bad) == -1
+            assert "use 1, 2 or 4 warps" in last_error() and "-2 for the tiled" in last_error()
     finally:
         assert lib.dfl_cuda_mma_split(0) == 0
         assert lib.dfl_cuda_matvec_rows(0) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_cuda_tiled_kernel_gives_the_same_bits(name):
+    """The tiled K-quant kernel of prefill chunks (128 rows x 64 tokens a CTA from shared-memory copies): 300 rows
+    are two full row blocks and a partial one, 130 tokens two token blocks and a partial one, and 17 super-blocks
+    a row make Q6_K's 210-byte blocks start at every even offset in their first 16-byte chunk (a row of 3,570
+    bytes), the weight's last block reaching its end.  Every token == the CPU's dfl_matmul and == the token
+    decoded alone; the automatic choice takes chunks of 65 and 130 tokens to it, and the pin (-2) takes
+    verifies of 9 and 23 tokens there too."""
+    rng = np.random.default_rng(13)
+    tid, be, bb, _ = FORMATS[name]
+    rows, cols = 300, cols_for(name)
+    raw = random_blocks(name, rows * cols // be, rng).reshape(rows, -1)
+    x = rng.standard_normal((130, cols)).astype(np.float32)
+    x[7] = 0.0  # an all-zero token (activation scale 0)
+    ffi, lib = load()
+    want = cpu_matmul(int(tid), raw, rows, cols, x)
+    alone = cuda_matmul_exact(int(tid), raw, rows, cols, x[-1:])
+    assert np.array_equal(alone[0], want[-1])
+    try:
+        for pin, ns in ((0, (65, 130)), (-2, (9, 23))):
+            assert lib.dfl_cuda_mma_split(pin) == 0, last_error()
+            for n in ns:
+                y = cuda_matmul_exact(int(tid), raw, rows, cols, x[-n:])
+                assert np.array_equal(y, want[-n:]), f"{name} pin {pin} n={n}"
+    finally:
+        assert lib.dfl_cuda_mma_split(0) == 0
 
 
 @pytest.mark.cuda

@@ -170,6 +170,53 @@ __device__ __forceinline__ uint4 ld16_u(const uint8_t* p) {
                     __funnelshift_r(u[2], u[3], sh), __funnelshift_r(u[3], u[4], sh));
 }
 
+// Asynchronous copies from global to shared memory (cp.async, sm_80+): a tiled kernel issues the next
+// tile's copies, works on the current one, and waits (cp_async_wait_all, then a barrier) before reading
+// what it copied.  cp_async16 needs both addresses 16-byte aligned; the zfill form reads src_bytes
+// (0..16) and zeroes the rest of the 16, so a copy never reads past the end of a tensor.  The
+// emulator copies at once (on the GPU the data is there no later than the wait) and stops on a
+// misaligned address, as the GPU faults.
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, int src_bytes) {
+#ifdef DFL_EMU
+  if ((reinterpret_cast<uintptr_t>(smem) | reinterpret_cast<uintptr_t>(gmem)) & 15u || src_bytes < 0 ||
+      src_bytes > 16)
+    std::abort();
+  std::memcpy(smem, gmem, (size_t)src_bytes);
+  std::memset(static_cast<char*>(smem) + src_bytes, 0, (size_t)(16 - src_bytes));
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  (void)smem, (void)gmem, (void)src_bytes;
+  __trap();  // cp.async needs sm_80+
+#else
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_async16_zfill(smem, gmem, 16); }
+// 4 bytes (both addresses 4-byte aligned).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#ifdef DFL_EMU
+  if ((reinterpret_cast<uintptr_t>(smem) | reinterpret_cast<uintptr_t>(gmem)) & 3u) std::abort();
+  std::memcpy(smem, gmem, 4);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  (void)smem, (void)gmem;
+  __trap();
+#else
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+#endif
+}
+// Closes the thread's copies issued so far into a group, and waits for all its groups.
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(DFL_EMU) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if !defined(DFL_EMU) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t u4_word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant at every use
 }

@@ -18,15 +18,19 @@
 //   9..64:      kquant_mma_stream_kernel, a warp = 16 rows x up to 32 tokens on the
 //               tensor cores with the next super-block's loads in flight, so a
 //               verify reads each weight once from DRAM;
-//   more:       kquant_mma_kernel, one warp = 16 rows x up to 64 tokens (8 tiles
-//               of 8) in rounds of 4 super-blocks (prefill chunks).
+//   more:       kquant_gemm_kernel, a CTA = 128 rows x 64 tokens from tiles copied
+//               into shared memory (cp.async, double-buffered): prefill chunks.
+// kquant_mma_kernel (one warp = 16 rows x up to 64 tokens in rounds of 4 super-blocks,
+// operands straight from global memory) is what the first GPU record timed; it is
+// kept for comparison (set_mma_split(-1)).
 // Q8_0 / Q4_0 have their own pair further down (8 float chains by block index).
 // The CUDA backend takes them for every K-quant, Q8_0 and Q4_0 matmul (backend.cu).
 //
 // Speed: the first H100 record (bench/results/gpu-20261127-0552.md) timed the
 // matvec at up to 1.8 TB/s and kquant_mma_kernel on verifies at 0.3-0.4 TB/s,
-// hence the streaming kernel; the prefill kernel is still to be tuned.
+// hence the streaming kernel, and at 17-28 GB/s on prefill chunks, hence the tiled one.
 #include <atomic>
+#include <mutex>
 #include <type_traits>
 
 #include "formats.cuh"
@@ -528,14 +532,56 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 //    tiles ks, ks + W, ... over the round's super-blocks in k order.
 //  - At most 4 token tiles (32 tokens) a CTA; larger verifies take more CTAs on the grid's fast
 //    axis, so the CTAs that share a row group run together and read the weights once from DRAM.
-template <DType T>
+// Where a StreamBlock reads its super-block from: global memory through the read-only cache (the
+// streaming kernel), or the tiled kernel's copy in shared memory.  Same bytes, same layout.
+struct FromGlobal {
+  __device__ __forceinline__ static uint2 ld8(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+  __device__ __forceinline__ static uint2 ld8_2(const uint8_t* p) { return ld8_a2(p); }  // 2-byte aligned
+  __device__ __forceinline__ static uint4 ld16a(const uint8_t* p) { return ld16(p); }
+  __device__ __forceinline__ static uint4 ld16_2(const uint8_t* p) { return ld16_u(p); }  // 2-byte aligned
+  __device__ __forceinline__ static uint32_t ld2(const uint8_t* p) { return ld_u16(p); }
+};
+struct FromShared {
+  template <class V>
+  __device__ __forceinline__ static V lds(const uint8_t* p) {
+#ifdef DFL_EMU
+    if (reinterpret_cast<uintptr_t>(p) % sizeof(V)) std::abort();  // a misaligned vector load faults on the GPU
+#endif
+    return *reinterpret_cast<const V*>(p);
+  }
+  // n words from the 4-byte aligned address below p, shifted down by p's misalignment (0 or 2 bytes here)
+  template <int N>
+  __device__ __forceinline__ static void words(const uint8_t* p, uint32_t (&out)[N]) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(a & ~(uintptr_t)3);
+    const uint32_t sh = (uint32_t)(a & 3u) * 8u;
+    uint32_t w[N + 1];
+#pragma unroll
+    for (int k = 0; k <= N; ++k) w[k] = lds<uint32_t>(base + 4 * k);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = __funnelshift_r(w[k], w[k + 1], sh);
+  }
+  __device__ __forceinline__ static uint2 ld8(const uint8_t* p) { return lds<uint2>(p); }
+  __device__ __forceinline__ static uint2 ld8_2(const uint8_t* p) {
+    uint32_t v[2];
+    words(p, v);
+    return make_uint2(v[0], v[1]);
+  }
+  __device__ __forceinline__ static uint4 ld16a(const uint8_t* p) { return lds<uint4>(p); }
+  __device__ __forceinline__ static uint4 ld16_2(const uint8_t* p) {
+    uint32_t v[4];
+    words(p, v);
+    return make_uint4(v[0], v[1], v[2], v[3]);
+  }
+  __device__ __forceinline__ static uint32_t ld2(const uint8_t* p) { return lds<uint16_t>(p); }
+};
+
+template <DType T, class Mem = FromGlobal>
 struct StreamBlock {  // one lane's share of 16 rows' super-block i: rows a = g, b = g + 8
   uint4 hdr[2];       // Q4_K/Q5_K: d, dmin, scales[12];  Q6_K: scales[16]
   uint2 q[2][4];      // Q4_K/Q5_K: qs[32 c + 8 t4 ..] for c = 0..3;  Q6_K: ql[64 h + 32 p + 8 t4 ..], index 2h + p
   uint2 qh[2][2];     // Q5_K: qh[8 t4 ..] (index 0);  Q6_K: qh[32 h + 8 t4 ..]
   uint32_t d6[2];     // Q6_K: d
-
-  __device__ __forceinline__ static uint2 ld8(const uint8_t* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
 
   __device__ __forceinline__ void fetch(const uint8_t* blk_a, const uint8_t* blk_b, int t4) {
     const uint8_t* blk[2] = {blk_a, blk_b};
@@ -543,17 +589,17 @@ struct StreamBlock {  // one lane's share of 16 rows' super-block i: rows a = g,
     for (int r = 0; r < 2; ++r) {
       if constexpr (T == DType::Q6_K) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) q[r][k] = ld8_a2(blk[r] + kQ6_K_ql + 64 * (k >> 1) + 32 * (k & 1) + 8 * t4);
+        for (int k = 0; k < 4; ++k) q[r][k] = Mem::ld8_2(blk[r] + kQ6_K_ql + 64 * (k >> 1) + 32 * (k & 1) + 8 * t4);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) qh[r][h] = ld8_a2(blk[r] + kQ6_K_qh + 32 * h + 8 * t4);
-        hdr[r] = ld16_u(blk[r] + kQ6_K_scales);
-        d6[r] = ld_u16(blk[r] + kQ6_K_d);
+        for (int h = 0; h < 2; ++h) qh[r][h] = Mem::ld8_2(blk[r] + kQ6_K_qh + 32 * h + 8 * t4);
+        hdr[r] = Mem::ld16_2(blk[r] + kQ6_K_scales);
+        d6[r] = Mem::ld2(blk[r] + kQ6_K_d);
       } else {  // 144- and 176-byte blocks: rows and chunks stay 16- and 8-byte aligned
         constexpr bool Q5 = T == DType::Q5_K;
-        hdr[r] = ld16(blk[r]);
+        hdr[r] = Mem::ld16a(blk[r]);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) q[r][c] = ld8(blk[r] + (Q5 ? kQ5_K_qs : kQ4_K_qs) + 32 * c + 8 * t4);
-        if constexpr (Q5) qh[r][0] = ld8(blk[r] + kQ5_K_qh + 8 * t4);
+        for (int c = 0; c < 4; ++c) q[r][c] = Mem::ld8(blk[r] + (Q5 ? kQ5_K_qs : kQ4_K_qs) + 32 * c + 8 * t4);
+        if constexpr (Q5) qh[r][0] = Mem::ld8(blk[r] + kQ5_K_qh + 8 * t4);
         d6[r] = 0u;
       }
     }
@@ -600,6 +646,71 @@ struct StreamBlock {  // one lane's share of 16 rows' super-block i: rows a = g,
     return T == DType::Q6_K ? f16_bits_to_f32(d6[r]) : f16_bits_to_f32(hdr[r].x >> 16);
   }
 };
+
+// Sub-block j of a StreamBlock's rows (a, b) as the tensor cores take it, for the lane: the A fragment
+// (Q6_K: its two 16-value groups apart, each with its own scale), the integer scales, and the offsets' A
+// (each row's offset weight over the lane's values).
+template <DType T>
+struct SubBlockA {
+  uint32_t a[4], hi[4];  // Q6_K: a holds group 2j's values (lanes t4 < 2), hi group 2j + 1's; else a only
+  uint32_t am[4];
+  int sa_lo, sa_hi, sb_lo, sb_hi;
+
+  template <class Mem>
+  __device__ __forceinline__ SubBlockA(const StreamBlock<T, Mem>& blk, int j, int t4) {
+    const uint2 qa = blk.quants(0, j), qb = blk.quants(1, j);
+    int ma, mb;
+    blk.scales(0, j, t4, sa_lo, sa_hi, ma);
+    blk.scales(1, j, t4, sb_lo, sb_hi, mb);
+    am[0] = am[2] = bcast4(ma);
+    am[1] = am[3] = bcast4(mb);
+    if constexpr (T == DType::Q6_K) {  // values 8 t4 .. are group t4 >= 2: the groups' lanes apart
+      const bool lo_lane = t4 < 2;
+      a[0] = lo_lane ? qa.x : 0u, a[1] = lo_lane ? qb.x : 0u, a[2] = lo_lane ? qa.y : 0u, a[3] = lo_lane ? qb.y : 0u;
+      hi[0] = lo_lane ? 0u : qa.x, hi[1] = lo_lane ? 0u : qb.x, hi[2] = lo_lane ? 0u : qa.y, hi[3] = lo_lane ? 0u : qb.y;
+    } else {
+      a[0] = qa.x, a[1] = qb.x, a[2] = qa.y, a[3] = qb.y;
+      hi[0] = hi[1] = hi[2] = hi[3] = 0u;
+    }
+  }
+  // One 8-token tile whose lane B values (the same permuted order) are x: the exact integer sums
+  // isum += scale * (quants . x) and msum += offsets . x.
+  __device__ __forceinline__ void sums(uint2 x, int (&isum)[4], int (&msum)[4]) const {
+    const uint32_t b[2] = {x.x, x.y};
+    const int32_t zero[4] = {0, 0, 0, 0};
+    int32_t c[4];
+    mma_m16n8k32_s8(c, a, b, zero);
+    if constexpr (T == DType::Q6_K) {
+      int32_t c2[4];
+      mma_m16n8k32_s8(c2, hi, b, zero);
+      isum[0] += sa_lo * c[0] + sa_hi * c2[0];
+      isum[1] += sa_lo * c[1] + sa_hi * c2[1];
+      isum[2] += sb_lo * c[2] + sb_hi * c2[2];
+      isum[3] += sb_lo * c[3] + sb_hi * c2[3];
+    } else {
+      isum[0] += sa_lo * c[0];
+      isum[1] += sa_lo * c[1];
+      isum[2] += sb_lo * c[2];
+      isum[3] += sb_lo * c[3];
+    }
+    mma_m16n8k32_s8(msum, am, b, msum);
+  }
+};
+
+// One tile's float steps for one super-block, as the CPU takes them: rows a (e < 2) and b, tokens
+// x0 (even e) and x1 with activation scales xd0, xd1; Q6_K's offsets weigh 32 a scale unit.
+template <DType T>
+__device__ __forceinline__ void tile_float_steps(float (&acc)[4], float (&accm)[4], const int (&isum)[4],
+                                                 const int (&msum)[4], float da, float db, float dma, float dmb,
+                                                 float xd0, float xd1) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float xdi = e & 1 ? xd1 : xd0;
+    const int ms = T == DType::Q6_K ? 32 * msum[e] : msum[e];
+    acc[e] = fmaf(__fmul_rn(e < 2 ? da : db, xdi), (float)isum[e], acc[e]);
+    accm[e] = fmaf(__fmul_rn(e < 2 ? dma : dmb, xdi), (float)ms, accm[e]);
+  }
+}
 
 constexpr int kStreamMaxTiles = 4;
 
@@ -659,38 +770,12 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
       for (int e = 0; e < 4; ++e) isum[tt][e] = msum[tt][e] = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint2 qa = cur.quants(0, j), qb = cur.quants(1, j);
-      int sa_lo, sa_hi, ma, sb_lo, sb_hi, mb;
-      cur.scales(0, j, t4, sa_lo, sa_hi, ma);
-      cur.scales(1, j, t4, sb_lo, sb_hi, mb);
-      const uint32_t am[4] = {bcast4(ma), bcast4(mb), bcast4(ma), bcast4(mb)};
-      const int32_t zero[4] = {0, 0, 0, 0};
+      const SubBlockA<T> a(cur, j, t4);
 #pragma unroll
       for (int tt = 0; tt < kTiles; ++tt) {
         if (tt >= tiles) break;
         const uint2 xv = __ldg(reinterpret_cast<const uint2*>(xb[tt] + i * kQK + 32 * j));
-        const uint32_t b[2] = {xv.x, xv.y};
-        int32_t c[4];
-        if constexpr (T == DType::Q6_K) {  // values 8 t4 .. are group t4 >= 2: the groups' lanes apart
-          const bool lo_lane = t4 < 2;
-          const uint32_t lo[4] = {lo_lane ? qa.x : 0u, lo_lane ? qb.x : 0u, lo_lane ? qa.y : 0u, lo_lane ? qb.y : 0u};
-          const uint32_t hi[4] = {lo_lane ? 0u : qa.x, lo_lane ? 0u : qb.x, lo_lane ? 0u : qa.y, lo_lane ? 0u : qb.y};
-          int32_t c2[4];
-          mma_m16n8k32_s8(c, lo, b, zero);
-          mma_m16n8k32_s8(c2, hi, b, zero);
-          isum[tt][0] += sa_lo * c[0] + sa_hi * c2[0];
-          isum[tt][1] += sa_lo * c[1] + sa_hi * c2[1];
-          isum[tt][2] += sb_lo * c[2] + sb_hi * c2[2];
-          isum[tt][3] += sb_lo * c[3] + sb_hi * c2[3];
-        } else {
-          const uint32_t a[4] = {qa.x, qb.x, qa.y, qb.y};
-          mma_m16n8k32_s8(c, a, b, zero);
-          isum[tt][0] += sa_lo * c[0];
-          isum[tt][1] += sa_lo * c[1];
-          isum[tt][2] += sb_lo * c[2];
-          isum[tt][3] += sb_lo * c[3];
-        }
-        mma_m16n8k32_s8(msum[tt], am, b, msum[tt]);
+        a.sums(xv, isum[tt], msum[tt]);
       }
     }
     if constexpr (W == 1) {  // the float steps of super-block i, in the lane that holds the sums
@@ -698,13 +783,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 #pragma unroll
       for (int tt = 0; tt < kTiles; ++tt) {
         if (tt >= tiles) break;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float xdi = xd[(int64_t)tokC[tt][e & 1] * nb + i];
-          const int ms = T == DType::Q6_K ? 32 * msum[tt][e] : msum[tt][e];
-          acc[tt][e] = fmaf(__fmul_rn(e < 2 ? da : db, xdi), (float)isum[tt][e], acc[tt][e]);
-          accm[tt][e] = fmaf(__fmul_rn(e < 2 ? dma : dmb, xdi), (float)ms, accm[tt][e]);
-        }
+        tile_float_steps<T>(acc[tt], accm[tt], isum[tt], msum[tt], da, db, dma, dmb, xd[(int64_t)tokC[tt][0] * nb + i],
+                            xd[(int64_t)tokC[tt][1] * nb + i]);
       }
     } else {
       if (live) {
@@ -753,6 +833,138 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   }
 }
 
+// ---------------------------------------------------------------- prefill chunks: the tiled kernel
+// The first H100 record timed kquant_mma_kernel at 17-28 GB/s of weights on 512-token prefill chunks
+// (about 50 int8 TOPS, a few percent of the tensor cores; half of an 8K prefill's time): each warp
+// loads its fragments straight from global memory, 4 bytes a register, and waits on them.  This kernel
+// keeps the same integer sums and float steps (so the same bits, the CPU's) and tiles:
+//  - A CTA of 8 warps owns 128 rows x 64 tokens and walks K one super-block at a time.  Each
+//    super-block's weights (128 rows' blocks, byte for byte) and activations (64 tokens x 256 int8 and
+//    their scales) are copied into shared memory by cp.async while the warps work on the previous one
+//    (double-buffered, one barrier a super-block): a weight byte is read once for 64 tokens, an
+//    activation once for 128 rows.
+//  - Warp (wr, wt) = (warp % 4, warp / 4) takes rows 32 wr .. + 31 and tokens 32 wt .. + 31: two 16-row
+//    m-tiles x four 8-token n-tiles, with the streaming kernel's fragments (StreamBlock in the permuted K
+//    order, read from shared memory) and integer sums (SubBlockA).  An m-tile's float steps for the
+//    super-block run right after its sums, in the lanes that hold them: k order per output, as the CPU.
+//  - Shared-memory strides keep the 8-byte fragment loads free of bank conflicts: a token's activations
+//    take 288 bytes (72 words), a row's block 160 (Q4_K) or 224 bytes (Q5_K; Q6_K, whose 210-byte blocks
+//    are only 2-byte aligned, is copied as the 14 aligned 16-byte chunks around the block and read at its
+//    offset in the first one, with funnel shifts).
+constexpr int kGemmRows = 128, kGemmToks = 64, kGemmWarps = 8;
+constexpr int kGemmActStride = 288;
+template <DType T>
+constexpr int kGemmRowStride = T == DType::Q4_K ? 160 : 224;
+template <DType T>
+constexpr int kGemmChunks = T == DType::Q6_K ? 14 : kBlockBytes<T> / 16;  // 16-byte copies a row's block
+template <DType T>
+constexpr int kGemmStageBytes = kGemmRows * kGemmRowStride<T> + kGemmToks * kGemmActStride + kGemmToks * 4;
+template <DType T>
+constexpr size_t kGemmSmemBytes = 2 * (size_t)kGemmStageBytes<T>;
+
+template <DType T>
+__global__ void __launch_bounds__(kGemmWarps * 32, 1)
+    kquant_gemm_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
+                       const int8_t* __restrict__ xq, const float* __restrict__ xd, int n, float* __restrict__ y) {
+  constexpr int BS = kBlockBytes<T>, RS = kGemmRowStride<T>, CH = kGemmChunks<T>, SB = kGemmStageBytes<T>;
+  static_assert(CH * 16 <= RS && SB % 16 == 0, "a row's copied chunks fit its stride; stages stay 16-byte aligned");
+  DFL_DYNAMIC_SMEM(uint4, smem4);
+  uint8_t* const smem = reinterpret_cast<uint8_t*>(smem4);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int wr = warp & 3, wt = warp >> 2;
+  const int tok0 = blockIdx.x * kGemmToks;
+  const int64_t row0 = (int64_t)blockIdx.y * kGemmRows;
+  const int64_t nb = cols / kQK;
+  const uint8_t* const w_end = w + rows * row_bytes;
+  // a row's block i in global memory (rows past the end: the last row, read and never written), and its
+  // offset in the first 16-byte chunk copied (Q4_K / Q5_K blocks are 16-byte aligned)
+  auto block_at = [&](int r, int64_t i) { return w + min(row0 + r, rows - 1) * row_bytes + i * BS; };
+  auto block_off = [&](int r, int64_t i) {
+    return T == DType::Q6_K ? (int)(reinterpret_cast<uintptr_t>(block_at(r, i)) & 15u) : 0;
+  };
+  // copies of super-block i into stage buffer b
+  auto stage = [&](int64_t i, int b) {
+    uint8_t* sw = smem + b * SB;
+    uint8_t* sx = sw + kGemmRows * RS;
+    float* sd = reinterpret_cast<float*>(sx + kGemmToks * kGemmActStride);
+    for (int c = tid; c < kGemmRows * CH; c += kGemmWarps * 32) {
+      const int r = c / CH, k = c % CH;
+      const uint8_t* src = block_at(r, i) - block_off(r, i) + 16 * k;
+      // Q6_K's last chunk may reach past the block: never past the weight's end
+      cp_async16_zfill(sw + r * RS + 16 * k, src, (int)min((int64_t)16, (int64_t)(w_end - src)));
+    }
+    for (int c = tid; c < kGemmToks * (kQK / 16); c += kGemmWarps * 32) {
+      const int t = c / (kQK / 16), k = c % (kQK / 16);
+      cp_async16(sx + t * kGemmActStride + 16 * k, xq + (int64_t)min(tok0 + t, n - 1) * cols + i * kQK + 16 * k);
+    }
+    if (tid < kGemmToks) cp_async4(sd + tid, xd + (int64_t)min(tok0 + tid, n - 1) * nb + i);
+    cp_async_commit();
+  };
+
+  // acc[0] / accm[0]: the m-tile being worked on; the loop over m-tiles swaps the two at its end, so it
+  // need not be unrolled (an unrolled pair would keep both tiles' operands in registers: a spill)
+  float acc[2][4][4], accm[2][4][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = accm[mt][nt][e] = 0.f;
+
+  stage(0, 0);
+  for (int64_t i = 0; i < nb; ++i) {
+    const int b = (int)(i & 1);
+    cp_async_wait_all();
+    __syncthreads();  // stage b has landed for every thread, and every warp is done with stage b ^ 1
+    if (i + 1 < nb) stage(i + 1, b ^ 1);
+    const uint8_t* sw = smem + b * SB;
+    const uint8_t* sx = sw + kGemmRows * RS;
+    const float* sd = reinterpret_cast<const float*>(sx + kGemmToks * kGemmActStride);
+#pragma unroll 1
+    for (int mt = 0; mt < 2; ++mt) {
+      const int ra = 32 * wr + 16 * mt + g, rb = ra + 8;
+      StreamBlock<T, FromShared> blk;
+      blk.fetch(sw + ra * RS + block_off(ra, i), sw + rb * RS + block_off(rb, i), t4);
+      int isum[4][4], msum[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) isum[nt][e] = msum[nt][e] = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const SubBlockA<T> a(blk, j, t4);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          a.sums(FromShared::ld8(sx + (32 * wt + 8 * nt + g) * kGemmActStride + 32 * j + 8 * t4), isum[nt], msum[nt]);
+      }
+      const float da = blk.d(0), db = blk.d(1), dma = blk.dm(0), dmb = blk.dm(1);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int tc = 32 * wt + 8 * nt + 2 * t4;
+        tile_float_steps<T>(acc[0][nt], accm[0][nt], isum[nt], msum[nt], da, db, dma, dmb, sd[tc], sd[tc + 1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float t = acc[0][nt][e], tm = accm[0][nt][e];
+          acc[0][nt][e] = acc[1][nt][e], accm[0][nt][e] = accm[1][nt][e];
+          acc[1][nt][e] = t, accm[1][nt][e] = tm;
+        }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t r = row0 + 32 * wr + 16 * mt + g + (e < 2 ? 0 : 8);
+        const int t = tok0 + 32 * wt + 8 * nt + 2 * t4 + (e & 1);
+        if (r < rows && t < n) y[(int64_t)t * rows + r] = __fsub_rn(acc[mt][nt][e], accm[mt][nt][e]);
+      }
+}
+
 std::atomic<int> g_matvec_rows_pin{0};
 
 // Rows a matvec CTA takes: the most (16: no shared memory, no barrier) that still gives the device
@@ -783,7 +995,8 @@ void launch_dp4a(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes
 }
 
 std::atomic<int> g_mma_split_pin{0};
-constexpr int kStreamMaxTokens = 64;  // more (prefill chunks): kquant_mma_kernel, 64 tokens a CTA
+constexpr int kStreamMaxTokens = 64;  // more (prefill chunks): kquant_gemm_kernel
+constexpr int kPinTiled = -2;        // set_mma_split: every verify and prefill chunk on the tiled kernel
 
 // Warps that split a row group's K in the streaming kernel: the fewest (1: no barrier) that give the
 // device about 1024 warps, at most 4 and never more than the row's super-blocks.  Speed only: every
@@ -823,6 +1036,21 @@ void launch_stream(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_byt
   const int W = stream_split(rows, cols / kQK);
   if (n <= 16) return launch_stream_t<T, 2>(W, w, rows, cols, row_bytes, xq, xd, n, y, stream);
   launch_stream_t<T, kStreamMaxTiles>(W, w, rows, cols, row_bytes, xq, xd, n, y, stream);
+}
+
+template <DType T>
+void launch_gemm(const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const int8_t* xq, const float* xd,
+                 int n, float* y, cudaStream_t stream) {
+  static std::once_flag smem_opt_in;  // over the default 48 KiB of dynamic shared memory: once per kernel
+  std::call_once(smem_opt_in, [] {
+    CUDA_CHECK(cudaFuncSetAttribute(kquant_gemm_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)kGemmSmemBytes<T>));
+  });
+  const int64_t row_ctas = (rows + kGemmRows - 1) / kGemmRows;
+  if (row_ctas > 65535) fail("matmul_exact: %lld rows are more than the tiled kernel's grid holds", (long long)rows);
+  // tokens on the grid's fast axis: the CTAs of one row block run together and share its weights in L2
+  launch(kquant_gemm_kernel<T>, dim3((unsigned)((n + kGemmToks - 1) / kGemmToks), (unsigned)row_ctas),
+         dim3(32 * kGemmWarps), kGemmSmemBytes<T>, stream, w, rows, cols, row_bytes, xq, xd, n, y);
 }
 
 // Weights with fewer rows than this take the matvec for verifies of up to kFewRowsMaxTokens tokens.
@@ -871,10 +1099,13 @@ void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq
     }
     return;
   }
-  // a pinned split sends prefill chunks to the streaming kernel too (32 tokens a CTA), for the GPU bench to
-  // compare with kquant_mma_kernel there
-  if (const int split = g_mma_split_pin.load(std::memory_order_relaxed); (n <= kStreamMaxTokens && split >= 0) || split > 0)
+  // 9..64 tokens: the streaming kernel; prefill chunks: the tiled kernel.  A pin (the GPU bench's
+  // comparisons) takes every verify and prefill chunk to its kernel: a split to the streaming kernel, -2 to
+  // the tiled one, -1 to the round-synchronous kernel below.
+  const int split = g_mma_split_pin.load(std::memory_order_relaxed);
+  if ((n <= kStreamMaxTokens && split == 0) || split > 0)
     return launch_stream<T>(w, rows, cols, row_bytes, xq, xd, n, y, stream);
+  if (split == 0 || split == kPinTiled) return launch_gemm<T>(w, rows, cols, row_bytes, xq, xd, n, y, stream);
   // the tiles per warp fit the batch (registers grow with them): 9..16 tokens 2, ..32 4, more 8
   const int tiles = n <= 16 ? 2 : n <= 32 ? 4 : kMaxTokTiles;
   const dim3 grid((unsigned)((rows + 15) / 16), (unsigned)((n + 8 * tiles - 1) / (8 * tiles)));
@@ -1192,9 +1423,9 @@ void set_matvec_rows(int rows_per_cta) {
 }
 
 void set_mma_split(int warps) {
-  if (warps != -1 && warps != 0 && warps != 1 && warps != 2 && warps != 4)
-    fail("tensor-core K split %d: use 1, 2 or 4 warps a row group, 0 for the automatic choice, or -1 for the "
-         "round-synchronous kernel", warps);
+  if (warps != kPinTiled && warps != -1 && warps != 0 && warps != 1 && warps != 2 && warps != 4)
+    fail("tensor-core K split %d: use 1, 2 or 4 warps a row group, 0 for the automatic choice, -1 for the "
+         "round-synchronous kernel or -2 for the tiled one", warps);
   g_mma_split_pin.store(warps);
 }
 
