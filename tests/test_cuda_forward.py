@@ -171,15 +171,15 @@ def device_logits(path, ids, n_batch: int, device: int, pieces=None) -> np.ndarr
 @pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0", "bf16", "f16"])
 def test_cuda_prefill_chunks_equal_token_by_token(synth_gguf, ftype):
     """A Q4_K_M, Q8_0, Q4_0, BF16 or F16 target on the device: its matmuls take the exact kernels
-    (K-quants, Q8_0, Q4_0: the dp4a matvec for <= 8 tokens, the int8 tensor-core kernel above; BF16 / F16:
-    the tf32 tensor cores, one K order for every batch), so a prompt's logits
-    are the same bits whether it is prefilled in one batch, cut into chunks by a small n_batch, fed in
-    uneven pieces, or token by token."""
-    ids = [(37 * i + 11) % 250 for i in range(40)]
+    (K-quants, Q8_0, Q4_0: the dp4a matvec for <= 8 tokens, the int8 tensor-core kernels above -- for K-quants
+    the tiled one past 64 tokens; BF16 / F16: the tf32 tensor cores, one K order for every batch; the delta-net
+    conv of a chunk of 8 or more tokens split among warps), so a prompt's logits are the same bits whether it is
+    prefilled in one batch, cut into chunks by a small n_batch, fed in uneven pieces, or token by token."""
+    ids = [(37 * i + 11) % 250 for i in range(100)]
     path = synth_gguf(ftype)
-    whole = device_logits(path, ids, 64, 1)
+    whole = device_logits(path, ids, 128, 1)
     assert np.array_equal(whole, device_logits(path, ids, 7, 1))
-    assert np.array_equal(whole, device_logits(path, ids, 64, 1, pieces=[13, 1, 9, 17]))
+    assert np.array_equal(whole, device_logits(path, ids, 128, 1, pieces=[13, 1, 9, 77]))
     assert np.array_equal(whole, device_logits(path, ids, 1, 1))
 
 

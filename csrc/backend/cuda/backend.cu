@@ -278,6 +278,10 @@ class CudaBackend final : public Backend {
     n_ = p.n;
     commit_ = p.commit;
     max_visible_ = p.max_visible;
+    // every token's parent the one before it (prefill chunks, AR steps, chains); a plan of several slots'
+    // tokens has no parents (forward_many: each slot's delta-net runs under its own plan)
+    chain_ = p.parent.size() == (size_t)p.n;
+    for (int t = 0; chain_ && t < p.n; ++t) chain_ = p.parent[(size_t)t] == t - 1;
     // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | kv_slot0 |
     // extra_slots.  The device plan is rewritten in stream order, after the kernels that read it.
     const size_t words = 7 * (size_t)p.n + 1 + p.extra_slots.size();
@@ -510,7 +514,11 @@ class CudaBackend final : public Backend {
       const OpScope op(*this, "gdn conv");
       fwd::ConvArgs ca{mm, L.conv1d, L.conv, L.node_conv, L.node_upd, parent_, n_, C, c_.conv_kernel,
                        (int64_t)U.stride};
-      launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
+      if (!L.node_conv && chain_ && n_ >= 2 * fwd::kConvChainWarps)  // a committing chain: tokens split by warp
+        launch(fwd::conv_chain_kernel, dim3((unsigned)((C + 31) / 32)), dim3(32 * fwd::kConvChainWarps), 0, stream_,
+               ca);
+      else
+        launch(fwd::conv_kernel, dim3((unsigned)((C + 127) / 128)), dim3(128), 0, stream_, ca);
     }
     {
       const OpScope op(*this, "gdn delta");
@@ -654,6 +662,7 @@ class CudaBackend final : public Backend {
   // the current chunk's plan on the device
   int n_ = 0;
   bool commit_ = true;
+  bool chain_ = true;  // the current chunk's tokens form one chain (begin_chunk)
   int max_visible_ = 0;
   BackendBuf part_;  // attention partials
   BackendBuf act_q_;  // the exact matmul's quantised activations

@@ -492,7 +492,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
     for (int tt = 0; tt < TT; ++tt) shared = shared && !own_of[tt], nt_max = max(nt_max, nt_of[tt]);
     // scores: a warp per (token, slot), the K row read once for the token's G heads (per slot when shared:
     // once for every row that sees it, the rows' butterflies done as one, warp_sum_rows); a warp takes two
-    // items at a time, their K rows' loads in flight before any one's math
+    // items at a time, their K rows' loads in flight before any one's math (when shared, a row's q values
+    // are read from shared memory once for both)
     constexpr int kWarps = kAttnThreads / 32, kPair = 2;
     const int n_items = shared ? kTile : TT * kTile;  // (token, slot) items, or slots when shared
     for (int it0 = warp; it0 < n_items; it0 += kWarps * kPair) {
@@ -508,28 +509,41 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
         for (int c = 0; c < 4 * kD; ++c)
           kv[u][c] = live[u] && lane + 32 * c < hd ? kv_elem(a.kvt, kr, lane + 32 * c) : 0.f;
       }
+      if (shared) {  // every row's lane sums for both items (a row's q values read once for the pair), then
+                     // one transposed butterfly an item: lane r gets row r's total
+        float v[kPair][32];
 #pragma unroll
-      for (int u = 0; u < kPair; ++u) {
-        if (!live[u]) continue;  // warp-uniform: the whole warp takes an item
-        const int it = it0 + u * kWarps, s = it % kTile;
-        if (shared) {  // every row's lane sums, then one transposed butterfly: lane r gets row r's total
-          float v[32];
+        for (int r = 0; r < 32; ++r) {
 #pragma unroll
-          for (int r = 0; r < 32; ++r) {
-            v[r] = 0.f;
-            if (r >= kRows || r >= R || s >= nt_of[r / G]) continue;  // (a row whose token does not see s)
-            const float* qr = q + r * hd;
+          for (int u = 0; u < kPair; ++u) v[u][r] = 0.f;
+          if (r >= kRows || r >= R) continue;
+          const float* qr = q + r * hd;
+          float qv[4 * kD];
+#pragma unroll
+          for (int c = 0; c < 4 * kD; ++c) qv[c] = lane + 32 * c < hd ? qr[lane + 32 * c] : 0.f;
+#pragma unroll
+          for (int u = 0; u < kPair; ++u) {
+            if (!live[u] || (it0 + u * kWarps) % kTile >= nt_of[r / G]) continue;  // (a row whose token does not see s)
             float d = 0.f;
 #pragma unroll
             for (int c = 0; c < 4 * kD; ++c)
-              if (lane + 32 * c < hd) d = fmaf(kv[u][c], qr[lane + 32 * c], d);
-            v[r] = d;
+              if (lane + 32 * c < hd) d = fmaf(kv[u][c], qv[c], d);
+            v[u][r] = d;
           }
-          const float tot = warp_sum_rows(v);  // (v is consumed)
-          if (lane < R && s < nt_of[lane / G]) sc[lane * kTile + s] = __fmul_rn(tot, a.scale);
-          continue;
         }
-        const int tt = it / kTile;
+#pragma unroll
+        for (int u = 0; u < kPair; ++u) {
+          if (!live[u]) continue;  // warp-uniform
+          const int s = (it0 + u * kWarps) % kTile;
+          const float tot = warp_sum_rows(v[u]);  // (v[u] is consumed)
+          if (lane < R && s < nt_of[lane / G]) sc[lane * kTile + s] = __fmul_rn(tot, a.scale);
+        }
+        continue;
+      }
+#pragma unroll
+      for (int u = 0; u < kPair; ++u) {
+        if (!live[u]) continue;  // warp-uniform: the whole warp takes an item
+        const int it = it0 + u * kWarps, tt = it / kTile, s = it % kTile;
         for (int r = tt * G; r < (tt + 1) * G; ++r) {
           const float* qr = q + r * hd;
           float d = 0.f;
@@ -602,14 +616,21 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
           }
         }
         if (s >= nt) continue;
-        const float* pr = sc + r * kTile + s;
+        // the row's 16 weights as four 16-byte loads (head_dim % 32 == 0 and s % 16 == 0 keep them aligned;
+        // those past nt are read, never used)
+        float pw[kVGather];
+#pragma unroll
+        for (int k = 0; k < kVGather / 4; ++k) {
+          const float4 p4 = *reinterpret_cast<const float4*>(sc + r * kTile + s + 4 * k);
+          pw[4 * k] = p4.x, pw[4 * k + 1] = p4.y, pw[4 * k + 2] = p4.z, pw[4 * k + 3] = p4.w;
+        }
         const int nu = min(kVGather, nt - s);
 #pragma unroll
         for (int e = 0; e < kD; ++e) {
           if (tid + e * kAttnThreads >= hd) break;
 #pragma unroll
           for (int u = 0; u < kVGather; ++u)
-            if (u < nu) acc[r][e] = fmaf(pr[u], vv[e][u], acc[r][e]);
+            if (u < nu) acc[r][e] = fmaf(pw[u], vv[e][u], acc[r][e]);
         }
       }
     }
@@ -761,6 +782,17 @@ struct ConvArgs {
 };
 constexpr int kMaxConvK = 8;
 
+// One token of a channel: its output silu(w . [window, xin]) and the window moved on by xin.  Both conv
+// kernels take it, so a token gets the same bits from either.
+__device__ __forceinline__ float conv_step(const float (&wc)[kMaxConvK], float (&win)[kMaxConvK], int K, float xin) {
+  float acc = 0.f;
+  for (int k = 0; k < K - 1; ++k) acc += wc[k] * win[k];
+  acc += wc[K - 1] * xin;
+  for (int k = 0; k < K - 2; ++k) win[k] = win[k + 1];
+  win[K - 2] = xin;
+  return silu_f(acc);
+}
+
 __global__ void conv_kernel(ConvArgs a) {
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= a.C) return;
@@ -778,16 +810,42 @@ __global__ void conv_kernel(ConvArgs a) {
     float* mt = a.mm + (int64_t)t * a.C;
     const float xin = mt[ch];
     if (a.node_upd) a.node_upd[t * a.upd_stride + ch] = xin;
-    float acc = 0.f;
-    for (int k = 0; k < K - 1; ++k) acc += wc[k] * win[k];
-    acc += wc[K - 1] * xin;
-    for (int k = 0; k < K - 2; ++k) win[k] = win[k + 1];
-    win[K - 2] = xin;
-    mt[ch] = silu_f(acc);
+    mt[ch] = conv_step(wc, win, K, xin);
     if (a.node_conv)
       for (int k = 0; k < K - 1; ++k) a.node_conv[t * cs + (int64_t)k * a.C + ch] = win[k];
   }
   if (!a.node_conv)
+    for (int k = 0; k < K - 1; ++k) a.conv[(int64_t)k * a.C + ch] = win[k];
+}
+
+// A committing chain (every token's parent the one before; no node windows): conv_kernel's steps with the
+// chunk's tokens split among the CTA's warps, so a 512-token prefill chunk is not 512 dependent steps a
+// thread.  Lane = channel (32 a CTA); warp w takes tokens [w T, (w + 1) T) and starts from the K - 1
+// inputs before its first token (the committed window where they precede the chunk), read before the
+// barrier because the warps overwrite their inputs with outputs; the chunk's last warp writes the
+// committed window back.
+constexpr int kConvChainWarps = 4;
+__global__ void __launch_bounds__(32 * kConvChainWarps) conv_chain_kernel(ConvArgs a) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, ch = blockIdx.x * 32 + lane, K = a.K;
+  const int T = (a.n + kConvChainWarps - 1) / kConvChainWarps, t0 = warp * T, t1 = min(a.n, t0 + T);
+  const bool live = ch < a.C && t0 < t1;  // (a thread with no work still meets the barrier)
+  float win[kMaxConvK], wc[kMaxConvK];
+  if (live) {
+    for (int k = 0; k < K; ++k) wc[k] = a.w[(int64_t)ch * K + k];
+    for (int k = 0; k < K - 1; ++k) {  // win[k]: the input of token t0 - (K - 1) + k
+      const int t = t0 - (K - 1) + k;
+      win[k] = t < 0 ? a.conv[(int64_t)(t + K - 1) * a.C + ch] : a.mm[(int64_t)t * a.C + ch];
+    }
+  }
+  __syncthreads();
+  if (!live) return;
+  for (int t = t0; t < t1; ++t) {
+    float* mt = a.mm + (int64_t)t * a.C;
+    const float xin = mt[ch];
+    if (a.node_upd) a.node_upd[t * a.upd_stride + ch] = xin;
+    mt[ch] = conv_step(wc, win, K, xin);
+  }
+  if (t1 == a.n)
     for (int k = 0; k < K - 1; ++k) a.conv[(int64_t)k * a.C + ch] = win[k];
 }
 
