@@ -1,7 +1,7 @@
 """The CPU emulator of the CUDA backend refuses what a GPU refuses at launch, so it is found without one:
 dynamic shared memory over 48 KiB without cudaFuncSetAttribute's opt-in (227 KiB at most), more than 1024
 threads a block, grid.y over 65535, and calls that synchronise or allocate
-while the thread captures a stream. Each case of tests/cpp/emu_launch_checks.cpp runs as its own process."""
+while the thread captures a stream; and its cp.async copies land at the issuing thread's wait, not before. Each case of tests/cpp/emu_launch_checks.cpp runs as its own process."""
 from __future__ import annotations
 
 import shutil
@@ -30,10 +30,23 @@ def _case(exe: Path, name: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(exe), name], capture_output=True, text=True, timeout=30)
 
 
-@pytest.mark.parametrize("name,ran", [("smem48k", 1), ("smem64k_opt_in", 1), ("capture_async", 11)])
+@pytest.mark.parametrize("name,ran", [("smem48k", 1), ("smem64k_opt_in", 1), ("capture_async", 11),
+                                      ("cp_async_waited", 528)])
 def test_allowed_launches_run(checks, name, ran):
     r = _case(checks, name)
     assert r.returncode == 0 and r.stdout.strip() == f"ran {ran}", r.stdout + r.stderr
+
+
+def test_cp_async_lands_at_the_wait(checks):
+    """cp.async copies land only at the issuing thread's wait (emu::cp_async): thread 0 summing a tile the 32
+    threads copied sees every part (528) when each waited before the barrier, and misses the parts of the threads
+    that had not reached their wait yet when they wait after it -- the stale read a GPU could give, which the
+    emulator would otherwise hide.  A misaligned copy stops the run, as the GPU faults."""
+    assert _case(checks, "cp_async_waited").stdout.strip() == "ran 528"
+    r = _case(checks, "cp_async_early")
+    assert r.returncode == 0 and 1 <= int(r.stdout.split()[1]) < 528, r.stdout + r.stderr
+    r = _case(checks, "cp_async_misaligned")
+    assert r.returncode != 0 and "emu: cp.async of 16 bytes" in r.stderr
 
 
 @pytest.mark.parametrize("name,why", [

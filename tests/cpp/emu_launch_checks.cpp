@@ -7,6 +7,25 @@
 
 __global__ void count_threads(int* n) { __syncthreads(); if (threadIdx.x == 0) ++*n; }
 
+// Each of 32 threads copies src[t] into shared memory by cp.async; thread 0 then sums the tile.  `wait_first`:
+// every thread waits for its copy before the barrier (the tiled kernels' order); otherwise after it, so
+// thread 0 reads the parts of threads that have not waited yet: the old bytes (zeros).
+__global__ void cp_async_sum(const int* src, int* out, bool wait_first) {
+  __shared__ __align__(16) int tile[32];
+  if (threadIdx.x == 0) *out = -1;
+  tile[threadIdx.x] = 0;
+  __syncthreads();
+  emu::cp_async(&tile[threadIdx.x], &src[threadIdx.x], 4, 4);
+  if (wait_first) emu::cp_async_wait_all();
+  __syncthreads();
+  if (!wait_first) emu::cp_async_wait_all();
+  if (threadIdx.x == 0) {
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) sum += tile[i];
+    *out = sum;
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
   const char* c = argv[1];
@@ -52,6 +71,15 @@ int main(int argc, char** argv) {
     cudaMalloc(&p, 64);
   }
   else if (!std::strcmp(c, "grid_y")) run(dim3(1, 70000), 32, 0);
+  else if (!std::strcmp(c, "cp_async_waited") || !std::strcmp(c, "cp_async_early")) {  // n = thread 0's sum
+    int src[32];
+    for (int i = 0; i < 32; ++i) src[i] = i + 1;
+    const bool waited = !std::strcmp(c, "cp_async_waited");
+    emu::launch(1, 32, 0, [&] { cp_async_sum(src, &n, waited); });
+  } else if (!std::strcmp(c, "cp_async_misaligned")) {
+    alignas(16) char a[32] = {}, b[32] = {};
+    emu::launch(1, 1, 0, [&] { emu::cp_async(a + 4, b, 16, 16); });
+  }
   else return 2;
   std::printf("ran %d\n", n);
   return 0;

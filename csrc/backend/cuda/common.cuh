@@ -174,15 +174,11 @@ __device__ __forceinline__ uint4 ld16_u(const uint8_t* p) {
 // tile's copies, works on the current one, and waits (cp_async_wait_all, then a barrier) before reading
 // what it copied.  cp_async16 needs both addresses 16-byte aligned; the zfill form reads src_bytes
 // (0..16) and zeroes the rest of the 16, so a copy never reads past the end of a tensor.  The
-// emulator copies at once (on the GPU the data is there no later than the wait) and stops on a
-// misaligned address, as the GPU faults.
+// emulator holds each copy back until the issuing thread's wait (emu::cp_async), so a kernel that
+// reads a tile too early computes with stale bytes there too.
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, int src_bytes) {
 #ifdef DFL_EMU
-  if ((reinterpret_cast<uintptr_t>(smem) | reinterpret_cast<uintptr_t>(gmem)) & 15u || src_bytes < 0 ||
-      src_bytes > 16)
-    std::abort();
-  std::memcpy(smem, gmem, (size_t)src_bytes);
-  std::memset(static_cast<char*>(smem) + src_bytes, 0, (size_t)(16 - src_bytes));
+  ::emu::cp_async(smem, gmem, 16, src_bytes);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   (void)smem, (void)gmem, (void)src_bytes;
   __trap();  // cp.async needs sm_80+
@@ -195,8 +191,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_as
 // 4 bytes (both addresses 4-byte aligned).
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 #ifdef DFL_EMU
-  if ((reinterpret_cast<uintptr_t>(smem) | reinterpret_cast<uintptr_t>(gmem)) & 3u) std::abort();
-  std::memcpy(smem, gmem, 4);
+  ::emu::cp_async(smem, gmem, 4, 4);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   (void)smem, (void)gmem;
   __trap();
@@ -212,7 +207,9 @@ __device__ __forceinline__ void cp_async_commit() {
 #endif
 }
 __device__ __forceinline__ void cp_async_wait_all() {
-#if !defined(DFL_EMU) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#ifdef DFL_EMU
+  ::emu::cp_async_wait_all();
+#elif !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }

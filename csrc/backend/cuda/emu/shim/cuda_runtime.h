@@ -138,10 +138,16 @@ struct Barrier {
 // A fiber's saved stack pointer.  On x86-64 the switch is a dozen
 // instructions (callee-saved registers, MXCSR and the x87 control word);
 // ucontext's swapcontext would make a signal-mask syscall per switch.
+struct PendingCopy {  // a cp.async the thread issued and has not waited for
+  void* dst;
+  const void* src;
+  int bytes, size;  // bytes read from src; the rest of size zero-filled
+};
 struct Fiber {
   void* sp = nullptr;
   bool done = false;
   unsigned shuffles = 0;  // warp shuffles done (selects the slot buffer)
+  std::vector<PendingCopy> copies;
 };
 
 #if defined(__x86_64__)
@@ -340,6 +346,31 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   cta = nullptr;
 }
 
+}  // namespace emu
+
+namespace emu {
+// cp.async as the GPU may run it: a copy has landed only once the issuing thread's cp.async.wait_group
+// returned, so the emulator queues it and copies at that wait.  A kernel that reads a tile before its
+// wait, or another thread's part of it before the barrier after every thread's wait, reads the buffer's
+// old bytes here as it could on the GPU, and its results are wrong.  A misaligned address stops the
+// run (the GPU faults).
+inline void cp_async(void* dst, const void* src, int size, int src_bytes) {
+  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % (uintptr_t)size || src_bytes < 0 ||
+      src_bytes > size) {
+    std::fprintf(stderr, "emu: cp.async of %d bytes (%d from the source): misaligned or bad size\n", size,
+                 src_bytes);
+    std::abort();
+  }
+  cta->fibers[cta->cur].copies.push_back({dst, src, src_bytes, size});
+}
+inline void cp_async_wait_all() {
+  std::vector<PendingCopy>& q = cta->fibers[cta->cur].copies;
+  for (const PendingCopy& c : q) {
+    std::memcpy(c.dst, c.src, (size_t)c.bytes);
+    std::memset(static_cast<char*>(c.dst) + c.bytes, 0, (size_t)(c.size - c.bytes));
+  }
+  q.clear();
+}
 }  // namespace emu
 
 inline void __syncthreads() { emu::barrier_wait(emu::cta->bar, &emu::cta->live); }
