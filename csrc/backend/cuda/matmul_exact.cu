@@ -712,6 +712,26 @@ __device__ __forceinline__ void tile_float_steps(float (&acc)[4], float (&accm)[
   }
 }
 
+// One super-block's exact integer sums for a StreamBlock's row pair and the first `tiles` of kTiles token
+// tiles: b(j, tt) gives the lane's B values of tile tt for sub-block j (from global or shared memory).
+template <DType T, int kTiles, class Mem, class LoadB>
+__device__ __forceinline__ void superblock_sums(const StreamBlock<T, Mem>& blk, int t4, int tiles, LoadB b,
+                                                int (&isum)[kTiles][4], int (&msum)[kTiles][4]) {
+#pragma unroll
+  for (int tt = 0; tt < kTiles; ++tt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) isum[tt][e] = msum[tt][e] = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const SubBlockA<T> a(blk, j, t4);
+#pragma unroll
+    for (int tt = 0; tt < kTiles; ++tt) {
+      if (tt >= tiles) break;
+      a.sums(b(j, tt), isum[tt], msum[tt]);
+    }
+  }
+}
+
 constexpr int kStreamMaxTiles = 4;
 
 template <DType T, int kTiles, int W>
@@ -764,20 +784,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
       next.fetch(row_a + in * BS, row_b + in * BS, t4);
     }
     int isum[kTiles][4], msum[kTiles][4];
-#pragma unroll
-    for (int tt = 0; tt < kTiles; ++tt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) isum[tt][e] = msum[tt][e] = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const SubBlockA<T> a(cur, j, t4);
-#pragma unroll
-      for (int tt = 0; tt < kTiles; ++tt) {
-        if (tt >= tiles) break;
-        const uint2 xv = __ldg(reinterpret_cast<const uint2*>(xb[tt] + i * kQK + 32 * j));
-        a.sums(xv, isum[tt], msum[tt]);
-      }
-    }
+    superblock_sums<T, kTiles>(cur, t4, tiles, [&](int j, int tt) {
+      return __ldg(reinterpret_cast<const uint2*>(xb[tt] + i * kQK + 32 * j));
+    }, isum, msum);
     if constexpr (W == 1) {  // the float steps of super-block i, in the lane that holds the sums
       const float da = cur.d(0), db = cur.d(1), dma = cur.dm(0), dmb = cur.dm(1);
 #pragma unroll
@@ -926,17 +935,9 @@ __global__ void __launch_bounds__(kGemmWarps * 32, 1)
       StreamBlock<T, FromShared> blk;
       blk.fetch(sw + ra * RS + block_off(ra, i), sw + rb * RS + block_off(rb, i), t4);
       int isum[4][4], msum[4][4];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) isum[nt][e] = msum[nt][e] = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const SubBlockA<T> a(blk, j, t4);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          a.sums(FromShared::ld8(sx + (32 * wt + 8 * nt + g) * kGemmActStride + 32 * j + 8 * t4), isum[nt], msum[nt]);
-      }
+      superblock_sums<T, 4>(blk, t4, 4, [&](int j, int nt) {
+        return FromShared::ld8(sx + (32 * wt + 8 * nt + g) * kGemmActStride + 32 * j + 8 * t4);
+      }, isum, msum);
       const float da = blk.d(0), db = blk.d(1), dma = blk.dm(0), dmb = blk.dm(1);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
