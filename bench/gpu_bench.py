@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -876,7 +877,9 @@ def assemble(parts: dict[str, dict], commit: str | None, device: str | None, dat
         "graphs": ours.get("graphs"),
         "attention": ours.get("attention"),
         "notes": [n for p in (ex, ck, lc, ours, mm, v24, v262, pf, dm, sl, dr, mv) for n in (p.get("notes") or [])] +
-                 [f"{name}: {v['error']}" for name, v in (("vram24", v24), ("vram24_262k", v262)) if v.get("error")],
+                 [f"{name}: {v['error']}" for name, v in (("vram24", v24), ("vram24_262k", v262)) if v.get("error")] +
+                 # a kernel set aside by the environment (DFLASH27B_CUDA_MMA=sync, ...) shows in the record
+                 [f"run with {k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("DFLASH27B_CUDA_")],
     }
     weights = _get(ours, "memory", "plan", "weights")
     if weights and rec["copy_gb_s"]:

@@ -247,6 +247,47 @@ def test_cuda_tiled_kernel_gives_the_same_bits(name):
 
 
 @pytest.mark.cuda
+def test_cuda_mma_kernel_from_the_environment(tmp_path):
+    """DFLASH27B_CUDA_MMA picks the tensor-core kernel of verifies and prefill chunks for a whole run (a GPU
+    session can set aside a kernel without a rebuild): each choice gives a 70-token chunk the bits of
+    dfl_matmul; an unknown value fails the matmul with the choices, and a pin set afterwards still applies."""
+    import json
+    import os
+    import sys
+    tid, raw, wf, x = make_case("Q6_K", 70, seed=3)
+    np.save(tmp_path / "raw.npy", raw)
+    np.save(tmp_path / "x.npy", x)
+    code = f"""
+import json, sys, numpy as np
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from test_cuda_ops import cuda_matmul_exact, cpu_matmul, ROWS
+from dflash27b._lib import load, last_error
+raw, x = np.load({str(tmp_path / "raw.npy")!r}), np.load({str(tmp_path / "x.npy")!r})
+ffi, lib = load()
+out = {{}}
+try:
+    out["same"] = bool(np.array_equal(cuda_matmul_exact({tid}, raw, ROWS, x.shape[1], x),
+                                      cpu_matmul({tid}, raw, ROWS, x.shape[1], x)))
+except AssertionError as e:
+    out["error"] = str(e)
+    out["pin"] = lib.dfl_cuda_mma_split(-2)
+    out["after_pin"] = bool(np.array_equal(cuda_matmul_exact({tid}, raw, ROWS, x.shape[1], x),
+                                           cpu_matmul({tid}, raw, ROWS, x.shape[1], x)))
+print(json.dumps(out))
+"""
+    for value in ("auto", "w1", "sync", "tiled", "fast"):
+        env = {**os.environ, "DFLASH27B_CUDA_MMA": value}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        if value == "fast":
+            assert "DFLASH27B_CUDA_MMA=fast: use auto, w1, w2, w4, sync or tiled" in got["error"]
+            assert got["pin"] == 0 and got["after_pin"]
+        else:
+            assert got == {"same": True}, (value, got)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_cuda_matvec_rows_per_cta_give_the_same_bits(name):
     """The K-quant matvec with every CTA shape dfl_cuda_matvec_rows can pin: 16 rows (a lane group walks a whole

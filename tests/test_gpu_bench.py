@@ -393,6 +393,17 @@ def test_record_with_missing_parts_is_null_not_absent(tmp_path):
     assert "—" in gb.markdown(rec)
 
 
+def test_record_names_a_kernel_set_by_the_environment(monkeypatch):
+    """A run with DFLASH27B_CUDA_MMA=sync (the tiled kernel set aside after it failed on the device) says so in
+    the record's notes; a run without one has no such note."""
+    monkeypatch.delenv("DFLASH27B_CUDA_MMA", raising=False)
+    plain = gb.assemble({}, "c", "H100", gb._dt.datetime(2026, 11, 28))
+    assert not any(n.startswith("run with DFLASH27B_CUDA_") for n in plain["notes"])
+    monkeypatch.setenv("DFLASH27B_CUDA_MMA", "sync")
+    rec = gb.assemble({}, "c", "H100", gb._dt.datetime(2026, 11, 28))
+    assert "run with DFLASH27B_CUDA_MMA=sync" in rec["notes"] and "run with DFLASH27B_CUDA_MMA=sync" in gb.markdown(rec)
+
+
 def test_a_part_cut_short_keeps_what_it_measured():
     """`ours` writes its JSON after each section (marked partial), so a run the device's time limit ends still
     gives the numbers measured so far; the record says it was cut short."""

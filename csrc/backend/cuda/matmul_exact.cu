@@ -30,7 +30,10 @@
 // matvec at up to 1.8 TB/s and kquant_mma_kernel on verifies at 0.3-0.4 TB/s,
 // hence the streaming kernel, and at 17-28 GB/s on prefill chunks, hence the tiled one.
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <utility>
 #include <type_traits>
 
 #include "formats.cuh"
@@ -999,6 +1002,24 @@ std::atomic<int> g_mma_split_pin{0};
 constexpr int kStreamMaxTokens = 64;  // more (prefill chunks): kquant_gemm_kernel
 constexpr int kPinTiled = -2;        // set_mma_split: every verify and prefill chunk on the tiled kernel
 
+// DFLASH27B_CUDA_MMA: the tensor-core kernel for verifies and prefill chunks, as set_mma_split pins it:
+// auto (the default), w1 / w2 / w4 (the streaming kernel with that K split), sync (the round-synchronous
+// kernel) or tiled.  Read at the first K-quant matmul, so a GPU run can set aside a kernel the device
+// disagrees with, without a rebuild; an unknown value fails the K-quant matmuls with the choices.  A pin
+// set before the environment was read (set_mma_split) takes its place.
+std::once_flag g_mma_env_read;
+void mma_pin_from_env() {
+  std::call_once(g_mma_env_read, [] {
+    const char* v = std::getenv("DFLASH27B_CUDA_MMA");
+    if (!v || !*v || !std::strcmp(v, "auto")) return;
+    static const std::pair<const char*, int> kNames[] = {{"w1", 1}, {"w2", 2}, {"w4", 4}, {"sync", -1},
+                                                         {"tiled", kPinTiled}};
+    for (const auto& [name, pin] : kNames)
+      if (!std::strcmp(v, name)) return g_mma_split_pin.store(pin);
+    fail("DFLASH27B_CUDA_MMA=%s: use auto, w1, w2, w4, sync or tiled", v);  // (read again at the next matmul)
+  });
+}
+
 // Warps that split a row group's K in the streaming kernel: the fewest (1: no barrier) that give the
 // device about 1024 warps, at most 4 and never more than the row's super-blocks.  Speed only: every
 // choice gives the same bits (set_mma_split pins it for tests and the GPU bench).
@@ -1075,6 +1096,7 @@ void launch_matvec(int R, const uint8_t* w, int64_t rows, int64_t cols, int64_t 
 template <DType T>
 void launch_exact(const uint8_t* w, int64_t rows, int64_t cols, const int8_t* xq, const float* xd,
                   const int16_t* xbsum, int n, float* y, cudaStream_t stream) {
+  mma_pin_from_env();
   const int64_t row_bytes = cols / kQK * kBlockBytes<T>;
   if (n <= kDp4aMaxTokens) {
     const int R = matvec_rows_per_cta(rows, cols / kQK);
@@ -1424,6 +1446,7 @@ void set_matvec_rows(int rows_per_cta) {
 }
 
 void set_mma_split(int warps) {
+  std::call_once(g_mma_env_read, [] {});  // the pin takes the environment's place
   if (warps != kPinTiled && warps != -1 && warps != 0 && warps != 1 && warps != 2 && warps != 4)
     fail("tensor-core K split %d: use 1, 2 or 4 warps a row group, 0 for the automatic choice, -1 for the "
          "round-synchronous kernel or -2 for the tiled one", warps);
