@@ -323,15 +323,19 @@ def graph_comparison(lib, ffi, run) -> dict:
 def attention_grouping(lib, ffi, dec, ids: list[int], tree_ids, steps_tokens: int) -> dict:
     """An AR step and a 23-node tree verify after a long prompt, with attention's CTAs grouping a KV head's
     query heads and a block of tokens (auto: K/V read once per group) against one query row per CTA (the
-    pinned (1, 1): K/V read once per head and token).  Each row's arithmetic is the same either way, so the
-    greedy tokens must agree; the times show what the grouping saves where attention is long."""
+    pinned (1, 1): K/V read once per head and token), and with the f32 kernel (dfl_cuda_attention_kernel(-1),
+    DFLASH27B_CUDA_ATTN=simt) against the tensor-core one (attention_mma.cuh).  Each row's arithmetic is the
+    same whatever the grouping, so auto's and one row's greedy tokens must agree; the f32 kernel rounds
+    differently, so its tokens are only shown.  The times show what the grouping and the tensor cores save
+    where attention is long."""
     parents = tree_shape(23, "tree")
     out: dict = {"prompt_tokens": len(ids)}
     toks = {}
     try:
-        for name, (rows_tok, rows_head) in (("auto", (0, 0)), ("one_row", (1, 1))):
-            if lib.dfl_cuda_attention_rows(rows_tok, rows_head) != 0:
-                return {"error": ffi.string(lib.dfl_last_error()).decode()}
+        for name, (rows_tok, rows_head), kernel in (("auto", (0, 0), 0), ("one_row", (1, 1), 0),
+                                                    ("simt", (0, 0), -1)):
+            if lib.dfl_cuda_attention_rows(rows_tok, rows_head) != 0 or lib.dfl_cuda_attention_kernel(kernel) != 0:
+                return {**out, "error": ffi.string(lib.dfl_last_error()).decode()}
             r, st = _gen(dec, ids, steps_tokens, mode="ar")
             toks[name] = r.tokens
             dec._ctx.set_tree_hook(lambda pos, tok, cap, _p=parents: (tree_ids(len(_p))[:cap], _p[:cap]))
@@ -341,7 +345,9 @@ def attention_grouping(lib, ffi, dec, ids: list[int], tree_ids, steps_tokens: in
     finally:
         dec._ctx.set_tree_hook(None)
         lib.dfl_cuda_attention_rows(0, 0)
+        lib.dfl_cuda_attention_kernel(0)
     out["same_tokens"] = toks["auto"] == toks["one_row"]
+    out["simt_same_tokens"] = toks["auto"] == toks["simt"]
     return out
 
 
@@ -937,6 +943,12 @@ def markdown(rec: dict) -> str:
             lines.append(f"| {label} after {att.get('prompt_tokens')} tokens, attention grouped / one row a CTA | "
                          f"{_f(a, '.3f')} / {_f(b, '.3f')} | {_f(b / a if a and b else None, '.2f')}x "
                          f"(same tokens: {att.get('same_tokens')}) |")
+    if "auto" in att and "simt" in att:
+        for key, label in (("ar_ms", "AR step"), ("verify23_ms", "verify 23 nodes (tree)")):
+            a, b = att["auto"].get(key), att["simt"].get(key)
+            lines.append(f"| {label} after {att.get('prompt_tokens')} tokens, attention on tensor cores / f32 | "
+                         f"{_f(a, '.3f')} / {_f(b, '.3f')} | {_f(b / a if a and b else None, '.2f')}x "
+                         f"(same tokens: {att.get('simt_same_tokens')}) |")
     o, m = rec["oracle"], rec["memory"]
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
     lines += ["", f"oracle drafter: accept length {_f(o.get('accept_length'), '.2f')}, {_f(o.get('tok_s'))} tok/s, "

@@ -49,6 +49,18 @@ def test_backend_ops_on_emulator(emu_build):
     assert sum(ln.endswith(": ok") for ln in lines) > 500
 
 
+def test_backend_ops_on_a_99_kib_card(emu_build):
+    """DFL_EMU_SMEM_OPTIN_KIB=99 gives the emulated device an sm_86 / sm_89's shared memory per CTA (an RTX
+    3090 or 4090): the tensor-core attention then takes 16 rows a CTA at head_dim 256 (32 on an H100) and
+    agrees with the CPU as on the big card."""
+    run = subprocess.run([str(emu_build / "dfl_backend_ops"), "--only", "attention", "2"], capture_output=True,
+                         text=True, timeout=1200, env=dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99"))
+    lines = run.stdout.splitlines()
+    bad = [ln for ln in lines if not ln.endswith(": ok")]
+    assert run.returncode == 0 and lines and lines[-1] == "ALL OK", "\n".join(bad[-40:]) + run.stderr[-2000:]
+    assert any(ln.startswith("27b-heads attention Q4_0 tree") for ln in lines)
+
+
 def test_cuda_tests_on_emulator(emu_build):
     env = dict(os.environ, DFLASH27B_LIB=str(emu_build / "libdflash27b.so"), DFLASH27B_TEST_EMULATED_CUDA="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))

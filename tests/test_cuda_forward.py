@@ -183,6 +183,26 @@ def test_cuda_prefill_chunks_equal_token_by_token(synth_gguf, ftype):
     assert np.array_equal(whole, device_logits(path, ids, 1, 1))
 
 
+def test_cuda_attention_kernel_from_the_environment(pair, monkeypatch):
+    """DFLASH27B_CUDA_ATTN: mma (the default) puts attention over an F16 cache on the tensor cores
+    (attention_mma.cuh), simt keeps the f32 kernel.  Each keeps a prompt's logits the same bits however it
+    is chunked, each is within f32 rounding of the CPU, the two differ (the switch took), and an unknown
+    value is refused by name when the context is created."""
+    ids = [(37 * i + 11) % 250 for i in range(70)]
+    ref = device_logits(pair[0], ids, 128, 0)
+    scale = np.abs(ref).max()
+    got = {}
+    for kind in ("mma", "simt"):
+        monkeypatch.setenv("DFLASH27B_CUDA_ATTN", kind)
+        got[kind] = device_logits(pair[0], ids, 128, 1)
+        assert np.array_equal(got[kind], device_logits(pair[0], ids, 128, 1, pieces=[13, 1, 56])), kind
+        assert np.abs(got[kind] - ref).max() <= 1e-4 * scale, kind
+    assert not np.array_equal(got["mma"], got["simt"])
+    monkeypatch.setenv("DFLASH27B_CUDA_ATTN", "wmma")
+    with pytest.raises(DFlashError, match="DFLASH27B_CUDA_ATTN=wmma: use mma or simt"):
+        device_logits(pair[0], ids[:3], 128, 1)
+
+
 @pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q4_0", "bf16"])
 def test_cuda_target_spec_equals_ar(synth_gguf, ftype):
     """DDTree on a quantised or BF16 target: verify batches of up to 23 nodes (the exact kernels) give AR's

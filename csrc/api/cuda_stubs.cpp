@@ -57,6 +57,11 @@ int dfl_cuda_attention_rows(int32_t, int32_t) {
   return DFL_ERROR;
 }
 
+int dfl_cuda_attention_kernel(int32_t) {
+  dfl::set_last_error("CUDA backend not built");
+  return DFL_ERROR;
+}
+
 int dfl_cuda_matvec_rows(int32_t) {
   dfl::set_last_error("CUDA backend not built");
   return DFL_ERROR;

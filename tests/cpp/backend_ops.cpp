@@ -35,6 +35,7 @@ namespace cuda {
 int mma_selftest(int M, int N, int K, uint32_t seed);       // csrc/backend/cuda/mma.cuh: the int8 tensor-core instruction
 int mma_tf32_selftest(int M, int N, int K, uint32_t seed);  // and the tf32 one
 void set_attention_rows(int toks, int heads);  // csrc/backend/cuda/backend.cu: pin the attention CTA grouping (0 = auto)
+void set_attention_kernel(int kind);           // and the kernel (1 tensor cores where the cache allows, -1 f32, 0 auto)
 }
 }
 
@@ -583,6 +584,16 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
                 ob.get((size_t)n * c.q_dim()), grouped, 0.0);
         }
         cuda::set_attention_rows(0, 0);
+        // the f32 kernel (DFLASH27B_CUDA_ATTN=simt) where the tensor-core one took the cache: also within
+        // the CPU's tolerance
+        if (kvt != DType::F32 && c.head_dim <= 256) {
+          cuda::set_attention_kernel(-1);
+          ob.poison();
+          cud_k->attention(qb.f(), Lb, ob.f());
+          check(label("attention", form + (n_past > 512 ? " long" : "") + " simt kernel", n),
+                ob.get((size_t)n * c.q_dim()), oa.get((size_t)n * c.q_dim()), 1e-5);
+          cuda::set_attention_kernel(0);
+        }
       }
     }
   }

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_mma.cuh"
 #include "common.cuh"
 #include "forward_kernels.cuh"
 #include "launch.cuh"
@@ -32,6 +33,9 @@ namespace {
 
 // set_attention_rows: the attention CTA grouping pinned for every context (0 = chosen per launch).
 std::atomic<int> g_attn_pin_toks{0}, g_attn_pin_heads{0};
+// set_attention_kernel: 1 the tensor-core kernel where the cache type allows it, -1 the f32 kernel
+// everywhere, 0 as DFLASH27B_CUDA_ATTN said when the context was created.
+std::atomic<int> g_attn_kernel_pin{0};
 
 std::string mib(uint64_t b) {
   char s[32];
@@ -150,6 +154,17 @@ bool exact_matmul_chosen() {
   fail("DFLASH27B_CUDA_MATMUL=%s: use exact or float", v);
 }
 
+// DFLASH27B_CUDA_ATTN: mma (the default: attention_mma_kernel for F16 / BF16 / Q8_0 / Q4_0 caches with
+// head_dim <= 256, attention_split_kernel otherwise) or simt (attention_split_kernel everywhere), read when
+// a context is created.  The two round differently (each within tolerance of the CPU), so a run's modes are
+// bit-identical to its AR under either, not across them.
+int attention_kernel_chosen() {
+  const char* v = std::getenv("DFLASH27B_CUDA_ATTN");
+  if (!v || !*v || !std::strcmp(v, "mma")) return 1;
+  if (!std::strcmp(v, "simt")) return -1;
+  fail("DFLASH27B_CUDA_ATTN=%s: use mma or simt", v);
+}
+
 // DFLASH27B_CUDA_GRAPHS: 1 (the default: replay repeating launch segments as graphs) or 0.
 bool graphs_chosen() {
   const char* v = std::getenv("DFLASH27B_CUDA_GRAPHS");
@@ -179,6 +194,14 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaGetDeviceProperties(&prop_, 0));
     exact_matmul_ = exact_matmul_chosen();
     graphs_ = graphs_chosen();
+    attn_kernel_ = attention_kernel_chosen();
+    static std::once_flag attn_smem_opt_in;  // over the default 48 KiB: the largest CTA the device allows
+    std::call_once(attn_smem_opt_in, [this] {
+      const int bytes = (int)std::min(fwd::attn_mma_smem_bytes(2, fwd::kMmaAttnRows, fwd::kMmaAttnMaxHeadDim),
+                                      (size_t)prop_.sharedMemPerBlockOptin);
+      CUDA_CHECK(cudaFuncSetAttribute(fwd::attention_mma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      CUDA_CHECK(cudaFuncSetAttribute(fwd::attention_mma_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    });
     rec_.bind(stream_);
   }
   ~CudaBackend() override {
@@ -454,24 +477,42 @@ class CudaBackend final : public Backend {
     const int group = (int)std::max<size_t>(1, std::min<size_t>(n_, kAttnScratchBytes / per_token));
     if (part_.bytes < per_token * group) part_ = BackendBuf(*this, per_token * group);
     const int kD = (s.head_dim + fwd::kAttnThreads - 1) / fwd::kAttnThreads;
+    const int pin = g_attn_kernel_pin.load(std::memory_order_relaxed);
+    const int mma_rows = mma_attention_rows(s.head_dim);
+    const bool mma = (pin ? pin : attn_kernel_) > 0 && fwd::attn_mma_supported(s.kv_type, s.head_dim) && mma_rows;
     for (int t0 = 0; t0 < n_; t0 += group) {
       const int g = std::min(group, n_ - t0);
-      const AttnRows rows = attention_rows(s, g, n_split, kD);
+      const AttnRows rows = attention_rows(s, g, n_split, mma ? mma_rows : fwd::attn_max_rows(kD));
       fwd::AttnArgs a{qg, L.k_cache, L.v_cache, o, n_prefix_, extra_begin_, extra_count_, extra_slots_, part_.f(),
                       t0, g, n_split, s.n_head, s.n_head_kv, s.head_dim, s.q_stride(), rows.toks, rows.heads,
                       kv_row(s), head_bytes(s), 1.f / std::sqrt((float)s.head_dim), s.kv_type, s.gated};
       const dim3 grid((unsigned)((g + rows.toks - 1) / rows.toks),
                       (unsigned)(s.n_head_kv * (s.n_head / s.n_head_kv / rows.heads)), (unsigned)n_split);
-      const size_t smem = fwd::attn_smem_bytes(rows.toks * rows.heads, rows.toks, s.head_dim);
-      switch (kD) {
-        case 1: launch(fwd::attention_split_kernel<1>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
-        case 2: launch(fwd::attention_split_kernel<2>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
-        case 3: launch(fwd::attention_split_kernel<3>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
-        default: launch(fwd::attention_split_kernel<4>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+      if (mma) {
+        const int mt = rows.toks * rows.heads > 16 ? 2 : 1;
+        const size_t smem = fwd::attn_mma_smem_bytes(mt, rows.toks, s.head_dim);
+        if (mt == 1) launch(fwd::attention_mma_kernel<1>, grid, dim3(fwd::kAttnThreads), smem, stream_, a);
+        else launch(fwd::attention_mma_kernel<2>, grid, dim3(fwd::kAttnThreads), smem, stream_, a);
+      } else {
+        const size_t smem = fwd::attn_smem_bytes(rows.toks * rows.heads, rows.toks, s.head_dim);
+        switch (kD) {
+          case 1: launch(fwd::attention_split_kernel<1>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+          case 2: launch(fwd::attention_split_kernel<2>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+          case 3: launch(fwd::attention_split_kernel<3>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+          default: launch(fwd::attention_split_kernel<4>, grid, dim3(fwd::kAttnThreads), smem, stream_, a); break;
+        }
       }
       launch(fwd::attention_combine_kernel, dim3((unsigned)g, (unsigned)s.n_head), dim3(fwd::kAttnThreads), 0,
              stream_, a);
     }
+  }
+
+  // The most rows (32 or 16) an attention_mma_kernel CTA may take for this head_dim within the shared memory
+  // a CTA can have here (227 KiB on sm_90: 32 at head_dim 256; 99 KiB on sm_86 / sm_89: 16), 0 if not 16.
+  int mma_attention_rows(int head_dim) const {
+    for (int mt = 2; mt >= 1; --mt)
+      if (fwd::attn_mma_smem_bytes(mt, 16 * mt, head_dim) <= prop_.sharedMemPerBlockOptin) return 16 * mt;
+    return 0;
   }
 
   // How many tokens and query heads of one KV head an attention CTA takes.  A
@@ -483,8 +524,8 @@ class CudaBackend final : public Backend {
   struct AttnRows {
     int toks, heads;
   };
-  AttnRows attention_rows(const AttnShape& s, int n_tok, int n_split, int kD) const {
-    const int gs = s.n_head / s.n_head_kv, max_rows = fwd::attn_max_rows(kD);
+  AttnRows attention_rows(const AttnShape& s, int n_tok, int n_split, int max_rows) const {
+    const int gs = s.n_head / s.n_head_kv;
     auto largest_divisor = [&](int cap) {  // of gs, at most cap
       for (int h = std::min(cap, gs); h > 1; --h)
         if (gs % h == 0) return h;
@@ -659,6 +700,7 @@ class CudaBackend final : public Backend {
   std::vector<std::pair<const void*, std::shared_ptr<DeviceWeights>>> extra_;  // the drafter's
   cudaStream_t stream_ = nullptr;
   cudaDeviceProp prop_{};
+  int attn_kernel_ = 1;  // DFLASH27B_CUDA_ATTN: 1 mma, -1 simt
   // the current chunk's plan on the device
   int n_ = 0;
   bool commit_ = true;
@@ -708,6 +750,7 @@ void set_attention_rows(int toks, int heads) {
   g_attn_pin_heads.store(heads);
   g_attn_pin_toks.store(toks);
 }
+void set_attention_kernel(int kind) { g_attn_kernel_pin.store(kind); }
 
 }  // namespace cuda
 

@@ -277,6 +277,16 @@ inline void fiber_entry() {
 // Dynamic shared memory a kernel may ask for: 48 KiB unless cudaFuncSetAttribute raised it (up to 227 KiB
 // on sm_90). The GPU refuses such a launch; the emulator stops there, so it is found without one.
 inline constexpr size_t kSmemDefault = 48u << 10, kSmemOptInMax = 227u << 10;
+// DFL_EMU_SMEM_OPTIN_KIB=99 makes the emulator an sm_86 / sm_89 card (99 KiB a CTA at most), so the code that
+// sizes kernels to the device is tested for those too.
+inline size_t smem_optin_max() {
+  static const size_t v = [] {
+    const char* e = std::getenv("DFL_EMU_SMEM_OPTIN_KIB");
+    const long k = e && *e ? std::strtol(e, nullptr, 10) : 0;
+    return k > 48 && (size_t)k << 10 <= kSmemOptInMax ? (size_t)k << 10 : kSmemOptInMax;
+  }();
+  return v;
+}
 inline std::vector<std::pair<const void*, size_t>>& smem_opt_in() {
   static std::vector<std::pair<const void*, size_t>> v;
   return v;
@@ -474,6 +484,7 @@ enum cudaMemcpyKind { cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpy
 struct cudaDeviceProp {
   char name[256];
   int multiProcessorCount;
+  size_t sharedMemPerBlockOptin;
 };
 inline const char* cudaGetErrorName(int) { return "emulated"; }
 inline const char* cudaGetErrorString(int) { return "emulated"; }
@@ -491,7 +502,7 @@ enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 template <class F>
 inline cudaError_t cudaFuncSetAttribute(F* fn, cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
-  if (value < 0 || (size_t)value > emu::kSmemOptInMax) return 1;  // cudaErrorInvalidValue
+  if (value < 0 || (size_t)value > emu::smem_optin_max()) return 1;  // cudaErrorInvalidValue
   for (auto& e : emu::smem_opt_in())
     if (e.first == (const void*)fn) return e.second = (size_t)value, cudaSuccess;
   emu::smem_opt_in().push_back({(const void*)fn, (size_t)value});
@@ -502,6 +513,7 @@ inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
   std::snprintf(p->name, sizeof p->name, "CPU emulator");
   p->multiProcessorCount = 4;  // small: the kernels that size their grids by it take their largest groupings
+  p->sharedMemPerBlockOptin = emu::smem_optin_max();
   return cudaSuccess;
 }
 inline cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {

@@ -1,0 +1,399 @@
+// attention_mma.cuh — attention's two products (q k and p v) on the tf32
+// tensor cores (mma.m16n8k8, mma.cuh), for F16 / BF16 / Q8_0 / Q4_0 caches
+// and head_dim up to 256: the target's layers whatever --cache-type.  F32
+// caches (the drafter's default) and wider heads keep attention_split_kernel.
+//
+// Why: the first H100 record spent 10.8 of an 8K prefill's 21.8 s in
+// attention_split_kernel (about 1 TFLOPS of f32 fmas fed from shared memory,
+// plus a butterfly per score), and an AR step after 8,000 tokens 13 ms more
+// than at a short context.  Here a CTA's rows (tokens x query heads of one KV
+// head, up to 32) meet a tile of 64 K rows as one 32 x 64 x head_dim product
+// and the softmax weights meet 64 V rows as one 32 x 64 x head_dim product.
+//
+// Same structure as attention_split_kernel: fixed splits of kSplit visible
+// indices, tiles of kTile, the combine kernel, one warp's softmax per row.
+// Exactness (the batch-invariance contract) holds by construction:
+//   * scores: element (row, column) is a fixed instruction sequence over the
+//     head's dims — per 32-dim group (a Q8_0 / Q4_0 block), four k-steps of
+//     q_hi then q_lo (q split as in matmul_half.cu: 22 of its 24 bits) from 0;
+//     then total += group sum (times the column's block scale when quantised),
+//     in group order; then times the softmax scale.  An mma element depends
+//     only on its row of A and column of B, so neither the other rows (the
+//     batch) nor the other columns change it;
+//   * weights: the CPU-shaped softmax of attention_split_kernel, row by row;
+//     weights past a row's visible count are 0;
+//   * p v: a row's tile sum is eight k-steps over the tile's 64 columns (p_hi
+//     then p_lo, p first times the V block's scale when quantised) from 0,
+//     then out = out * correction + tile sum.  Columns a row does not see
+//     have p = 0 and finite V (zero-filled past the tile), so their products
+//     add exactly nothing;
+//   * when the tile's slots differ between the CTA's tokens (a tree's extra
+//     slots), each token takes its own pass with its own slots as columns and
+//     keeps only its rows: the same sequences on the same values.
+// K and V values enter the instruction exactly (F16 and BF16 fit tf32; Q8_0
+// and Q4_0 as their integers, the block scale applied in f32 outside), so
+// versus the CPU's f32 attention the difference is q's and p's 22 bits and
+// the hardware's summation (tested within backend_ops' 1e-5).  The emulator
+// models the instruction (mma.cuh), so there the contract holds bit for bit.
+#pragma once
+#include "forward_kernels.cuh"
+#include "mma.cuh"
+
+namespace dfl {
+namespace cuda {
+namespace fwd {
+
+constexpr int kMmaAttnRows = 32;          // a CTA's rows: two m-tiles of 16
+constexpr int kMmaAttnMaxHeadDim = 256;
+constexpr int kMmaScStride = kTile + 4;   // a row of weights: p[g][t] conflict-free for the A fragment
+// Row strides (floats) of q and of the K / V tile: q[g][k + t] and K[g][k + t] land in banks 4g + t, V[t][d + g]
+// in 8t + g: every fragment load conflict-free.
+__host__ __device__ constexpr int mma_q_stride(int hd) { return hd + 4; }
+__host__ __device__ constexpr int mma_k_stride(int hd) { return hd + 4; }
+__host__ __device__ constexpr int mma_v_stride(int hd) { return hd + 8; }
+
+inline bool attn_mma_supported(DType kvt, int head_dim) {
+  return (kvt == DType::F16 || kvt == DType::BF16 || kvt == DType::Q8_0 || kvt == DType::Q4_0) &&
+         head_dim % 32 == 0 && head_dim <= kMmaAttnMaxHeadDim;
+}
+
+// q of 16 mt rows, the tile and its block scales, the weights, each token's slots, each row's running
+// max / sum / correction, each token's visible count and own flag.  Head_dim 256: 120 KiB for 32 rows, 95 KiB
+// for 16 (the 99 KiB a CTA may have on sm_86 / sm_89: backend.cu sizes the rows to the device).
+inline size_t attn_mma_smem_bytes(int mt, int toks, int hd) {
+  const size_t rows = 16 * (size_t)mt;
+  return rows * mma_q_stride(hd) * 4 + (size_t)kTile * mma_v_stride(hd) * 4 + (size_t)kTile * (hd / 32) * 4 +
+         rows * kMmaScStride * 4 + (size_t)toks * kTile * 4 + rows * 3 * 4 + (size_t)toks * 4 * 2;
+}
+
+// f32 -> (hi, lo) tf32 bits, hi + lo carrying 22 of x's 24 significant bits.
+__device__ __forceinline__ void attn_split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_rna_bits(__float_as_uint(x));
+  lo = tf32_rna_bits(__float_as_uint(__fsub_rn(x, __uint_as_float(hi))));
+}
+
+template <int kMT>
+__global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs a) {
+  constexpr int kRows16 = 16 * kMT, kNj = kMmaAttnMaxHeadDim / 32;
+  const int TT = a.tok_per_cta, G = a.heads_per_cta, R = TT * G, hd = a.head_dim, nb = hd / 32;
+  const int gs = a.n_head / a.n_head_kv, hgroups = gs / G;
+  const int m = blockIdx.y / hgroups, j0 = m * gs + (blockIdx.y % hgroups) * G;  // KV head, first query head
+  const int tl0 = blockIdx.x * TT, z = blockIdx.z;                               // first local token, split
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int qs = mma_q_stride(hd), nj = hd / 32, dw0 = warp * (hd / 4);  // p v: warp's dims dw0 .. + hd / 4
+  const bool quant = a.kvt == DType::Q8_0 || a.kvt == DType::Q4_0;
+  DFL_DYNAMIC_SMEM(float, smem);
+  float* q = smem;                                                         // [kRows16][qs]
+  float* tile = q + kRows16 * qs;                                          // [kTile][k or v stride]
+  float* bscale = tile + kTile * mma_v_stride(hd);                         // [kTile][nb]
+  float* sc = bscale + kTile * nb;                                         // [kRows16][kMmaScStride]
+  int32_t* slot_of = reinterpret_cast<int32_t*>(sc + kRows16 * kMmaScStride);  // [TT][kTile]
+  float* run_max = reinterpret_cast<float*>(slot_of + TT * kTile);         // [kRows16]
+  float* run_sum = run_max + kRows16;
+  float* corr = run_sum + kRows16;
+  int32_t* nt_of = reinterpret_cast<int32_t*>(corr + kRows16);  // [TT]
+  int32_t* own_of = nt_of + TT;                                 // [TT]
+  // a row r is token tl0 + r / G (local to the launch), head j0 + r % G; rows from R on are zeros
+  for (int i = tid; i < kRows16 * hd; i += kAttnThreads) {
+    const int r = i / hd, d = i % hd;
+    float x = 0.f;
+    if (r < R) {
+      const int tl = min(tl0 + r / G, a.n_tok - 1);  // rows past the launch's tokens read the last, write nothing
+      x = a.qg[((int64_t)(a.t0 + tl) * a.n_head + j0 + r % G) * a.q_stride + d];
+    }
+    q[r * qs + d] = x;
+  }
+  for (int r = tid; r < kRows16; r += kAttnThreads) run_max[r] = -INFINITY, run_sum[r] = 0.f;
+  const int s_begin = z * kSplit;
+  int s_stop = s_begin;
+  for (int tt = 0; tt < TT; ++tt) {
+    if (tl0 + tt >= a.n_tok) break;
+    const int tk = a.t0 + tl0 + tt;
+    s_stop = max(s_stop, min(a.n_prefix[tk] + a.extra_count[tk], s_begin + kSplit));
+  }
+  float acc[kMT][kNj][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kNj; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+  auto row_live = [&](int r) { return r < R && nt_of[r / G] > 0; };  // the row sees a slot of this tile
+  __syncthreads();
+  for (int s0 = s_begin; s0 < s_stop; s0 += kTile) {
+    for (int tt = 0; tt < TT; ++tt) {
+      const bool live = tl0 + tt < a.n_tok;
+      const int tk = a.t0 + min(tl0 + tt, a.n_tok - 1);
+      const int n_prefix = a.n_prefix[tk], n_vis = n_prefix + a.extra_count[tk];
+      const int nt = live ? max(0, min(kTile, min(n_vis, s_begin + kSplit) - s0)) : 0;
+      const int32_t* extra = a.extra_slots + a.extra_begin[tk];
+      for (int s = tid; s < nt; s += kAttnThreads) slot_of[tt * kTile + s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
+      if (tid == 0) nt_of[tt] = nt, own_of[tt] = nt > 0 && s0 + nt > n_prefix;
+    }
+    __syncthreads();
+    bool shared = true;  // column c is slot s0 + c for every token: one pass for all rows
+    int nt_max = 0;
+    for (int tt = 0; tt < TT; ++tt) shared = shared && !own_of[tt], nt_max = max(nt_max, nt_of[tt]);
+    const int n_pass = shared ? 1 : TT;
+    // A pass's columns c < ncols into `tile` (row c, `stride` floats apart): F16 / BF16 values, or Q8_0 /
+    // Q4_0 integers with their block's scale in bscale[c][b]; columns from ncols on are zeros.
+    auto load = [&](const uint8_t* cache, int stride, int pass) {
+      const int ncols = shared ? nt_max : nt_of[pass];
+      const uint8_t* base = cache + (int64_t)m * a.head_bytes;
+      auto row_at = [&](int c) {
+        return base + (int64_t)(shared ? s0 + c : slot_of[pass * kTile + c]) * a.kv_row;
+      };
+      if (!quant) {
+        // eight values a 16-byte load (head_dim % 32 == 0: rows and heads start 64-byte aligned), four loads
+        // in flight before their conversions: a thread's 16 (head_dim 256) take four round trips, not 16
+        const int chunks = hd / 8;
+        constexpr int kBatch = 4;
+        for (int i0 = tid; i0 < kTile * chunks; i0 += kBatch * kAttnThreads) {
+          uint4 u[kBatch];
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            const int i = i0 + k * kAttnThreads, c = i / chunks;
+            u[k] = make_uint4(0, 0, 0, 0);
+            if (i < kTile * chunks && c < ncols) u[k] = __ldg(reinterpret_cast<const uint4*>(row_at(c)) + i % chunks);
+          }
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            const int i = i0 + k * kAttnThreads, c = i / chunks;
+            if (i >= kTile * chunks) break;
+            const uint32_t w[4] = {u[k].x, u[k].y, u[k].z, u[k].w};
+            float v[8];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (a.kvt == DType::F16) v[2 * e] = f16_bits_to_f32(w[e] & 0xffffu), v[2 * e + 1] = f16_bits_to_f32(w[e] >> 16);
+              else v[2 * e] = bf16_bits_to_f32(w[e] & 0xffffu), v[2 * e + 1] = bf16_bits_to_f32(w[e] >> 16);
+            }
+            float4* dst = reinterpret_cast<float4*>(tile + c * stride + 8 * (i % chunks));  // (stride % 4 == 0)
+            dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+            dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+          }
+        }
+        return;
+      }
+      const bool q8 = a.kvt == DType::Q8_0;
+      const int block_bytes = q8 ? (int)sizeof(block_q8_0) : (int)sizeof(block_q4_0);
+      for (int i = tid; i < kTile * nb; i += kAttnThreads) {
+        const int c = i % kTile, b = i / kTile;  // a warp: 32 rows of one block (bank 4c apart on the stores)
+        float* dst = tile + c * stride + 32 * b;
+        if (c >= ncols) {
+          for (int e = 0; e < 32; ++e) dst[e] = 0.f;
+          bscale[c * nb + b] = 0.f;
+          continue;
+        }
+        // blocks start at even offsets: 16-bit loads
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(row_at(c) + (int64_t)b * block_bytes);
+        bscale[c * nb + b] = f16_bits_to_f32(h[0]);
+        if (q8) {
+          for (int k = 0; k < 16; ++k) {
+            const uint32_t u = h[1 + k];
+            dst[2 * k] = (float)(int8_t)(u & 0xffu);
+            dst[2 * k + 1] = (float)(int8_t)(u >> 8);
+          }
+        } else {
+          for (int k = 0; k < 8; ++k) {  // bytes 2k, 2k + 1 of qs: elements 2k, 2k + 1 (low) and 16 + 2k, 17 + 2k
+            const uint32_t u = h[1 + k];
+            dst[2 * k] = (float)((int)(u & 15u) - 8);
+            dst[2 * k + 1] = (float)((int)((u >> 8) & 15u) - 8);
+            dst[16 + 2 * k] = (float)((int)((u >> 4) & 15u) - 8);
+            dst[17 + 2 * k] = (float)((int)((u >> 12) & 15u) - 8);
+          }
+        }
+      }
+    };
+    auto pass_rows = [&](int pass, int& r_lo, int& r_hi) {
+      r_lo = shared ? 0 : pass * G;
+      r_hi = shared ? R : (pass + 1) * G;
+    };
+    // ---- scores: warp w takes columns 16 w .. 16 w + 15 (two n-tiles) for the pass's m-tiles
+    for (int pass = 0; pass < n_pass; ++pass) {
+      if ((shared ? nt_max : nt_of[pass]) == 0) continue;  // (uniform: shared memory after a barrier)
+      int r_lo, r_hi;
+      pass_rows(pass, r_lo, r_hi);
+      const int ks = mma_k_stride(hd);
+      load(a.k_cache, ks, pass);
+      __syncthreads();
+      const int n0 = 16 * warp;
+      float tot[kMT][2][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) tot[mt][j][e] = 0.f;
+      for (int b = 0; b < nb; ++b) {
+        float gsum[kMT][2][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) gsum[mt][j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const int k0 = 32 * b + 8 * kk;
+          uint32_t bf[2][2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float* kr = tile + (n0 + 8 * j + g) * ks + k0 + t;
+            bf[j][0] = __float_as_uint(kr[0]);
+            bf[j][1] = __float_as_uint(kr[4]);
+          }
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            if (16 * mt >= r_hi || 16 * mt + 16 <= r_lo) continue;  // (uniform)
+            const float* qr = q + (16 * mt + g) * qs + k0 + t;
+            const float qv[4] = {qr[0], qr[8 * qs], qr[4], qr[8 * qs + 4]};
+            uint32_t ah[4], al[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) attn_split_tf32(qv[e], ah[e], al[e]);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              mma_m16n8k8_tf32(gsum[mt][j], ah, bf[j], gsum[mt][j]);
+              mma_m16n8k8_tf32(gsum[mt][j], al, bf[j], gsum[mt][j]);
+            }
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = n0 + 8 * j + 2 * t + (e & 1);
+              const float gv = quant ? __fmul_rn(gsum[mt][j][e], bscale[col * nb + b]) : gsum[mt][j][e];
+              tot[mt][j][e] = __fadd_rn(tot[mt][j][e], gv);
+            }
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = 16 * mt + g + 8 * (e >> 1), col = n0 + 8 * j + 2 * t + (e & 1);
+            if (row >= r_lo && row < r_hi) sc[row * kMmaScStride + col] = __fmul_rn(tot[mt][j][e], a.scale);
+          }
+      __syncthreads();  // the tile is rewritten by the next pass
+    }
+    // ---- softmax statistics: a warp per row (as attention_split_kernel); weights past nt are 0
+    for (int r = warp; r < kRows16; r += kAttnThreads / 32) {
+      const int nt = r < R ? nt_of[r / G] : 0;
+      float* sr = sc + r * kMmaScStride;
+      if (nt == 0) {  // nothing visible in this tile (or a padding row): zero weights, the row left as it is
+        sr[lane] = 0.f;
+        sr[lane + 32] = 0.f;
+        continue;
+      }
+      const float x0 = lane < nt ? sr[lane] : -INFINITY, x1 = lane + 32 < nt ? sr[lane + 32] : -INFINITY;
+      float tmax = fmaxf(x0, x1);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+      const float old_max = run_max[r], new_max = fmaxf(old_max, tmax);
+      const float c = expf(old_max - new_max);  // 0 on the row's first tile (old max -inf)
+      const float p0 = lane < nt ? expf(x0 - new_max) : 0.f, p1 = lane + 32 < nt ? expf(x1 - new_max) : 0.f;
+      sr[lane] = p0;
+      sr[lane + 32] = p1;
+      float psum = __fadd_rn(p0, p1);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) psum = __fadd_rn(psum, __shfl_xor_sync(0xffffffffu, psum, o));
+      __syncwarp();  // every lane has read run_max[r] before lane 0 rewrites it
+      if (lane == 0) {
+        run_sum[r] = __fadd_rn(__fmul_rn(run_sum[r], c), psum);
+        run_max[r] = new_max;
+        corr[r] = c;
+      }
+    }
+    __syncthreads();
+    // ---- p v: each live row's output times its correction, then each pass's tile sum added to its rows
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * mt + g + 8 * h;
+        if (!row_live(row)) continue;
+        const float c = corr[row];
+#pragma unroll
+        for (int j = 0; j < kNj; ++j)
+          if (j < nj) acc[mt][j][2 * h] = __fmul_rn(acc[mt][j][2 * h], c), acc[mt][j][2 * h + 1] = __fmul_rn(acc[mt][j][2 * h + 1], c);
+      }
+    for (int pass = 0; pass < n_pass; ++pass) {
+      if ((shared ? nt_max : nt_of[pass]) == 0) continue;
+      int r_lo, r_hi;
+      pass_rows(pass, r_lo, r_hi);
+      const int vs = mma_v_stride(hd);
+      load(a.v_cache, vs, pass);
+      __syncthreads();
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if (16 * mt >= r_hi || 16 * mt + 16 <= r_lo) continue;  // (uniform)
+        float part[kNj][4];
+#pragma unroll
+        for (int j = 0; j < kNj; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) part[j][e] = 0.f;
+        for (int kk = 0; kk < kTile / 8; ++kk) {
+          const int c0 = 8 * kk;
+          const float* pr = sc + (16 * mt + g) * kMmaScStride + c0 + t;
+          // A (16 x 8): rows g, g + 8 x columns t, t + 4 of the weights
+          const float pw[4] = {pr[0], pr[8 * kMmaScStride], pr[4], pr[8 * kMmaScStride + 4]};
+          uint32_t ah[4] = {}, al[4] = {};
+          if (!quant) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) attn_split_tf32(pw[e], ah[e], al[e]);
+          }
+#pragma unroll
+          for (int j = 0; j < kNj; ++j) {
+            if (j >= nj) break;
+            const int d0 = dw0 + 8 * j;
+            if (quant) {  // the weights times the V block's scale of columns t and t + 4
+              const int b = d0 / 32;
+              const float s_t = bscale[(c0 + t) * nb + b], s_t4 = bscale[(c0 + t + 4) * nb + b];
+              attn_split_tf32(__fmul_rn(pw[0], s_t), ah[0], al[0]);
+              attn_split_tf32(__fmul_rn(pw[1], s_t), ah[1], al[1]);
+              attn_split_tf32(__fmul_rn(pw[2], s_t4), ah[2], al[2]);
+              attn_split_tf32(__fmul_rn(pw[3], s_t4), ah[3], al[3]);
+            }
+            // B (8 x 8): V rows (columns of the tile) t, t + 4 x dims d0 + g
+            const uint32_t bf[2] = {__float_as_uint(tile[(c0 + t) * vs + d0 + g]),
+                                    __float_as_uint(tile[(c0 + t + 4) * vs + d0 + g])};
+            mma_m16n8k8_tf32(part[j], ah, bf, part[j]);
+            mma_m16n8k8_tf32(part[j], al, bf, part[j]);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * mt + g + 8 * h;
+          if (row < r_lo || row >= r_hi || !row_live(row)) continue;
+#pragma unroll
+          for (int j = 0; j < kNj; ++j)
+            if (j < nj)
+              acc[mt][j][2 * h] = __fadd_rn(acc[mt][j][2 * h], part[j][2 * h]),
+              acc[mt][j][2 * h + 1] = __fadd_rn(acc[mt][j][2 * h + 1], part[j][2 * h + 1]);
+        }
+      }
+      __syncthreads();  // the tile is rewritten by the next pass
+    }
+    __syncthreads();  // sc / slot_of / nt_of are rewritten by the next tile
+  }
+  // a row that saw no slot in this split leaves max -inf, sum 0, out 0
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * mt + g + 8 * h;
+      if (row >= R || tl0 + row / G >= a.n_tok) continue;
+      float* pt = a.part + (((int64_t)(tl0 + row / G) * a.n_head + j0 + row % G) * a.n_split + z) * (hd + 2);
+#pragma unroll
+      for (int j = 0; j < kNj; ++j)
+        if (j < nj) pt[dw0 + 8 * j + 2 * t] = acc[mt][j][2 * h], pt[dw0 + 8 * j + 2 * t + 1] = acc[mt][j][2 * h + 1];
+      if (warp == 0 && t == 0) pt[hd] = run_max[row], pt[hd + 1] = run_sum[row];
+    }
+}
+
+}  // namespace fwd
+}  // namespace cuda
+}  // namespace dfl
