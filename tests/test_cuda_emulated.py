@@ -51,14 +51,16 @@ def test_backend_ops_on_emulator(emu_build):
 
 def test_backend_ops_on_a_99_kib_card(emu_build):
     """DFL_EMU_SMEM_OPTIN_KIB=99 gives the emulated device an sm_86 / sm_89's shared memory per CTA (an RTX
-    3090 or 4090): the tensor-core attention then takes 16 rows a CTA at head_dim 256 (32 on an H100) and
-    agrees with the CPU as on the big card."""
-    run = subprocess.run([str(emu_build / "dfl_backend_ops"), "--only", "attention", "2"], capture_output=True,
-                         text=True, timeout=1200, env=dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99"))
-    lines = run.stdout.splitlines()
-    bad = [ln for ln in lines if not ln.endswith(": ok")]
-    assert run.returncode == 0 and lines and lines[-1] == "ALL OK", "\n".join(bad[-40:]) + run.stderr[-2000:]
-    assert any(ln.startswith("27b-heads attention Q4_0 tree") for ln in lines)
+    3090 or 4090): the tensor-core attention then takes 16 rows a CTA at head_dim 256 (32 on an H100), the
+    tiled prefill matmul (95 KiB) still fits, and both agree with the CPU as on the big card."""
+    env = dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99")
+    for family, max_batch in (("attention", "2"), ("matmul", "512")):
+        run = subprocess.run([str(emu_build / "dfl_backend_ops"), "--only", family, max_batch], capture_output=True,
+                             text=True, timeout=1200, env=env)
+        lines = run.stdout.splitlines()
+        bad = [ln for ln in lines if not ln.endswith(": ok")]
+        assert run.returncode == 0 and lines and lines[-1] == "ALL OK", "\n".join(bad[-40:]) + run.stderr[-2000:]
+        assert any(ln.startswith("27b-heads " + family) for ln in lines)
 
 
 def test_cuda_tests_on_emulator(emu_build):
