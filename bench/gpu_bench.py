@@ -937,18 +937,14 @@ def markdown(rec: dict) -> str:
                          f"{_f(100 * g['replayed_share'] if g.get('replayed_share') is not None else None, '.0f')}% "
                          "of ops replayed |")
     att = rec.get("attention") or {}
-    if "auto" in att and "one_row" in att:
+    for other, what, same in (("one_row", "attention grouped / one row a CTA", "same_tokens"),
+                              ("simt", "attention on tensor cores / f32", "simt_same_tokens")):
+        if "auto" not in att or other not in att:
+            continue
         for key, label in (("ar_ms", "AR step"), ("verify23_ms", "verify 23 nodes (tree)")):
-            a, b = att["auto"].get(key), att["one_row"].get(key)
-            lines.append(f"| {label} after {att.get('prompt_tokens')} tokens, attention grouped / one row a CTA | "
-                         f"{_f(a, '.3f')} / {_f(b, '.3f')} | {_f(b / a if a and b else None, '.2f')}x "
-                         f"(same tokens: {att.get('same_tokens')}) |")
-    if "auto" in att and "simt" in att:
-        for key, label in (("ar_ms", "AR step"), ("verify23_ms", "verify 23 nodes (tree)")):
-            a, b = att["auto"].get(key), att["simt"].get(key)
-            lines.append(f"| {label} after {att.get('prompt_tokens')} tokens, attention on tensor cores / f32 | "
-                         f"{_f(a, '.3f')} / {_f(b, '.3f')} | {_f(b / a if a and b else None, '.2f')}x "
-                         f"(same tokens: {att.get('simt_same_tokens')}) |")
+            a, b = att["auto"].get(key), att[other].get(key)
+            lines.append(f"| {label} after {att.get('prompt_tokens')} tokens, {what} | {_f(a, '.3f')} / "
+                         f"{_f(b, '.3f')} | {_f(b / a if a and b else None, '.2f')}x (same tokens: {att.get(same)}) |")
     o, m = rec["oracle"], rec["memory"]
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
     lines += ["", f"oracle drafter: accept length {_f(o.get('accept_length'), '.2f')}, {_f(o.get('tok_s'))} tok/s, "

@@ -130,7 +130,7 @@ int dfl_cuda_graph_mode(int32_t mode);
  * grouping, so results do not change. */
 int dfl_cuda_attention_rows(int32_t toks, int32_t heads);
 /* Attention's kernel for every CUDA context from now on: 1 the tensor-core kernel (tf32 mma) where the
- * cache type allows it (F16, BF16, Q8_0, Q4_0; head_dim <= 256), -1 the f32 kernel everywhere, 0 as
+ * head allows it (head_dim <= 256), -1 the f32 kernel everywhere, 0 as
  * DFLASH27B_CUDA_ATTN said when each context was created (mma, the default, or simt).  Not speed only: the kernels round differently
  * (each within tolerance of the CPU), so compare modes and runs under one choice. */
 int dfl_cuda_attention_kernel(int32_t kind);

@@ -277,7 +277,7 @@ int dfl_cuda_attention_rows(int32_t toks, int32_t heads) {
 int dfl_cuda_attention_kernel(int32_t kind) {
   return dfl::api_guard([&] {
     if (kind < -1 || kind > 1)
-      dfl::fail("attention kernel %d: use 1 (tensor cores where the cache type allows), -1 (f32) or 0 (as "
+      dfl::fail("attention kernel %d: use 1 (tensor cores where the head allows), -1 (f32) or 0 (as "
                 "DFLASH27B_CUDA_ATTN)", kind);
     dfl::cuda::set_attention_kernel(kind);
   });

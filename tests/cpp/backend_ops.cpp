@@ -586,7 +586,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         cuda::set_attention_rows(0, 0);
         // the f32 kernel (DFLASH27B_CUDA_ATTN=simt) where the tensor-core one took the cache: also within
         // the CPU's tolerance
-        if (kvt != DType::F32 && c.head_dim <= 256) {
+        if (c.head_dim <= 256) {
           cuda::set_attention_kernel(-1);
           ob.poison();
           cud_k->attention(qb.f(), Lb, ob.f());

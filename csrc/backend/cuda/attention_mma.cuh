@@ -1,7 +1,7 @@
 // attention_mma.cuh — attention's two products (q k and p v) on the tf32
-// tensor cores (mma.m16n8k8, mma.cuh), for F16 / BF16 / Q8_0 / Q4_0 caches
-// and head_dim up to 256: the target's layers whatever --cache-type.  F32
-// caches (the drafter's default) and wider heads keep attention_split_kernel.
+// tensor cores (mma.m16n8k8, mma.cuh), for every cache type and head_dim up
+// to 256: the target's layers whatever --cache-type, and the drafter's (F32
+// by default).  Wider heads keep attention_split_kernel.
 //
 // Why: the first H100 record spent 10.8 of an 8K prefill's 21.8 s in
 // attention_split_kernel (about 1 TFLOPS of f32 fmas fed from shared memory,
@@ -31,9 +31,11 @@
 //     slots), each token takes its own pass with its own slots as columns and
 //     keeps only its rows: the same sequences on the same values.
 // K and V values enter the instruction exactly (F16 and BF16 fit tf32; Q8_0
-// and Q4_0 as their integers, the block scale applied in f32 outside), so
-// versus the CPU's f32 attention the difference is q's and p's 22 bits and
-// the hardware's summation (tested within backend_ops' 1e-5).  The emulator
+// and Q4_0 as their integers, the block scale applied in f32 outside); F32
+// values are split like q, and each k-step takes a third product (q_hi times
+// the value's low half) after the two.  So versus the CPU's f32 attention the
+// difference is 22-bit operands and the hardware's summation (tested within
+// backend_ops' 1e-5).  The emulator
 // models the instruction (mma.cuh), so there the contract holds bit for bit.
 #pragma once
 #include "forward_kernels.cuh"
@@ -53,7 +55,8 @@ __host__ __device__ constexpr int mma_k_stride(int hd) { return hd + 4; }
 __host__ __device__ constexpr int mma_v_stride(int hd) { return hd + 8; }
 
 inline bool attn_mma_supported(DType kvt, int head_dim) {
-  return (kvt == DType::F16 || kvt == DType::BF16 || kvt == DType::Q8_0 || kvt == DType::Q4_0) &&
+  return (kvt == DType::F32 || kvt == DType::F16 || kvt == DType::BF16 || kvt == DType::Q8_0 ||
+          kvt == DType::Q4_0) &&
          head_dim % 32 == 0 && head_dim <= kMmaAttnMaxHeadDim;
 }
 
@@ -72,6 +75,31 @@ __device__ __forceinline__ void attn_split_tf32(float x, uint32_t& hi, uint32_t&
   lo = tf32_rna_bits(__float_as_uint(__fsub_rn(x, __uint_as_float(hi))));
 }
 
+// A K or V value as a B operand: exact (F16 / BF16 / integers fit tf32), or an F32 value's two halves.
+__device__ __forceinline__ void tf32_operand(float x, bool split, uint32_t& hi, uint32_t& lo) {
+  if (split) {
+    attn_split_tf32(x, hi, lo);
+  } else {
+    hi = __float_as_uint(x);
+    lo = 0;
+  }
+}
+
+// f(i, j, e) for each element e of a lane's M x N fragments of 16 x 8 tiles (unrolled: constant indices).
+template <int M, int N, class F>
+__device__ __forceinline__ void each_frag(F&& f) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(i, j, e);
+}
+template <int M, int N>
+__device__ __forceinline__ void zero_frags(float (&x)[M][N][4]) {
+  each_frag<M, N>([&](int i, int j, int e) { x[i][j][e] = 0.f; });
+}
+
 template <int kMT>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs a) {
   constexpr int kRows16 = 16 * kMT, kNj = kMmaAttnMaxHeadDim / 32;
@@ -81,7 +109,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
   const int tl0 = blockIdx.x * TT, z = blockIdx.z;                               // first local token, split
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int qs = mma_q_stride(hd), nj = hd / 32, dw0 = warp * (hd / 4);  // p v: warp's dims dw0 .. + hd / 4
-  const bool quant = a.kvt == DType::Q8_0 || a.kvt == DType::Q4_0;
+  const bool quant = a.kvt == DType::Q8_0 || a.kvt == DType::Q4_0, f32 = a.kvt == DType::F32;
   DFL_DYNAMIC_SMEM(float, smem);
   float* q = smem;                                                         // [kRows16][qs]
   float* tile = q + kRows16 * qs;                                          // [kTile][k or v stride]
@@ -104,39 +132,20 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
     q[r * qs + d] = x;
   }
   for (int r = tid; r < kRows16; r += kAttnThreads) run_max[r] = -INFINITY, run_sum[r] = 0.f;
-  const int s_begin = z * kSplit;
-  int s_stop = s_begin;
-  for (int tt = 0; tt < TT; ++tt) {
-    if (tl0 + tt >= a.n_tok) break;
-    const int tk = a.t0 + tl0 + tt;
-    s_stop = max(s_stop, min(a.n_prefix[tk] + a.extra_count[tk], s_begin + kSplit));
-  }
+  const int s_begin = z * kSplit, s_stop = attn_split_stop(a, tl0, TT, s_begin);
   float acc[kMT][kNj][4];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int j = 0; j < kNj; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+  zero_frags(acc);
   auto row_live = [&](int r) { return r < R && nt_of[r / G] > 0; };  // the row sees a slot of this tile
   __syncthreads();
   for (int s0 = s_begin; s0 < s_stop; s0 += kTile) {
-    for (int tt = 0; tt < TT; ++tt) {
-      const bool live = tl0 + tt < a.n_tok;
-      const int tk = a.t0 + min(tl0 + tt, a.n_tok - 1);
-      const int n_prefix = a.n_prefix[tk], n_vis = n_prefix + a.extra_count[tk];
-      const int nt = live ? max(0, min(kTile, min(n_vis, s_begin + kSplit) - s0)) : 0;
-      const int32_t* extra = a.extra_slots + a.extra_begin[tk];
-      for (int s = tid; s < nt; s += kAttnThreads) slot_of[tt * kTile + s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
-      if (tid == 0) nt_of[tt] = nt, own_of[tt] = nt > 0 && s0 + nt > n_prefix;
-    }
+    attn_tile_slots(a, tl0, TT, s_begin, s0, slot_of, nt_of, own_of);
     __syncthreads();
     bool shared = true;  // column c is slot s0 + c for every token: one pass for all rows
     int nt_max = 0;
     for (int tt = 0; tt < TT; ++tt) shared = shared && !own_of[tt], nt_max = max(nt_max, nt_of[tt]);
     const int n_pass = shared ? 1 : TT;
-    // A pass's columns c < ncols into `tile` (row c, `stride` floats apart): F16 / BF16 values, or Q8_0 /
-    // Q4_0 integers with their block's scale in bscale[c][b]; columns from ncols on are zeros.
+    // A pass's columns c < ncols into `tile` (row c, `stride` floats apart): F32 / F16 / BF16 values, or
+    // Q8_0 / Q4_0 integers with their block's scale in bscale[c][b]; columns from ncols on are zeros.
     auto load = [&](const uint8_t* cache, int stride, int pass) {
       const int ncols = shared ? nt_max : nt_of[pass];
       const uint8_t* base = cache + (int64_t)m * a.head_bytes;
@@ -144,9 +153,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
         return base + (int64_t)(shared ? s0 + c : slot_of[pass * kTile + c]) * a.kv_row;
       };
       if (!quant) {
-        // eight values a 16-byte load (head_dim % 32 == 0: rows and heads start 64-byte aligned), four loads
-        // in flight before their conversions: a thread's 16 (head_dim 256) take four round trips, not 16
-        const int chunks = hd / 8;
+        // eight values (F32: four) a 16-byte load (head_dim % 32 == 0: rows and heads start 64-byte aligned),
+        // four loads in flight before their conversions: a thread's 16 (head_dim 256) take four round trips
+        const int per = f32 ? 4 : 8, chunks = hd / per;
         constexpr int kBatch = 4;
         for (int i0 = tid; i0 < kTile * chunks; i0 += kBatch * kAttnThreads) {
           uint4 u[kBatch];
@@ -161,13 +170,18 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
             const int i = i0 + k * kAttnThreads, c = i / chunks;
             if (i >= kTile * chunks) break;
             const uint32_t w[4] = {u[k].x, u[k].y, u[k].z, u[k].w};
+            float4* dst = reinterpret_cast<float4*>(tile + c * stride + per * (i % chunks));  // (stride % 4 == 0)
+            if (f32) {
+              dst[0] = make_float4(__uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]),
+                                   __uint_as_float(w[3]));
+              continue;
+            }
             float v[8];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               if (a.kvt == DType::F16) v[2 * e] = f16_bits_to_f32(w[e] & 0xffffu), v[2 * e + 1] = f16_bits_to_f32(w[e] >> 16);
               else v[2 * e] = bf16_bits_to_f32(w[e] & 0xffffu), v[2 * e + 1] = bf16_bits_to_f32(w[e] >> 16);
             }
-            float4* dst = reinterpret_cast<float4*>(tile + c * stride + 8 * (i % chunks));  // (stride % 4 == 0)
             dst[0] = make_float4(v[0], v[1], v[2], v[3]);
             dst[1] = make_float4(v[4], v[5], v[6], v[7]);
           }
@@ -218,29 +232,19 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
       __syncthreads();
       const int n0 = 16 * warp;
       float tot[kMT][2][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) tot[mt][j][e] = 0.f;
+      zero_frags(tot);
       for (int b = 0; b < nb; ++b) {
         float gsum[kMT][2][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) gsum[mt][j][e] = 0.f;
+        zero_frags(gsum);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const int k0 = 32 * b + 8 * kk;
-          uint32_t bf[2][2];
+          uint32_t bf[2][2], bl[2][2];  // B = K^T (8 dims x 8 columns); bl: an F32 value's low half
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const float* kr = tile + (n0 + 8 * j + g) * ks + k0 + t;
-            bf[j][0] = __float_as_uint(kr[0]);
-            bf[j][1] = __float_as_uint(kr[4]);
+            tf32_operand(kr[0], f32, bf[j][0], bl[j][0]);
+            tf32_operand(kr[4], f32, bf[j][1], bl[j][1]);
           }
 #pragma unroll
           for (int mt = 0; mt < kMT; ++mt) {
@@ -254,57 +258,31 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
             for (int j = 0; j < 2; ++j) {
               mma_m16n8k8_tf32(gsum[mt][j], ah, bf[j], gsum[mt][j]);
               mma_m16n8k8_tf32(gsum[mt][j], al, bf[j], gsum[mt][j]);
+              if (f32) mma_m16n8k8_tf32(gsum[mt][j], ah, bl[j], gsum[mt][j]);
             }
           }
         }
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int col = n0 + 8 * j + 2 * t + (e & 1);
-              const float gv = quant ? __fmul_rn(gsum[mt][j][e], bscale[col * nb + b]) : gsum[mt][j][e];
-              tot[mt][j][e] = __fadd_rn(tot[mt][j][e], gv);
-            }
+        each_frag<kMT, 2>([&](int mt, int j, int e) {
+          const int col = n0 + 8 * j + 2 * t + (e & 1);
+          const float gv = quant ? __fmul_rn(gsum[mt][j][e], bscale[col * nb + b]) : gsum[mt][j][e];
+          tot[mt][j][e] = __fadd_rn(tot[mt][j][e], gv);
+        });
       }
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = 16 * mt + g + 8 * (e >> 1), col = n0 + 8 * j + 2 * t + (e & 1);
-            if (row >= r_lo && row < r_hi) sc[row * kMmaScStride + col] = __fmul_rn(tot[mt][j][e], a.scale);
-          }
+      each_frag<kMT, 2>([&](int mt, int j, int e) {
+        const int row = 16 * mt + g + 8 * (e >> 1), col = n0 + 8 * j + 2 * t + (e & 1);
+        if (row >= r_lo && row < r_hi) sc[row * kMmaScStride + col] = __fmul_rn(tot[mt][j][e], a.scale);
+      });
       __syncthreads();  // the tile is rewritten by the next pass
     }
-    // ---- softmax statistics: a warp per row (as attention_split_kernel); weights past nt are 0
+    // ---- softmax statistics: a warp per row (attention_split_kernel's); weights past nt are 0
     for (int r = warp; r < kRows16; r += kAttnThreads / 32) {
       const int nt = r < R ? nt_of[r / G] : 0;
       float* sr = sc + r * kMmaScStride;
-      if (nt == 0) {  // nothing visible in this tile (or a padding row): zero weights, the row left as it is
+      if (nt > 0) {
+        attn_softmax_row(sr, nt, run_max[r], run_sum[r], corr[r]);
+      } else {  // nothing visible in this tile (or a padding row): zero weights, the row left as it is
         sr[lane] = 0.f;
         sr[lane + 32] = 0.f;
-        continue;
-      }
-      const float x0 = lane < nt ? sr[lane] : -INFINITY, x1 = lane + 32 < nt ? sr[lane + 32] : -INFINITY;
-      float tmax = fmaxf(x0, x1);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
-      const float old_max = run_max[r], new_max = fmaxf(old_max, tmax);
-      const float c = expf(old_max - new_max);  // 0 on the row's first tile (old max -inf)
-      const float p0 = lane < nt ? expf(x0 - new_max) : 0.f, p1 = lane + 32 < nt ? expf(x1 - new_max) : 0.f;
-      sr[lane] = p0;
-      sr[lane + 32] = p1;
-      float psum = __fadd_rn(p0, p1);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) psum = __fadd_rn(psum, __shfl_xor_sync(0xffffffffu, psum, o));
-      __syncwarp();  // every lane has read run_max[r] before lane 0 rewrites it
-      if (lane == 0) {
-        run_sum[r] = __fadd_rn(__fmul_rn(run_sum[r], c), psum);
-        run_max[r] = new_max;
-        corr[r] = c;
       }
     }
     __syncthreads();
@@ -330,11 +308,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         if (16 * mt >= r_hi || 16 * mt + 16 <= r_lo) continue;  // (uniform)
-        float part[kNj][4];
-#pragma unroll
-        for (int j = 0; j < kNj; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) part[j][e] = 0.f;
+        float part[1][kNj][4];  // (one m-tile's)
+        zero_frags(part);
         for (int kk = 0; kk < kTile / 8; ++kk) {
           const int c0 = 8 * kk;
           const float* pr = sc + (16 * mt + g) * kMmaScStride + c0 + t;
@@ -358,10 +333,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
               attn_split_tf32(__fmul_rn(pw[3], s_t4), ah[3], al[3]);
             }
             // B (8 x 8): V rows (columns of the tile) t, t + 4 x dims d0 + g
-            const uint32_t bf[2] = {__float_as_uint(tile[(c0 + t) * vs + d0 + g]),
-                                    __float_as_uint(tile[(c0 + t + 4) * vs + d0 + g])};
-            mma_m16n8k8_tf32(part[j], ah, bf, part[j]);
-            mma_m16n8k8_tf32(part[j], al, bf, part[j]);
+            uint32_t bf[2], bl[2];
+            tf32_operand(tile[(c0 + t) * vs + d0 + g], f32, bf[0], bl[0]);
+            tf32_operand(tile[(c0 + t + 4) * vs + d0 + g], f32, bf[1], bl[1]);
+            mma_m16n8k8_tf32(part[0][j], ah, bf, part[0][j]);
+            mma_m16n8k8_tf32(part[0][j], al, bf, part[0][j]);
+            if (f32) mma_m16n8k8_tf32(part[0][j], ah, bl, part[0][j]);
           }
         }
 #pragma unroll
@@ -371,8 +348,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
 #pragma unroll
           for (int j = 0; j < kNj; ++j)
             if (j < nj)
-              acc[mt][j][2 * h] = __fadd_rn(acc[mt][j][2 * h], part[j][2 * h]),
-              acc[mt][j][2 * h + 1] = __fadd_rn(acc[mt][j][2 * h + 1], part[j][2 * h + 1]);
+              acc[mt][j][2 * h] = __fadd_rn(acc[mt][j][2 * h], part[0][j][2 * h]),
+              acc[mt][j][2 * h + 1] = __fadd_rn(acc[mt][j][2 * h + 1], part[0][j][2 * h + 1]);
         }
       }
       __syncthreads();  // the tile is rewritten by the next pass

@@ -33,7 +33,7 @@ namespace {
 
 // set_attention_rows: the attention CTA grouping pinned for every context (0 = chosen per launch).
 std::atomic<int> g_attn_pin_toks{0}, g_attn_pin_heads{0};
-// set_attention_kernel: 1 the tensor-core kernel where the cache type allows it, -1 the f32 kernel
+// set_attention_kernel: 1 the tensor-core kernel where the head allows it, -1 the f32 kernel
 // everywhere, 0 as DFLASH27B_CUDA_ATTN said when the context was created.
 std::atomic<int> g_attn_kernel_pin{0};
 
@@ -154,8 +154,8 @@ bool exact_matmul_chosen() {
   fail("DFLASH27B_CUDA_MATMUL=%s: use exact or float", v);
 }
 
-// DFLASH27B_CUDA_ATTN: mma (the default: attention_mma_kernel for F16 / BF16 / Q8_0 / Q4_0 caches with
-// head_dim <= 256, attention_split_kernel otherwise) or simt (attention_split_kernel everywhere), read when
+// DFLASH27B_CUDA_ATTN: mma (the default: attention_mma_kernel for every cache type with head_dim <= 256,
+// attention_split_kernel for wider heads) or simt (attention_split_kernel everywhere), read when
 // a context is created.  The two round differently (each within tolerance of the CPU), so a run's modes are
 // bit-identical to its AR under either, not across them.
 int attention_kernel_chosen() {

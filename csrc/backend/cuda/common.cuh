@@ -229,7 +229,7 @@ constexpr float kTwo23 = 8388608.0f;
 // query heads of one KV head per CTA, each clipped to what the shape and shared memory allow;
 // 0, 0 = chosen per launch.  Speed only: a query row's arithmetic does not depend on it.
 void set_attention_rows(int toks, int heads);
-// The attention kernel from now on: 1 the tensor-core kernel where the cache type allows it (attention_mma.cuh),
+// The attention kernel from now on: 1 the tensor-core kernel where the head allows it (attention_mma.cuh),
 // -1 the f32 kernel everywhere, 0 as DFLASH27B_CUDA_ATTN said when each context was created.  Not speed only: the two kernels round
 // differently, so set it before decoding and compare runs under one choice.
 void set_attention_kernel(int kind);

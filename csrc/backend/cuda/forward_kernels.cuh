@@ -436,6 +436,61 @@ __device__ __forceinline__ float warp_sum_rows(float (&v)[32]) {
   return v[0];
 }
 
+// Shared by attention_split_kernel and attention_mma_kernel (attention_mma.cuh).
+// The end (exclusive) of the visible indices any of the CTA's tokens has in the split starting at s_begin:
+// the CTA walks tiles up to it.
+__device__ __forceinline__ int attn_split_stop(const AttnArgs& a, int tl0, int TT, int s_begin) {
+  int s_stop = s_begin;
+  for (int tt = 0; tt < TT; ++tt) {
+    if (tl0 + tt >= a.n_tok) break;
+    const int t = a.t0 + tl0 + tt;
+    s_stop = max(s_stop, min(a.n_prefix[t] + a.extra_count[t], s_begin + kSplit));
+  }
+  return s_stop;
+}
+
+// Tile s0 of each of the CTA's tokens: its slots (slot_of[tt][s]), how many (nt_of, 0 for a token past the
+// launch) and whether any is not the prefix slot s0 + s (own_of: then the tokens' slots differ).  The whole CTA
+// calls it; a barrier follows before they are read.
+__device__ __forceinline__ void attn_tile_slots(const AttnArgs& a, int tl0, int TT, int s_begin, int s0,
+                                                int32_t* slot_of, int32_t* nt_of, int32_t* own_of) {
+  for (int tt = 0; tt < TT; ++tt) {
+    const bool live = tl0 + tt < a.n_tok;
+    const int t = a.t0 + min(tl0 + tt, a.n_tok - 1);
+    const int n_prefix = a.n_prefix[t], n_vis = n_prefix + a.extra_count[t];
+    const int nt = live ? max(0, min(kTile, min(n_vis, s_begin + kSplit) - s0)) : 0;
+    const int32_t* extra = a.extra_slots + a.extra_begin[t];
+    for (int s = threadIdx.x; s < nt; s += blockDim.x)
+      slot_of[tt * kTile + s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
+    if (threadIdx.x == 0) nt_of[tt] = nt, own_of[tt] = nt > 0 && s0 + nt > n_prefix;
+  }
+}
+
+// One row's softmax step over a tile's nt > 0 scores sr[0 .. nt) (a warp): the tile max (exact), the
+// weights p = exp(score - new max) written back over sr[0 .. 64) (0 from nt on), summed lane-wise then by
+// butterfly; lane 0 sets sum = sum * corr + tile sum, corr = exp(old max - new max) and the new max.
+__device__ __forceinline__ void attn_softmax_row(float* sr, int nt, float& run_max, float& run_sum, float& corr) {
+  const int lane = threadIdx.x & 31;
+  const float x0 = lane < nt ? sr[lane] : -INFINITY, x1 = lane + 32 < nt ? sr[lane + 32] : -INFINITY;
+  float tmax = fmaxf(x0, x1);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+  const float old_max = run_max, new_max = fmaxf(old_max, tmax);
+  const float c = expf(old_max - new_max);  // 0 on the row's first tile (old max -inf)
+  const float p0 = lane < nt ? expf(x0 - new_max) : 0.f, p1 = lane + 32 < nt ? expf(x1 - new_max) : 0.f;
+  sr[lane] = p0;
+  sr[lane + 32] = p1;
+  float psum = __fadd_rn(p0, p1);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) psum = __fadd_rn(psum, __shfl_xor_sync(0xffffffffu, psum, o));
+  __syncwarp();  // every lane has read run_max before lane 0 rewrites it (racecheck's hazard)
+  if (lane == 0) {
+    run_sum = __fadd_rn(__fmul_rn(run_sum, c), psum);
+    run_max = new_max;
+    corr = c;
+  }
+}
+
 template <int kD>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnArgs a) {
   constexpr int kRows = attn_max_rows(kD);
@@ -461,13 +516,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
     for (int d = tid; d < hd; d += kAttnThreads) q[r * hd + d] = qh[d];
   }
   for (int r = tid; r < R; r += kAttnThreads) run_max[r] = -INFINITY, run_sum[r] = 0.f;
-  const int s_begin = z * kSplit;
-  int s_stop = s_begin;  // the CTA walks tiles up to its longest token's end in this split
-  for (int tt = 0; tt < TT; ++tt) {
-    if (tl0 + tt >= a.n_tok) break;
-    const int t = a.t0 + tl0 + tt;
-    s_stop = max(s_stop, min(a.n_prefix[t] + a.extra_count[t], s_begin + kSplit));
-  }
+  const int s_begin = z * kSplit, s_stop = attn_split_stop(a, tl0, TT, s_begin);
   float acc[kRows][kD];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
@@ -475,15 +524,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
     for (int e = 0; e < kD; ++e) acc[r][e] = 0.f;
   __syncthreads();
   for (int s0 = s_begin; s0 < s_stop; s0 += kTile) {
-    for (int tt = 0; tt < TT; ++tt) {
-      const bool live = tl0 + tt < a.n_tok;
-      const int t = a.t0 + min(tl0 + tt, a.n_tok - 1);
-      const int n_prefix = a.n_prefix[t], n_vis = n_prefix + a.extra_count[t];
-      const int nt = live ? max(0, min(kTile, min(n_vis, s_begin + kSplit) - s0)) : 0;
-      const int32_t* extra = a.extra_slots + a.extra_begin[t];
-      for (int s = tid; s < nt; s += kAttnThreads) slot_of[tt * kTile + s] = s0 + s < n_prefix ? s0 + s : extra[s0 + s - n_prefix];
-      if (tid == 0) nt_of[tt] = nt, own_of[tt] = nt > 0 && s0 + nt > n_prefix;
-    }
+    attn_tile_slots(a, tl0, TT, s_begin, s0, slot_of, nt_of, own_of);
     __syncthreads();
     // the tile's slots shared by every token (index s is slot s0 + s for all): K and V rows are then read once
     // for all the CTA's rows; nt_max is the longest token's count
@@ -557,30 +598,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
       }
     }
     __syncthreads();
-    // softmax statistics: a warp per row
-    for (int r = warp; r < R; r += kAttnThreads / 32) {
-      const int nt = nt_of[r / G];
-      if (nt == 0) continue;  // nothing visible in this tile: the row is left as it is
-      float* sr = sc + r * kTile;
-      const float x0 = lane < nt ? sr[lane] : -INFINITY, x1 = lane + 32 < nt ? sr[lane + 32] : -INFINITY;
-      float tmax = fmaxf(x0, x1);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
-      const float old_max = run_max[r], new_max = fmaxf(old_max, tmax);
-      const float c = expf(old_max - new_max);  // 0 on the row's first tile (old max -inf)
-      const float p0 = lane < nt ? expf(x0 - new_max) : 0.f, p1 = lane + 32 < nt ? expf(x1 - new_max) : 0.f;
-      if (lane < nt) sr[lane] = p0;
-      if (lane + 32 < nt) sr[lane + 32] = p1;
-      float psum = __fadd_rn(p0, p1);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) psum = __fadd_rn(psum, __shfl_xor_sync(0xffffffffu, psum, o));
-      __syncwarp();  // every lane has read run_max[r] before lane 0 rewrites it (racecheck's hazard)
-      if (lane == 0) {
-        run_sum[r] = __fadd_rn(__fmul_rn(run_sum[r], c), psum);
-        run_max[r] = new_max;
-        corr[r] = c;
-      }
-    }
+    // softmax statistics: a warp per row (one that sees nothing in this tile is left as it is)
+    for (int r = warp; r < R; r += kAttnThreads / 32)
+      if (const int nt = nt_of[r / G]; nt > 0) attn_softmax_row(sc + r * kTile, nt, run_max[r], run_sum[r], corr[r]);
     __syncthreads();
     // output: each thread its dims of every row, slots in order.  First each row's correction (a row that
     // sees nothing in this tile is left as it is), then the slots 16 at a time: their V values loaded once for
