@@ -174,12 +174,16 @@ def test_cuda_prefill_chunks_equal_token_by_token(synth_gguf, ftype):
     (K-quants, Q8_0, Q4_0: the dp4a matvec for <= 8 tokens, the int8 tensor-core kernels above -- for K-quants
     the tiled one past 64 tokens; BF16 / F16: the tf32 tensor cores, one K order for every batch; the delta-net
     conv of a chunk of 8 or more tokens split among warps), so a prompt's logits are the same bits whether it is
-    prefilled in one batch, cut into chunks by a small n_batch, fed in uneven pieces, or token by token."""
-    ids = [(37 * i + 11) % 250 for i in range(100)]
+    prefilled in one batch, cut into chunks by a small n_batch, fed in uneven pieces, or token by token.
+    On the emulator (slow) BF16 is left to a real GPU (its kernel is F16's but for the weight decode) and only
+    the K-quant target, whose chunks past 64 tokens take the tiled kernel, prefills 100 tokens; the others 70."""
+    if EMULATED and ftype == "bf16":
+        pytest.skip("shares a kernel with F16; on a real GPU only (the emulator is slow)")
+    ids = [(37 * i + 11) % 250 for i in range(100 if ftype == "q4_k_m" or not EMULATED else 70)]
     path = synth_gguf(ftype)
     whole = device_logits(path, ids, 128, 1)
     assert np.array_equal(whole, device_logits(path, ids, 7, 1))
-    assert np.array_equal(whole, device_logits(path, ids, 128, 1, pieces=[13, 1, 9, 77]))
+    assert np.array_equal(whole, device_logits(path, ids, 128, 1, pieces=[13, 1, 9, len(ids) - 23]))
     assert np.array_equal(whole, device_logits(path, ids, 1, 1))
 
 
