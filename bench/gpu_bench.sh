@@ -91,8 +91,9 @@ run() {
   [ "$free" -lt "$limit" ] && limit=$free
   step "$name"
   if [ $DRY = 1 ]; then echo "(dry run, limit ${limit}s) $*"; return 0; fi
-  # `timeout` runs programs, not shell functions: a function step runs in a child bash that inherits it
-  declare -F "$1" > /dev/null && export -f "$1"
+  # `timeout` runs programs, not shell functions: a function step runs in a child bash that inherits it, and
+  # the functions it calls
+  declare -F "$1" > /dev/null && export -f $(declare -F | awk '{print $3}')
   timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@"
   local rc=$?
   save_logs
@@ -159,7 +160,49 @@ setup_env() {
   export COMMIT
 }
 
+# source_hash: a digest of what the library is built from (sources, headers, build files).  The library carried
+# in .gpu/prebuilt-smN (bench/gpu_prepare.sh builds it there) is used only when it was built from exactly these:
+# on the device, nvcc spends minutes of the call's 10 (backend.cu alone was past 300 s on an H200 host)
+source_hash() {
+  (cd "$ROOT" && find CMakeLists.txt csrc include tests/cpp -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
+     sha256sum | cut -c1-16)
+}
+# device_check: exit 0 when the library loads, was built for sm_$ARCH and sees a GPU; 2 when it is right but no
+# GPU is visible (a rebuild would not help); 1 otherwise
+device_check() {
+  python3 -c "
+import sys
+from dflash27b._lib import load
+ffi, lib = load()
+info = ffi.string(lib.dfl_build_info()).decode()
+n = lib.dfl_cuda_device_count()
+print('build info:', info, '| CUDA devices:', n)
+sys.exit(1 if 'sm_$ARCH' not in info else 0 if n > 0 else 2)"
+}
+# use_prebuilt: the carried library and op test in build/gpu, if they were built here from these sources
+use_prebuilt() {
+  local dir=$GPU/prebuilt-sm$ARCH want
+  [ -f "$dir/source.sha256" ] || { echo "no prebuilt library for sm_$ARCH carried ($dir)"; return 1; }
+  want=$(source_hash)
+  if [ "$(cat "$dir/source.sha256")" != "$want" ]; then
+    echo "the carried library was built from other sources ($(cat "$dir/source.sha256"), these are $want): building"
+    return 1
+  fi
+  mkdir -p build/gpu && cp -f "$dir/libdflash27b.so" "$dir/dfl_backend_ops" build/gpu/ && chmod +x build/gpu/dfl_backend_ops &&
+    echo "prebuilt library for sm_$ARCH (sources $want, built by bench/gpu_prepare.sh): no build here"
+}
+
 build_ours() {
+  if use_prebuilt; then
+    device_check; local rc=$?
+    [ $rc = 1 ] || return $rc
+    echo "the prebuilt library failed its check: building"; rm -f build/gpu/libdflash27b.so build/gpu/dfl_backend_ops
+  fi
+  compile_ours || return 1
+  device_check
+}
+# compile_ours: configure and build build/gpu for sm_$ARCH with every core (also what gpu_prepare.sh runs here)
+compile_ours() {
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
   cmake -S . -B build/gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DDFLASH27B_CUDA=ON -DDFLASH27B_BUILD_TESTS=ON \
@@ -169,12 +212,6 @@ build_ours() {
     grep -m 30 -E "error|Error" build/gpu.build.log; tail -10 build/gpu.build.log; return 1
   fi
   tail -2 build/gpu.build.log
-  python3 -c "
-from dflash27b._lib import load
-ffi, lib = load()
-info = ffi.string(lib.dfl_build_info()).decode()
-print('build info:', info, '| CUDA devices:', lib.dfl_cuda_device_count())
-assert 'sm_$ARCH' in info and lib.dfl_cuda_device_count() > 0, 'CUDA backend not built or no device visible'"
 }
 
 # start_background_jobs [small]: llama.cpp's build and the synthetic files, each its own job, side by side

@@ -4,20 +4,32 @@
 #   .gpu/whl/                 the wheels listed in bench/gpu_wheels.txt (Python 3.12, manylinux x86-64)
 #   .gpu/llamacpp-src.tar.gz  llama.cpp's source, made by ../shared/peer/llamacpp_src.sh (kept if present);
 #                             bench/gpu_llamacpp.sh builds it there
+#   .gpu/prebuilt-sm90/       our library and backend op test built HERE for sm_90 (H100 / H200) with
+#                             bench/gpu_bench.sh's own build, and the digest of the sources they were built from:
+#                             gpu_bench.sh uses them when the sources it runs on have that digest, so the device's
+#                             minutes go to measuring (nvcc on backend.cu alone outran a 300 s step on an H200 host).
+#                             10-15 minutes on 2 cores; kept while the sources do not change
 #   .gpu/commit               the HEAD the record will name
 # Then call the device tool with carry [".gpu"] and the commands it prints.
-# Usage: bash bench/gpu_prepare.sh [--check]     (--check: only verify .gpu/ is complete, download nothing)
+# Usage: bash bench/gpu_prepare.sh [--check | --no-build]
+#   --check: only verify .gpu/ is complete (the prebuilt library current), download and build nothing
+#   --no-build: everything but the prebuilt library (the device then builds: 5+ minutes of its time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${GPU_DIR:-.gpu}
 SHARED=${SHARED:-../shared}
 check_only=0
+prebuild=1
 case "${1:-}" in
   "") ;;
   --check) check_only=1 ;;
-  -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-  *) echo "gpu_prepare.sh: unknown argument '$1' (use --check or nothing)" >&2; exit 2 ;;
+  --no-build) prebuild=0 ;;
+  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+  *) echo "gpu_prepare.sh: unknown argument '$1' (use --check, --no-build or nothing)" >&2; exit 2 ;;
 esac
+source bench/gpu_bench.sh  # its functions only (source_hash, compile_ours); ARCH 90
+PREBUILT=$DIR/prebuilt-sm$ARCH
+prebuilt_current() { [ "$(cat "$PREBUILT/source.sha256" 2>/dev/null)" = "$(source_hash)" ]; }
 mapfile -t WHEELS < <(grep -v '^\s*#' bench/gpu_wheels.txt | grep -v '^\s*$')
 
 missing=()
@@ -29,6 +41,7 @@ if [ $check_only = 1 ]; then
   ok=1
   [ ${#missing[@]} = 0 ] || { echo "missing wheels: ${missing[*]}"; ok=0; }
   [ -s $DIR/llamacpp-src.tar.gz ] || { echo "missing $DIR/llamacpp-src.tar.gz"; ok=0; }
+  prebuilt_current || echo "no current prebuilt library ($PREBUILT): the device will build (5+ minutes of its time)"
   [ $ok = 1 ] && echo "$DIR is complete ($(du -sh $DIR | cut -f1))"
   [ $ok = 1 ]; exit
 fi
@@ -40,6 +53,22 @@ if [ ${#missing[@]} -gt 0 ]; then
     -d $DIR/whl "${missing[@]}"
 fi
 [ -s $DIR/llamacpp-src.tar.gz ] || bash "$SHARED/peer/llamacpp_src.sh" $DIR/llamacpp-src.tar.gz
+if [ $prebuild = 1 ]; then
+  if prebuilt_current; then
+    echo "$PREBUILT: current (sources $(source_hash))"
+  else
+    command -v nvcc > /dev/null || export PATH=/usr/local/cuda/bin:$PATH
+    echo "building the sm_$ARCH library here (build/gpu, log build/gpu.build.log): 10-15 minutes on 2 cores"
+    hash=$(source_hash)
+    start=$SECONDS
+    mkdir -p build && compile_ours || { echo "gpu_prepare.sh: the sm_$ARCH build failed" >&2; exit 1; }
+    [ "$(source_hash)" = "$hash" ] || { echo "gpu_prepare.sh: the sources changed during the build; run it again" >&2; exit 1; }
+    rm -rf "$PREBUILT" && mkdir -p "$PREBUILT"
+    cp build/gpu/libdflash27b.so build/gpu/dfl_backend_ops "$PREBUILT/"
+    echo "$hash" > "$PREBUILT/source.sha256"
+    echo "$PREBUILT: built in $((SECONDS - start)) s (sources $hash, $(du -sh "$PREBUILT" | cut -f1))"
+  fi
+fi
 git rev-parse HEAD > $DIR/commit
 echo "$DIR: $(du -sh $DIR | cut -f1) ($(ls $DIR/whl | wc -l) wheels); commit $(cat $DIR/commit)"
 [ -z "$(git status --porcelain --untracked-files=no)" ] || echo "warning: uncommitted changes: the record will name $(cat $DIR/commit) but measure the working tree"

@@ -160,8 +160,9 @@ def _sourced(script: str, tmp_path: Path, path_dirs: tuple[Path, ...] = (), **en
     e = {k: v for k, v in os.environ.items() if k != "OUT"}
     e.update(env)
     e["PATH"] = os.pathsep.join([*map(str, path_dirs), e["PATH"]])
-    return subprocess.run(["bash", "-c", f"source bench/gpu_bench.sh\n{script}"], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=60)
+    # GPU: nothing carried (a prebuilt library in this checkout's .gpu must not stand in for the build here)
+    return subprocess.run(["bash", "-c", f"source bench/gpu_bench.sh\nGPU={tmp_path / 'gpu'}\n{script}"], cwd=ROOT,
+                          env=e, capture_output=True, text=True, timeout=60)
 
 
 def _stub(folder: Path, name: str, body: str) -> None:
@@ -192,6 +193,61 @@ def test_a_failing_build_names_its_errors_and_fails_the_part(tmp_path):
     r = _sourced('run 30 "build (sm_90)" build_ours; echo "rc=$? status=$status"', tmp_path, (stubs,))
     assert "rc=1 status=1" in r.stdout and "cuda/x.cu(3): error: bad thing" in r.stdout, r.stdout + r.stderr
     assert "build (sm_90): FAILED (exit 1)" in r.stdout
+
+
+def _fake_checkout(tmp_path: Path) -> Path:
+    """A checkout with gpu_bench.sh and a few sources: what source_hash digests, and a build/ of its own."""
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    (repo / "bench" / "gpu_bench.sh").write_text((ROOT / "bench" / "gpu_bench.sh").read_text())
+    for rel, text in {"CMakeLists.txt": "project(x)\n", "csrc/a.cu": "// a\n", "include/x.h": "// x\n",
+                      "tests/cpp/t.cpp": "// t\n"}.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    return repo
+
+
+@pytest.mark.parametrize("case", ["current", "other sources", "no gpu visible", "bad library"])
+def test_the_device_runs_the_library_built_here(tmp_path, case):
+    """nvcc on backend.cu alone outran the build step's 300 s on an H200 host (2026-11-28): gpu_prepare.sh
+    builds the sm_90 library here and gpu_bench.sh's build step uses it when the sources it runs on digest the
+    same; otherwise, or when the library does not pass the device check, it builds as before. No GPU visible
+    is not the library's fault: no rebuild then."""
+    repo = _fake_checkout(tmp_path)
+    calls = tmp_path / "calls"
+    stubs = tmp_path / "bin"
+    check_rc = {"no gpu visible": 2, "bad library": 1}.get(case, 0)
+    _stub(stubs, "cmake", f'echo "cmake $*" >> {calls}\n')
+    # the device check passes after a rebuild (a second check): only the first one fails as the case says
+    _stub(stubs, "python3", f'echo "python3" >> {calls}; n=$(grep -c python3 {calls}); '
+                            f'[ "$n" -gt 1 ] && exit 0; exit {check_rc}\n')
+    gpu = tmp_path / "gpu"
+    pre = gpu / "prebuilt-sm90"
+    pre.mkdir(parents=True)
+    (pre / "libdflash27b.so").write_text("prebuilt lib")
+    (pre / "dfl_backend_ops").write_text("prebuilt ops")
+    script = f"""source bench/gpu_bench.sh
+GPU={gpu}
+source_hash > {pre / 'source.sha256'}
+{'echo changed >> csrc/a.cu' if case == 'other sources' else ''}
+mkdir -p build
+run 30 "build (sm_90)" build_ours; echo "rc=$?"
+"""
+    e = dict(os.environ, PATH=os.pathsep.join([str(stubs), os.environ["PATH"]]))
+    e.pop("OUT", None)
+    r = subprocess.run(["bash", "-c", script], cwd=repo, env=e, capture_output=True, text=True, timeout=60)
+    log = calls.read_text() if calls.exists() else ""
+    out = r.stdout + r.stderr
+    if case == "current":
+        assert "rc=0" in out and "prebuilt library for sm_90" in out and "cmake" not in log, out + log
+        assert (repo / "build" / "gpu" / "libdflash27b.so").read_text() == "prebuilt lib"
+    elif case == "other sources":
+        assert "built from other sources" in out and "cmake --build build/gpu" in log and "rc=0" in out, out + log
+    elif case == "no gpu visible":
+        assert "rc=2" in out and "cmake" not in log, out + log
+    else:
+        assert "failed its check: building" in out and "cmake --build build/gpu" in log and "rc=0" in out, out + log
+        assert not (repo / "build" / "gpu" / "libdflash27b.so").exists()  # the stub cmake built nothing
 
 
 def test_a_step_past_its_limit_is_killed_and_named(tmp_path):

@@ -604,7 +604,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
     __syncthreads();
     // output: each thread its dims of every row, slots in order.  First each row's correction (a row that
     // sees nothing in this tile is left as it is), then the slots 16 at a time: their V values loaded once for
-    // a token's G rows (once for all rows when shared), each row's fmas in slot order
+    // a token's G rows (once for all rows when shared), each row's fmas in slot order.  The loads sit outside
+    // the unrolled row loop (one copy of kv_elem's format switch, not one a row: nvcc took minutes over those)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (r >= R) break;
@@ -616,41 +617,42 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
     }
     const uint8_t* vbase = a.v_cache + (int64_t)m * a.head_bytes;
     for (int s = 0; s < nt_max; s += kVGather) {
-      float vv[kD][kVGather];
+      for (int tv = 0; tv < (shared ? 1 : TT); ++tv) {  // the token whose V rows are loaded (all when shared)
+        const int lim = shared ? nt_max : nt_of[tv];
+        if (s >= lim) continue;
+        const int32_t* so = slot_of + tv * kTile;
+        float vv[kD][kVGather];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (r >= R) break;
-        const int tt = r / G, nt = nt_of[tt];
-        if (shared ? r == 0 : r % G == 0) {  // the first row of its token (of all rows when shared)
-          const int lim = shared ? nt_max : nt;
-          const int32_t* so = slot_of + tt * kTile;
+        for (int u = 0; u < kVGather; ++u) {
+          const bool in = s + u < lim;
+          const int slot = !in ? 0 : shared ? s0 + s + u : so[s + u];
 #pragma unroll
-          for (int u = 0; u < kVGather; ++u) {
-            const bool in = s + u < lim;
-            const int slot = !in ? 0 : shared ? s0 + s + u : so[s + u];
-#pragma unroll
-            for (int e = 0; e < kD; ++e) {
-              const int d = tid + e * kAttnThreads;
-              vv[e][u] = in && d < hd ? kv_elem(a.kvt, vbase + (int64_t)slot * a.kv_row, d) : 0.f;
-            }
+          for (int e = 0; e < kD; ++e) {
+            const int d = tid + e * kAttnThreads;
+            vv[e][u] = in && d < hd ? kv_elem(a.kvt, vbase + (int64_t)slot * a.kv_row, d) : 0.f;
           }
         }
-        if (s >= nt) continue;
-        // the row's 16 weights as four 16-byte loads (head_dim % 32 == 0 and s % 16 == 0 keep them aligned;
-        // those past nt are read, never used)
-        float pw[kVGather];
 #pragma unroll
-        for (int k = 0; k < kVGather / 4; ++k) {
-          const float4 p4 = *reinterpret_cast<const float4*>(sc + r * kTile + s + 4 * k);
-          pw[4 * k] = p4.x, pw[4 * k + 1] = p4.y, pw[4 * k + 2] = p4.z, pw[4 * k + 3] = p4.w;
-        }
-        const int nu = min(kVGather, nt - s);
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= R) break;
+          const int tt = r / G, nt = nt_of[tt];
+          if ((!shared && tt != tv) || s >= nt) continue;
+          // the row's 16 weights as four 16-byte loads (head_dim % 32 == 0 and s % 16 == 0 keep them aligned;
+          // those past nt are read, never used)
+          float pw[kVGather];
 #pragma unroll
-        for (int e = 0; e < kD; ++e) {
-          if (tid + e * kAttnThreads >= hd) break;
+          for (int k = 0; k < kVGather / 4; ++k) {
+            const float4 p4 = *reinterpret_cast<const float4*>(sc + r * kTile + s + 4 * k);
+            pw[4 * k] = p4.x, pw[4 * k + 1] = p4.y, pw[4 * k + 2] = p4.z, pw[4 * k + 3] = p4.w;
+          }
+          const int nu = min(kVGather, nt - s);
 #pragma unroll
-          for (int u = 0; u < kVGather; ++u)
-            if (u < nu) acc[r][e] = fmaf(pw[u], vv[e][u], acc[r][e]);
+          for (int e = 0; e < kD; ++e) {
+            if (tid + e * kAttnThreads >= hd) break;
+#pragma unroll
+            for (int u = 0; u < kVGather; ++u)
+              if (u < nu) acc[r][e] = fmaf(pw[u], vv[e][u], acc[r][e]);
+          }
         }
       }
     }
