@@ -224,8 +224,9 @@ def test_the_device_runs_the_library_built_here(tmp_path, case):
     gpu = tmp_path / "gpu"
     pre = gpu / "prebuilt-sm90"
     pre.mkdir(parents=True)
-    (pre / "libdflash27b.so").write_text("prebuilt lib")
-    (pre / "dfl_backend_ops").write_text("prebuilt ops")
+    import lzma
+    (pre / "libdflash27b.so.xz").write_bytes(lzma.compress(b"prebuilt lib"))
+    (pre / "dfl_backend_ops.xz").write_bytes(lzma.compress(b"prebuilt ops"))
     script = f"""source bench/gpu_bench.sh
 GPU={gpu}
 source_hash > {pre / 'source.sha256'}
