@@ -323,7 +323,10 @@ def graph_comparison(lib, ffi, run) -> dict:
 def attention_grouping(lib, ffi, dec, ids: list[int], tree_ids, steps_tokens: int) -> dict:
     """An AR step and a 23-node tree verify after a long prompt, with attention's CTAs grouping a KV head's
     query heads and a block of tokens (auto: K/V read once per group) against one query row per CTA (the
-    pinned (1, 1): K/V read once per head and token), and with the f32 kernel (dfl_cuda_attention_kernel(-1),
+    pinned (1, 1): K/V read once per head and token) and against the largest group a CTA takes (kv_group, the
+    pinned (32, 32): never halved for more CTAs; auto halves it until the device has 2 CTAs an SM, which for an AR
+    step at 8K is one row a CTA, while the tensor-core kernel computes 16 rows a CTA whatever it holds), and with
+    the f32 kernel (dfl_cuda_attention_kernel(-1),
     DFLASH27B_CUDA_ATTN=simt) against the tensor-core one (attention_mma.cuh).  Each row's arithmetic is the
     same whatever the grouping, so auto's and one row's greedy tokens must agree; the f32 kernel rounds
     differently, so its tokens are only shown.  The times show what the grouping and the tensor cores save
@@ -333,7 +336,7 @@ def attention_grouping(lib, ffi, dec, ids: list[int], tree_ids, steps_tokens: in
     toks = {}
     try:
         for name, (rows_tok, rows_head), kernel in (("auto", (0, 0), 0), ("one_row", (1, 1), 0),
-                                                    ("simt", (0, 0), -1)):
+                                                    ("kv_group", (32, 32), 0), ("simt", (0, 0), -1)):
             if lib.dfl_cuda_attention_rows(rows_tok, rows_head) != 0 or lib.dfl_cuda_attention_kernel(kernel) != 0:
                 return {**out, "error": ffi.string(lib.dfl_last_error()).decode()}
             r, st = _gen(dec, ids, steps_tokens, mode="ar")
@@ -346,7 +349,7 @@ def attention_grouping(lib, ffi, dec, ids: list[int], tree_ids, steps_tokens: in
         dec._ctx.set_tree_hook(None)
         lib.dfl_cuda_attention_rows(0, 0)
         lib.dfl_cuda_attention_kernel(0)
-    out["same_tokens"] = toks["auto"] == toks["one_row"]
+    out["same_tokens"] = toks["auto"] == toks["one_row"] == toks["kv_group"]
     out["simt_same_tokens"] = toks["auto"] == toks["simt"]
     return out
 
@@ -938,6 +941,7 @@ def markdown(rec: dict) -> str:
                          "of ops replayed |")
     att = rec.get("attention") or {}
     for other, what, same in (("one_row", "attention grouped / one row a CTA", "same_tokens"),
+                              ("kv_group", "attention grouped / a whole KV group a CTA", "same_tokens"),
                               ("simt", "attention on tensor cores / f32", "simt_same_tokens")):
         if "auto" not in att or other not in att:
             continue

@@ -527,16 +527,18 @@ def test_attention_grouping_section():
 
     lib, dec = Lib(), Dec()
     att = gb.attention_grouping(lib, None, dec, list(range(100)), lambda n: list(range(n)), 8)
-    assert lib.calls == [(0, 0), (1, 1), (0, 0), (0, 0)] and lib.kernels == [0, 0, -1, 0]
+    assert lib.calls == [(0, 0), (1, 1), (32, 32), (0, 0), (0, 0)] and lib.kernels == [0, 0, 0, -1, 0]
     assert dec._ctx.hook is None
     assert att == {"prompt_tokens": 100, "auto": {"ar_ms": 2.0, "verify23_ms": 5.0},
-                   "one_row": {"ar_ms": 6.0, "verify23_ms": 15.0}, "simt": {"ar_ms": 6.0, "verify23_ms": 15.0},
+                   "one_row": {"ar_ms": 6.0, "verify23_ms": 15.0}, "kv_group": {"ar_ms": 2.0, "verify23_ms": 5.0},
+                   "simt": {"ar_ms": 6.0, "verify23_ms": 15.0},
                    "same_tokens": True, "simt_same_tokens": True}
     rec = gb.assemble({"ours": {"attention": att, "notes": []}}, "c", "H100", gb._dt.datetime(2026, 11, 26))
     assert rec["attention"] == att
     md = gb.markdown(rec)
     assert "| verify 23 nodes (tree) after 100 tokens, attention grouped / one row a CTA | 5.000 / 15.000 | 3.00x" in md
     assert "| AR step after 100 tokens, attention on tensor cores / f32 | 2.000 / 6.000 | 3.00x" in md
+    assert "| AR step after 100 tokens, attention grouped / a whole KV group a CTA | 2.000 / 2.000 | 1.00x" in md
 
 
 def test_matvec_table(monkeypatch):
