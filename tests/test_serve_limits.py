@@ -97,11 +97,17 @@ def test_prompt_beyond_the_context_is_refused_without_stalling(d):
 
 
 def test_big_tokenize_does_not_block_the_loop(d):
+    """A loop blocked by the tokenizer answers /health only when the whole request is done (2.3-2.7 s on a
+    2-core Zen 3 guest); one that is not answers within the probe's own share of the two cores: 0.16-0.22 s
+    there (the body's upload and the GIL are shared with this process), hence a bound relative to the request."""
     text = "def f(x):\n    return x * 2  # twice\n" * 80000   # 3 MiB
     with HealthProbe(d) as probe:
+        t0 = time.monotonic()
         r = httpx.post(d.url + "/tokenize", json={"content": text}, timeout=60)
+        took = time.monotonic() - t0
     assert r.status_code == 200 and len(r.json()["tokens"]) > 300000
-    assert probe.worst < 0.2, f"/health took {probe.worst:.3f} s during a 3 MiB /tokenize"
+    assert probe.n >= 5 and probe.worst < max(0.2, took / 5), \
+        f"/health took {probe.worst:.3f} s during a 3 MiB /tokenize of {took:.2f} s"
 
 
 # -- finding 7: JSON nesting and numbers ----------------------------------------------------------------------
