@@ -80,6 +80,15 @@ if [ $prebuild = 1 ]; then
     for f in libdflash27b.so dfl_backend_ops; do xz -T0 -6 -c "build/gpu/$f" > "$PREBUILT/$f.xz"; done
     echo "$hash" > "$PREBUILT/source.sha256"
     echo "$PREBUILT: built in $((SECONDS - start)) s (sources $hash, $(du -sh "$PREBUILT" | cut -f1))"
+    # the slowest objects (ninja's log, the newest entry of each): one nvcc process is what a fallback build on the
+    # device waits for, under a 300 s step (backend.cu took 384 s alone once); warn well before
+    if [ -f build/gpu/.ninja_log ]; then
+      awk -F'\t' 'NR > 1 { t[$4] = ($2 - $1) / 1000 } END { for (o in t) printf "%.0f %s\n", t[o], o }' \
+        build/gpu/.ninja_log | sort -rn | head -3 | while read -r secs obj; do
+          echo "  ${secs} s  $obj"
+          [ "$secs" -lt 150 ] || echo "  warning: over 150 s for one object here: a build on the device would be close to its 300 s step"
+        done
+    fi
   fi
 fi
 git rev-parse HEAD > $DIR/commit
