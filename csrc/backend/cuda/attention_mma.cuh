@@ -54,11 +54,9 @@ __host__ __device__ constexpr int mma_q_stride(int hd) { return hd + 4; }
 __host__ __device__ constexpr int mma_k_stride(int hd) { return hd + 4; }
 __host__ __device__ constexpr int mma_v_stride(int hd) { return hd + 8; }
 
-inline bool attn_mma_supported(DType kvt, int head_dim) {
-  return (kvt == DType::F32 || kvt == DType::F16 || kvt == DType::BF16 || kvt == DType::Q8_0 ||
-          kvt == DType::Q4_0) &&
-         head_dim % 32 == 0 && head_dim <= kMmaAttnMaxHeadDim;
-}
+// Every cache type the forward accepts (F32, F16, BF16, Q8_0, Q4_0: runtime/forward.cpp) is taken; the head
+// decides.
+inline bool attn_mma_supported(int head_dim) { return head_dim % 32 == 0 && head_dim <= kMmaAttnMaxHeadDim; }
 
 // q of 16 mt rows, the tile and its block scales, the weights, each token's slots, each row's running
 // max / sum / correction, each token's visible count and own flag.  Head_dim 256: 120 KiB for 32 rows, 95 KiB

@@ -479,7 +479,7 @@ class CudaBackend final : public Backend {
     const int kD = (s.head_dim + fwd::kAttnThreads - 1) / fwd::kAttnThreads;
     const int pin = g_attn_kernel_pin.load(std::memory_order_relaxed);
     const int mma_rows = mma_attention_rows(s.head_dim);
-    const bool mma = (pin ? pin : attn_kernel_) > 0 && fwd::attn_mma_supported(s.kv_type, s.head_dim) && mma_rows;
+    const bool mma = (pin ? pin : attn_kernel_) > 0 && fwd::attn_mma_supported(s.head_dim) && mma_rows;
     for (int t0 = 0; t0 < n_; t0 += group) {
       const int g = std::min(group, n_ - t0);
       const AttnRows rows = attention_rows(s, g, n_split, mma ? mma_rows : fwd::attn_max_rows(kD));
