@@ -1,9 +1,13 @@
 """The CPU emulator of the CUDA backend refuses what a GPU refuses at launch, so it is found without one:
 dynamic shared memory over 48 KiB without cudaFuncSetAttribute's opt-in (227 KiB at most), more than 1024
 threads a block, grid.y over 65535, and calls that synchronise or allocate
-while the thread captures a stream; and its cp.async copies land at the issuing thread's wait, not before. Each case of tests/cpp/emu_launch_checks.cpp runs as its own process."""
+while the thread captures a stream; and its cp.async copies land at the issuing thread's wait, not before.  Its
+schedule (DFL_EMU_SCHEDULE) reorders threads between barriers and CTAs in a grid, so a race shows as results that
+change with it, and dynamic shared memory starts every CTA as garbage.  Each case of
+tests/cpp/emu_launch_checks.cpp runs as its own process."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,8 +30,12 @@ def checks(tmp_path_factory):
     return exe
 
 
-def _case(exe: Path, name: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(exe), name], capture_output=True, text=True, timeout=30)
+def _case(exe: Path, name: str, schedule: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("DFL_EMU_SCHEDULE", None)
+    if schedule is not None:
+        env["DFL_EMU_SCHEDULE"] = schedule
+    return subprocess.run([str(exe), name], capture_output=True, text=True, timeout=30, env=env)
 
 
 @pytest.mark.parametrize("name,ran", [("smem48k", 1), ("smem64k_opt_in", 1), ("capture_async", 11),
@@ -70,3 +78,47 @@ def test_unsafe_calls_while_capturing_stop(checks, name, api):
 
 def test_opt_in_beyond_the_device_maximum_is_an_error(checks):
     assert _case(checks, "smem_opt_in_too_big").returncode == 4
+
+
+def _ran(r: subprocess.CompletedProcess) -> int:
+    assert r.returncode == 0 and r.stdout.startswith("ran "), r.stdout + r.stderr
+    return int(r.stdout.split()[1])
+
+
+def test_a_race_changes_with_the_schedule(checks):
+    """A thread reading its neighbour's shared slot with no barrier after the writes: how many read it unwritten
+    depends on the order the threads run in, so the op tests run under `reverse` and `random` find such a race
+    as a mismatch; with the barrier, none does in any order."""
+    racy = {sched: _ran(_case(checks, "race", sched)) for sched in ("fifo", "reverse", "random:1", "random:2")}
+    assert len(set(racy.values())) > 1, racy
+    assert racy["fifo"] == _ran(_case(checks, "race"))  # fifo is the default
+    for sched in ("fifo", "reverse", "random:1", "random:2"):
+        assert _ran(_case(checks, "race_synced", sched)) == 0
+
+
+def test_the_schedule_orders_ctas(checks):
+    assert _ran(_case(checks, "cta_order")) == 0
+    assert _ran(_case(checks, "cta_order", "reverse")) == 7
+    firsts = {_ran(_case(checks, "cta_order", f"random:{seed}")) for seed in range(8)}
+    assert len(firsts) > 1 and firsts <= set(range(8))
+
+
+def test_a_bad_schedule_is_named(checks):
+    r = _case(checks, "cta_order", "sideways")
+    assert r.returncode != 0 and "DFL_EMU_SCHEDULE=sideways: expected fifo, reverse or random[:SEED]" in r.stderr
+
+
+@pytest.mark.parametrize("schedule", ["fifo", "reverse", "random:3"])
+def test_dynamic_shared_memory_starts_as_garbage(checks, schedule):
+    """What one CTA left in dynamic shared memory is never the next CTA's: every CTA starts with 0xff bytes."""
+    assert _ran(_case(checks, "smem_garbage", schedule)) == 3
+
+
+def test_a_full_warp_shuffle_needs_every_lane(checks):
+    """The kernels' shuffles name all 32 lanes; with one exited, or in a block's partial last warp, a GPU gives
+    garbage or hangs, and the emulator stops naming the warp."""
+    assert _ran(_case(checks, "shfl_full_warp")) == 32
+    r = _case(checks, "shfl_after_exit")
+    assert r.returncode != 0 and "emu: __shfl_xor_sync over the full warp with 31 of warp 0's 32 lanes live" in r.stderr
+    r = _case(checks, "shfl_partial_warp")
+    assert r.returncode != 0 and "with 16 of warp 1's 32 lanes live" in r.stderr

@@ -5,6 +5,8 @@
 
 #include "cuda_runtime.h"
 
+#define DFL_EMU_DYNAMIC_INT(name) int* name = reinterpret_cast<int*>(::emu::dynamic_smem())
+
 __global__ void count_threads(int* n) { __syncthreads(); if (threadIdx.x == 0) ++*n; }
 
 // Each of 32 threads copies src[t] into shared memory by cp.async; thread 0 then sums the tile.  `wait_first`:
@@ -24,6 +26,34 @@ __global__ void cp_async_sum(const int* src, int* out, bool wait_first) {
     for (int i = 0; i < 32; ++i) sum += tile[i];
     *out = sum;
   }
+}
+
+// Each thread writes its slot, then reads its neighbour's with no barrier between (`synced` puts one there):
+// counts the threads that read the neighbour's slot before it was written.  Racy, the count depends on the
+// order the threads run in (DFL_EMU_SCHEDULE); synced, it is 0 in every order.
+__global__ void neighbour_read(int* unwritten, bool synced) {
+  __shared__ int slot[64];
+  slot[threadIdx.x] = 0;
+  __syncthreads();
+  slot[threadIdx.x] = (int)threadIdx.x + 1;
+  if (synced) __syncthreads();
+  if (slot[(threadIdx.x + 1) % 64] == 0) ++*unwritten;
+}
+
+// CTA 0 leaves 7 in dynamic shared memory; every later CTA must see garbage (0xff bytes), not 7.
+__global__ void smem_left_over(int* seen) {
+  DFL_EMU_DYNAMIC_INT(buf);
+  if (threadIdx.x != 0) return;
+  if (blockIdx.x > 0) *seen += buf[0] == -1 ? 1 : 100;
+  buf[0] = 7;
+}
+
+// A warp sum over the full mask after lane 31 returned (or in a 48-thread block's second warp): undefined on the GPU.
+__global__ void sum_after_exit(int* out, bool exit_one) {
+  if (exit_one && threadIdx.x == 31) return;
+  float v = 1.f;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x == 0) *out = (int)v;
 }
 
 int main(int argc, char** argv) {
@@ -80,6 +110,19 @@ int main(int argc, char** argv) {
     alignas(16) char a[32] = {}, b[32] = {};
     emu::launch(1, 1, 0, [&] { emu::cp_async(a + 4, b, 16, 16); });
   }
+  else if (!std::strcmp(c, "race") || !std::strcmp(c, "race_synced")) {
+    const bool synced = !std::strcmp(c, "race_synced");
+    emu::launch(1, 64, 0, [&] { neighbour_read(&n, synced); });
+  } else if (!std::strcmp(c, "smem_garbage")) {  // n = the later CTAs that saw garbage (3)
+    emu::launch(4, 32, 64, [&] { smem_left_over(&n); });
+  } else if (!std::strcmp(c, "cta_order")) {  // n = the first CTA run, of 8
+    int first = -1;
+    emu::launch(8, 1, 0, [&] { if (first < 0) first = (int)blockIdx.x; });
+    n = first;
+  }
+  else if (!std::strcmp(c, "shfl_full_warp")) emu::launch(1, 64, 0, [&] { sum_after_exit(&n, false); });
+  else if (!std::strcmp(c, "shfl_after_exit")) emu::launch(1, 64, 0, [&] { sum_after_exit(&n, true); });
+  else if (!std::strcmp(c, "shfl_partial_warp")) emu::launch(1, 48, 0, [&] { sum_after_exit(&n, false); });
   else return 2;
   std::printf("ran %d\n", n);
   return 0;

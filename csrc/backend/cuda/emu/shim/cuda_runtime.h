@@ -9,6 +9,13 @@
 // function statics (one CTA runs at a time).  "Device memory" is host memory;
 // streams and events are no-ops because every launch completes before it
 // returns.  Only what the backend uses is here.
+//
+// DFL_EMU_SCHEDULE orders the threads between barriers and the CTAs of a grid: `fifo` (the default:
+// threads in the order they arrived, CTAs x fastest), `reverse` (the highest thread index first at every
+// barrier, the last CTA first) or `random[:SEED]` (a fresh permutation at every barrier and of every grid).
+// A GPU promises no order, so a kernel whose results change with it reads shared memory another thread
+// writes without a barrier between (a race) or relies on CTA order: run the op tests under each.
+// Dynamic shared memory starts every CTA as 0xff bytes (NaN floats, -1 ints), as garbage would on a GPU.
 #pragma once
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -32,9 +39,11 @@
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 
-struct uint2 { uint32_t x, y; };
-struct uint4 { uint32_t x, y, z, w; };
-struct float4 { float x, y, z, w; };
+// Aligned as CUDA's own vector types are, so structs holding them are laid out as on the GPU, and a
+// misaligned dereference is one (the sanitizer build checks alignment: tests/test_cuda_emulated.py).
+struct alignas(8) uint2 { uint32_t x, y; };
+struct alignas(16) uint4 { uint32_t x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
   constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
@@ -216,9 +225,54 @@ struct Cta {
 inline Cta* cta = nullptr;
 constexpr size_t kStack = 256 << 10;
 
-inline void* dynamic_smem() {
-  alignas(16) static unsigned char buf[160 << 10];
+// The dynamic shared memory a CTA may have on sm_90 (227 KiB); see kSmemOptInMax.
+inline unsigned char* dynamic_smem_buffer() {
+  alignas(16) static unsigned char buf[227u << 10];
   return buf;
+}
+inline void* dynamic_smem() { return dynamic_smem_buffer(); }
+
+// DFL_EMU_SCHEDULE (see the top of this file), read once.
+enum class Schedule { fifo, reverse, random };
+struct ScheduleChoice {
+  Schedule kind = Schedule::fifo;
+  uint64_t state = 0x9e3779b97f4a7c15ull;  // xorshift64 state for `random`
+};
+inline ScheduleChoice& schedule() {
+  static ScheduleChoice s = [] {
+    ScheduleChoice c;
+    const char* e = std::getenv("DFL_EMU_SCHEDULE");
+    if (!e || !*e || !std::strcmp(e, "fifo")) return c;
+    if (!std::strcmp(e, "reverse")) {
+      c.kind = Schedule::reverse;
+    } else if (!std::strncmp(e, "random", 6) && (e[6] == 0 || e[6] == ':')) {
+      c.kind = Schedule::random;
+      if (e[6] == ':') c.state ^= std::strtoull(e + 7, nullptr, 10) * 0xbf58476d1ce4e5b9ull;
+      if (!c.state) c.state = 1;
+    } else {
+      std::fprintf(stderr, "emu: DFL_EMU_SCHEDULE=%s: expected fifo, reverse or random[:SEED]\n", e);
+      std::abort();
+    }
+    return c;
+  }();
+  return s;
+}
+inline uint64_t schedule_next() {
+  uint64_t& x = schedule().state;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return x;
+}
+// Orders v (thread or CTA indices) as the schedule says; fifo leaves it as it is.
+inline void schedule_order(std::vector<int>& v) {
+  switch (schedule().kind) {
+    case Schedule::fifo: break;
+    case Schedule::reverse: std::sort(v.begin(), v.end(), [](int a, int b) { return a > b; }); break;
+    case Schedule::random:
+      for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[schedule_next() % i]);
+      break;
+  }
 }
 
 inline void set_thread(int i) {
@@ -228,6 +282,7 @@ inline void set_thread(int i) {
 
 inline void release(Barrier& b) {
   b.arrived = 0;
+  schedule_order(b.waiters);
   for (int w : b.waiters) cta->ready.push_back(w);
   b.waiters.clear();
 }
@@ -248,12 +303,23 @@ inline void run_next(void** save) {
 
 // Arrive; block until all live threads of the group have arrived.
 inline void barrier_wait(Barrier& b, const int* live) {
-  if (++b.arrived >= *live) {
-    release(b);
-    return;
-  }
   Cta& c = *cta;
   const int me = c.cur;
+  if (++b.arrived >= *live) {
+    if (schedule().kind == Schedule::fifo) {  // the last arrival runs on
+      release(b);
+      return;
+    }
+    // Otherwise the last arrival queues with the others, in the schedule's order.
+    b.waiters.push_back(me);
+    release(b);
+    if (c.ready[c.head] == me) {
+      ++c.head;
+      return;
+    }
+    run_next(&c.fibers[me].sp);
+    return;
+  }
   b.waiters.push_back(me);
   run_next(&c.fibers[me].sp);
   // resumed by run_next of another fiber, which set cur and threadIdx
@@ -330,29 +396,47 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   c.block = block;
   gridDim = grid;
   blockDim = block;
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        blockIdx = dim3(bx, by, bz);
-        c.fibers.assign(nt, Fiber{});
-        c.live = nt;
-        c.warp_live.assign((nt + 31) / 32, 0);
-        for (int i = 0; i < nt; ++i) ++c.warp_live[i >> 5];
-        c.bar = Barrier{};
-        c.warp_bar.assign(c.warp_live.size(), Barrier{});
-        c.ready.clear();
-        c.head = 0;
-        for (int i = 0; i < nt; ++i) {
-          c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
-          c.ready.push_back(i);
-        }
-        run_next(&c.sched_sp);  // returns when no fiber is ready
-        if (c.live > 0) {
-          std::fprintf(stderr, "emu: deadlock: %d threads of CTA (%u,%u,%u) wait on a barrier forever\n", c.live,
-                       bx, by, bz);
-          std::abort();
-        }
-      }
+  const long long n_cta = (long long)grid.x * grid.y * grid.z;
+  std::vector<int> order;
+  if (schedule().kind != Schedule::fifo) {
+    order.resize(n_cta);
+    for (long long i = 0; i < n_cta; ++i) order[i] = (int)i;
+    schedule_order(order);
+  }
+  unsigned char* smem_buf = dynamic_smem_buffer();
+#if defined(__SANITIZE_ADDRESS__)
+  // Past the launch's dynamic shared memory: a read or write there is an AddressSanitizer report.
+  __asan_unpoison_memory_region(smem_buf, kSmemOptInMax);
+  __asan_poison_memory_region(smem_buf + smem, kSmemOptInMax - smem);
+#endif
+  std::vector<int> threads(nt);
+  for (int i = 0; i < nt; ++i) threads[i] = i;
+  for (long long ci = 0; ci < n_cta; ++ci) {
+    const unsigned lin = order.empty() ? (unsigned)ci : (unsigned)order[ci];
+    const unsigned bx = lin % grid.x, by = (lin / grid.x) % grid.y, bz = lin / (grid.x * grid.y);
+    blockIdx = dim3(bx, by, bz);
+    std::memset(smem_buf, 0xff, smem);  // a CTA's shared memory starts as garbage
+    c.fibers.assign(nt, Fiber{});
+    c.live = nt;
+    c.warp_live.assign((nt + 31) / 32, 0);
+    for (int i = 0; i < nt; ++i) ++c.warp_live[i >> 5];
+    c.bar = Barrier{};
+    c.warp_bar.assign(c.warp_live.size(), Barrier{});
+    c.ready.clear();
+    c.head = 0;
+    for (int i = 0; i < nt; ++i) c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
+    schedule_order(threads);
+    c.ready = threads;
+    run_next(&c.sched_sp);  // returns when no fiber is ready
+    if (c.live > 0) {
+      std::fprintf(stderr, "emu: deadlock: %d threads of CTA (%u,%u,%u) wait on a barrier forever\n", c.live,
+                   bx, by, bz);
+      std::abort();
+    }
+  }
+#if defined(__SANITIZE_ADDRESS__)
+  __asan_unpoison_memory_region(smem_buf, kSmemOptInMax);
+#endif
   cta = nullptr;
 }
 
@@ -394,9 +478,23 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
 // consecutive shuffles, so one barrier per shuffle suffices (a lane can only
 // rewrite a buffer after every lane has arrived at the next shuffle, i.e.
 // finished reading this one).
+namespace emu {
+// The kernels' shuffles and mma.sync name the whole warp: a lane that has exited, or that the block does not
+// have (a partial last warp), makes them undefined on the GPU (garbage or a hang).  The emulator stops there.
+inline void require_full_warp(const char* what) {
+  const Cta& c = *cta;
+  const int w = c.cur >> 5;
+  if (c.warp_live[w] == 32) return;
+  std::fprintf(stderr, "emu: %s over the full warp with %d of warp %d's 32 lanes live (exited, or a partial warp)\n",
+               what, c.warp_live[w], w);
+  std::abort();
+}
+}  // namespace emu
+
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
   static_assert(sizeof(T) == 4, "4-byte shuffles only");
+  emu::require_full_warp("__shfl_xor_sync");
   emu::Cta& c = *emu::cta;
   const int me = c.cur, lane = me & 31, w = me >> 5;
   float (&slot)[32][32] = c.slot[c.fibers[me].shuffles++ & 1];
@@ -415,6 +513,7 @@ namespace emu {
 // Every lane of the warp posts its A and B registers; returns the warp's posted registers, buf[lane][0..3] =
 // A, [4..5] = B, once all have arrived.
 inline uint32_t (&mma_exchange(const uint32_t (&a)[4], const uint32_t (&b)[2]))[32][6] {
+  require_full_warp("mma.sync");
   Cta& cx = *cta;
   const int me = cx.cur, lane = me & 31, w = me >> 5;
   uint32_t (&buf)[32][6] = cx.mma[cx.fibers[me].shuffles++ & 1][w % 32];
