@@ -52,8 +52,10 @@ def test_backend_ops_on_emulator(emu_build):
 def test_backend_ops_on_a_99_kib_card(emu_build):
     """DFL_EMU_SMEM_OPTIN_KIB=99 gives the emulated device an sm_86 / sm_89's shared memory per CTA (an RTX
     3090 or 4090): the tensor-core attention then takes 16 rows a CTA at head_dim 256 (32 on an H100), the
-    tiled prefill matmul (95 KiB) still fits, and both agree with the CPU as on the big card."""
-    env = dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99")
+    tiled prefill matmul (95 KiB) still fits, and both agree with the CPU as on the big card.  The threads run
+    highest first at every barrier (DFL_EMU_SCHEDULE=reverse), so a shared-memory race in these kernels fails
+    here."""
+    env = dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99", DFL_EMU_SCHEDULE="reverse")  # races show here too
     for family, max_batch in (("attention", "2"), ("matmul", "512")):
         run = subprocess.run([str(emu_build / "dfl_backend_ops"), "--only", family, max_batch], capture_output=True,
                              text=True, timeout=1200, env=env)
@@ -75,7 +77,8 @@ def test_cuda_tests_on_emulator(emu_build):
 
 def test_backend_under_address_sanitizer(tmp_path):
     """The stand-in for compute-sanitizer memcheck where there is no GPU: the emulator build under
-    AddressSanitizer ("device" memory is exact-size host memory), running the op test and a short
+    AddressSanitizer ("device" memory is exact-size host memory; dynamic shared memory ends at the launch's
+    size) and UBSan's alignment check (a misaligned vector load), running the op test and a short
     AR / chain / DDTree / sampled decode of the bundled pair on the emulated device."""
     cmake, gcc = shutil.which("cmake"), shutil.which("gcc")
     if not cmake or not gcc:
@@ -86,15 +89,17 @@ def test_backend_under_address_sanitizer(tmp_path):
     out = ROOT / "build" / "emu-asan-tests"
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     cfg = subprocess.run([cmake, "-S", str(ROOT), "-B", str(out), *gen, "-DCMAKE_BUILD_TYPE=Debug",
-                          "-DCMAKE_CXX_FLAGS=-O1 -g -fsanitize=address -fno-omit-frame-pointer",
+                          "-DCMAKE_CXX_FLAGS=-O1 -g -fsanitize=address,alignment -fno-sanitize-recover=alignment "
+                          "-fno-omit-frame-pointer",
                           "-DDFLASH27B_CUDA=OFF", "-DDFLASH27B_CUDA_EMU=ON", "-DDFLASH27B_BUILD_TESTS=ON"],
                          capture_output=True, text=True)
     assert cfg.returncode == 0, cfg.stdout[-3000:] + cfg.stderr[-3000:]
     bld = subprocess.run([cmake, "--build", str(out), "-j", str(os.cpu_count() or 2)], capture_output=True, text=True)
     assert bld.returncode == 0, bld.stdout[-4000:] + bld.stderr[-4000:]
     asan = "detect_stack_use_after_return=0:detect_leaks=0:abort_on_error=0:exitcode=86"
+    # random schedule: the threads in a fresh order at every barrier, so a race shows as a mismatch
     ops = subprocess.run([str(out / "dfl_backend_ops"), "7"], capture_output=True, text=True, timeout=1200,
-                         env=dict(os.environ, ASAN_OPTIONS=asan))
+                         env=dict(os.environ, ASAN_OPTIONS=asan, DFL_EMU_SCHEDULE="random:1"))
     assert ops.returncode == 0 and ops.stdout.rstrip().endswith("ALL OK"), ops.stderr[-4000:]
     code = ("from dflash27b import Decoder\n"
             "with Decoder(device='cuda', ctx=256, threads=2, kv_type='q4_0') as d:\n"

@@ -122,3 +122,12 @@ def test_a_full_warp_shuffle_needs_every_lane(checks):
     assert r.returncode != 0 and "emu: __shfl_xor_sync over the full warp with 31 of warp 0's 32 lanes live" in r.stderr
     r = _case(checks, "shfl_partial_warp")
     assert r.returncode != 0 and "with 16 of warp 1's 32 lanes live" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["split_barrier", "split_shuffle"])
+def test_threads_meeting_at_two_different_barriers_stop(checks, name):
+    """Threads of one CTA at two different __syncthreads calls, or lanes of one warp at two different shuffles
+    (a barrier in a branch only some take): a hang or garbage on a GPU, which the emulator had let meet."""
+    r = _case(checks, name)
+    assert r.returncode != 0 and "emu: divergent barrier: thread " in r.stderr, r.stdout + r.stderr
+    assert r.stderr.count("emu_launch_checks.cpp:") == 2, r.stderr

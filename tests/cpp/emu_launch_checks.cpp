@@ -56,6 +56,23 @@ __global__ void sum_after_exit(int* out, bool exit_one) {
   if (threadIdx.x == 0) *out = (int)v;
 }
 
+// Half the block waits at one __syncthreads, half at another: undefined on the GPU (a hang where the two never
+// meet); the emulator stops naming both lines.  The warp case: lanes split between two shuffles.
+__global__ void split_barrier(int* n) {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) ++*n;
+}
+__global__ void split_shuffle(int* n) {
+  float v = 1.f;
+  if (threadIdx.x < 16) v += __shfl_xor_sync(0xffffffffu, v, 1);
+  else v += __shfl_xor_sync(0xffffffffu, v, 2);
+  if (threadIdx.x == 0) *n = (int)v;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
   const char* c = argv[1];
@@ -123,6 +140,8 @@ int main(int argc, char** argv) {
   else if (!std::strcmp(c, "shfl_full_warp")) emu::launch(1, 64, 0, [&] { sum_after_exit(&n, false); });
   else if (!std::strcmp(c, "shfl_after_exit")) emu::launch(1, 64, 0, [&] { sum_after_exit(&n, true); });
   else if (!std::strcmp(c, "shfl_partial_warp")) emu::launch(1, 48, 0, [&] { sum_after_exit(&n, false); });
+  else if (!std::strcmp(c, "split_barrier")) emu::launch(1, 64, 0, [&] { split_barrier(&n); });
+  else if (!std::strcmp(c, "split_shuffle")) emu::launch(1, 32, 0, [&] { split_shuffle(&n); });
   else return 2;
   std::printf("ran %d\n", n);
   return 0;

@@ -139,9 +139,20 @@ struct Graph {
 };
 inline thread_local Graph* capturing = nullptr;
 
+// Where in the source a thread reached a barrier: the threads meeting at one must all be at the same call
+// (a __syncthreads in code some threads skip, or a full-warp shuffle in a branch only some lanes take, is
+// undefined on the GPU: a hang or garbage), so the emulator stops when two sites meet.
+struct Site {
+  const char* file = nullptr;
+  int line = 0;
+  bool operator==(const Site& o) const {
+    return line == o.line && (file == o.file || (file && o.file && !std::strcmp(file, o.file)));
+  }
+};
 // A barrier's arrivals and the fibers blocked on it.
 struct Barrier {
   int arrived = 0;
+  Site site;  // of the first arrival
   std::vector<int> waiters;
 };
 // A fiber's saved stack pointer.  On x86-64 the switch is a dozen
@@ -302,9 +313,17 @@ inline void run_next(void** save) {
 }
 
 // Arrive; block until all live threads of the group have arrived.
-inline void barrier_wait(Barrier& b, const int* live) {
+inline void barrier_wait(Barrier& b, const int* live, Site at) {
   Cta& c = *cta;
   const int me = c.cur;
+  if (b.arrived == 0) {
+    b.site = at;
+  } else if (!(b.site == at)) {
+    std::fprintf(stderr,
+                 "emu: divergent barrier: thread %d of CTA (%u,%u,%u) reached one at %s:%d while others wait at "
+                 "%s:%d\n", me, blockIdx.x, blockIdx.y, blockIdx.z, at.file, at.line, b.site.file, b.site.line);
+    std::abort();
+  }
   if (++b.arrived >= *live) {
     if (schedule().kind == Schedule::fifo) {  // the last arrival runs on
       release(b);
@@ -467,13 +486,19 @@ inline void cp_async_wait_all() {
 }
 }  // namespace emu
 
-inline void __syncthreads() { emu::barrier_wait(emu::cta->bar, &emu::cta->live); }
+namespace emu {
+inline void syncthreads_at(Site at) { barrier_wait(cta->bar, &cta->live, at); }
 // The warp's live lanes meet (the mask is the full warp wherever the kernels call it).
-inline void __syncwarp(unsigned = 0xffffffffu) {
-  emu::Cta& c = *emu::cta;
+inline void syncwarp_at(Site at) {
+  Cta& c = *cta;
   const int w = c.cur >> 5;
-  emu::barrier_wait(c.warp_bar[w], &c.warp_live[w]);
+  barrier_wait(c.warp_bar[w], &c.warp_live[w], at);
 }
+}  // namespace emu
+// Macros, so each barrier knows its call site (emu::Site).
+#define __syncthreads() ::emu::syncthreads_at(::emu::Site{__FILE__, __LINE__})
+#define __syncwarp(...) ::emu::syncwarp_at(::emu::Site{__FILE__, __LINE__})
+#define __shfl_xor_sync(mask, v, o) ::emu::shfl_xor_at(::emu::Site{__FILE__, __LINE__}, mask, v, o)
 // Values pass through a per-warp slot buffer; the buffer alternates between
 // consecutive shuffles, so one barrier per shuffle suffices (a lane can only
 // rewrite a buffer after every lane has arrived at the next shuffle, i.e.
@@ -491,19 +516,21 @@ inline void require_full_warp(const char* what) {
 }
 }  // namespace emu
 
+namespace emu {
 template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int o) {
+inline T shfl_xor_at(Site at, unsigned, T v, int o) {
   static_assert(sizeof(T) == 4, "4-byte shuffles only");
-  emu::require_full_warp("__shfl_xor_sync");
-  emu::Cta& c = *emu::cta;
+  require_full_warp("__shfl_xor_sync");
+  Cta& c = *cta;
   const int me = c.cur, lane = me & 31, w = me >> 5;
   float (&slot)[32][32] = c.slot[c.fibers[me].shuffles++ & 1];
   std::memcpy(&slot[w % 32][lane], &v, 4);
-  emu::barrier_wait(c.warp_bar[w], &c.warp_live[w]);
+  barrier_wait(c.warp_bar[w], &c.warp_live[w], at);
   T out;
   std::memcpy(&out, &slot[w % 32][lane ^ o], 4);
   return out;
 }
+}  // namespace emu
 
 namespace emu {
 // mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (fragment maps in csrc/backend/cuda/mma.cuh): every lane posts its A
@@ -519,7 +546,7 @@ inline uint32_t (&mma_exchange(const uint32_t (&a)[4], const uint32_t (&b)[2]))[
   uint32_t (&buf)[32][6] = cx.mma[cx.fibers[me].shuffles++ & 1][w % 32];
   for (int i = 0; i < 4; ++i) buf[lane][i] = a[i];
   for (int i = 0; i < 2; ++i) buf[lane][4 + i] = b[i];
-  barrier_wait(cx.warp_bar[w], &cx.warp_live[w]);
+  barrier_wait(cx.warp_bar[w], &cx.warp_live[w], Site{"mma.sync", 0});
   return buf;
 }
 
