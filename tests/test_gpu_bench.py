@@ -201,18 +201,20 @@ def _fake_checkout(tmp_path: Path) -> Path:
     (repo / "bench").mkdir(parents=True)
     (repo / "bench" / "gpu_bench.sh").write_text((ROOT / "bench" / "gpu_bench.sh").read_text())
     for rel, text in {"CMakeLists.txt": "project(x)\n", "csrc/a.cu": "// a\n", "include/x.h": "// x\n",
-                      "tests/cpp/t.cpp": "// t\n"}.items():
+                      "tests/cpp/t.cpp": "// t\n", "csrc/backend/cuda/emu/shim/cuda_runtime.h": "// shim\n",
+                      "tests/cpp/emu_launch_checks.cpp": "// checks\n"}.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
     return repo
 
 
-@pytest.mark.parametrize("case", ["current", "other sources", "no gpu visible", "bad library"])
+@pytest.mark.parametrize("case", ["current", "other sources", "no gpu visible", "bad library", "emulator only"])
 def test_the_device_runs_the_library_built_here(tmp_path, case):
     """nvcc on backend.cu alone outran the build step's 300 s on an H200 host (2026-11-28): gpu_prepare.sh
     builds the sm_90 library here and gpu_bench.sh's build step uses it when the sources it runs on digest the
     same; otherwise, or when the library does not pass the device check, it builds as before. No GPU visible
-    is not the library's fault: no rebuild then."""
+    is not the library's fault: no rebuild then.  A change to what only the emulator compiles (its shim, the
+    launch-check program) keeps the library current."""
     repo = _fake_checkout(tmp_path)
     calls = tmp_path / "calls"
     stubs = tmp_path / "bin"
@@ -231,6 +233,8 @@ def test_the_device_runs_the_library_built_here(tmp_path, case):
 GPU={gpu}
 source_hash > {pre / 'source.sha256'}
 {'echo changed >> csrc/a.cu' if case == 'other sources' else ''}
+{'echo changed >> csrc/backend/cuda/emu/shim/cuda_runtime.h; echo changed >> tests/cpp/emu_launch_checks.cpp'
+ if case == 'emulator only' else ''}
 mkdir -p build
 run 30 "build (sm_90)" build_ours; echo "rc=$?"
 """
@@ -239,7 +243,7 @@ run 30 "build (sm_90)" build_ours; echo "rc=$?"
     r = subprocess.run(["bash", "-c", script], cwd=repo, env=e, capture_output=True, text=True, timeout=60)
     log = calls.read_text() if calls.exists() else ""
     out = r.stdout + r.stderr
-    if case == "current":
+    if case in ("current", "emulator only"):  # the emulator's own files are no part of an nvcc build
         assert "rc=0" in out and "prebuilt library for sm_90" in out and "cmake" not in log, out + log
         assert (repo / "build" / "gpu" / "libdflash27b.so").read_text() == "prebuilt lib"
     elif case == "other sources":
