@@ -53,9 +53,9 @@ def test_backend_ops_on_a_99_kib_card(emu_build):
     """DFL_EMU_SMEM_OPTIN_KIB=99 gives the emulated device an sm_86 / sm_89's shared memory per CTA (an RTX
     3090 or 4090): the tensor-core attention then takes 16 rows a CTA at head_dim 256 (32 on an H100), the
     tiled prefill matmul (95 KiB) still fits, and both agree with the CPU as on the big card.  The threads run
-    highest first at every barrier (DFL_EMU_SCHEDULE=reverse), so a shared-memory race in these kernels fails
-    here."""
-    env = dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99", DFL_EMU_SCHEDULE="reverse")  # races show here too
+    in a random order of warps and lanes (DFL_EMU_SCHEDULE=random:2), so a shared-memory race in these kernels
+    fails here."""
+    env = dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99", DFL_EMU_SCHEDULE="random:2")  # races show here too
     for family, max_batch in (("attention", "2"), ("matmul", "512")):
         run = subprocess.run([str(emu_build / "dfl_backend_ops"), "--only", family, max_batch], capture_output=True,
                              text=True, timeout=1200, env=env)

@@ -96,6 +96,17 @@ def test_a_race_changes_with_the_schedule(checks):
         assert _ran(_case(checks, "race_synced", sched)) == 0
 
 
+def test_a_write_after_read_race_shows_out_of_fifo_order(checks):
+    """block_sum's first barrier ("red may still be read by a previous call") left out: the default order
+    hides the race, `reverse` (the released higher warp runs first) and `random` show it; with the barrier no
+    order does."""
+    assert _ran(_case(checks, "war_race")) == 0
+    assert _ran(_case(checks, "war_race", "reverse")) > 0
+    assert sum(_ran(_case(checks, "war_race", f"random:{seed}")) > 0 for seed in range(8)) > 0
+    for sched in ("fifo", "reverse", "random:1", "random:2"):
+        assert _ran(_case(checks, "war_guarded", sched)) == 0
+
+
 def test_the_schedule_orders_ctas(checks):
     assert _ran(_case(checks, "cta_order")) == 0
     assert _ran(_case(checks, "cta_order", "reverse")) == 7

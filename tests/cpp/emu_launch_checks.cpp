@@ -40,6 +40,23 @@ __global__ void neighbour_read(int* unwritten, bool synced) {
   if (slot[(threadIdx.x + 1) % 64] == 0) ++*unwritten;
 }
 
+// Two block sums in a row, each thread adding `call` (so 64 * call), through one `red` array.  Without the
+// barrier before the write (`guarded`), a warp that gets ahead writes call 2's partial sum while the other
+// warp still reads call 1's: a write-after-read race.  fifo hides it (a warp released from a shuffle queues
+// behind every thread still reading); `reverse` runs the released higher warp first and shows it.
+__global__ void two_block_sums(int* wrong, bool guarded) {
+  __shared__ float red[2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int call = 1; call <= 2; ++call) {
+    float v = (float)call;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (guarded) __syncthreads();  // red may still be read by the previous call
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (red[0] + red[1] != 64.f * call) ++*wrong;
+  }
+}
+
 // CTA 0 leaves 7 in dynamic shared memory; every later CTA must see garbage (0xff bytes), not 7.
 __global__ void smem_left_over(int* seen) {
   DFL_EMU_DYNAMIC_INT(buf);
@@ -130,6 +147,9 @@ int main(int argc, char** argv) {
   else if (!std::strcmp(c, "race") || !std::strcmp(c, "race_synced")) {
     const bool synced = !std::strcmp(c, "race_synced");
     emu::launch(1, 64, 0, [&] { neighbour_read(&n, synced); });
+  } else if (!std::strcmp(c, "war_race") || !std::strcmp(c, "war_guarded")) {
+    const bool guarded = !std::strcmp(c, "war_guarded");
+    emu::launch(1, 64, 0, [&] { two_block_sums(&n, guarded); });
   } else if (!std::strcmp(c, "smem_garbage")) {  // n = the later CTAs that saw garbage (3)
     emu::launch(4, 32, 64, [&] { smem_left_over(&n); });
   } else if (!std::strcmp(c, "cta_order")) {  // n = the first CTA run, of 8

@@ -10,11 +10,14 @@
 // streams and events are no-ops because every launch completes before it
 // returns.  Only what the backend uses is here.
 //
-// DFL_EMU_SCHEDULE orders the threads between barriers and the CTAs of a grid: `fifo` (the default:
-// threads in the order they arrived, CTAs x fastest), `reverse` (the highest thread index first at every
-// barrier, the last CTA first) or `random[:SEED]` (a fresh permutation at every barrier and of every grid).
-// A GPU promises no order, so a kernel whose results change with it reads shared memory another thread
-// writes without a barrier between (a race) or relies on CTA order: run the op tests under each.
+// DFL_EMU_SCHEDULE picks which ready thread of a CTA runs next (a thread runs until it blocks on a barrier)
+// and the order of a grid's CTAs: `fifo` (the default: threads in the order they became ready, CTAs x
+// fastest), `reverse` (always the ready thread of the highest index, so a warp released from a shuffle runs
+// ahead of lower warps still between barriers; the last CTA first) or `random[:SEED]` (the same with the
+// warps ranked in a random order, and the lanes within each, drawn afresh at every CTA-wide barrier; the
+// CTAs permuted).  A GPU promises no order, so a kernel whose results change with it
+// reads shared memory another thread writes without a barrier between (a race) or relies on CTA order: run
+// the op tests under each.
 // Dynamic shared memory starts every CTA as 0xff bytes (NaN floats, -1 ints), as garbage would on a GPU.
 #pragma once
 #if defined(__SANITIZE_ADDRESS__)
@@ -221,8 +224,9 @@ inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
 // last arrival makes the waiters ready again.
 struct Cta {
   std::vector<Fiber> fibers;
-  std::vector<int> ready;  // FIFO (head index below)
+  std::vector<int> ready;  // fifo: a queue from `head`; otherwise a heap by `rank`
   size_t head = 0;
+  std::vector<int> rank;   // reverse / random: the ready thread of the highest rank runs next
   int cur = 0, live = 0;
   std::vector<int> warp_live;
   Barrier bar;
@@ -247,7 +251,7 @@ inline void* dynamic_smem() { return dynamic_smem_buffer(); }
 enum class Schedule { fifo, reverse, random };
 struct ScheduleChoice {
   Schedule kind = Schedule::fifo;
-  uint64_t state = 0x9e3779b97f4a7c15ull;  // xorshift64 state for `random`
+  uint64_t state = 0;  // splitmix64 state for `random`: the seed
 };
 inline ScheduleChoice& schedule() {
   static ScheduleChoice s = [] {
@@ -258,8 +262,7 @@ inline ScheduleChoice& schedule() {
       c.kind = Schedule::reverse;
     } else if (!std::strncmp(e, "random", 6) && (e[6] == 0 || e[6] == ':')) {
       c.kind = Schedule::random;
-      if (e[6] == ':') c.state ^= std::strtoull(e + 7, nullptr, 10) * 0xbf58476d1ce4e5b9ull;
-      if (!c.state) c.state = 1;
+      if (e[6] == ':') c.state = std::strtoull(e + 7, nullptr, 10);
     } else {
       std::fprintf(stderr, "emu: DFL_EMU_SCHEDULE=%s: expected fifo, reverse or random[:SEED]\n", e);
       std::abort();
@@ -268,14 +271,13 @@ inline ScheduleChoice& schedule() {
   }();
   return s;
 }
-inline uint64_t schedule_next() {
-  uint64_t& x = schedule().state;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return x;
+inline uint64_t schedule_next() {  // splitmix64
+  uint64_t z = (schedule().state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
 }
-// Orders v (thread or CTA indices) as the schedule says; fifo leaves it as it is.
+// Orders v (a grid's CTA indices) as the schedule says; fifo leaves it as it is.
 inline void schedule_order(std::vector<int>& v) {
   switch (schedule().kind) {
     case Schedule::fifo: break;
@@ -291,19 +293,57 @@ inline void set_thread(int i) {
   threadIdx = dim3((unsigned)i % b.x, ((unsigned)i / b.x) % b.y, (unsigned)i / (b.x * b.y));
 }
 
+// The threads' ranks: reverse, the thread index; random, warps in a random order and lanes in a random order
+// within each.  Drawn while no thread is ready (a CTA's start, the release of a CTA-wide barrier).
+inline void rank_threads() {
+  Cta& c = *cta;
+  const int nt = (int)c.fibers.size();
+  c.rank.resize(nt);
+  if (schedule().kind != Schedule::random) {
+    for (int i = 0; i < nt; ++i) c.rank[i] = i;
+    return;
+  }
+  std::vector<int> warps((nt + 31) / 32), lanes(32);
+  for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
+  for (int l = 0; l < 32; ++l) lanes[l] = l;
+  auto shuffle = [](std::vector<int>& v) {
+    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[schedule_next() % i]);
+  };
+  shuffle(warps);
+  for (int w = 0; w < (int)warps.size(); ++w) {
+    shuffle(lanes);
+    for (int l = 0; l < 32 && 32 * w + l < nt; ++l) c.rank[32 * w + l] = 32 * warps[w] + lanes[l];
+  }
+}
+inline bool rank_below(int a, int b) { return cta->rank[a] < cta->rank[b]; }
+inline void push_ready(int f) {
+  Cta& c = *cta;
+  c.ready.push_back(f);
+  if (schedule().kind != Schedule::fifo) std::push_heap(c.ready.begin(), c.ready.end(), rank_below);
+}
+// The ready fiber the schedule runs next (taken out of the ready set), or -1 when none is ready.
+inline int pop_ready() {
+  Cta& c = *cta;
+  if (schedule().kind == Schedule::fifo) return c.head < c.ready.size() ? c.ready[c.head++] : -1;
+  if (c.ready.empty()) return -1;
+  std::pop_heap(c.ready.begin(), c.ready.end(), rank_below);
+  const int f = c.ready.back();
+  c.ready.pop_back();
+  return f;
+}
+
 inline void release(Barrier& b) {
   b.arrived = 0;
-  schedule_order(b.waiters);
-  for (int w : b.waiters) cta->ready.push_back(w);
+  if (&b == &cta->bar && schedule().kind == Schedule::random && cta->ready.empty()) rank_threads();
+  for (int w : b.waiters) push_ready(w);
   b.waiters.clear();
 }
 
-// Switches from the current fiber (whose stack pointer goes to *save) to the
-// next ready one, or back to the launch loop when none is left.
-inline void run_next(void** save) {
+// Switches from the current fiber (whose stack pointer goes to *save) to fiber nx, or back to the launch
+// loop when nx is -1 (none ready).
+inline void switch_to(void** save, int nx) {
   Cta& c = *cta;
-  if (c.head < c.ready.size()) {
-    const int nx = c.ready[c.head++];
+  if (nx >= 0) {
     c.cur = nx;
     set_thread(nx);
     switch_stack(save, c.fibers[nx].sp);
@@ -311,6 +351,7 @@ inline void run_next(void** save) {
     switch_stack(save, c.sched_sp);
   }
 }
+inline void run_next(void** save) { switch_to(save, pop_ready()); }
 
 // Arrive; block until all live threads of the group have arrived.
 inline void barrier_wait(Barrier& b, const int* live, Site at) {
@@ -329,14 +370,11 @@ inline void barrier_wait(Barrier& b, const int* live, Site at) {
       release(b);
       return;
     }
-    // Otherwise the last arrival queues with the others, in the schedule's order.
+    // Otherwise the last arrival becomes ready with the others, and the schedule picks who runs.
     b.waiters.push_back(me);
     release(b);
-    if (c.ready[c.head] == me) {
-      ++c.head;
-      return;
-    }
-    run_next(&c.fibers[me].sp);
+    const int nx = pop_ready();
+    if (nx != me) switch_to(&c.fibers[me].sp, nx);
     return;
   }
   b.waiters.push_back(me);
@@ -428,8 +466,6 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   __asan_unpoison_memory_region(smem_buf, kSmemOptInMax);
   __asan_poison_memory_region(smem_buf + smem, kSmemOptInMax - smem);
 #endif
-  std::vector<int> threads(nt);
-  for (int i = 0; i < nt; ++i) threads[i] = i;
   for (long long ci = 0; ci < n_cta; ++ci) {
     const unsigned lin = order.empty() ? (unsigned)ci : (unsigned)order[ci];
     const unsigned bx = lin % grid.x, by = (lin / grid.x) % grid.y, bz = lin / (grid.x * grid.y);
@@ -444,8 +480,8 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
     c.ready.clear();
     c.head = 0;
     for (int i = 0; i < nt; ++i) c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
-    schedule_order(threads);
-    c.ready = threads;
+    rank_threads();
+    for (int i = 0; i < nt; ++i) push_ready(i);
     run_next(&c.sched_sp);  // returns when no fiber is ready
     if (c.live > 0) {
       std::fprintf(stderr, "emu: deadlock: %d threads of CTA (%u,%u,%u) wait on a barrier forever\n", c.live,
