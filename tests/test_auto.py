@@ -200,11 +200,16 @@ def test_auto_stats_through_the_cli(tmp_path, tiny_f32_gguf):
 
 def test_the_first_probe_is_priced_at_load():
     """A drafter that costs many AR steps (the bundled DFlash2 one on a CPU: its block forward and selector
-    against a tiny target's step) is measured at load, so a short request's auto decode runs no probe and
-    keeps AR's speed; without the warm-up the second step was always a probe."""
+    against a tiny target's step) is measured at load, so a short request's auto decode does not open with a
+    probe and keeps AR's speed; without the warm-up the second step was always a probe.  With it, the first
+    probe waits at least AutoController::kMinProbeGap (8) steps, then as long as the loss the warm-up's probe
+    measured needs to fit the request's share: whether a 64-token request affords one depends on that timing
+    (on a busy machine sometimes it does), so only the first 8 steps are asserted, and that nothing but a
+    probe speculates."""
     with Decoder(device="cpu", threads=2) as d:
         s = d.generate("def f(x):\n", 64, ignore_eos=True, mode="auto").stats
-        assert not any(s.probe) and set(s.auto_budget) == {0}, (s.probe, s.auto_budget)
+        assert not any(s.probe[:8]), s.probe
+        assert {b for b, p in zip(s.auto_budget, s.probe) if not p} == {0}, (s.probe, s.auto_budget)
     with Decoder(device="cpu", threads=2, warm_up=False) as d:
         s = d.generate("def f(x):\n", 64, ignore_eos=True, mode="auto").stats
         assert s.probe[1] and s.auto_budget[0] == 0
