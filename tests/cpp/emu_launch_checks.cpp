@@ -5,8 +5,6 @@
 
 #include "cuda_runtime.h"
 
-#define DFL_EMU_DYNAMIC_INT(name) int* name = reinterpret_cast<int*>(::emu::dynamic_smem())
-
 __global__ void count_threads(int* n) { __syncthreads(); if (threadIdx.x == 0) ++*n; }
 
 // Each of 32 threads copies src[t] into shared memory by cp.async; thread 0 then sums the tile.  `wait_first`:
@@ -59,7 +57,7 @@ __global__ void two_block_sums(int* wrong, bool guarded) {
 
 // CTA 0 leaves 7 in dynamic shared memory; every later CTA must see garbage (0xff bytes), not 7.
 __global__ void smem_left_over(int* seen) {
-  DFL_EMU_DYNAMIC_INT(buf);
+  int* buf = static_cast<int*>(emu::dynamic_smem());  // the kernels' DFL_DYNAMIC_SMEM under DFL_EMU
   if (threadIdx.x != 0) return;
   if (blockIdx.x > 0) *seen += buf[0] == -1 ? 1 : 100;
   buf[0] = 7;

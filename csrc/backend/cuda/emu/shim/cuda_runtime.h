@@ -277,15 +277,13 @@ inline uint64_t schedule_next() {  // splitmix64
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
-// Orders v (a grid's CTA indices) as the schedule says; fifo leaves it as it is.
+inline void schedule_shuffle(std::vector<int>& v) {  // a random permutation of v (Fisher-Yates)
+  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[schedule_next() % i]);
+}
+// Orders v (a grid's CTA indices, ascending) as the schedule says; fifo leaves it as it is.
 inline void schedule_order(std::vector<int>& v) {
-  switch (schedule().kind) {
-    case Schedule::fifo: break;
-    case Schedule::reverse: std::sort(v.begin(), v.end(), [](int a, int b) { return a > b; }); break;
-    case Schedule::random:
-      for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[schedule_next() % i]);
-      break;
-  }
+  if (schedule().kind == Schedule::reverse) std::reverse(v.begin(), v.end());
+  if (schedule().kind == Schedule::random) schedule_shuffle(v);
 }
 
 inline void set_thread(int i) {
@@ -306,12 +304,9 @@ inline void rank_threads() {
   std::vector<int> warps((nt + 31) / 32), lanes(32);
   for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
   for (int l = 0; l < 32; ++l) lanes[l] = l;
-  auto shuffle = [](std::vector<int>& v) {
-    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[schedule_next() % i]);
-  };
-  shuffle(warps);
+  schedule_shuffle(warps);
   for (int w = 0; w < (int)warps.size(); ++w) {
-    shuffle(lanes);
+    schedule_shuffle(lanes);
     for (int l = 0; l < 32 && 32 * w + l < nt; ++l) c.rank[32 * w + l] = 32 * warps[w] + lanes[l];
   }
 }
