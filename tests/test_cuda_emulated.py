@@ -13,6 +13,7 @@ ordering or occupancy: those need the lent GPU.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -23,6 +24,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
+
+
+def workers() -> int:
+    """The cores this process may use (CI has 2): the emulator runs a launch on one core, so the op test and
+    the Python tests run as that many processes side by side."""
+    try:
+        return max(1, min(4, len(os.sched_getaffinity(0))))
+    except AttributeError:
+        return max(1, min(4, os.cpu_count() or 1))
+
+
+def run_ops(exe, *args: str, env=None, timeout: int = 1200) -> list[str]:
+    """dfl_backend_ops ARGS in workers() shards at once (--shard I/N); every shard must end "ALL OK".
+    Returns the case lines of all shards."""
+    n = workers()
+    procs = [subprocess.Popen([str(exe), *args, "--shard", f"{i}/{n}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
+    lines: list[str] = []
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=timeout)
+        got = out.splitlines()
+        bad = [ln for ln in got if not ln.endswith(": ok")]
+        assert p.returncode == 0 and got and got[-1] == "ALL OK", f"shard {i}/{n}:\n" + "\n".join(bad[-40:]) + err[-2000:]
+        lines += got[:-1]
+    return lines
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +68,7 @@ def emu_build():
 
 
 def test_backend_ops_on_emulator(emu_build):
-    run = subprocess.run([str(emu_build / "dfl_backend_ops"), "64"], capture_output=True, text=True, timeout=1200)
-    lines = run.stdout.splitlines()
-    bad = [ln for ln in lines if not ln.endswith(": ok")]
-    assert run.returncode == 0 and lines and lines[-1] == "ALL OK", "\n".join(bad[-40:]) + run.stderr[-2000:]
+    lines = run_ops(emu_build / "dfl_backend_ops", "64")
     assert sum(ln.endswith(": ok") for ln in lines) > 500
 
 
@@ -57,19 +80,18 @@ def test_backend_ops_on_a_99_kib_card(emu_build):
     fails here."""
     env = dict(os.environ, DFL_EMU_SMEM_OPTIN_KIB="99", DFL_EMU_SCHEDULE="random:2")  # races show here too
     for family, max_batch in (("attention", "2"), ("matmul", "512")):
-        run = subprocess.run([str(emu_build / "dfl_backend_ops"), "--only", family, max_batch], capture_output=True,
-                             text=True, timeout=1200, env=env)
-        lines = run.stdout.splitlines()
-        bad = [ln for ln in lines if not ln.endswith(": ok")]
-        assert run.returncode == 0 and lines and lines[-1] == "ALL OK", "\n".join(bad[-40:]) + run.stderr[-2000:]
+        lines = run_ops(emu_build / "dfl_backend_ops", "--only", family, max_batch, env=env)
         assert any(ln.startswith("27b-heads " + family) for ln in lines)
 
 
 def test_cuda_tests_on_emulator(emu_build):
     env = dict(os.environ, DFLASH27B_LIB=str(emu_build / "libdflash27b.so"), DFLASH27B_TEST_EMULATED_CUDA="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    # one pytest worker a core (pytest-xdist, from the test extra), each test to whichever worker is free
+    n = workers()
+    spread = ["-n", str(n), "--dist", "worksteal"] if n > 1 and importlib.util.find_spec("xdist") else []
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rxs",
-                          "tests/test_cuda_ops.py", "tests/test_cuda_forward.py"],
+                          *spread, "tests/test_cuda_ops.py", "tests/test_cuda_forward.py"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
@@ -98,9 +120,7 @@ def test_backend_under_address_sanitizer(tmp_path):
     assert bld.returncode == 0, bld.stdout[-4000:] + bld.stderr[-4000:]
     asan = "detect_stack_use_after_return=0:detect_leaks=0:abort_on_error=0:exitcode=86"
     # random schedule: the threads in a fresh order at every barrier, so a race shows as a mismatch
-    ops = subprocess.run([str(out / "dfl_backend_ops"), "7"], capture_output=True, text=True, timeout=1200,
-                         env=dict(os.environ, ASAN_OPTIONS=asan, DFL_EMU_SCHEDULE="random:1"))
-    assert ops.returncode == 0 and ops.stdout.rstrip().endswith("ALL OK"), ops.stderr[-4000:]
+    run_ops(out / "dfl_backend_ops", "7", env=dict(os.environ, ASAN_OPTIONS=asan, DFL_EMU_SCHEDULE="random:1"))
     code = ("from dflash27b import Decoder\n"
             "with Decoder(device='cuda', ctx=256, threads=2, kv_type='q4_0') as d:\n"
             "    ids = d.tokenize('import os\\n\\n\\ndef walk(path):\\n    for root, dirs, files in os.walk(')\n"

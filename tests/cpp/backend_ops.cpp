@@ -10,7 +10,7 @@
 // Built by CMake with -DDFLASH27B_BUILD_TESTS=ON, against the GPU (nvcc) or
 // the CPU emulator (-DDFLASH27B_CUDA_EMU=ON); tests/test_cuda_emulated.py
 // builds and runs it.  Prints one line per case, then "ALL OK" (exit 0) or
-// "FAIL" (exit 1).  Usage: dfl_backend_ops [max_batch]
+// "FAIL" (exit 1).  Usage: dfl_backend_ops [--only FAMILY,...] [--shard I/N] [max_batch]
 #include <algorithm>
 #include <cctype>
 #include <chrono>
@@ -61,12 +61,21 @@ int failures = 0;
 const char* const kFamilies[] = {"mma", "graph", "embed", "rmsnorm", "matmul", "row_topk", "elementwise",
                                  "attention", "kv_commit", "gdn", "grouped_conv"};
 std::vector<std::string> only;  // empty: every family
+// --shard I/N: this process runs every N-th unit of work from the I-th, so N processes share one run (the
+// emulator runs a launch on one core).  A unit is one family's pass at one batch size and model shape, or
+// one attention case (a KV type at a model shape: attention is most of an emulated run).
+int shard_i = 0, shard_n = 1;
+long shard_unit = 0;
+bool shard_mine() { return shard_unit++ % shard_n == shard_i; }
 std::vector<std::pair<std::string, double>> family_ms;
 struct Family {  // `if (Family f("matmul"); f.on) ...`: runs the statement when selected, timing it
   std::string name;
   bool on;
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-  explicit Family(const char* n) : name(n), on(only.empty() || std::find(only.begin(), only.end(), name) != only.end()) {}
+  explicit Family(const char* n)
+      : name(n),
+        on((only.empty() || std::find(only.begin(), only.end(), name) != only.end()) &&
+           (name == "attention" || shard_mine())) {}  // attention shards by case
   ~Family() {
     if (!on) return;
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -482,6 +491,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
   cases.push_back({DType::F32, false, false});
   cases.push_back({DType::F32, false, true});
   if (Family f("attention"); f.on) for (const Case& cs : cases) {
+    if (!shard_mine()) continue;
     const DType kvt = cs.kvt;
     Backend* cpu_k = cpu.get();
     Backend* cud_k = cud.get();
@@ -772,10 +782,19 @@ int main(int argc, char** argv) {
         }
         only.push_back(fam);
       }
+    } else if (a == "--shard" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      const size_t slash = v.find('/');
+      shard_i = std::atoi(v.c_str());
+      shard_n = slash == std::string::npos ? 0 : std::atoi(v.c_str() + slash + 1);
+      if (slash == std::string::npos || shard_n < 1 || shard_i < 0 || shard_i >= shard_n) {
+        std::fprintf(stderr, "--shard %s: expected I/N with 0 <= I < N\n", v.c_str());
+        return 2;
+      }
     } else if (!a.empty() && std::isdigit((unsigned char)a[0])) {
       max_batch = std::atoi(a.c_str());
     } else {
-      std::fprintf(stderr, "usage: dfl_backend_ops [--only FAMILY,...] [--list] [--time] [max_batch]\n");
+      std::fprintf(stderr, "usage: dfl_backend_ops [--only FAMILY,...] [--shard I/N] [--list] [--time] [max_batch]\n");
       return 2;
     }
   }

@@ -173,6 +173,13 @@ struct Fiber {
   std::vector<PendingCopy> copies;
 };
 
+// One warp-wide mma.sync: what each lane posted (A: 4 registers, B: 2, C: 4) and the tile's result per lane.
+struct MmaRound {
+  uint32_t reg[32][10];
+  uint32_t d[32][4];
+  bool computed = false;
+};
+
 #if defined(__x86_64__)
 __attribute__((naked, noinline)) inline void switch_stack(void** /*save_sp*/, void* /*to_sp*/) {
   asm volatile(
@@ -224,15 +231,19 @@ inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
 // last arrival makes the waiters ready again.
 struct Cta {
   std::vector<Fiber> fibers;
-  std::vector<int> ready;  // fifo: a queue from `head`; otherwise a heap by `rank`
+  std::vector<int> ready;  // fifo: a queue from `head`
   size_t head = 0;
-  std::vector<int> rank;   // reverse / random: the ready thread of the highest rank runs next
+  // reverse / random: the ready thread of the highest rank runs next.  rank: thread -> rank (a permutation),
+  // by_rank its inverse; bit r of ready_ranks is set while the thread of rank r is ready.
+  std::vector<int> rank, by_rank;
+  uint64_t ready_ranks[16] = {};
+  int n_ready = 0;
   int cur = 0, live = 0;
   std::vector<int> warp_live;
   Barrier bar;
   std::vector<Barrier> warp_bar;
   float slot[2][32][32];
-  uint32_t mma[2][32][32][6];  // per warp, per lane: the A and B fragments of a warp-wide mma
+  std::vector<MmaRound> mma;  // two a warp, used in turn (see mma_round)
   void* sched_sp = nullptr;
   const std::function<void()>* body = nullptr;
   dim3 block;
@@ -297,39 +308,44 @@ inline void rank_threads() {
   Cta& c = *cta;
   const int nt = (int)c.fibers.size();
   c.rank.resize(nt);
+  c.by_rank.resize(32 * ((nt + 31) / 32));  // ranks lie below 32 x warps (a partial last warp leaves gaps)
   if (schedule().kind != Schedule::random) {
     for (int i = 0; i < nt; ++i) c.rank[i] = i;
-    return;
+  } else {
+    std::vector<int> warps((nt + 31) / 32), lanes(32);
+    for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
+    for (int l = 0; l < 32; ++l) lanes[l] = l;
+    schedule_shuffle(warps);
+    for (int w = 0; w < (int)warps.size(); ++w) {
+      schedule_shuffle(lanes);
+      for (int l = 0; l < 32 && 32 * w + l < nt; ++l) c.rank[32 * w + l] = 32 * warps[w] + lanes[l];
+    }
   }
-  std::vector<int> warps((nt + 31) / 32), lanes(32);
-  for (size_t w = 0; w < warps.size(); ++w) warps[w] = (int)w;
-  for (int l = 0; l < 32; ++l) lanes[l] = l;
-  schedule_shuffle(warps);
-  for (int w = 0; w < (int)warps.size(); ++w) {
-    schedule_shuffle(lanes);
-    for (int l = 0; l < 32 && 32 * w + l < nt; ++l) c.rank[32 * w + l] = 32 * warps[w] + lanes[l];
-  }
+  for (int i = 0; i < nt; ++i) c.by_rank[c.rank[i]] = i;
 }
-inline bool rank_below(int a, int b) { return cta->rank[a] < cta->rank[b]; }
 inline void push_ready(int f) {
   Cta& c = *cta;
-  c.ready.push_back(f);
-  if (schedule().kind != Schedule::fifo) std::push_heap(c.ready.begin(), c.ready.end(), rank_below);
+  if (schedule().kind == Schedule::fifo) return c.ready.push_back(f);
+  const int r = c.rank[f];
+  c.ready_ranks[r >> 6] |= 1ull << (r & 63);
+  ++c.n_ready;
 }
 // The ready fiber the schedule runs next (taken out of the ready set), or -1 when none is ready.
 inline int pop_ready() {
   Cta& c = *cta;
   if (schedule().kind == Schedule::fifo) return c.head < c.ready.size() ? c.ready[c.head++] : -1;
-  if (c.ready.empty()) return -1;
-  std::pop_heap(c.ready.begin(), c.ready.end(), rank_below);
-  const int f = c.ready.back();
-  c.ready.pop_back();
-  return f;
+  if (c.n_ready == 0) return -1;
+  int w = 15;
+  while (!c.ready_ranks[w]) --w;
+  const int bit = 63 - __builtin_clzll(c.ready_ranks[w]);
+  c.ready_ranks[w] &= ~(1ull << bit);
+  --c.n_ready;
+  return c.by_rank[64 * w + bit];
 }
 
 inline void release(Barrier& b) {
   b.arrived = 0;
-  if (&b == &cta->bar && schedule().kind == Schedule::random && cta->ready.empty()) rank_threads();
+  if (&b == &cta->bar && schedule().kind == Schedule::random && cta->n_ready == 0) rank_threads();
   for (int w : b.waiters) push_ready(w);
   b.waiters.clear();
 }
@@ -472,8 +488,11 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
     for (int i = 0; i < nt; ++i) ++c.warp_live[i >> 5];
     c.bar = Barrier{};
     c.warp_bar.assign(c.warp_live.size(), Barrier{});
+    c.mma.resize(2 * c.warp_live.size());
     c.ready.clear();
     c.head = 0;
+    std::fill(std::begin(c.ready_ranks), std::end(c.ready_ranks), 0);
+    c.n_ready = 0;
     for (int i = 0; i < nt; ++i) c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
     rank_threads();
     for (int i = 0; i < nt; ++i) push_ready(i);
@@ -564,70 +583,100 @@ inline T shfl_xor_at(Site at, unsigned, T v, int o) {
 }  // namespace emu
 
 namespace emu {
-// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (fragment maps in csrc/backend/cuda/mma.cuh): every lane posts its A
-// and B registers (the buffer alternates as the shuffles' slots do, with the same counter), then computes
-// its own four D elements from the warp's assembled A and B, in exact integer arithmetic (int32 wrapping,
-// as the instruction without .satfinite).
-// Every lane of the warp posts its A and B registers; returns the warp's posted registers, buf[lane][0..3] =
-// A, [4..5] = B, once all have arrived.
-inline uint32_t (&mma_exchange(const uint32_t (&a)[4], const uint32_t (&b)[2]))[32][6] {
+// A warp-wide mma.sync: every lane posts its A, B and C registers (the round's buffer alternates as the
+// shuffles' slots do, with the same counter), and once all have arrived the first lane past the barrier
+// computes the whole 16x8 tile for the warp; each lane takes its own four D elements.  One tile a warp
+// rather than four elements a lane: the same arithmetic in the same order, once, in loops the compiler
+// vectorises (the attention tests spent 70% of their time here when each lane gathered its own).
+inline uint32_t (&mma_round(const uint32_t (&a)[4], const uint32_t (&b)[2], const uint32_t (&c)[4],
+                            void (*tile)(MmaRound&)))[4] {
   require_full_warp("mma.sync");
   Cta& cx = *cta;
   const int me = cx.cur, lane = me & 31, w = me >> 5;
-  uint32_t (&buf)[32][6] = cx.mma[cx.fibers[me].shuffles++ & 1][w % 32];
-  for (int i = 0; i < 4; ++i) buf[lane][i] = a[i];
-  for (int i = 0; i < 2; ++i) buf[lane][4 + i] = b[i];
+  MmaRound& r = cx.mma[2 * w + (cx.fibers[me].shuffles++ & 1)];
+  if (cx.warp_bar[w].arrived == 0) r.computed = false;  // the first lane here opens the round
+  for (int i = 0; i < 4; ++i) r.reg[lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) r.reg[lane][4 + i] = b[i];
+  for (int i = 0; i < 4; ++i) r.reg[lane][6 + i] = c[i];
   barrier_wait(cx.warp_bar[w], &cx.warp_live[w], Site{"mma.sync", 0});
-  return buf;
-}
-
-inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const int32_t (&c)[4]) {
-  const uint32_t (&buf)[32][6] = mma_exchange(a, b);
-  const int lane = cta->cur & 31, g = lane >> 2, t = lane & 3;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    uint32_t acc = (uint32_t)c[i];
-    for (int k = 0; k < 32; ++k) {
-      // A[row][k]: lane 4 * row%8 + (k%16)/4, register (row >= 8) + 2 * (k >= 16), byte k % 4
-      const uint32_t ar = buf[4 * (row & 7) + ((k & 15) >> 2)][(row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0)];
-      // B[k][col]: lane 4 * col + (k%16)/4, register k >= 16, byte k % 4
-      const uint32_t br = buf[4 * col + ((k & 15) >> 2)][4 + (k >= 16 ? 1 : 0)];
-      const int8_t av = (int8_t)(ar >> (8 * (k & 3))), bv = (int8_t)(br >> (8 * (k & 3)));
-      acc += (uint32_t)((int32_t)av * (int32_t)bv);
-    }
-    d[i] = (int32_t)acc;
+  if (!r.computed) {
+    tile(r);
+    r.computed = true;
   }
+  return r.d[lane];
+}
+// Lane (g = lane / 4, t = lane % 4) holds D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1], and C likewise.
+inline int d_row(int lane, int i) { return (lane >> 2) + (i >= 2 ? 8 : 0); }
+inline int d_col(int lane, int i) { return 2 * (lane & 3) + (i & 1); }
+
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (fragment maps in csrc/backend/cuda/mma.cuh), in exact
+// integer arithmetic (int32 wrapping, as the instruction without .satfinite).
+inline void mma_tile_s8(MmaRound& r) {
+  int32_t A[16][32], B[32][8];
+  uint32_t D[16][8];
+  for (int row = 0; row < 16; ++row)
+    for (int k = 0; k < 32; ++k)  // A[row][k]: lane 4 * row%8 + (k%16)/4, register (row >= 8) + 2 * (k >= 16), byte k % 4
+      A[row][k] = (int8_t)(r.reg[4 * (row & 7) + ((k & 15) >> 2)][(row >= 8) + 2 * (k >= 16)] >> (8 * (k & 3)));
+  for (int k = 0; k < 32; ++k)
+    for (int col = 0; col < 8; ++col)  // B[k][col]: lane 4 * col + (k%16)/4, register 4 + (k >= 16), byte k % 4
+      B[k][col] = (int8_t)(r.reg[4 * col + ((k & 15) >> 2)][4 + (k >= 16)] >> (8 * (k & 3)));
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) D[d_row(lane, i)][d_col(lane, i)] = r.reg[lane][6 + i];
+  for (int row = 0; row < 16; ++row)
+    for (int k = 0; k < 32; ++k)
+      for (int col = 0; col < 8; ++col) D[row][col] += (uint32_t)(A[row][k] * B[k][col]);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) r.d[lane][i] = D[d_row(lane, i)][d_col(lane, i)];
+}
+inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const int32_t (&c)[4]) {
+  uint32_t cu[4];
+  std::memcpy(cu, c, 16);
+  std::memcpy(d, mma_round(a, b, cu, mma_tile_s8), 16);
 }
 
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (fragment maps in csrc/backend/cuda/mma.cuh): the same exchange;
-// each D element is c + the 8 products (exact: tf32 x tf32 fits f32) summed in 80-bit extended precision
-// and truncated toward zero to f32, the operands read as tf32 (low 13 bits ignored, as the instruction
-// does).  The ISA leaves the sum's order and rounding open; published measurements of the tensor cores
-// show products summed wide and truncated, which this models (the pessimistic side of round-to-nearest:
-// truncation errors all lean one way), not the GPU's bits.
-inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
-  const uint32_t (&buf)[32][6] = mma_exchange(a, b);
-  const int lane = cta->cur & 31, g = lane >> 2, t = lane & 3;
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (fragment maps in csrc/backend/cuda/mma.cuh): each D element
+// is c + the 8 products in k order, summed in double and truncated toward zero to f32, the operands read as
+// tf32 (low 13 bits ignored, as the instruction does).  A tf32 x tf32 product is exact in f32, so only the sum
+// rounds: in double, and once more to f32.  The ISA leaves the sum's order and rounding open; published
+// measurements of the tensor cores show products summed wide and truncated, which this models (the
+// pessimistic side of round-to-nearest: truncation errors all lean one way), not the GPU's bits.
+inline void mma_tile_tf32(MmaRound& r) {
   auto tf32 = [](uint32_t u) {
     float f;
     u &= 0xffffe000u;
     std::memcpy(&f, &u, 4);
-    return f;
+    return (double)f;
   };
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    long double acc = c[i];
-    for (int k = 0; k < 8; ++k) {
-      // A[row][k]: lane 4 * row%8 + k%4, register (row >= 8) + 2 * (k >= 4); B[k][col]: lane 4 * col + k%4,
-      // register 4 + (k >= 4)
-      const float av = tf32(buf[4 * (row & 7) + (k & 3)][(row >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
-      const float bv = tf32(buf[4 * col + (k & 3)][4 + (k >= 4 ? 1 : 0)]);
-      acc += (long double)av * bv;
+  double A[16][8], B[8][8], D[16][8];
+  for (int row = 0; row < 16; ++row)
+    for (int k = 0; k < 8; ++k)  // A[row][k]: lane 4 * row%8 + k%4, register (row >= 8) + 2 * (k >= 4)
+      A[row][k] = tf32(r.reg[4 * (row & 7) + (k & 3)][(row >= 8) + 2 * (k >= 4)]);
+  for (int k = 0; k < 8; ++k)
+    for (int col = 0; col < 8; ++col)  // B[k][col]: lane 4 * col + k%4, register 4 + (k >= 4)
+      B[k][col] = tf32(r.reg[4 * col + (k & 3)][4 + (k >= 4)]);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      float f;
+      std::memcpy(&f, &r.reg[lane][6 + i], 4);
+      D[d_row(lane, i)][d_col(lane, i)] = f;
     }
-    float f = (float)acc;  // to nearest; the hardware truncates
-    if (std::fabs((long double)f) > std::fabs(acc)) f = std::nextafter(f, 0.f);
-    d[i] = f;
-  }
+  for (int k = 0; k < 8; ++k)
+    for (int row = 0; row < 16; ++row)
+      for (int col = 0; col < 8; ++col) D[row][col] += A[row][k] * B[k][col];
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      const double acc = D[d_row(lane, i)][d_col(lane, i)];
+      float f = (float)acc;  // to nearest; the hardware truncates: one step toward zero when it rounded up
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      if (std::fabs((double)f) > std::fabs(acc)) --u;
+      r.d[lane][i] = u;
+    }
+}
+inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+  uint32_t cu[4];
+  std::memcpy(cu, c, 16);
+  std::memcpy(d, mma_round(a, b, cu, mma_tile_tf32), 16);
 }
 }  // namespace emu
 
