@@ -88,6 +88,29 @@ __global__ void split_shuffle(int* n) {
   if (threadIdx.x == 0) *n = (int)v;
 }
 
+// For the sanitizer build: each thread fills a stack array, keeps it across a barrier (its frame live while the
+// other fibers run on their own stacks), and sums it in a deeper call that has an array of its own; *sum gets
+// every thread's total.  Run over many CTAs, each reusing the fiber stacks the last one finished on, this
+// reports nothing when the emulator leaves no stale poison on the stacks.  `past` reads one element beyond
+// the array: AddressSanitizer's stack-buffer-overflow.
+__attribute__((noinline)) int deeper(const int* a, int n, int past) {
+  volatile int b[96];
+  for (int i = 0; i < 96; ++i) b[i] = i;
+  int t = 0;
+  for (int i = 0; i < n + past; ++i) t += a[i] + b[i % 96] - (i % 96);
+  return t;
+}
+__global__ void stack_arrays(int* sum, int past) {
+  int a[64];
+  for (int i = 0; i < 64; ++i) a[i] = (int)threadIdx.x + i;
+  __syncthreads();
+  const int t = deeper(a, 64, past);
+  __syncthreads();
+  if (t == 64 * (int)threadIdx.x + 2016) ++*sum;
+}
+// Writes one float past the end of a 64-float device allocation when `past`: heap-buffer-overflow under ASan.
+__global__ void write_row(float* row, int past) { row[threadIdx.x + past] = 1.f; }
+
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
   const char* c = argv[1];
@@ -160,6 +183,17 @@ int main(int argc, char** argv) {
   else if (!std::strcmp(c, "shfl_partial_warp")) emu::launch(1, 48, 0, [&] { sum_after_exit(&n, false); });
   else if (!std::strcmp(c, "split_barrier")) emu::launch(1, 64, 0, [&] { split_barrier(&n); });
   else if (!std::strcmp(c, "split_shuffle")) emu::launch(1, 32, 0, [&] { split_shuffle(&n); });
+  else if (!std::strcmp(c, "stack_arrays")) {  // n = threads whose sum came out right: 2 x 16 CTAs x 64
+    for (int round = 0; round < 2; ++round) emu::launch(16, 64, 0, [&] { stack_arrays(&n, 0); });
+  } else if (!std::strcmp(c, "stack_past_end")) emu::launch(2, 32, 0, [&] { stack_arrays(&n, 1); });
+  else if (!std::strcmp(c, "device_in_bounds") || !std::strcmp(c, "device_past_end")) {
+    float* row = nullptr;
+    if (cudaMalloc(reinterpret_cast<void**>(&row), 64 * sizeof(float)) != cudaSuccess) return 3;
+    const int past = !std::strcmp(c, "device_past_end");
+    emu::launch(1, 64, 0, [&] { write_row(row, past); });
+    for (int i = 0; i < 64; ++i) n += row[i] == 1.f;
+    cudaFree(row);
+  }
   else return 2;
   std::printf("ran %d\n", n);
   return 0;

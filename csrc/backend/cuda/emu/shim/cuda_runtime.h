@@ -173,6 +173,10 @@ struct Fiber {
   std::vector<PendingCopy> copies;
 };
 
+// The emulator's own bookkeeping (the schedule, the barriers, the mma tiles) is left out of the sanitizer
+// build's instrumentation: it is not what that build checks, and instrumented it took half a sanitized run.
+#define EMU_INTERNAL __attribute__((no_sanitize_address))
+
 // One warp-wide mma.sync: what each lane posted (A: 4 registers, B: 2, C: 4) and the tile's result per lane.
 struct MmaRound {
   uint32_t reg[32][10];
@@ -208,9 +212,13 @@ __attribute__((naked, noinline)) inline void switch_stack(void** /*save_sp*/, vo
 // A fresh stack whose first switch_stack "returns" into entry().
 inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
 #if defined(__SANITIZE_ADDRESS__)
-  // A finished fiber never returns, so AddressSanitizer still marks its frames: clear them
-  // (the emulator runs under ASan as a stand-in for compute-sanitizer memcheck).
-  __asan_unpoison_memory_region(stack, size);
+  // A finished fiber never returns from fiber_entry, so AddressSanitizer would still mark whatever frames
+  // that call chain poisoned (the emulator runs under ASan as a stand-in for compute-sanitizer memcheck).
+  // The chain is uninstrumented (EMU_INTERNAL) and every kernel frame below it returned, unpoisoning
+  // itself; clearing the top 8 KiB is a margin.  Clearing all 256 KiB, for every thread of every CTA,
+  // was a third of a sanitized decode.
+  const size_t top_bytes = size < (8u << 10) ? size : (8u << 10);
+  __asan_unpoison_memory_region(stack + size - top_bytes, top_bytes);
 #endif
   uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
   uint64_t* p = reinterpret_cast<uint64_t*>(top);
@@ -297,14 +305,14 @@ inline void schedule_order(std::vector<int>& v) {
   if (schedule().kind == Schedule::random) schedule_shuffle(v);
 }
 
-inline void set_thread(int i) {
+EMU_INTERNAL inline void set_thread(int i) {
   const dim3& b = cta->block;
   threadIdx = dim3((unsigned)i % b.x, ((unsigned)i / b.x) % b.y, (unsigned)i / (b.x * b.y));
 }
 
 // The threads' ranks: reverse, the thread index; random, warps in a random order and lanes in a random order
 // within each.  Drawn while no thread is ready (a CTA's start, the release of a CTA-wide barrier).
-inline void rank_threads() {
+EMU_INTERNAL inline void rank_threads() {
   Cta& c = *cta;
   const int nt = (int)c.fibers.size();
   c.rank.resize(nt);
@@ -323,7 +331,7 @@ inline void rank_threads() {
   }
   for (int i = 0; i < nt; ++i) c.by_rank[c.rank[i]] = i;
 }
-inline void push_ready(int f) {
+EMU_INTERNAL inline void push_ready(int f) {
   Cta& c = *cta;
   if (schedule().kind == Schedule::fifo) return c.ready.push_back(f);
   const int r = c.rank[f];
@@ -331,7 +339,7 @@ inline void push_ready(int f) {
   ++c.n_ready;
 }
 // The ready fiber the schedule runs next (taken out of the ready set), or -1 when none is ready.
-inline int pop_ready() {
+EMU_INTERNAL inline int pop_ready() {
   Cta& c = *cta;
   if (schedule().kind == Schedule::fifo) return c.head < c.ready.size() ? c.ready[c.head++] : -1;
   if (c.n_ready == 0) return -1;
@@ -343,7 +351,7 @@ inline int pop_ready() {
   return c.by_rank[64 * w + bit];
 }
 
-inline void release(Barrier& b) {
+EMU_INTERNAL inline void release(Barrier& b) {
   b.arrived = 0;
   if (&b == &cta->bar && schedule().kind == Schedule::random && cta->n_ready == 0) rank_threads();
   for (int w : b.waiters) push_ready(w);
@@ -352,7 +360,7 @@ inline void release(Barrier& b) {
 
 // Switches from the current fiber (whose stack pointer goes to *save) to fiber nx, or back to the launch
 // loop when nx is -1 (none ready).
-inline void switch_to(void** save, int nx) {
+EMU_INTERNAL inline void switch_to(void** save, int nx) {
   Cta& c = *cta;
   if (nx >= 0) {
     c.cur = nx;
@@ -362,10 +370,10 @@ inline void switch_to(void** save, int nx) {
     switch_stack(save, c.sched_sp);
   }
 }
-inline void run_next(void** save) { switch_to(save, pop_ready()); }
+EMU_INTERNAL inline void run_next(void** save) { switch_to(save, pop_ready()); }
 
 // Arrive; block until all live threads of the group have arrived.
-inline void barrier_wait(Barrier& b, const int* live, Site at) {
+EMU_INTERNAL inline void barrier_wait(Barrier& b, const int* live, Site at) {
   Cta& c = *cta;
   const int me = c.cur;
   if (b.arrived == 0) {
@@ -393,7 +401,7 @@ inline void barrier_wait(Barrier& b, const int* live, Site at) {
   // resumed by run_next of another fiber, which set cur and threadIdx
 }
 
-inline void fiber_entry() {
+EMU_INTERNAL inline void fiber_entry() {
   (*cta->body)();
   Cta& c = *cta;
   const int me = c.cur, w = me >> 5;
@@ -588,7 +596,7 @@ namespace emu {
 // computes the whole 16x8 tile for the warp; each lane takes its own four D elements.  One tile a warp
 // rather than four elements a lane: the same arithmetic in the same order, once, in loops the compiler
 // vectorises (the attention tests spent 70% of their time here when each lane gathered its own).
-inline uint32_t (&mma_round(const uint32_t (&a)[4], const uint32_t (&b)[2], const uint32_t (&c)[4],
+EMU_INTERNAL inline uint32_t (&mma_round(const uint32_t (&a)[4], const uint32_t (&b)[2], const uint32_t (&c)[4],
                             void (*tile)(MmaRound&)))[4] {
   require_full_warp("mma.sync");
   Cta& cx = *cta;
@@ -611,7 +619,7 @@ inline int d_col(int lane, int i) { return 2 * (lane & 3) + (i & 1); }
 
 // mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (fragment maps in csrc/backend/cuda/mma.cuh), in exact
 // integer arithmetic (int32 wrapping, as the instruction without .satfinite).
-inline void mma_tile_s8(MmaRound& r) {
+EMU_INTERNAL inline void mma_tile_s8(MmaRound& r) {
   int32_t A[16][32], B[32][8];
   uint32_t D[16][8];
   for (int row = 0; row < 16; ++row)
@@ -640,7 +648,7 @@ inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint3
 // rounds: in double, and once more to f32.  The ISA leaves the sum's order and rounding open; published
 // measurements of the tensor cores show products summed wide and truncated, which this models (the
 // pessimistic side of round-to-nearest: truncation errors all lean one way), not the GPU's bits.
-inline void mma_tile_tf32(MmaRound& r) {
+EMU_INTERNAL inline void mma_tile_tf32(MmaRound& r) {
   auto tf32 = [](uint32_t u) {
     float f;
     u &= 0xffffe000u;
