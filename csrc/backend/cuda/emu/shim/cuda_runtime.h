@@ -158,9 +158,10 @@ struct Barrier {
   Site site;  // of the first arrival
   std::vector<int> waiters;
 };
-// A fiber's saved stack pointer.  On x86-64 the switch is a dozen
-// instructions (callee-saved registers, MXCSR and the x87 control word);
-// ucontext's swapcontext would make a signal-mask syscall per switch.
+// A fiber's saved stack pointer.  On x86-64 the switch is a dozen instructions (the callee-saved
+// registers); ucontext's swapcontext would make a signal-mask syscall per switch.  The floating-point
+// control state (MXCSR, the x87 control word) is not switched: no kernel changes it, so every fiber runs
+// under the launching thread's, and saving and restoring it was 16% of an emulated decode.
 struct PendingCopy {  // a cp.async the thread issued and has not waited for
   void* dst;
   const void* src;
@@ -168,6 +169,7 @@ struct PendingCopy {  // a cp.async the thread issued and has not waited for
 };
 struct Fiber {
   void* sp = nullptr;
+  dim3 tid;  // its threadIdx, set at every switch to it
   bool done = false;
   unsigned shuffles = 0;  // warp shuffles done (selects the slot buffer)
   std::vector<PendingCopy> copies;
@@ -193,14 +195,8 @@ __attribute__((naked, noinline)) inline void switch_stack(void** /*save_sp*/, vo
       "pushq %r13\n\t"
       "pushq %r14\n\t"
       "pushq %r15\n\t"
-      "subq $8, %rsp\n\t"
-      "stmxcsr (%rsp)\n\t"
-      "fnstcw 4(%rsp)\n\t"
       "movq %rsp, (%rdi)\n\t"
       "movq %rsi, %rsp\n\t"
-      "ldmxcsr (%rsp)\n\t"
-      "fldcw 4(%rsp)\n\t"
-      "addq $8, %rsp\n\t"
       "popq %r15\n\t"
       "popq %r14\n\t"
       "popq %r13\n\t"
@@ -209,8 +205,10 @@ __attribute__((naked, noinline)) inline void switch_stack(void** /*save_sp*/, vo
       "popq %rbp\n\t"
       "ret\n\t");
 }
-// A fresh stack whose first switch_stack "returns" into entry().
-inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
+// A fresh stack whose first switch_stack "returns" into entry(); it starts `skew` bytes below the end of its
+// buffer (see launch).
+inline void* prepare_stack(char* stack, size_t size, size_t skew, void (*entry)()) {
+  size -= skew;
 #if defined(__SANITIZE_ADDRESS__)
   // A finished fiber never returns from fiber_entry, so AddressSanitizer would still mark whatever frames
   // that call chain poisoned (the emulator runs under ASan as a stand-in for compute-sanitizer memcheck).
@@ -225,9 +223,6 @@ inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
   *--p = 0;                                 // entry's (never used) return address: rsp % 16 == 8 at entry
   *--p = reinterpret_cast<uint64_t>(entry);
   for (int i = 0; i < 6; ++i) *--p = 0;     // rbp rbx r12 r13 r14 r15
-  uint32_t csr[2];
-  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(csr[0]), "=m"(csr[1]));
-  *--p = (uint64_t)csr[0] | (uint64_t)(csr[1] & 0xffff) << 32;
   return p;
 }
 #else
@@ -237,7 +232,9 @@ inline void* prepare_stack(char* stack, size_t size, void (*entry)()) {
 // One CTA in flight.  Only runnable fibers are ever switched to: a fiber that
 // blocks on a barrier hands control straight to the next ready fiber, and the
 // last arrival makes the waiters ready again.
+enum class Schedule { fifo, reverse, random };
 struct Cta {
+  Schedule kind = Schedule::fifo;  // DFL_EMU_SCHEDULE's, kept here for the switch path
   std::vector<Fiber> fibers;
   std::vector<int> ready;  // fifo: a queue from `head`
   size_t head = 0;
@@ -257,7 +254,8 @@ struct Cta {
   dim3 block;
 };
 inline Cta* cta = nullptr;
-constexpr size_t kStack = 256 << 10;
+// A fiber's stack: 256 KiB usable, plus the skew that staggers the stacks' tops (see launch).
+constexpr size_t kStackSkewMax = 64 << 10, kStack = (256 << 10) + kStackSkewMax;
 
 // The dynamic shared memory a CTA may have on sm_90 (227 KiB); see kSmemOptInMax.
 inline unsigned char* dynamic_smem_buffer() {
@@ -267,7 +265,6 @@ inline unsigned char* dynamic_smem_buffer() {
 inline void* dynamic_smem() { return dynamic_smem_buffer(); }
 
 // DFL_EMU_SCHEDULE (see the top of this file), read once.
-enum class Schedule { fifo, reverse, random };
 struct ScheduleChoice {
   Schedule kind = Schedule::fifo;
   uint64_t state = 0;  // splitmix64 state for `random`: the seed
@@ -305,10 +302,7 @@ inline void schedule_order(std::vector<int>& v) {
   if (schedule().kind == Schedule::random) schedule_shuffle(v);
 }
 
-EMU_INTERNAL inline void set_thread(int i) {
-  const dim3& b = cta->block;
-  threadIdx = dim3((unsigned)i % b.x, ((unsigned)i / b.x) % b.y, (unsigned)i / (b.x * b.y));
-}
+EMU_INTERNAL inline void set_thread(int i) { threadIdx = cta->fibers[i].tid; }
 
 // The threads' ranks: reverse, the thread index; random, warps in a random order and lanes in a random order
 // within each.  Drawn while no thread is ready (a CTA's start, the release of a CTA-wide barrier).
@@ -333,7 +327,7 @@ EMU_INTERNAL inline void rank_threads() {
 }
 EMU_INTERNAL inline void push_ready(int f) {
   Cta& c = *cta;
-  if (schedule().kind == Schedule::fifo) return c.ready.push_back(f);
+  if (cta->kind == Schedule::fifo) return c.ready.push_back(f);
   const int r = c.rank[f];
   c.ready_ranks[r >> 6] |= 1ull << (r & 63);
   ++c.n_ready;
@@ -341,7 +335,7 @@ EMU_INTERNAL inline void push_ready(int f) {
 // The ready fiber the schedule runs next (taken out of the ready set), or -1 when none is ready.
 EMU_INTERNAL inline int pop_ready() {
   Cta& c = *cta;
-  if (schedule().kind == Schedule::fifo) return c.head < c.ready.size() ? c.ready[c.head++] : -1;
+  if (cta->kind == Schedule::fifo) return c.head < c.ready.size() ? c.ready[c.head++] : -1;
   if (c.n_ready == 0) return -1;
   int w = 15;
   while (!c.ready_ranks[w]) --w;
@@ -353,7 +347,7 @@ EMU_INTERNAL inline int pop_ready() {
 
 EMU_INTERNAL inline void release(Barrier& b) {
   b.arrived = 0;
-  if (&b == &cta->bar && schedule().kind == Schedule::random && cta->n_ready == 0) rank_threads();
+  if (&b == &cta->bar && cta->kind == Schedule::random && cta->n_ready == 0) rank_threads();
   for (int w : b.waiters) push_ready(w);
   b.waiters.clear();
 }
@@ -385,7 +379,7 @@ EMU_INTERNAL inline void barrier_wait(Barrier& b, const int* live, Site at) {
     std::abort();
   }
   if (++b.arrived >= *live) {
-    if (schedule().kind == Schedule::fifo) {  // the last arrival runs on
+    if (cta->kind == Schedule::fifo) {  // the last arrival runs on
       release(b);
       return;
     }
@@ -468,6 +462,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   while ((int)stacks.size() < nt) stacks.push_back(static_cast<char*>(std::malloc(kStack)));
   Cta c;
   cta = &c;
+  c.kind = schedule().kind;
   c.body = &body;
   c.block = block;
   gridDim = grid;
@@ -501,7 +496,13 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
     c.head = 0;
     std::fill(std::begin(c.ready_ranks), std::end(c.ready_ranks), 0);
     c.n_ready = 0;
-    for (int i = 0; i < nt; ++i) c.fibers[i].sp = prepare_stack(stacks[i], kStack, fiber_entry);
+    // The stacks are allocated alike (same offset within a page), so unskewed their tops, where the threads'
+    // frames live, would all map to one L1 / L2 cache set and every switch would miss; thread i's top sits
+    // (11 i mod 1024) cache lines lower instead, a different set for each of up to 1024 threads.
+    for (int i = 0; i < nt; ++i)
+      c.fibers[i].tid = dim3((unsigned)i % block.x, ((unsigned)i / block.x) % block.y, (unsigned)i / (block.x * block.y));
+    for (int i = 0; i < nt; ++i)
+      c.fibers[i].sp = prepare_stack(stacks[i], kStack, (size_t)(11 * i % 1024) * 64, fiber_entry);
     rank_threads();
     for (int i = 0; i < nt; ++i) push_ready(i);
     run_next(&c.sched_sp);  // returns when no fiber is ready
