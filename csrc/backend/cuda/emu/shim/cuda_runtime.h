@@ -238,8 +238,8 @@ struct Cta {
   std::vector<Fiber> fibers;
   std::vector<int> ready;  // fifo: a queue from `head`
   size_t head = 0;
-  // reverse / random: the ready thread of the highest rank runs next.  rank: thread -> rank (a permutation),
-  // by_rank its inverse; bit r of ready_ranks is set while the thread of rank r is ready.
+  // reverse / random: the ready thread of the highest rank runs next.  rank: thread -> rank (distinct, below 32 x
+  // warps), by_rank its inverse; bit r of ready_ranks is set while the thread of rank r is ready.
   std::vector<int> rank, by_rank;
   uint64_t ready_ranks[16] = {};
   int n_ready = 0;
