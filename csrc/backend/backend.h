@@ -195,7 +195,7 @@ class Backend {
   virtual void submit() {}
   // Per row of logits: the k largest (descending; ties: lower id first) as ids
   // and log-softmax values — what greedy acceptance (k = 1) and the DDTree
-  // builder need, so only k values per row leave the device.
+  // builder need, so only k values per row leave the device.  logp null: the ids alone.
   virtual void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) = 0;
 };
 

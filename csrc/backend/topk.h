@@ -5,7 +5,8 @@
 
 namespace dfl {
 
-// Top-k of log-softmax(row): tokens by descending log-prob, lower id first on ties.
+// Top-k of log-softmax(row): tokens by descending log-prob, lower id first on ties; NaN never picked
+// while k numbers remain.  logp null: the ids alone (no log-sum-exp).
 void topk_logprobs(const float* row, int n_vocab, int k, int32_t* tokens, float* logp);
 
 }  // namespace dfl

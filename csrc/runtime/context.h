@@ -43,7 +43,7 @@ struct ForwardOutputs {
   float* logits = nullptr;              // [n_logits][n_vocab], or null when only the top-k is wanted
   int topk = 0;                         // > 0: per logits row, its top-k ids and log-probs
   int32_t* top_ids = nullptr;           // [n_logits][topk]
-  float* top_logp = nullptr;            // [n_logits][topk]
+  float* top_logp = nullptr;            // [n_logits][topk], or null: the ids alone
   int n_capture = 0;
   const int32_t* capture_layers = nullptr;  // residual stream after these layers
   float* hidden = nullptr;                  // [n][n_capture * n_embd], layer-major within a row

@@ -540,11 +540,13 @@ void Context::run_segments(const Segment* segs, int n_segs) {
     const int k = (int)std::min(rs.size() - g0, (size_t)group);
     float* h = I.hn.f();
     int topk = 0;
+    bool want_logp = false;  // none: the ids alone (greedy without logprobs skips the log-sum-exp)
     for (int j = 0; j < k; ++j) {
       const Want& q = rs[g0 + j];
       const int row = q.g->row0 + q.g->out->logit_rows[q.r] - q.g->off;
       be.copy(h + (size_t)j * H, x + (size_t)row * H, (size_t)H * 4);
       topk = std::max(topk, q.g->out->topk);
+      want_logp |= q.g->out->topk > 0 && q.g->out->top_logp;
     }
     be.rmsnorm(h, be.vec(M.output_norm), k, H, c.rms_eps, h);
     be.matmul(M.output, h, k, I.logits.f());
@@ -553,7 +555,7 @@ void Context::run_segments(const Segment* segs, int n_segs) {
       if (I.top.bytes < (size_t)group * kk * 8) I.top = BackendBuf(be, (size_t)group * kk * 8);
       int32_t* ids = reinterpret_cast<int32_t*>(I.top.u8());
       float* lp = reinterpret_cast<float*>(I.top.u8() + (size_t)group * kk * 4);
-      be.row_topk(I.logits.f(), k, c.n_vocab, topk, ids, lp);
+      be.row_topk(I.logits.f(), k, c.n_vocab, topk, ids, want_logp ? lp : nullptr);
       // ids then log-probs of the group lie together: one transfer
       std::vector<uint8_t> both((size_t)group * kk * 8);
       be.download(both.data(), I.top.p, both.size());
@@ -562,7 +564,8 @@ void Context::run_segments(const Segment* segs, int n_segs) {
         const size_t want = (size_t)q.g->out->topk;  // a row's top-k of a longer list: its first entries
         if (!want) continue;
         std::memcpy(q.g->out->top_ids + (size_t)q.r * want, both.data() + j * kk * 4, want * 4);
-        std::memcpy(q.g->out->top_logp + (size_t)q.r * want, both.data() + ((size_t)group + j) * kk * 4, want * 4);
+        if (q.g->out->top_logp)
+          std::memcpy(q.g->out->top_logp + (size_t)q.r * want, both.data() + ((size_t)group + j) * kk * 4, want * 4);
       }
     }
     for (int j = 0; j < k;) {  // one download per run of consecutive output rows of one segment

@@ -150,7 +150,7 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
       o.logit_rows = &last;
       if (!need_rows()) {
         top_ids_.resize(row_k()), top_logp_.resize(row_k());
-        o.topk = row_k(), o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
+        o.topk = row_k(), o.top_ids = top_ids_.data(), o.top_logp = logp_rows();
       } else {
         o.logits = logits_.data();
       }
@@ -630,7 +630,7 @@ void Generator::draft_step() {
   const int K = row_k();
   if (!need_rows()) {
     top_ids_.resize((size_t)N * K), top_logp_.resize((size_t)N * K);
-    o.topk = K, o.top_ids = top_ids_.data(), o.top_logp = top_logp_.data();
+    o.topk = K, o.top_ids = top_ids_.data(), o.top_logp = logp_rows();
   } else {
     logits_.resize((size_t)N * c.n_vocab);
     o.logits = logits_.data();
@@ -752,8 +752,9 @@ void Generator::measure_verify(int max_nodes) {
     tok.assign((size_t)n, hist_.back()), pos.resize((size_t)n), par.resize((size_t)n), rows.resize((size_t)n);
     for (int i = 0; i < n; ++i) pos[(size_t)i] = s + i, par[(size_t)i] = i - 1, rows[(size_t)i] = i;
     ids.resize((size_t)n), logp.resize((size_t)n);
-    ForwardOutputs o;
-    o.n_logits = n, o.logit_rows = rows.data(), o.topk = 1, o.top_ids = ids.data(), o.top_logp = logp.data();
+    ForwardOutputs o;  // the top-k a step's verify takes (its log-probs only where logprobs are asked)
+    o.n_logits = n, o.logit_rows = rows.data(), o.topk = 1, o.top_ids = ids.data();
+    o.top_logp = p_.n_logprobs >= 0 ? logp.data() : nullptr;
     if (!readers_.empty()) {  // a step's verify captures the feature readers' rows too
       o.n_capture = (int)capture_.size(), o.capture_layers = capture_.data(), o.hidden_on_backend = true;
     }

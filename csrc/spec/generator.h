@@ -129,6 +129,8 @@ class Generator {
  private:
   // How many top entries a row needs: the choice (1) and the asked alternatives.
   int row_k() const { return std::max(1, p_.n_logprobs); }
+  // Where a verify's top-k log-probs go: only logprobs read them (the choice is the first id)
+  float* logp_rows() { return p_.n_logprobs >= 0 ? top_logp_.data() : nullptr; }
   // Records the log-probability of `token` from row `node` of the last forward.
   void record_logprob(int node, int32_t token);
   void prefill(const int32_t* prompt, int n, int first);

@@ -12,6 +12,7 @@
 // builds and runs it.  Prints one line per case, then "ALL OK" (exit 0) or
 // "FAIL" (exit 1).  Usage: dfl_backend_ops [--only FAMILY,...] [--shard I/N] [max_batch]
 #include <algorithm>
+#include <numeric>
 #include <cctype>
 #include <chrono>
 #include <array>
@@ -416,7 +417,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
     // row top-k (ids exact, ties to the lower id; log-probs within f32 rounding of the CPU's double lse).  The
     // second shape puts a row's top 22 in one stripe of the CUDA kernel's CTA (ids 17 + 1024 m), with ties and
     // -inf among them, so that thread refills its buffer of 4 several times
-    if (Family f("row_topk"); f.on) for (int k : {1, 22}) for (int cols : {3001, 30001}) {
+    if (Family f("row_topk"); f.on) for (int k : {1, 22, 65}) for (int cols : {3001, 30001}) {
       auto x = randn((size_t)n * cols, 3.f);
       for (int t = 0; t < n; ++t) x[(size_t)t * cols + 17] = x[(size_t)t * cols + 1500] = 50.f;  // a tie at the top
       if (cols > 3001)
@@ -429,7 +430,21 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       cpu->row_topk(xa.f(), n, cols, k, reinterpret_cast<int32_t*>(ia.p), la.f());
       cud->row_topk(xb.f(), n, cols, k, reinterpret_cast<int32_t*>(ib.p), lb.f());
       auto ids_a = ia.bytes_back((size_t)n * k * 4), ids_b = ib.bytes_back((size_t)n * k * 4);
-      const bool same = ids_a == ids_b;
+      // the definition: every index sorted by value descending, then id
+      std::vector<uint8_t> ids_ref((size_t)n * k * 4);
+      for (int t = 0; t < n; ++t) {
+        std::vector<int32_t> idx(cols);
+        std::iota(idx.begin(), idx.end(), 0);
+        const float* row = x.data() + (size_t)t * cols;
+        std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+        std::memcpy(ids_ref.data() + (size_t)t * k * 4, idx.data(), (size_t)k * 4);
+      }
+      // the ids alone (no log-probs asked): the same ids on both
+      ia.poison(), ib.poison();
+      cpu->row_topk(xa.f(), n, cols, k, reinterpret_cast<int32_t*>(ia.p), nullptr);
+      cud->row_topk(xb.f(), n, cols, k, reinterpret_cast<int32_t*>(ib.p), nullptr);
+      const bool same = ids_a == ids_b && ids_a == ids_ref && ia.bytes_back((size_t)n * k * 4) == ids_a &&
+                        ib.bytes_back((size_t)n * k * 4) == ids_a;
       int32_t first = 0;
       std::memcpy(&first, ids_b.data(), 4);
       std::printf("%-58s %s\n", label("row_topk", "k=" + std::to_string(k) + " cols=" + std::to_string(cols) + " ids", n).c_str(),

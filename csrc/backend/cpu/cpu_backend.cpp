@@ -490,7 +490,7 @@ class CpuBackend final : public Backend {
   void row_topk(const float* rows, int n_rows, int n_cols, int k, int32_t* ids, float* logp) override {
     auto part = [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        topk_logprobs(rows + (size_t)r * n_cols, n_cols, k, ids + (size_t)r * k, logp + (size_t)r * k);
+        topk_logprobs(rows + (size_t)r * n_cols, n_cols, k, ids + (size_t)r * k, logp ? logp + (size_t)r * k : nullptr);
     };
     if (n_rows < 2) return part(0, n_rows);
     pool_.parallel_for(n_rows, 1, part);

@@ -747,11 +747,14 @@ __global__ void __launch_bounds__(kTopkThreads)
   float bv[kTopkBuf];
   int bi[kTopkBuf];
   topk_fill(row, n_cols, INFINITY, -1, bv, bi);
-  const float mx = block_max(bv[0], red);  // a stripe's best is its largest value: the row's max
-  float sum = 0.f;
-  for (int i = tid; i < n_cols; i += blockDim.x) sum += expf(row[i] - mx);
-  sum = block_sum(sum, red);
-  const float lse = mx + logf(sum);
+  float lse = 0.f;
+  if (logp) {  // null: the ids alone
+    const float mx = block_max(bv[0], red);  // a stripe's best is its largest value: the row's max
+    float sum = 0.f;
+    for (int i = tid; i < n_cols; i += blockDim.x) sum += expf(row[i] - mx);
+    sum = block_sum(sum, red);
+    lse = mx + logf(sum);
+  }
   int popped = 0;
   for (int r = 0; r < k; ++r) {
     float gv = bv[0];
@@ -771,7 +774,7 @@ __global__ void __launch_bounds__(kTopkThreads)
       if (topk_before(rv[w], ri[w], gv, gi)) gv = rv[w], gi = ri[w];
     if (tid == 0) {
       ids[(int64_t)blockIdx.x * k + r] = gi;
-      logp[(int64_t)blockIdx.x * k + r] = gv - lse;
+      if (logp) logp[(int64_t)blockIdx.x * k + r] = gv - lse;
     }
     if (gi != kTopkNone && bi[0] == gi) {  // ids are unique: this thread's head was picked
 #pragma unroll
