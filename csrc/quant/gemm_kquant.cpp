@@ -23,7 +23,9 @@
 //    multiplies all 4 rows, and the 4 pieces of a 32-value sub-block add up in
 //    int16 before the one scale multiply.  The multiply pipes are the limit on
 //    AVX2 (pmaddubsw and pmaddwd share them), and this takes 5 multiplies per
-//    128 products where one row at a time takes 8.
+//    128 products where one row at a time takes 8.  A batch of one quad (3 or 4
+//    tokens: 4 slots' AR step, a short chain) uses each chunk where it is made
+//    (`panel_direct`) instead: no tile would read a stored panel twice.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -310,9 +312,9 @@ const auto kChunkScale = spread_masks<8>([](int j, int) { return j; });
 const auto kGroupMin = spread_masks<4>([](int k, int l) { return (4 * k + l) / 2; });
 
 // The 4 rows' f16 scales as 8 floats in the kernel's output lane order (rows 0 1 0 1 2 3 2 3).
-inline void store_lane_scales(uint16_t h0, uint16_t h1, uint16_t h2, uint16_t h3, float* dst) {
+inline __m256 lane_scales(uint16_t h0, uint16_t h1, uint16_t h2, uint16_t h3) {
   const __m128 v = _mm_cvtph_ps(_mm_setr_epi16((short)h0, (short)h1, (short)h2, (short)h3, 0, 0, 0, 0));
-  _mm256_store_ps(dst, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3));
 }
 
 // The 6-bit scales and mins of 4 rows' Q4_K / Q5_K super-blocks as bytes, decoded as
@@ -335,118 +337,175 @@ inline void scales_mins_4rows(const uint8_t* const blk[4], __m256i& S, __m256i& 
   M = _mm256_set_m128i(_mm_unpackhi_epi32(m_lo, m_hi), _mm_unpacklo_epi32(m_lo, m_hi));
 }
 
-// Straight from the 4 rows' blocks into the panel: the packed bytes are transposed
-// in 8-byte pieces first (the bit operations that make quants are bytewise, so
-// they commute with it), and nothing waits in memory between the steps.
+// What a tile reads of a super-block besides its chunks: m[k] holds in lanes 4r + l row r's offset weight of
+// group 4k + l; d, dm the float scales in the tile's output lane order.
+struct PanelTail {
+  __m256i m[4];
+  __m256 d, dm;
+};
+
+// The 4 rows' super-blocks (blk[r]: row r's) in the panel's layout, handed over as they are made, straight
+// from the packed bytes: they are transposed in 8-byte pieces first (the bit operations that make quants are
+// bytewise, so they commute with it).  chunk(j, w, sc0, sc1) gets chunk j (in any order): w[p] holds in
+// bytes 8r.. row r's values 32j + 8p .. +7, sc0 in int16 lanes 4r..4r+3 row r's scale of the chunk's first
+// group and sc1 of its second (Q6_K's groups are 16 values; Q4_K / Q5_K have one scale a chunk: sc1 = sc0).
+template <DType T, class Chunk>
+inline void panel_sb(const uint8_t* const blk[4], Chunk&& chunk, PanelTail& tail) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  auto transposed = [&](size_t off, __m256i out[4]) {  // out[p] = piece p of the 4 rows' 32 bytes at off
+    transpose_pieces(load256(blk[0] + off), load256(blk[1] + off), load256(blk[2] + off), load256(blk[3] + off), out);
+  };
+  if constexpr (T == DType::Q6_K) {
+    // group scales (signed) of each row as int16; offsets m = 32 * scale in pieces of 4 groups
+    __m256i sg[4];
+    for (int r = 0; r < 4; ++r)
+      sg[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk[r] + offsetof(block_q6_K, scales))));
+    transpose_pieces(_mm256_slli_epi16(sg[0], 5), _mm256_slli_epi16(sg[1], 5), _mm256_slli_epi16(sg[2], 5),
+                     _mm256_slli_epi16(sg[3], 5), tail.m);
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,  //
+                                            4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+    const __m256i a = _mm256_unpacklo_epi16(sg[0], sg[1]), c = _mm256_unpackhi_epi16(sg[0], sg[1]);
+    const __m256i bb = _mm256_unpacklo_epi16(sg[2], sg[3]), d = _mm256_unpackhi_epi16(sg[2], sg[3]);
+    // e[k]: pieces of groups 2k, 2k+1 (low half) and 8+2k, 9+2k (high half)
+    const __m256i e[4] = {_mm256_unpacklo_epi32(a, bb), _mm256_unpackhi_epi32(a, bb), _mm256_unpacklo_epi32(c, d),
+                          _mm256_unpackhi_epi32(c, d)};
+    // chunk j's groups 2j, 2j + 1: e[j % 4]'s qword 0 / 1 (j < 4) or 2 / 3 in both halves, spread to lanes
+    auto scale = [&](int j, int second) {
+      const __m256i q = j < 4 ? (second ? _mm256_permute4x64_epi64(e[j % 4], 0x55) : _mm256_permute4x64_epi64(e[j % 4], 0x00))
+                              : (second ? _mm256_permute4x64_epi64(e[j % 4], 0xff) : _mm256_permute4x64_epi64(e[j % 4], 0xaa));
+      return _mm256_shuffle_epi8(q, spread);
+    };
+    // high bits 2k, 2k+1 of qh land on bits 4, 5 of chunk k's bytes: a 16-bit
+    // shift is bytewise once masked to 0x30 (bits crossing a byte edge are cleared)
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      __m256i l[4], hh[4], w[4];
+      transposed(offsetof(block_q6_K, qh) + 32 * h, hh);
+      transposed(offsetof(block_q6_K, ql) + 64 * h, l);  // chunks 4h and 4h + 2: its low and high nibbles
+      for (int p = 0; p < 4; ++p)
+        w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 4), m30));
+      chunk(4 * h, w, scale(4 * h, 0), scale(4 * h, 1));
+      for (int p = 0; p < 4; ++p)
+        w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4), _mm256_and_si256(hh[p], m30));
+      chunk(4 * h + 2, w, scale(4 * h + 2, 0), scale(4 * h + 2, 1));
+      transposed(offsetof(block_q6_K, ql) + 64 * h + 32, l);  // chunks 4h + 1 and 4h + 3
+      for (int p = 0; p < 4; ++p)
+        w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 2), m30));
+      chunk(4 * h + 1, w, scale(4 * h + 1, 0), scale(4 * h + 1, 1));
+      for (int p = 0; p < 4; ++p)
+        w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(hh[p], 2), m30));
+      chunk(4 * h + 3, w, scale(4 * h + 3, 0), scale(4 * h + 3, 1));
+    }
+    uint16_t dh[4];
+    for (int r = 0; r < 4; ++r) std::memcpy(&dh[r], blk[r] + offsetof(block_q6_K, d), 2);
+    tail.d = tail.dm = lane_scales(dh[0], dh[1], dh[2], dh[3]);
+  } else {
+    constexpr bool Q5 = T == DType::Q5_K;
+    const size_t qs_off = Q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs);
+    // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3] (S, M)
+    __m256i S, M;
+    scales_mins_4rows(blk, S, M);
+    for (int k = 0; k < 4; ++k) tail.m[k] = _mm256_shuffle_epi8(M, kGroupMin[k]);
+    __m256i qh[4];
+    if (Q5) transposed(offsetof(block_q5_K, qh), qh);
+    const __m256i b16 = _mm256_set1_epi8(16);
+    for (int c = 0; c < 4; ++c) {
+      __m256i v[4], w[4];
+      transposed(qs_off + 32 * c, v);
+      const __m256i bl = _mm256_set1_epi8((char)(1 << (2 * c))), bh = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
+      for (int p = 0; p < 4; ++p) {
+        w[p] = _mm256_and_si256(v[p], m4);
+        if (Q5) w[p] = _mm256_or_si256(w[p], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[p], bl), bl), b16));
+      }
+      const __m256i sc_lo = _mm256_shuffle_epi8(S, kChunkScale[2 * c]);
+      chunk(2 * c, w, sc_lo, sc_lo);
+      for (int p = 0; p < 4; ++p) {
+        w[p] = _mm256_and_si256(_mm256_srli_epi16(v[p], 4), m4);
+        if (Q5) w[p] = _mm256_or_si256(w[p], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[p], bh), bh), b16));
+      }
+      const __m256i sc_hi = _mm256_shuffle_epi8(S, kChunkScale[2 * c + 1]);
+      chunk(2 * c + 1, w, sc_hi, sc_hi);
+    }
+    uint16_t dh[4], mh[4];
+    for (int r = 0; r < 4; ++r) {
+      std::memcpy(&dh[r], blk[r], 2);
+      std::memcpy(&mh[r], blk[r] + 2, 2);
+    }
+    tail.d = lane_scales(dh[0], dh[1], dh[2], dh[3]);
+    tail.dm = lane_scales(mh[0], mh[1], mh[2], mh[3]);
+  }
+}
+
+inline void panel_rows(const Weight& W, const int64_t* rows, int64_t i, size_t bs, const uint8_t* blk[4]) {
+  for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
+}
+
+// A whole row range's panel in memory, for several tiles of tokens to read.
 template <DType T>
 void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
   const int64_t nb = W.cols / QK_K;
-  const size_t bs = block_bytes(T);
-  const __m256i m4 = _mm256_set1_epi8(15);
   for (int64_t i = 0; i < nb; ++i) {
     PanelSB& b = P[i];
     const uint8_t* blk[4];
-    for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
-    auto transposed = [&](size_t off, __m256i out[4]) {  // out[p] = piece p of the 4 rows' 32 bytes at off
-      transpose_pieces(load256(blk[0] + off), load256(blk[1] + off), load256(blk[2] + off), load256(blk[3] + off), out);
-    };
-    if constexpr (T == DType::Q6_K) {
-      // high bits 2k, 2k+1 of qh land on bits 4, 5 of chunk k's bytes: a 16-bit
-      // shift is bytewise once masked to 0x30 (bits crossing a byte edge are cleared)
-      const __m256i m30 = _mm256_set1_epi8(0x30);
-      for (int h = 0; h < 2; ++h) {
-        __m256i l0[4], l1[4], hh[4];
-        transposed(offsetof(block_q6_K, ql) + 64 * h, l0);
-        transposed(offsetof(block_q6_K, ql) + 64 * h + 32, l1);
-        transposed(offsetof(block_q6_K, qh) + 32 * h, hh);
-        for (int p = 0; p < 4; ++p) {
-          const __m256i q = hh[p];
-          _mm256_store_si256((__m256i*)b.q[4 * h + 0][p],
-                             _mm256_or_si256(_mm256_and_si256(l0[p], m4), _mm256_and_si256(_mm256_slli_epi16(q, 4), m30)));
-          _mm256_store_si256((__m256i*)b.q[4 * h + 1][p],
-                             _mm256_or_si256(_mm256_and_si256(l1[p], m4), _mm256_and_si256(_mm256_slli_epi16(q, 2), m30)));
-          _mm256_store_si256((__m256i*)b.q[4 * h + 2][p],
-                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0[p], 4), m4), _mm256_and_si256(q, m30)));
-          _mm256_store_si256((__m256i*)b.q[4 * h + 3][p],
-                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1[p], 4), m4),
-                                             _mm256_and_si256(_mm256_srli_epi16(q, 2), m30)));
-        }
-      }
-      // group scales (signed) of each row as int16; offsets m = 32 * scale in pieces of 4 groups
-      __m256i sg[4];
-      for (int r = 0; r < 4; ++r)
-        sg[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk[r] + offsetof(block_q6_K, scales))));
-      __m256i m[4];
-      transpose_pieces(_mm256_slli_epi16(sg[0], 5), _mm256_slli_epi16(sg[1], 5), _mm256_slli_epi16(sg[2], 5),
-                       _mm256_slli_epi16(sg[3], 5), m);
-      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], m[k]);
-      const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,  //
-                                              4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
-      const __m256i a = _mm256_unpacklo_epi16(sg[0], sg[1]), c = _mm256_unpackhi_epi16(sg[0], sg[1]);
-      const __m256i bb = _mm256_unpacklo_epi16(sg[2], sg[3]), d = _mm256_unpackhi_epi16(sg[2], sg[3]);
-      // e[k]: pieces of groups 2k, 2k+1 (low half) and 8+2k, 9+2k (high half)
-      const __m256i e[4] = {_mm256_unpacklo_epi32(a, bb), _mm256_unpackhi_epi32(a, bb), _mm256_unpacklo_epi32(c, d),
-                            _mm256_unpackhi_epi32(c, d)};
-      int16_t(*sc)[16] = &b.sc[0][0];  // [group][lane]
-      // permute4x64 by q * 0x55 puts qword q first in both halves
-#define DFL_GROUP(g, imm) \
-  _mm256_store_si256((__m256i*)sc[g], _mm256_shuffle_epi8(_mm256_permute4x64_epi64(e[((g) % 8) / 2], imm), spread))
-      DFL_GROUP(0, 0x00); DFL_GROUP(1, 0x55); DFL_GROUP(2, 0x00); DFL_GROUP(3, 0x55);
-      DFL_GROUP(4, 0x00); DFL_GROUP(5, 0x55); DFL_GROUP(6, 0x00); DFL_GROUP(7, 0x55);
-      DFL_GROUP(8, 0xaa); DFL_GROUP(9, 0xff); DFL_GROUP(10, 0xaa); DFL_GROUP(11, 0xff);
-      DFL_GROUP(12, 0xaa); DFL_GROUP(13, 0xff); DFL_GROUP(14, 0xaa); DFL_GROUP(15, 0xff);
-#undef DFL_GROUP
-      uint16_t dh[4];
-      for (int r = 0; r < 4; ++r) std::memcpy(&dh[r], blk[r] + offsetof(block_q6_K, d), 2);
-      store_lane_scales(dh[0], dh[1], dh[2], dh[3], b.d);
-      store_lane_scales(dh[0], dh[1], dh[2], dh[3], b.dm);
-    } else {
-      constexpr bool Q5 = T == DType::Q5_K;
-      const size_t qs_off = Q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs);
-      __m256i qh[4];
-      if (Q5) transposed(offsetof(block_q5_K, qh), qh);
-      const __m256i b16 = _mm256_set1_epi8(16);
-      for (int c = 0; c < 4; ++c) {
-        __m256i v[4];
-        transposed(qs_off + 32 * c, v);
-        const __m256i bl = _mm256_set1_epi8((char)(1 << (2 * c))), bh = _mm256_set1_epi8((char)(1 << (2 * c + 1)));
-        for (int p = 0; p < 4; ++p) {
-          __m256i lo = _mm256_and_si256(v[p], m4), hi = _mm256_and_si256(_mm256_srli_epi16(v[p], 4), m4);
-          if (Q5) {
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[p], bl), bl), b16));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh[p], bh), bh), b16));
-          }
-          _mm256_store_si256((__m256i*)b.q[2 * c][p], lo);
-          _mm256_store_si256((__m256i*)b.q[2 * c + 1][p], hi);
-        }
-      }
-      // 6-bit scales and mins of the 4 rows as bytes: [row0 row1 | row2 row3] (S, M)
-      __m256i S, M;
-      scales_mins_4rows(blk, S, M);
-      for (int j = 0; j < 8; ++j)  // one scale per chunk: the kernel reads sc[j][0] only
-        _mm256_store_si256((__m256i*)b.sc[j][0], _mm256_shuffle_epi8(S, kChunkScale[j]));
-      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], _mm256_shuffle_epi8(M, kGroupMin[k]));
-      uint16_t dh[4], mh[4];
-      for (int r = 0; r < 4; ++r) {
-        std::memcpy(&dh[r], blk[r], 2);
-        std::memcpy(&mh[r], blk[r] + 2, 2);
-      }
-      store_lane_scales(dh[0], dh[1], dh[2], dh[3], b.d);
-      store_lane_scales(mh[0], mh[1], mh[2], mh[3], b.dm);
-    }
+    panel_rows(W, rows, i, block_bytes(T), blk);
+    PanelTail tail;
+    panel_sb<T>(blk, [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+      for (int p = 0; p < 4; ++p) _mm256_store_si256((__m256i*)b.q[j][p], w[p]);
+      _mm256_store_si256((__m256i*)b.sc[j][0], sc0);
+      if (T == DType::Q6_K) _mm256_store_si256((__m256i*)b.sc[j][1], sc1);  // else the tile reads sc[j][0] only
+    }, tail);
+    for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], tail.m[k]);
+    _mm256_store_ps(b.d, tail.d);
+    _mm256_store_ps(b.dm, tail.dm);
   }
 }
+
+// The tile's arithmetic, shared by the panel in memory and the panel in registers.  One chunk of 4 rows
+// against token x's 32 values xp: the 4 pieces add up in int16 before the one scale multiply (pieces 0-1 and
+// 2-3 apart for 16-value groups).
+template <bool G16>
+inline __m256i tile_chunk(const __m256i w[4], __m256i sc0, __m256i sc1, const int8_t* xp, __m256i is) {
+  const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast8(xp)), _mm256_maddubs_epi16(w[1], bcast8(xp + 8)));
+  const __m256i c = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast8(xp + 16)), _mm256_maddubs_epi16(w[3], bcast8(xp + 24)));
+  if (G16) return _mm256_add_epi32(is, _mm256_add_epi32(_mm256_madd_epi16(a, sc0), _mm256_madd_epi16(c, sc1)));
+  return _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_add_epi16(a, c), sc0));
+}
+
+// 4 rows x 4 tokens' accumulators: lanes rows 0 1 0 1 2 3 2 3, tokens 0 0 1 1 0 0 1 1 of a pair.
+struct TileAcc {
+  __m256 acc0 = _mm256_setzero_ps(), accm0 = acc0, acc1 = acc0, accm1 = acc0;
+  // super-block i's float steps, from its integer sums is[t] and its tail
+  void add(const __m256i* m, __m256 d, __m256 dm, const ActRow* x, int64_t i, const float* xd2, const __m256i is[4]) {
+    __m256i ms[4];
+    for (int t = 0; t < 4; ++t) {
+      const int16_t* bsum = x[t].bsum + 16 * i;
+      __m256i a = _mm256_madd_epi16(m[0], bcast8(bsum));
+      for (int k = 1; k < 4; ++k) a = _mm256_add_epi32(a, _mm256_madd_epi16(m[k], bcast8(bsum + 4 * k)));
+      ms[t] = a;
+    }
+    const __m256 x0 = _mm256_loadu_ps(xd2 + 16 * i), x1 = _mm256_loadu_ps(xd2 + 16 * i + 8);
+    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d, x0), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is[0], is[1])), acc0);
+    accm0 = _mm256_fmadd_ps(_mm256_mul_ps(dm, x0), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms[0], ms[1])), accm0);
+    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is[2], is[3])), acc1);
+    accm1 = _mm256_fmadd_ps(_mm256_mul_ps(dm, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms[2], ms[3])), accm1);
+  }
+  // each token's 4 rows side by side, as y holds them: out[4t + r] row r, token t
+  void store(float* out) const {
+    const __m256i to_token_major = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc0, accm0), to_token_major));
+    _mm256_storeu_ps(out + 8, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc1, accm1), to_token_major));
+  }
+};
 
 // 4 panel rows x 4 tokens.  xd2[16 i + 8 k ..] holds, for super-block i and token
 // pair k, the activation scales in output lane order (tokens 0 0 1 1 0 0 1 1 of the pair).
 // out[4t + r]: row r, token t.
 template <bool G16>
 void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2, float* out) {
-  __m256 acc0 = _mm256_setzero_ps(), accm0 = acc0, acc1 = acc0, accm1 = acc0;
+  TileAcc acc;
   for (int64_t i = 0; i < nb; ++i) {
     const PanelSB& b = P[i];
-    const int8_t* xq[4];
-    for (int t = 0; t < 4; ++t) xq[t] = x[t].q + 256 * i;
     __m256i is[4];
     for (int t = 0; t < 4; ++t) is[t] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
@@ -455,35 +514,33 @@ void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2,
       for (int p = 0; p < 4; ++p) w[p] = _mm256_load_si256((const __m256i*)b.q[j][p]);
       const __m256i sc0 = _mm256_load_si256((const __m256i*)b.sc[j][0]);
       const __m256i sc1 = G16 ? _mm256_load_si256((const __m256i*)b.sc[j][1]) : sc0;
-      for (int t = 0; t < 4; ++t) {
-        const int8_t* xp = xq[t] + 32 * j;
-        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast8(xp)), _mm256_maddubs_epi16(w[1], bcast8(xp + 8)));
-        const __m256i c = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast8(xp + 16)), _mm256_maddubs_epi16(w[3], bcast8(xp + 24)));
-        if (G16)  // a group of 16 values per scale: pieces 0-1 and 2-3
-          is[t] = _mm256_add_epi32(is[t], _mm256_add_epi32(_mm256_madd_epi16(a, sc0), _mm256_madd_epi16(c, sc1)));
-        else
-          is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(_mm256_add_epi16(a, c), sc0));
-      }
+      for (int t = 0; t < 4; ++t) is[t] = tile_chunk<G16>(w, sc0, sc1, x[t].q + 256 * i + 32 * j, is[t]);
     }
-    __m256i ms[4];
-    for (int t = 0; t < 4; ++t) {
-      const int16_t* bsum = x[t].bsum + 16 * i;
-      __m256i a = _mm256_madd_epi16(_mm256_load_si256((const __m256i*)b.m[0]), bcast8(bsum));
-      for (int k = 1; k < 4; ++k)
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)b.m[k]), bcast8(bsum + 4 * k)));
-      ms[t] = a;
-    }
-    const __m256 d = _mm256_load_ps(b.d), dm = _mm256_load_ps(b.dm);
-    const __m256 x0 = _mm256_loadu_ps(xd2 + 16 * i), x1 = _mm256_loadu_ps(xd2 + 16 * i + 8);
-    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(d, x0), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is[0], is[1])), acc0);
-    accm0 = _mm256_fmadd_ps(_mm256_mul_ps(dm, x0), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms[0], ms[1])), accm0);
-    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(d, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is[2], is[3])), acc1);
-    accm1 = _mm256_fmadd_ps(_mm256_mul_ps(dm, x1), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms[2], ms[3])), accm1);
+    __m256i m[4];
+    for (int k = 0; k < 4; ++k) m[k] = _mm256_load_si256((const __m256i*)b.m[k]);
+    acc.add(m, _mm256_load_ps(b.d), _mm256_load_ps(b.dm), x, i, xd2, is);
   }
-  // lanes (rows 0 1 0 1 2 3 2 3, tokens 0 0 1 1 0 0 1 1) -> each token's 4 rows side by side, as y holds them
-  const __m256i to_token_major = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc0, accm0), to_token_major));
-  _mm256_storeu_ps(out + 8, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc1, accm1), to_token_major));
+  acc.store(out);
+}
+
+// One quad of tokens (3 or 4): no tile would read a stored panel twice, so each chunk is used where it is
+// made, in registers (storing and reloading the panel was half of a quad's time on AVX2).
+template <DType T>
+void panel_direct(const Weight& W, const int64_t* rows, int64_t nb, const ActRow* x, const float* xd2, float* out) {
+  constexpr bool G16 = T == DType::Q6_K;
+  TileAcc acc;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk[4];
+    panel_rows(W, rows, i, block_bytes(T), blk);
+    __m256i is[4];
+    for (int t = 0; t < 4; ++t) is[t] = _mm256_setzero_si256();
+    PanelTail tail;
+    panel_sb<T>(blk, [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+      for (int t = 0; t < 4; ++t) is[t] = tile_chunk<G16>(w, sc0, sc1, x[t].q + 256 * i + 32 * j, is[t]);
+    }, tail);
+    acc.add(tail.m, tail.d, tail.dm, x, i, xd2, is);
+  }
+  acc.store(out);
 }
 
 // A tile's outputs, out[4t + r] (row r, token t), to y: each token's live rows side by side.
@@ -565,6 +622,19 @@ void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
   S.in.prepare(x, n, nb, [](int l) { return 2 * (l / 8) + ((l >> 1) & 1); });
   PanelSB* panel = S.panel.data();
   const PanelInputs& in = S.in;
+  if (T != DType::Q6_K && in.n4 == 4) {  // one quad: the panel in registers (Q6_K's spill: 1.2-1.4x slower)
+    alignas(32) float out[16];
+    for (int64_t p0 = r0; p0 < r1; p0 += 4) {
+      int64_t rows[4];
+      for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
+      if (p0 + 4 < r1)  // the next panel's rows, a line at a time ahead of their use
+        for (int r = 0; r < 4 && p0 + 4 + r < r1; ++r)
+          for (size_t off = 0; off < W.row_bytes; off += 64) _mm_prefetch((const char*)W.row(p0 + 4 + r) + off, _MM_HINT_T0);
+      panel_direct<T>(W, rows, nb, in.xs.data(), in.quad_scales(0, nb), out);
+      store_tile(out, n, (int)std::min<int64_t>(4, r1 - p0), y + p0, W.rows);
+    }
+    return;
+  }
   panel_loop(W, r0, r1, y, n, in.n4, 4, [&](const int64_t* rows) { unpack_panel<T>(W, rows, panel); },
              [&](int t0, int, float* out) {
                panel_tile<T == DType::Q6_K>(panel, nb, in.xs.data() + t0, in.quad_scales(t0, nb), out);
