@@ -73,8 +73,10 @@ def run_model(name: str, target, draft, prompts, n_slots: int, n_new: int, reps:
             equal &= [r.tokens for r in auto] == [r.tokens for r in solo]
         roof = batch_roof(d, ps[0], n_slots)
     out = {k: round(statistics.median(v), 1) for k, v in rows.items()}
-    base = out["1 x AR"]
-    return {"model": name, "tok_s": out, "vs_one_stream": {k: round(v / base, 3) for k, v in out.items()},
+    # each rep's rows against that rep's one stream (run next to them), then the median: the guest's speed
+    # drifts between reps
+    vs = {k: round(statistics.median(a / b for a, b in zip(v, rows["1 x AR"])), 3) for k, v in rows.items()}
+    return {"model": name, "tok_s": out, "vs_one_stream": vs,
             "equals_solo": equal, "batch_roof": roof}
 
 
@@ -88,18 +90,21 @@ def batch_roof(d: Decoder, prompt, n_slots: int, reps: int = 200) -> dict:
     d.generate(prompt, 2, mode="ar", ignore_eos=True, cache=False)
     p = ctx.n_past
 
-    def best(n: int) -> float:
-        toks, pos = [5] * n, list(range(p, p + n))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            ctx.forward(toks, pos=pos, commit=False)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    def once(n: int) -> float:
+        t0 = time.perf_counter()
+        ctx.forward([5] * n, pos=list(range(p, p + n)), commit=False)
+        return time.perf_counter() - t0
 
-    t1, tn = best(1), best(n_slots)
+    # alternately, so that both see the machine as it is at that moment (measured one after the other, a
+    # guest whose speed drifts by 20% over a minute put the ceiling at 2.89x when it was 2.36x)
+    t1s, tns = [], []
+    for _ in range(reps):
+        t1s.append(once(1))
+        tns.append(once(n_slots))
+    t1, tn = statistics.median(t1s), statistics.median(tns)
+    ratio = statistics.median(n_slots * a / b for a, b in zip(t1s, tns))
     return {"forward_1_ms": round(t1 * 1e3, 3), f"forward_{n_slots}_ms": round(tn * 1e3, 3),
-            "ceiling_vs_one_stream": round(n_slots * t1 / tn, 2)}
+            "ceiling_vs_one_stream": round(ratio, 2)}
 
 
 def ttft(n_slots: int, threads: int, reps: int) -> dict:
