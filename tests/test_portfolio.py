@@ -111,15 +111,23 @@ def test_declined_trees_teach_their_drafter():
     """A tree auto mode drafts and then declines (AR wins the step) still teaches its drafter which of its
     nodes the text followed, once the tokens they guessed are decided (AutoController::observe_declined), so an
     estimate does not go stale while its drafter stops being verified.  Lookup looks at every step it has a
-    match and declines most of them on an edited file; each declined tree is learnt from at most once, and at
-    least one is (the step that decides its last token counts it)."""
+    match and declines some of them on an edited file; each declined tree is learnt from at most once, and
+    those decided before the request ends are (the step that decides a tree's last token counts it).  Which
+    steps decline depends on the costs measured as the request runs (on a busy machine lookup's cheap trees
+    win more often), so requests with the edit at other places run until one has a decided decline."""
     src = open(os.path.join(os.path.dirname(__file__), "..", "python", "dflash27b", "results.py")).read()[:1800]
-    prompt = f"# results.py\n{src}\n\n# results.py, with the edit applied:\n{src[:600]}"
+    declined = learnt = 0
     with Decoder(draft=["lookup"], threads=2) as d:
-        d.generate(prompt, 96, mode="auto", ignore_eos=True, cache=False)
-        steps = d._ctx.step_stats()
-    declined = [s for s in steps if s["drafter"] == 0 and s["auto_budget"] == 0]   # drafted, then AR
-    learnt = sum(s["declined_learnt"] for s in steps)
+        for cut in (600, 900, 300, 1200, 450, 750):
+            prompt = f"# results.py\n{src}\n\n# results.py, with the edit applied:\n{src[:cut]}"
+            d.generate(prompt, 96, mode="auto", ignore_eos=True, cache=False)
+            steps = d._ctx.step_stats()
+            # looked, then AR (or found no match: no tree, nothing to learn)
+            declined += sum(s["drafter"] == 0 and s["auto_budget"] == 0 for s in steps)
+            learnt += sum(s["declined_learnt"] for s in steps)
+            assert learnt <= declined
+            assert all(s["declined_learnt"] == 0 for s in steps if s["auto_budget"] < 0)
+            if learnt:
+                break
     assert declined, "lookup never looked and declined: the test's text no longer exercises the path"
-    assert 0 < learnt <= len(declined)
-    assert all(s["declined_learnt"] == 0 for s in steps if s["auto_budget"] < 0)
+    assert learnt > 0
