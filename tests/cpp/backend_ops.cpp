@@ -439,6 +439,22 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
         std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
         std::memcpy(ids_ref.data() + (size_t)t * k * 4, idx.data(), (size_t)k * 4);
       }
+      // the CPU's log-probs: the definition's (the sum of exp in double, in index order), bit for bit
+      std::vector<float> lp_ref((size_t)n * k);
+      for (int t = 0; t < n; ++t) {
+        const float* row = x.data() + (size_t)t * cols;
+        float mx = -INFINITY;
+        for (int i = 0; i < cols; ++i) mx = std::max(mx, row[i]);
+        double sum = 0.0;
+        for (int i = 0; i < cols; ++i) sum += std::exp((double)row[i] - mx);
+        const float lse = mx + (float)std::log(sum);
+        for (int j = 0; j < k; ++j) {
+          int32_t id;
+          std::memcpy(&id, ids_ref.data() + ((size_t)t * k + j) * 4, 4);
+          lp_ref[(size_t)t * k + j] = row[id] - lse;
+        }
+      }
+      check(label("row_topk", "k=" + std::to_string(k) + " cols=" + std::to_string(cols) + " CPU logp", n), la.get((size_t)n * k), lp_ref, 0.0);
       // the ids alone (no log-probs asked): the same ids on both
       ia.poison(), ib.poison();
       cpu->row_topk(xa.f(), n, cols, k, reinterpret_cast<int32_t*>(ia.p), nullptr);
