@@ -205,13 +205,13 @@ def test_the_first_probe_is_priced_at_load():
     probe waits at least AutoController::kMinProbeGap (8) steps, then as long as the loss the warm-up's probe
     measured needs to fit the request's share: whether a 64-token request affords one depends on that timing
     (on a busy machine sometimes it does), so only the first 8 steps are asserted, and that nothing but a
-    probe speculates unless it expected to beat AR (under load, the drafter's cost measured at load against a
-    slowed AR step, a small tree sometimes does)."""
+    probe speculates unless it expected to beat AR by the controller's margin (AutoController::kSpecGain, 10%;
+    under load, the drafter's cost measured at load against a slowed AR step, a small tree sometimes does)."""
     with Decoder(device="cpu", threads=2) as d:
         s = d.generate("def f(x):\n", 64, ignore_eos=True, mode="auto").stats
         assert not any(s.probe[:8]), s.probe
         bets = [(e, a) for b, p, e, a in zip(s.auto_budget, s.probe, s.est_tok_s, s.est_ar_tok_s) if b and not p]
-        assert all(e > a for e, a in bets), (s.probe, s.auto_budget, bets)
+        assert all(e > a * (1.0 + 0.1) for e, a in bets), (s.probe, s.auto_budget, bets)
     with Decoder(device="cpu", threads=2, warm_up=False) as d:
         s = d.generate("def f(x):\n", 64, ignore_eos=True, mode="auto").stats
         assert s.probe[1] and s.auto_budget[0] == 0

@@ -556,9 +556,9 @@ void Context::run_segments(const Segment* segs, int n_segs) {
       int32_t* ids = reinterpret_cast<int32_t*>(I.top.u8());
       float* lp = reinterpret_cast<float*>(I.top.u8() + (size_t)group * kk * 4);
       be.row_topk(I.logits.f(), k, c.n_vocab, topk, ids, want_logp ? lp : nullptr);
-      // ids then log-probs of the group lie together: one transfer
+      // ids then log-probs of the group lie together: one transfer (the ids alone when none was asked)
       std::vector<uint8_t> both((size_t)group * kk * 8);
-      be.download(both.data(), I.top.p, both.size());
+      be.download(both.data(), I.top.p, want_logp ? both.size() : (size_t)group * kk * 4);
       for (int j = 0; j < k; ++j) {
         const Want& q = rs[g0 + j];
         const size_t want = (size_t)q.g->out->topk;  // a row's top-k of a longer list: its first entries
