@@ -17,13 +17,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _includes() -> list[str]:
+    # the shim first (cuda_runtime.h), then the backend's common.cuh and what it includes
+    return ["-I", str(ROOT / "csrc" / "backend" / "cuda" / "emu" / "shim"), "-I", str(ROOT / "csrc" / "backend" / "cuda"),
+            "-I", str(ROOT / "csrc"), "-I", str(ROOT / "include")]
+
+
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     if not cxx:
         pytest.skip("no C++ compiler")
     exe = tmp_path_factory.mktemp("emu") / "emu_launch_checks"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-DDFL_EMU=1", "-I", str(ROOT / "csrc" / "backend" / "cuda" / "emu" / "shim"),
+    r = subprocess.run([cxx, "-std=c++17", "-O1", "-DDFL_EMU=1", *_includes(),
                         str(ROOT / "tests" / "cpp" / "emu_launch_checks.cpp"), "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -38,7 +44,7 @@ def asan_checks(tmp_path_factory):
         pytest.skip("no g++")
     exe = tmp_path_factory.mktemp("emu-asan") / "emu_launch_checks"
     r = subprocess.run([cxx, "-std=c++17", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-DDFL_EMU=1",
-                        "-I", str(ROOT / "csrc" / "backend" / "cuda" / "emu" / "shim"),
+                        *_includes(),
                         str(ROOT / "tests" / "cpp" / "emu_launch_checks.cpp"), "-o", str(exe)],
                        capture_output=True, text=True)
     if r.returncode != 0 and "asan" in r.stderr.lower():
@@ -173,3 +179,34 @@ def test_fiber_stacks_under_the_sanitizer_report_only_real_overflows(asan_checks
     assert r.returncode != 0 and "stack-buffer-overflow" in r.stderr, r.stdout + r.stderr[-2000:]
     r = _case(asan_checks, "device_past_end", schedule)
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stdout + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("schedule", ["fifo", "reverse", "random:3"])
+def test_static_shared_memory_starts_as_garbage(checks, schedule):
+    """A static shared array (DFL_STATIC_SMEM) starts every CTA as 0xff bytes too, the first CTA included: as
+    function statics they had started the first with zeros and each later one with what the last left."""
+    assert _ran(_case(checks, "static_smem_garbage", schedule)) == 4
+
+
+def test_static_shared_memory_counts_against_the_limit(checks):
+    """Static arrays over 48 KiB, or static and dynamic together over the kernel's limit (48 KiB without the
+    opt-in), are refused as on the GPU; at the limit, or with the dynamic limit raised, the launch runs."""
+    assert _ran(_case(checks, "static_smem48k")) == 2
+    assert _ran(_case(checks, "static_dynamic_opt_in")) == 1
+    for name in ("static_smem49k", "static_dynamic_smem"):
+        r = _case(checks, name)
+        assert r.returncode != 0 and "emu: launch refused: static shared memory" in r.stderr, r.stdout + r.stderr
+
+
+def test_every_kernel_declares_static_shared_memory_through_the_macro():
+    """Only DFL_STATIC_SMEM gives the emulator the garbage start and the size check above: a plain `__shared__`
+    in the backend's CUDA sources would be a function static there again."""
+    plain = []
+    for f in sorted((ROOT / "csrc" / "backend" / "cuda").rglob("*.cu*")):
+        if "emu" in f.relative_to(ROOT / "csrc" / "backend" / "cuda").parts:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            code = line.split("//")[0]
+            if "__shared__" in code and "#define" not in code:
+                plain.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not plain, "\n".join(plain)

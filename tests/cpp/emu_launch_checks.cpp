@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "cuda_runtime.h"
+#include "common.cuh"  // DFL_STATIC_SMEM, as the backend's kernels declare static shared arrays
 
 __global__ void count_threads(int* n) { __syncthreads(); if (threadIdx.x == 0) ++*n; }
 
@@ -61,6 +62,24 @@ __global__ void smem_left_over(int* seen) {
   if (threadIdx.x != 0) return;
   if (blockIdx.x > 0) *seen += buf[0] == -1 ? 1 : 100;
   buf[0] = 7;
+}
+
+// The same for a static shared array: every CTA, the first included, must find garbage where the last left 7
+// (a function static would start the first with zeros and each later one with the last one's values).
+__global__ void static_smem_left_over(int* seen) {
+  DFL_STATIC_SMEM(int, buf, [4]);
+  if (threadIdx.x == 0) *seen += buf[0] == -1 ? 1 : 100;
+  __syncthreads();
+  buf[threadIdx.x % 4] = 7;
+}
+// Static shared arrays of `kib` KiB in all: each thread touches them once the CTA has declared both.
+template <int KIB>
+__global__ void static_smem_of(int* n) {
+  DFL_STATIC_SMEM(char, a, [KIB * 512]);
+  DFL_STATIC_SMEM(char, b, [KIB * 512]);
+  a[threadIdx.x] = b[threadIdx.x] = 1;
+  __syncthreads();
+  if (threadIdx.x == 0) ++*n;
 }
 
 // A warp sum over the full mask after lane 31 returned (or in a 48-thread block's second warp): undefined on the GPU.
@@ -173,6 +192,17 @@ int main(int argc, char** argv) {
     emu::launch(1, 64, 0, [&] { two_block_sums(&n, guarded); });
   } else if (!std::strcmp(c, "smem_garbage")) {  // n = the later CTAs that saw garbage (3)
     emu::launch(4, 32, 64, [&] { smem_left_over(&n); });
+  } else if (!std::strcmp(c, "static_smem_garbage")) {  // n = the CTAs that saw garbage (all 4, in any order)
+    emu::launch(4, 32, 0, [&] { static_smem_left_over(&n); });
+  } else if (!std::strcmp(c, "static_smem48k")) {  // at the limit: runs
+    emu::launch(2, 32, 0, [&] { static_smem_of<48>(&n); }, (const void*)static_smem_of<48>);
+  } else if (!std::strcmp(c, "static_smem49k")) {  // static arrays over 48 KiB: refused
+    emu::launch(1, 32, 0, [&] { static_smem_of<49>(&n); }, (const void*)static_smem_of<49>);
+  } else if (!std::strcmp(c, "static_dynamic_smem")) {  // 16 KiB static + 40 KiB dynamic, no opt-in: refused
+    emu::launch(1, 32, 40u << 10, [&] { static_smem_of<16>(&n); }, (const void*)static_smem_of<16>);
+  } else if (!std::strcmp(c, "static_dynamic_opt_in")) {  // the same with the dynamic limit raised: runs
+    if (cudaFuncSetAttribute(static_smem_of<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, 40 << 10) != cudaSuccess) return 3;
+    emu::launch(1, 32, 40u << 10, [&] { static_smem_of<16>(&n); }, (const void*)static_smem_of<16>);
   } else if (!std::strcmp(c, "cta_order")) {  // n = the first CTA run, of 8
     int first = -1;
     emu::launch(8, 1, 0, [&] { if (first < 0) first = (int)blockIdx.x; });

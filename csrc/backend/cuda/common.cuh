@@ -31,10 +31,19 @@
 
 // Dynamic shared memory: the kernel's `extern __shared__` array on the GPU;
 // the emulator hands out its own buffer.
+// Static shared memory, `DFL_STATIC_SMEM(float, red, [32])`: a `__shared__` array on the GPU.  The
+// emulator's is a function static (one CTA runs at a time), which would start each CTA with what the last
+// one left and the first with zeros; the CTA's first thread to reach the declaration fills it with 0xff
+// bytes instead, as garbage would be on a GPU, so a read before any write shows.  Every kernel declares its
+// static shared arrays this way (tests/test_emu_launch_checks.py).
 #ifdef DFL_EMU
 #define DFL_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(::emu::dynamic_smem())
+#define DFL_STATIC_SMEM(T, name, dims) \
+  static T name dims;                  \
+  ::emu::fresh_static_smem(&name, sizeof(name))
 #else
 #define DFL_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#define DFL_STATIC_SMEM(T, name, dims) __shared__ T name dims
 #endif
 
 namespace dfl {

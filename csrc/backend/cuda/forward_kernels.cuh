@@ -71,7 +71,7 @@ __global__ void embed_kernel(const uint8_t* __restrict__ table, int64_t row_byte
 // ---------------------------------------------------------------- rmsnorm
 // One CTA per row (in place allowed: each thread rewrites only what it read).
 __global__ void rmsnorm_kernel(const float* x, const float* __restrict__ w, int dim, float eps, float* y) {
-  __shared__ float red[32];
+  DFL_STATIC_SMEM(float, red, [32]);
   const float* xr = x + (int64_t)blockIdx.x * dim;
   float* yr = y + (int64_t)blockIdx.x * dim;
   float ss = 0.f;
@@ -129,7 +129,7 @@ __device__ __forceinline__ void rmsnorm_quads(const float4 (&v)[PV], const float
 
 template <int PV>
 __global__ void rmsnorm_quad_kernel(const float* x, const float* __restrict__ w, int dim, float eps, float* y) {
-  __shared__ float red[32];
+  DFL_STATIC_SMEM(float, red, [32]);
   const int nq = dim / 4;
   const float* xr = x + (int64_t)blockIdx.x * dim;
   float* yr = y + (int64_t)blockIdx.x * dim;
@@ -149,7 +149,7 @@ __global__ void rmsnorm_quad_kernel(const float* x, const float* __restrict__ w,
 template <int PV>
 __global__ void add_rmsnorm_quad_kernel(float* x, const float* __restrict__ r, const float* __restrict__ w, int dim,
                                         float eps, float* y) {
-  __shared__ float red[32];
+  DFL_STATIC_SMEM(float, red, [32]);
   const int nq = dim / 4;
   float* xr = x + (int64_t)blockIdx.x * dim;
   const float* rr = r + (int64_t)blockIdx.x * dim;
@@ -303,8 +303,8 @@ struct StoreArgs {
 };
 
 __global__ void attn_store_kernel(StoreArgs a) {
-  __shared__ float red[32];
-  __shared__ float h[1024];
+  DFL_STATIC_SMEM(float, red, [32]);
+  DFL_STATIC_SMEM(float, h, [1024]);
   const int t = blockIdx.x, y = blockIdx.y, hd = a.head_dim;
   const int kind = y < a.n_head ? 0 : (y < a.n_head + a.n_head_kv ? 1 : 2);
   float* src;
@@ -739,9 +739,9 @@ __device__ __forceinline__ void topk_fill(const float* __restrict__ row, int n_c
 
 __global__ void __launch_bounds__(kTopkThreads)
     row_topk_kernel(const float* __restrict__ rows, int n_cols, int k, int32_t* ids, float* logp) {
-  __shared__ float red[32];
-  __shared__ float rv[32];
-  __shared__ int ri[32];
+  DFL_STATIC_SMEM(float, red, [32]);
+  DFL_STATIC_SMEM(float, rv, [32]);
+  DFL_STATIC_SMEM(int, ri, [32]);
   const float* row = rows + (int64_t)blockIdx.x * n_cols;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
   float bv[kTopkBuf];
@@ -945,7 +945,11 @@ struct DeltaArgs {
 template <int DK>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
   constexpr int R = kDeltaSplit, RPT = DK / R, W = kDeltaWindow, kWarps = kDeltaThreads / 32;
-  __shared__ float qn[W][DK], kn[W][DK], vw[W][kDeltaCols], beta_w[W], decay_w[W];
+  DFL_STATIC_SMEM(float, qn, [W][DK]);
+  DFL_STATIC_SMEM(float, kn, [W][DK]);
+  DFL_STATIC_SMEM(float, vw, [W][kDeltaCols]);
+  DFL_STATIC_SMEM(float, beta_w, [W]);
+  DFL_STATIC_SMEM(float, decay_w, [W]);
   const int h = blockIdx.x, kh = h % a.nk, dv = a.dv, col0 = blockIdx.y * kDeltaCols;
   const int r = threadIdx.x % R, jl = threadIdx.x / R, j = col0 + jl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

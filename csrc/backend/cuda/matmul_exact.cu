@@ -188,8 +188,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
                       const int8_t* __restrict__ xq, const float* __restrict__ xd, int n, float* __restrict__ y) {
   constexpr int BS = kBlockBytes<T>, W = kWarpsPerCta;
   constexpr int CT = (kTokTiles + W - 1) / W;  // tiles per chain thread
-  __shared__ int part_isum[W][kTokTiles][4][32], part_msum[W][kTokTiles][4][32];
-  __shared__ float part_d[W][16], part_dm[W][16];
+  DFL_STATIC_SMEM(int, part_isum, [W][kTokTiles][4][32]);
+  DFL_STATIC_SMEM(int, part_msum, [W][kTokTiles][4][32]);
+  DFL_STATIC_SMEM(float, part_d, [W][16]);
+  DFL_STATIC_SMEM(float, part_dm, [W][16]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int64_t m0 = (int64_t)blockIdx.x * 16;
   const int tok0 = blockIdx.y * 8 * kTokTiles;
@@ -474,8 +476,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   using F = ExactFmt<T>;
   constexpr int BS = kBlockBytes<T>, S = kLaneGroups / R;
   static_assert(R * S == kLaneGroups && R * NT <= kWarpsPerCta * 32, "a CTA's groups and chain threads");
-  __shared__ int part_isum[2][kLaneGroups][NT], part_msum[2][kLaneGroups][NT];
-  __shared__ float part_d[2][kLaneGroups], part_dm[2][kLaneGroups];
+  DFL_STATIC_SMEM(int, part_isum, [2][kLaneGroups][NT]);
+  DFL_STATIC_SMEM(int, part_msum, [2][kLaneGroups][NT]);
+  DFL_STATIC_SMEM(float, part_d, [2][kLaneGroups]);
+  DFL_STATIC_SMEM(float, part_dm, [2][kLaneGroups]);
   const int lane = threadIdx.x & 31, j = lane & 7, grp = threadIdx.x >> 3;
   const int slot = grp % S;
   const int64_t nb = cols / kQK;
@@ -746,9 +750,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   constexpr int CT = (kTiles + W - 1) / W;                  // tiles whose float steps a lane takes
   static_assert(G * W == kWarpsPerCta && kTiles <= kStreamMaxTiles, "a CTA's warps and tiles");
   // W > 1: a round's integer sums by K slot (array sizes of 1 when W == 1: no shared memory used)
-  __shared__ int part_isum[W > 1 ? 2 : 1][G][W > 1 ? W : 1][W > 1 ? kTiles : 1][4][32];
-  __shared__ int part_msum[W > 1 ? 2 : 1][G][W > 1 ? W : 1][W > 1 ? kTiles : 1][4][32];
-  __shared__ float part_d[W > 1 ? 2 : 1][G][W > 1 ? W : 1][16], part_dm[W > 1 ? 2 : 1][G][W > 1 ? W : 1][16];
+  DFL_STATIC_SMEM(int, part_isum, [W > 1 ? 2 : 1][G][W > 1 ? W : 1][W > 1 ? kTiles : 1][4][32]);
+  DFL_STATIC_SMEM(int, part_msum, [W > 1 ? 2 : 1][G][W > 1 ? W : 1][W > 1 ? kTiles : 1][4][32]);
+  DFL_STATIC_SMEM(float, part_d, [W > 1 ? 2 : 1][G][W > 1 ? W : 1][16]);
+  DFL_STATIC_SMEM(float, part_dm, [W > 1 ? 2 : 1][G][W > 1 ? W : 1][16]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int rg = warp / W, ks = warp % W;
   const int64_t m0 = ((int64_t)blockIdx.y * G + rg) * 16;
@@ -1271,7 +1276,7 @@ __global__ void __launch_bounds__(kBlock32MmaWarps * 32)
                        const int8_t* __restrict__ xq, const float* __restrict__ xd, const int32_t* __restrict__ xsum,
                        int n, float* __restrict__ y) {
   constexpr int BS = kBlock32Bytes<T>;
-  __shared__ float chain[kBlock32MmaWarps][kTokTiles][4][32];
+  DFL_STATIC_SMEM(float, chain, [kBlock32MmaWarps][kTokTiles][4][32]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int64_t m0 = (int64_t)blockIdx.x * 16;
   const int tok0 = blockIdx.y * 8 * kTokTiles;

@@ -292,8 +292,8 @@ template <class F>
 __global__ void __launch_bounds__(256)
     tiled_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                  const float* __restrict__ x, int n, float* __restrict__ y) {
-  __shared__ __align__(16) float ws[kTileK][kTileM + 4];
-  __shared__ __align__(16) float xs[kTileK][kTileN + 4];
+  DFL_STATIC_SMEM(__align__(16) float, ws, [kTileK][kTileM + 4]);
+  DFL_STATIC_SMEM(__align__(16) float, xs, [kTileK][kTileN + 4]);
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
   const int64_t m0 = (int64_t)blockIdx.x * kTileM;
   const int64_t n0 = (int64_t)blockIdx.y * kTileN;

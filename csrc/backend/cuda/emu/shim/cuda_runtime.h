@@ -18,7 +18,8 @@
 // CTAs permuted).  A GPU promises no order, so a kernel whose results change with it
 // reads shared memory another thread writes without a barrier between (a race) or relies on CTA order: run
 // the op tests under each.
-// Dynamic shared memory starts every CTA as 0xff bytes (NaN floats, -1 ints), as garbage would on a GPU.
+// Dynamic shared memory starts every CTA as 0xff bytes (NaN floats, -1 ints), as garbage would on a GPU, and so
+// does each static shared array (DFL_STATIC_SMEM: filled when the CTA's first thread declares it).
 #pragma once
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -252,6 +253,11 @@ struct Cta {
   void* sched_sp = nullptr;
   const std::function<void()>* body = nullptr;
   dim3 block;
+  // the launch's dynamic shared memory and kernel; the static shared arrays this CTA has declared, their bytes
+  size_t dyn_smem = 0;
+  const void* fn = nullptr;
+  std::vector<const void*> statics;
+  size_t static_bytes = 0;
 };
 inline Cta* cta = nullptr;
 // A fiber's stack: 256 KiB usable, plus the skew that staggers the stacks' tops (see launch).
@@ -433,6 +439,26 @@ inline size_t smem_limit(const void* fn) {
   return kSmemDefault;
 }
 
+// A static shared array reached by a thread of the running CTA (DFL_STATIC_SMEM): the CTA's first thread
+// there fills it with garbage.  Its bytes count against the CTA's shared memory as on the GPU: static arrays
+// at most 48 KiB, and with the dynamic part at most 48 KiB, or the device's opt-in maximum once
+// cudaFuncSetAttribute gave the kernel a dynamic limit (its dynamic part is checked against that at launch);
+// a launch over it is refused there.
+inline void fresh_static_smem(void* p, size_t bytes) {
+  Cta& c = *cta;
+  if (std::find(c.statics.begin(), c.statics.end(), p) != c.statics.end()) return;
+  c.statics.push_back(p);
+  c.static_bytes += bytes;
+  const bool opted_in = std::any_of(smem_opt_in().begin(), smem_opt_in().end(), [&](auto& e) { return e.first == c.fn; });
+  const size_t limit = c.fn && opted_in ? smem_optin_max() : kSmemDefault;
+  if (c.static_bytes > kSmemDefault || c.static_bytes + c.dyn_smem > limit) {
+    std::fprintf(stderr, "emu: launch refused: static shared memory %zu bytes + dynamic %zu over the limit %zu\n",
+                 c.static_bytes, c.dyn_smem, c.static_bytes > kSmemDefault ? kSmemDefault : limit);
+    std::abort();
+  }
+  std::memset(p, 0xff, bytes);
+}
+
 // The launch configurations the GPU refuses (cudaErrorInvalidConfiguration / ...OutOfResources) stop here.
 inline void check_launch(dim3 grid, dim3 block, size_t smem, const void* fn) {
   const unsigned long long nt = (unsigned long long)block.x * block.y * block.z;
@@ -465,6 +491,8 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   c.kind = schedule().kind;
   c.body = &body;
   c.block = block;
+  c.dyn_smem = smem;
+  c.fn = fn;
   gridDim = grid;
   blockDim = block;
   const long long n_cta = (long long)grid.x * grid.y * grid.z;
@@ -484,7 +512,9 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
     const unsigned lin = order.empty() ? (unsigned)ci : (unsigned)order[ci];
     const unsigned bx = lin % grid.x, by = (lin / grid.x) % grid.y, bz = lin / (grid.x * grid.y);
     blockIdx = dim3(bx, by, bz);
-    std::memset(smem_buf, 0xff, smem);  // a CTA's shared memory starts as garbage
+    std::memset(smem_buf, 0xff, smem);  // a CTA's shared memory starts as garbage (static arrays: as declared)
+    c.statics.clear();
+    c.static_bytes = 0;
     c.fibers.assign(nt, Fiber{});
     c.live = nt;
     c.warp_live.assign((nt + 31) / 32, 0);
