@@ -31,6 +31,9 @@ typedef struct {
 } dfl_auto_choice;
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
                     int32_t min_budget, int32_t with_draft, double max_worst_s, dfl_auto_choice* out);
+/* The worst case of a drafter's smallest step against an AR step (seconds), for `slots` requests sharing the
+ * step: what a request's loss allowance must cover before auto mode drafts (spec/adaptive.h worst_loss_s). */
+int dfl_auto_worst_loss(const dfl_auto_estimates* e, int32_t slots, double* out_s);
 /* What a context's auto mode has learnt so far for drafter i of its portfolio (0 = the most preferred): the
  * same tables (verify sizes timed, per-depth calibration).  DFL_ERROR for a drafter it does not hold. */
 int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_estimates* out);

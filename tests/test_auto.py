@@ -120,6 +120,33 @@ def test_a_bet_is_sized_to_what_the_request_can_lose():
     assert choose(ar, verify, depth, p, max_worst=0.04 * ar, min_budget=1)[0] == 0   # a probe too
 
 
+def worst_loss(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit_s=0.0, slots=1):
+    ffi, lib = load()
+    e = ffi.new("dfl_auto_estimates*")
+    e.ar_s, e.draft_s, e.tree_s, e.commit_s = ar_s, draft_s, tree_s, commit_s
+    e.n_verify = len(verify)
+    for i, (n, t) in enumerate(sorted(verify.items())):
+        e.verify_nodes[i], e.verify_s[i] = n, t
+    out = ffi.new("double*")
+    check(lib.dfl_auto_worst_loss(e, slots, out))
+    return out[0]
+
+
+def test_a_shared_step_prices_a_bet_for_every_slot():
+    """A bet's worst case (the allowance must cover it before auto drafts) in a step shared by 4 slots: every
+    slot waits the draft, so it counts 4 times, and a 2-node verify timed alone (the warm-up's) below the
+    batch's AR step is no saving.  Before, the verify's 'saving' cancelled the draft: a worst case of 0 passed
+    any allowance, even a spent one, and on the bundled pair 4 auto slots drafted 8 ms blocks (4 AR steps) every
+    few steps and lost every tree (0.79x the 4 AR slots on a Zen 3)."""
+    ar_batch, v2_alone, draft = 2.0e-3, 1.06e-3, 0.66e-3
+    assert worst_loss(ar_batch, {2: v2_alone}, draft_s=draft) == pytest.approx(draft)
+    assert worst_loss(ar_batch, {2: v2_alone}, draft_s=draft, slots=4) == pytest.approx(4 * draft)
+    # alone, a 2-node verify dearer than AR adds its extra, as before
+    assert worst_loss(1.0e-3, {2: 1.2e-3}, draft_s=draft, tree_s=1e-4) == pytest.approx(draft + 1e-4 + 0.2e-3)
+    with pytest.raises(DFlashError, match="slots must be at least 1"):
+        worst_loss(ar_batch, {}, slots=0)
+
+
 def test_verify_costs_are_measured_at_load():
     """The warm-up times the verify forward of every tree size auto may choose (2, 4, 8, 16 and the default
     budget's 23 nodes) and gives them to every drafter of the portfolio, so a first tree of a size is priced by

@@ -53,6 +53,20 @@ void dfl::set_last_error(const char* msg) {
 }
 
 #pragma GCC visibility push(default)
+namespace {
+// The dev API's estimate tables as the controller holds them.
+dfl::AutoEstimates auto_estimates(const dfl_auto_estimates* e) {
+  need(e, "estimates");
+  if (e->n_verify < 0 || e->n_verify > 64 || e->n_calib < 0 || e->n_calib > 64)
+    dfl::fail("estimate tables hold at most 64 entries");
+  dfl::AutoEstimates est;
+  est.ar_s = e->ar_s, est.draft_s = e->draft_s, est.tree_s = e->tree_s, est.commit_s = e->commit_s;
+  for (int i = 0; i < e->n_verify; ++i) est.verify_s[e->verify_nodes[i]] = e->verify_s[i];
+  est.depth_calib.assign(e->depth_calib, e->depth_calib + e->n_calib);
+  return est;
+}
+}  // namespace
+
 extern "C" {
 
 const char* dfl_version(void) { return DFLASH27B_VERSION; }
@@ -498,19 +512,21 @@ int dfl_context_measure_verify(dfl_context* c, int32_t max_nodes) {
   });
 }
 
+int dfl_auto_worst_loss(const dfl_auto_estimates* e, int32_t slots, double* out_s) {
+  return guard([&] {
+    need(out_s, "out_s");
+    if (slots < 1) dfl::fail("slots must be at least 1 (got %d)", slots);
+    *out_s = dfl::worst_loss_s(auto_estimates(e), slots);
+  });
+}
+
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
                     int32_t min_budget, int32_t with_draft, double max_worst_s, dfl_auto_choice* out) {
   return guard([&] {
-    need(e, "estimates");
     need(out, "choice");
     if (n < 0 || n > 4096) dfl::fail("node count %d out of range [0, 4096]", n);
     if (n > 0) need(depth, "depth"), need(logp, "logp");
-    if (e->n_verify < 0 || e->n_verify > 64 || e->n_calib < 0 || e->n_calib > 64)
-      dfl::fail("estimate tables hold at most 64 entries");
-    dfl::AutoEstimates est;
-    est.ar_s = e->ar_s, est.draft_s = e->draft_s, est.tree_s = e->tree_s, est.commit_s = e->commit_s;
-    for (int i = 0; i < e->n_verify; ++i) est.verify_s[e->verify_nodes[i]] = e->verify_s[i];
-    est.depth_calib.assign(e->depth_calib, e->depth_calib + e->n_calib);
+    const dfl::AutoEstimates est = auto_estimates(e);
     const dfl::AutoChoice c =
         dfl::choose_budget(est, depth, logp, n, min_budget, with_draft != 0, 1e300, 0, 1, 0, max_worst_s);
     out->budget = c.budget;

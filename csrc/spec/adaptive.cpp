@@ -91,9 +91,9 @@ void LossAllowance::settle(const StepRecord& rec, double ar_s) {
   else lost_ += (rec.draft_s + rec.tree_s) / ar_s;
 }
 
-double AutoController::worst_loss_s() const {
-  const double ar = e_.ar_s;
-  return std::max(0.0, e_.draft_s + e_.tree_s + e_.commit_s + AutoEstimates::verify_at(e_.verify_points(), 2) - ar);
+double worst_loss_s(const AutoEstimates& e, int slots) {
+  const double verify_extra = std::max(0.0, AutoEstimates::verify_at(e.verify_points(), 2) - e.ar_s);
+  return std::max(slots, 1) * (e.draft_s + e.tree_s + e.commit_s + verify_extra);
 }
 
 AutoController::Wish AutoController::wish(int remaining, int slots) const {

@@ -68,6 +68,13 @@ struct AutoChoice {
 // steps share this one's forward (their rows in one batch: the estimates' step times are such steps').  A
 // tree then pays only if the batch as a whole gains: its step gives slots - 1 + (1 + accepted) tokens in its
 // cost, against slots tokens in an AR step's — the bar rises as slots fill (tok_s / ar_tok_s: the batch's).
+// The worst case of a drafter's smallest step against an AR step (seconds): draft, tree, commit and a 2-node
+// verify for the one token it is sure to give.  slots: the requests of a shared step (Generator::next_many),
+// each of which waits the whole of it, so the loss counts once for each (as a probe's does).  The verify term
+// is never below nothing: in a shared step the AR estimate is the whole batch's step while the verify sizes
+// may have been timed for this request alone (the warm-up), and a 2-node tree never makes a forward cheaper.
+double worst_loss_s(const AutoEstimates& e, int slots = 1);
+
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
                          bool with_draft, double max_loss = 1e300, double min_gain = 0, int slots = 1,
                          double slack = 0, double max_worst = 1e300);
@@ -123,10 +130,9 @@ class AutoController {
     int rank() const { return !draft ? 0 : look ? 1 : probe ? 2 : 3; }
   };
   Wish wish(int remaining = 1 << 30, int slots = 1) const;
-  // The worst case of this drafter's smallest step against an AR step (seconds): draft, tree, commit and a
-  // 2-node verify for the one token it is sure to give.  A step is not drafted when this exceeds the request's
+  // dfl::worst_loss_s of this drafter's estimates: a step is not drafted when it exceeds the request's
   // LossAllowance.
-  double worst_loss_s() const;
+  double worst_loss_s(int slots = 1) const { return dfl::worst_loss_s(e_, slots); }
   void decided(const Wish& w, bool drafted, int remaining = 1 << 30);
   // After drafting a tree of n nodes (builder order): the budget to verify.  A look's tree must beat AR by
   // kLookGain: a free drafter looks every step, and bets that win by less on average lose often enough to

@@ -534,7 +534,8 @@ bool Generator::decide_step(int slots) {
       wish[i] = autos_[i].wish(remaining, work_.slots);
       const AutoController::Wish& w = wish[i];
       // a bet the request cannot afford to lose is not made, however good its odds
-      if (!w.draft || autos_[i].worst_loss_s() > allowance_.bet_s(autos_[i].estimates().ar_s, w.probe)) continue;
+      if (!w.draft || autos_[i].worst_loss_s(work_.slots) > allowance_.bet_s(autos_[i].estimates().ar_s, w.probe))
+        continue;
       const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;
       if (!best || w.rank() > best->rank() ||
           (w.rank() == 3 && best->rank() == 3 && w.forecast.tok_s > best->forecast.tok_s))
