@@ -23,9 +23,9 @@ DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled
 TRAIN_PROMPT = np.random.default_rng(0).integers(0, 2047, 16).tolist()  # the distilled drafter's first
 
 
-def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(),
-           min_budget=0, with_draft=False, max_worst=math.inf):
-    ffi, lib = load()
+def estimates(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=()):
+    """The controller's tables as the dev API takes them (dfl_auto_estimates)."""
+    ffi, _ = load()
     e = ffi.new("dfl_auto_estimates*")
     e.ar_s, e.draft_s, e.tree_s, e.commit_s = ar_s, draft_s, tree_s, commit_s
     e.n_verify = len(verify)
@@ -34,6 +34,13 @@ def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0,
     e.n_calib = len(calib)
     for i, c in enumerate(calib):
         e.depth_calib[i] = c
+    return e
+
+
+def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(),
+           min_budget=0, with_draft=False, max_worst=math.inf):
+    ffi, lib = load()
+    e = estimates(ar_s, verify, draft_s=draft_s, tree_s=tree_s, commit_s=commit_s, calib=calib)
     d = np.asarray(depth, dtype=np.int32)
     lp = np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
     out = ffi.new("dfl_auto_choice*")
@@ -122,13 +129,8 @@ def test_a_bet_is_sized_to_what_the_request_can_lose():
 
 def worst_loss(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit_s=0.0, slots=1):
     ffi, lib = load()
-    e = ffi.new("dfl_auto_estimates*")
-    e.ar_s, e.draft_s, e.tree_s, e.commit_s = ar_s, draft_s, tree_s, commit_s
-    e.n_verify = len(verify)
-    for i, (n, t) in enumerate(sorted(verify.items())):
-        e.verify_nodes[i], e.verify_s[i] = n, t
     out = ffi.new("double*")
-    check(lib.dfl_auto_worst_loss(e, slots, out))
+    check(lib.dfl_auto_worst_loss(estimates(ar_s, verify, draft_s=draft_s, tree_s=tree_s, commit_s=commit_s), slots, out))
     return out[0]
 
 
