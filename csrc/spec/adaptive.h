@@ -61,13 +61,6 @@ struct AutoChoice {
   double ar_tok_s = 0;        // expected tokens per second of an AR step
 };
 
-// The best budget in [min_budget, n] for a drafted tree whose nodes (in the
-// builder's order) have these depths and path log-probabilities.  The draft
-// is priced in (`with_draft`) when deciding before drafting.
-// A tree must beat AR's tokens/s by min_gain (a share) to be chosen over it.  slots: the requests whose
-// steps share this one's forward (their rows in one batch: the estimates' step times are such steps').  A
-// tree then pays only if the batch as a whole gains: its step gives slots - 1 + (1 + accepted) tokens in its
-// cost, against slots tokens in an AR step's — the bar rises as slots fill (tok_s / ar_tok_s: the batch's).
 // The worst case of a drafter's smallest step against an AR step (seconds): draft, tree, commit and a 2-node
 // verify for the one token it is sure to give.  slots: the requests of a shared step (Generator::next_many),
 // each of which waits the whole of it, so the loss counts once for each (as a probe's does).  The verify term
@@ -75,6 +68,13 @@ struct AutoChoice {
 // may have been timed for this request alone (the warm-up), and a 2-node tree never makes a forward cheaper.
 double worst_loss_s(const AutoEstimates& e, int slots = 1);
 
+// The best budget in [min_budget, n] for a drafted tree whose nodes (in the
+// builder's order) have these depths and path log-probabilities.  The draft
+// is priced in (`with_draft`) when deciding before drafting.
+// A tree must beat AR's tokens/s by min_gain (a share) to be chosen over it.  slots: the requests whose
+// steps share this one's forward (their rows in one batch: the estimates' step times are such steps').  A
+// tree then pays only if the batch as a whole gains: its step gives slots - 1 + (1 + accepted) tokens in its
+// cost, against slots tokens in an AR step's — the bar rises as slots fill (tok_s / ar_tok_s: the batch's).
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
                          bool with_draft, double max_loss = 1e300, double min_gain = 0, int slots = 1,
                          double slack = 0, double max_worst = 1e300);

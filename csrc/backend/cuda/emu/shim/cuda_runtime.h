@@ -253,9 +253,9 @@ struct Cta {
   void* sched_sp = nullptr;
   const std::function<void()>* body = nullptr;
   dim3 block;
-  // the launch's dynamic shared memory and kernel; the static shared arrays this CTA has declared, their bytes
-  size_t dyn_smem = 0;
-  const void* fn = nullptr;
+  // the launch's dynamic shared memory and what static + dynamic may total (see fresh_static_smem); the static
+  // shared arrays this CTA has declared, their bytes
+  size_t dyn_smem = 0, smem_total_limit = 0;
   std::vector<const void*> statics;
   size_t static_bytes = 0;
 };
@@ -433,10 +433,15 @@ inline std::vector<std::pair<const void*, size_t>>& smem_opt_in() {
   static std::vector<std::pair<const void*, size_t>> v;
   return v;
 }
-inline size_t smem_limit(const void* fn) {
+// The dynamic limit cudaFuncSetAttribute gave the kernel, or null when it gave none.
+inline size_t* smem_opted_in(const void* fn) {
   for (auto& e : smem_opt_in())
-    if (e.first == fn) return e.second;
-  return kSmemDefault;
+    if (e.first == fn) return &e.second;
+  return nullptr;
+}
+inline size_t smem_limit(const void* fn) {
+  const size_t* v = fn ? smem_opted_in(fn) : nullptr;
+  return v ? *v : kSmemDefault;
 }
 
 // A static shared array reached by a thread of the running CTA (DFL_STATIC_SMEM): the CTA's first thread
@@ -449,11 +454,9 @@ inline void fresh_static_smem(void* p, size_t bytes) {
   if (std::find(c.statics.begin(), c.statics.end(), p) != c.statics.end()) return;
   c.statics.push_back(p);
   c.static_bytes += bytes;
-  const bool opted_in = std::any_of(smem_opt_in().begin(), smem_opt_in().end(), [&](auto& e) { return e.first == c.fn; });
-  const size_t limit = c.fn && opted_in ? smem_optin_max() : kSmemDefault;
-  if (c.static_bytes > kSmemDefault || c.static_bytes + c.dyn_smem > limit) {
+  if (c.static_bytes > kSmemDefault || c.static_bytes + c.dyn_smem > c.smem_total_limit) {
     std::fprintf(stderr, "emu: launch refused: static shared memory %zu bytes + dynamic %zu over the limit %zu\n",
-                 c.static_bytes, c.dyn_smem, c.static_bytes > kSmemDefault ? kSmemDefault : limit);
+                 c.static_bytes, c.dyn_smem, c.static_bytes > kSmemDefault ? kSmemDefault : c.smem_total_limit);
     std::abort();
   }
   std::memset(p, 0xff, bytes);
@@ -492,7 +495,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   c.body = &body;
   c.block = block;
   c.dyn_smem = smem;
-  c.fn = fn;
+  c.smem_total_limit = fn && smem_opted_in(fn) ? smem_optin_max() : kSmemDefault;
   gridDim = grid;
   blockDim = block;
   const long long n_cta = (long long)grid.x * grid.y * grid.z;
@@ -748,9 +751,8 @@ template <class F>
 inline cudaError_t cudaFuncSetAttribute(F* fn, cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
   if (value < 0 || (size_t)value > emu::smem_optin_max()) return 1;  // cudaErrorInvalidValue
-  for (auto& e : emu::smem_opt_in())
-    if (e.first == (const void*)fn) return e.second = (size_t)value, cudaSuccess;
-  emu::smem_opt_in().push_back({(const void*)fn, (size_t)value});
+  if (size_t* v = emu::smem_opted_in((const void*)fn)) *v = (size_t)value;
+  else emu::smem_opt_in().push_back({(const void*)fn, (size_t)value});
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
