@@ -23,6 +23,11 @@ typedef struct {
   double verify_s[64];
   int32_t n_calib;
   double depth_calib[64];
+  /* draft_s is the drafter forward of the block being priced; these are the times learnt by block rows
+   * (root included), which draft_s is interpolated from for a block's rows */
+  int32_t n_draft;
+  int32_t draft_rows[64];
+  double draft_rows_s[64];
 } dfl_auto_estimates;
 typedef struct {
   int32_t budget;          /* 0 = AR */

@@ -208,6 +208,13 @@ def test_oracle_drafter_makes_auto_speculate(tiny_f32_gguf, ar_tokens):
         # oracle gives no chance (auto rarely picks one, on timing noise alone), so the accepted part is the chain
         assert all(a == min(b, 15) + 1 for a, b in zip(s.accept_lengths[2:-1], s.auto_budget[2:-1])), \
             (s.accept_lengths, s.auto_budget)
+        # a block is cut to the tokens still to come: a short request's drafts are learnt under their own rows
+        # (a request's last step drafts what is left: 40 and 45 tokens, 16 a step, leave 8 and 13 for it, 9 and
+        # 14 rows; a shorter request's loss allowance does not always afford even the oracle's cheap bet)
+        for n in (40, 45):
+            assert d.generate(prompt, n, ignore_eos=True, mode="auto", block_size=16).tokens == want[:n]
+        rows = d._ctx.auto_estimates()["draft_rows_s"]
+        assert 16 in rows and min(rows) < 16, rows
         d._ctx.set_topk_hook(None)
         with pytest.raises(DFlashError, match="needs a drafter"):
             d.generate(prompt, 4, mode="auto")
@@ -244,3 +251,15 @@ def test_the_first_probe_is_priced_at_load():
     with Decoder(device="cpu", threads=2, warm_up=False) as d:
         s = d.generate("def f(x):\n", 64, ignore_eos=True, mode="auto").stats
         assert s.probe[1] and s.auto_budget[0] == 0
+
+
+def test_the_warm_up_prices_a_whole_block():
+    """A block drafter's forward grows with its rows (the bundled DFlash2 one on a CPU: a 16-row block costs
+    ~4x a 4-row one), and auto mode prices a draft by the rows of the block it would draft (draft_rows_s,
+    interpolated; draft_s is the block being decided).  The warm-up's probe drafts a whole block, as a request's
+    step does: it had drafted the 3 rows left at the end of its 4-token decode, and the requests' probes and
+    bets were then priced at a quarter of their cost."""
+    with Decoder(device="cpu", threads=2) as d:
+        e = d._ctx.auto_estimates()
+        block = d.draft_info["block_size"]
+        assert list(e["draft_rows_s"]) == [block] and e["draft_s"] == e["draft_rows_s"][block] > 0, e

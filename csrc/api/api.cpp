@@ -57,11 +57,12 @@ namespace {
 // The dev API's estimate tables as the controller holds them.
 dfl::AutoEstimates auto_estimates(const dfl_auto_estimates* e) {
   need(e, "estimates");
-  if (e->n_verify < 0 || e->n_verify > 64 || e->n_calib < 0 || e->n_calib > 64)
+  if (e->n_verify < 0 || e->n_verify > 64 || e->n_calib < 0 || e->n_calib > 64 || e->n_draft < 0 || e->n_draft > 64)
     dfl::fail("estimate tables hold at most 64 entries");
   dfl::AutoEstimates est;
   est.ar_s = e->ar_s, est.draft_s = e->draft_s, est.tree_s = e->tree_s, est.commit_s = e->commit_s;
   for (int i = 0; i < e->n_verify; ++i) est.verify_s[e->verify_nodes[i]] = e->verify_s[i];
+  for (int i = 0; i < e->n_draft; ++i) est.draft_rows_s[e->draft_rows[i]] = e->draft_rows_s[i];
   est.depth_calib.assign(e->depth_calib, e->depth_calib + e->n_calib);
   return est;
 }
@@ -498,6 +499,11 @@ int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_e
       if (out->n_verify == 64) break;
       out->verify_nodes[out->n_verify] = n;
       out->verify_s[out->n_verify++] = s;
+    }
+    for (const auto& [rows, s] : e.draft_rows_s) {
+      if (out->n_draft == 64) break;
+      out->draft_rows[out->n_draft] = rows;
+      out->draft_rows_s[out->n_draft++] = s;
     }
     out->n_calib = (int32_t)std::min<size_t>(e.depth_calib.size(), 64);
     std::copy_n(e.depth_calib.begin(), out->n_calib, out->depth_calib);

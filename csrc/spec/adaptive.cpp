@@ -51,6 +51,12 @@ double AutoEstimates::verify_at(const std::vector<std::pair<int, double>>& pts, 
   return lo->second + slope * (n - lo->first);
 }
 
+double AutoEstimates::draft_at(int rows) const {
+  if (draft_rows_s.empty()) return 0;
+  const std::vector<std::pair<int, double>> pts(draft_rows_s.begin(), draft_rows_s.end());
+  return verify_at(pts, rows);
+}
+
 AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const float* logp, int n, int min_budget,
                          bool with_draft, double max_loss, double min_gain, int slots, double slack,
                          double max_worst) {
@@ -141,6 +147,11 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
                        look ? kLookGain : probe ? 0.0 : kSpecGain, slots, kTreeSlack, max_worst);
 }
 
+void AutoController::price_block(int rows) {
+  block_rows_ = std::max(rows, 0);
+  if (!e_.draft_rows_s.empty()) e_.draft_s = e_.draft_at(block_rows_);
+}
+
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }
 
 void AutoController::observe_verify(int n_nodes, double s) {
@@ -174,7 +185,13 @@ void AutoController::new_request() {
 void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                                   const std::vector<uint8_t>& on_path) {
   const bool was_probe = rec.probe;
-  ema(e_.draft_s, rec.draft_s);
+  if (block_rows_ > 0) {  // learnt for the block's rows; a first timing of a size is bounded by its neighbours'
+    const double expected = e_.draft_at(block_rows_);
+    ema(e_.draft_rows_s[block_rows_], rec.draft_s, expected);
+    e_.draft_s = e_.draft_rows_s[block_rows_];
+  } else {
+    ema(e_.draft_s, rec.draft_s);
+  }
   ema(e_.tree_s, rec.tree_s);
   if (budget <= 0) return;  // drafted, then AR won: nothing verified, nothing learnt about acceptance
   have_spec_ = true;

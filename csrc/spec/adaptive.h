@@ -39,13 +39,18 @@ struct StepRecord;
 // What the chooser knows about costs (seconds) and acceptance.
 struct AutoEstimates {
   double ar_s = 0;                        // one AR step (0: not measured yet)
+  // draft_s: the drafter forward of the block being decided (AutoController::price_block: draft_rows_s at its
+  // rows); a block drafter's forward grows with its rows (on a CPU a 16-row DFlash block costs 4x a 4-row one)
   double draft_s = 0, tree_s = 0, commit_s = 0;
+  std::map<int, double> draft_rows_s;     // drafter forward time by block rows (root included)
   std::map<int, double> verify_s;         // verify forward time by node count (root included)
   std::vector<double> depth_calib;        // [depth] multiplier on the draft path probability
   // Verify time of n nodes: verify_s (and ar_s at 1 node) interpolated between
   // sizes seen, extrapolated beyond by the last slope.
   std::vector<std::pair<int, double>> verify_points() const;
   static double verify_at(const std::vector<std::pair<int, double>>& points, int n_nodes);
+  // A draft of `rows` block rows: draft_rows_s interpolated the same way (0: none timed yet).
+  double draft_at(int rows) const;
   // Depths deeper than any seen take the deepest one's calibration (a drafter
   // wrong at depth d is no better below it); none seen: 1.
   double calib(int depth) const {
@@ -130,6 +135,9 @@ class AutoController {
     int rank() const { return !draft ? 0 : look ? 1 : probe ? 2 : 3; }
   };
   Wish wish(int remaining = 1 << 30, int slots = 1) const;
+  // Before wish(): the rows of the block this drafter would draft this step (its block, shortened at a
+  // request's end); the estimates' draft_s is then that block's, and the step's draft time is learnt for them.
+  void price_block(int rows);
   // dfl::worst_loss_s of this drafter's estimates: a step is not drafted when it exceeds the request's
   // LossAllowance.
   double worst_loss_s(int slots = 1) const { return dfl::worst_loss_s(e_, slots); }
@@ -177,6 +185,7 @@ class AutoController {
   int since_probe_ = 0, probe_gap_ = kMinProbeGap;
   double probe_loss_ = -1;                  // the last probe's measured loss (s; -1: none yet)
   int remaining_ = 1 << 30;                 // the request's tokens still to come (decided()'s)
+  int block_rows_ = 0;                      // the block price_block priced (0: not told)
 };
 
 }  // namespace dfl

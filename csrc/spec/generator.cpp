@@ -531,6 +531,7 @@ bool Generator::decide_step(int slots) {
     std::vector<AutoController::Wish> wish(autos_.size());
     int k = -1;
     for (size_t i = 0; i < drafters_.size(); ++i) {
+      autos_[i].price_block(std::min({block_of((int)i), remaining + 1, room}));  // the block it would draft
       wish[i] = autos_[i].wish(remaining, work_.slots);
       const AutoController::Wish& w = wish[i];
       // a bet the request cannot afford to lose is not made, however good its odds

@@ -35,6 +35,11 @@ MTP = "mtp"          # draft= / -md: the target's own MTP head (an "-MTP" GGUF)
 MTP_BLOCK = 4        # its draft tokens a step, the root included (3 drafts, as llama.cpp's default)
 
 
+# The warm-up's decodes ask for this many tokens beyond their steps, so each step's block is a whole one (a
+# block is cut to the tokens still to come); more than any drafter's block (DFlash 16, a draft model's 9).
+_WARM_UP_BLOCK_ROOM = 64
+
+
 def bundled_pair() -> tuple[Path, Path] | None:
     """(target GGUF, drafter dir) of the tiny pair shipped inside the package, if this install has it."""
     # the DFlash2 drafter (tiny-draft2) accepts more than the DFlash one (tiny-draft, kept for v1 users and
@@ -352,14 +357,23 @@ class Decoder:
         that the controllers price their later probes by, then the verify forward of each tree size auto may
         choose.  A drafter that costs many AR steps is then probed only as often as its measured loss allows,
         so a short request stays at AR's speed; a cheap one is probed at once; and a first tree of a size is
-        priced by what that size costs here (on a CPU an 8-node verify costs three AR steps)."""
+        priced by what that size costs here (on a CPU an 8-node verify costs three AR steps).  The steps draft
+        whole blocks, as a request's do: a block drafter's forward grows with its rows (a 16-row DFlash block
+        costs ~4x a 4-row one on a CPU), and a probe priced at the short block of a request's last tokens bet
+        four times what the allowance meant to."""
         prompt = [int(t) for t in self.tokenize("def f(x):\n")] or [0]
-        budget = min(4, self._batch - 1)
-        n = 2 + 2 * max(1, len(self.drafts))
-        if budget < 1 or len(prompt) + n + 4 >= self.n_ctx:
+        budget = min(GenParams().budget, self._batch - 1)
+        n_steps = 2 + 2 * max(1, len(self.drafts))
+        # room for more than any drafter's block after the steps (a block is cut to the tokens still to come)
+        max_new = min(n_steps + _WARM_UP_BLOCK_ROOM, self.n_ctx - len(prompt) - 1)
+        if budget < 1 or max_new < n_steps + 2:
             return  # too small a context to measure in
-        self.generate(prompt, 6, mode="ddtree", ignore_eos=True, cache=False, budget=budget)
-        self.generate(prompt, n, mode="auto", ignore_eos=True, cache=False, budget=budget)
+        for mode, steps in (("ddtree", 2), ("auto", n_steps)):
+            run = self.stream_ids(prompt, max_new, mode=mode, ignore_eos=True, cache=False, budget=budget)
+            for k, _ in enumerate(run, 1):
+                if k >= steps:
+                    break
+            run.close()   # (a decode left mid-way: the next begin starts afresh)
         # and the verify of every tree size auto mode may choose (default budget + the root), timed, not guessed
         self._ctx.measure_verify(min(self._batch, GenParams().budget + 1))
 
