@@ -62,7 +62,7 @@ def _case(exe: Path, name: str, schedule: str | None = None) -> subprocess.Compl
 
 
 @pytest.mark.parametrize("name,ran", [("smem48k", 1), ("smem64k_opt_in", 1), ("capture_async", 11),
-                                      ("cp_async_waited", 528)])
+                                      ("cp_async_waited", 528), ("bound64", 2)])
 def test_allowed_launches_run(checks, name, ran):
     r = _case(checks, name)
     assert r.returncode == 0 and r.stdout.strip() == f"ran {ran}", r.stdout + r.stderr
@@ -84,6 +84,7 @@ def test_cp_async_lands_at_the_wait(checks):
     ("smem64k", "dynamic shared memory over the kernel's limit"),
     ("block1025", "threads per block (max 1024)"),
     ("grid_y", "grid.y / grid.z (max 65535)"),
+    ("bound64_over", "96 threads per block over bounded_count's __launch_bounds__ (64)"),
 ])
 def test_refused_launches_stop_with_the_reason(checks, name, why):
     r = _case(checks, name)
@@ -210,3 +211,28 @@ def test_every_kernel_declares_static_shared_memory_through_the_macro():
             if "__shared__" in code and "#define" not in code:
                 plain.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not plain, "\n".join(plain)
+
+
+def test_every_bounded_kernel_checks_its_bound():
+    """A kernel declared `__launch_bounds__(n, ...)` opens with `DFL_LAUNCH_BOUND(n);` (the same n), so the
+    emulator refuses the launches of more threads a block that the GPU refuses."""
+    import re
+    bad, seen = [], 0
+    for f in sorted((ROOT / "csrc" / "backend" / "cuda").glob("*.cu*")):
+        text = f.read_text()
+        for m in re.finditer(r"__launch_bounds__\(", text):
+            line_start = text.rfind("\n", 0, m.start()) + 1
+            if "//" in text[line_start:m.start()]:
+                continue  # a comment
+            depth, i = 1, m.end()
+            while depth:
+                depth += {"(": 1, ")": -1}.get(text[i], 0)
+                i += 1
+            bound = text[m.end():i - 1].split(",")[0].strip()
+            body = text.index("{", i) + 1
+            first = text[body:text.index(";", body) + 1].strip()
+            seen += 1
+            if first != f"DFL_LAUNCH_BOUND({bound});":
+                bad.append(f"{f.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: bound {bound}, opens "
+                           f"with {first!r}")
+    assert seen >= 17 and not bad, "\n".join(bad)

@@ -8,6 +8,13 @@
 
 __global__ void count_threads(int* n) { __syncthreads(); if (threadIdx.x == 0) ++*n; }
 
+// Compiled for at most 64 threads a block, as the backend's kernels declare their bounds.
+__global__ void __launch_bounds__(64) bounded_count(int* n) {
+  DFL_LAUNCH_BOUND(64);
+  __syncthreads();
+  if (threadIdx.x == 0) ++*n;
+}
+
 // Each of 32 threads copies src[t] into shared memory by cp.async; thread 0 then sums the tile.  `wait_first`:
 // every thread waits for its copy before the barrier (the tiled kernels' order); otherwise after it, so
 // thread 0 reads the parts of threads that have not waited yet: the old bytes (zeros).
@@ -147,6 +154,8 @@ int main(int argc, char** argv) {
     return cudaFuncSetAttribute(count_threads, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 << 10) == cudaSuccess
                ? 0 : 4;
   else if (!std::strcmp(c, "block1025")) run(1, 1025, 0);
+  else if (!std::strcmp(c, "bound64")) emu::launch(2, 64, 0, [&] { bounded_count(&n); });   // at the bound: runs
+  else if (!std::strcmp(c, "bound64_over")) emu::launch(1, 96, 0, [&] { bounded_count(&n); });  // over it: refused
   else if (!std::strcmp(c, "capture_async")) {  // launches and async copies join the graph
     cudaStream_t s;
     cudaStreamCreateWithFlags(&s, 0);

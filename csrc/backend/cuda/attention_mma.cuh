@@ -100,6 +100,7 @@ __device__ __forceinline__ void zero_frags(float (&x)[M][N][4]) {
 
 template <int kMT>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs a) {
+  DFL_LAUNCH_BOUND(kAttnThreads);
   constexpr int kRows16 = 16 * kMT, kNj = kMmaAttnMaxHeadDim / 32;
   const int TT = a.tok_per_cta, G = a.heads_per_cta, R = TT * G, hd = a.head_dim, nb = hd / 32;
   const int gs = a.n_head / a.n_head_kv, hgroups = gs / G;

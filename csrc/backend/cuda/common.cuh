@@ -36,12 +36,17 @@
 // one left and the first with zeros; the CTA's first thread to reach the declaration fills it with 0xff
 // bytes instead, as garbage would be on a GPU, so a read before any write shows.  Every kernel declares its
 // static shared arrays this way (tests/test_emu_launch_checks.py).
+// A kernel declared `__launch_bounds__(n, ...)` opens with `DFL_LAUNCH_BOUND(n);`.  nvcc compiles it for at
+// most n threads a block and the GPU refuses a larger launch; the emulator has no registers to run out of, so
+// the kernel's threads refuse it there (a test keeps the two n the same).  Nothing under nvcc.
 #ifdef DFL_EMU
+#define DFL_LAUNCH_BOUND(n) ::emu::check_launch_bound((n), __func__)
 #define DFL_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(::emu::dynamic_smem())
 #define DFL_STATIC_SMEM(T, name, dims) \
   static T name dims;                  \
   ::emu::fresh_static_smem(&name, sizeof(name))
 #else
+#define DFL_LAUNCH_BOUND(n) ((void)0)
 #define DFL_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
 #define DFL_STATIC_SMEM(T, name, dims) __shared__ T name dims
 #endif

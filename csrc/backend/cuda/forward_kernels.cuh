@@ -493,6 +493,7 @@ __device__ __forceinline__ void attn_softmax_row(float* sr, int nt, float& run_m
 
 template <int kD>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnArgs a) {
+  DFL_LAUNCH_BOUND(kAttnThreads);
   constexpr int kRows = attn_max_rows(kD);
   const int TT = a.tok_per_cta, G = a.heads_per_cta, R = TT * G, hd = a.head_dim;
   const int gs = a.n_head / a.n_head_kv, hgroups = gs / G;
@@ -680,6 +681,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_split_kernel(AttnAr
 
 // grid (tokens, n_head), 128 threads: o = sum_z out_z e^(max_z - M) / sum_z sum_z e^(max_z - M).
 __global__ void __launch_bounds__(kAttnThreads) attention_combine_kernel(AttnArgs a) {
+  DFL_LAUNCH_BOUND(kAttnThreads);
   const int tl = blockIdx.x, t = a.t0 + tl, j = blockIdx.y, hd = a.head_dim;
   const float* base = a.part + ((int64_t)tl * a.n_head + j) * a.n_split * (hd + 2);
   float M = -INFINITY;
@@ -739,6 +741,7 @@ __device__ __forceinline__ void topk_fill(const float* __restrict__ row, int n_c
 
 __global__ void __launch_bounds__(kTopkThreads)
     row_topk_kernel(const float* __restrict__ rows, int n_cols, int k, int32_t* ids, float* logp) {
+  DFL_LAUNCH_BOUND(kTopkThreads);
   DFL_STATIC_SMEM(float, red, [32]);
   DFL_STATIC_SMEM(float, rv, [32]);
   DFL_STATIC_SMEM(int, ri, [32]);
@@ -851,6 +854,7 @@ __global__ void conv_kernel(ConvArgs a) {
 // committed window back.
 constexpr int kConvChainWarps = 4;
 __global__ void __launch_bounds__(32 * kConvChainWarps) conv_chain_kernel(ConvArgs a) {
+  DFL_LAUNCH_BOUND(32 * kConvChainWarps);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, ch = blockIdx.x * 32 + lane, K = a.K;
   const int T = (a.n + kConvChainWarps - 1) / kConvChainWarps, t0 = warp * T, t1 = min(a.n, t0 + T);
   const bool live = ch < a.C && t0 < t1;  // (a thread with no work still meets the barrier)
@@ -944,6 +948,7 @@ struct DeltaArgs {
 
 template <int DK>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
+  DFL_LAUNCH_BOUND(kDeltaThreads);
   constexpr int R = kDeltaSplit, RPT = DK / R, W = kDeltaWindow, kWarps = kDeltaThreads / 32;
   DFL_STATIC_SMEM(float, qn, [W][DK]);
   DFL_STATIC_SMEM(float, kn, [W][DK]);

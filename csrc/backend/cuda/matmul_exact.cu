@@ -186,6 +186,7 @@ template <DType T, int kTokTiles>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
     kquant_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                       const int8_t* __restrict__ xq, const float* __restrict__ xd, int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kWarpsPerCta * 32);
   constexpr int BS = kBlockBytes<T>, W = kWarpsPerCta;
   constexpr int CT = (kTokTiles + W - 1) / W;  // tiles per chain thread
   DFL_STATIC_SMEM(int, part_isum, [W][kTokTiles][4][32]);
@@ -422,6 +423,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     kquant_dp4a_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                        const int8_t* __restrict__ xq, const float* __restrict__ xd,
                        const int16_t* __restrict__ xbsum, int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kWarpsPerCta * 32);
   using F = ExactFmt<T>;
   constexpr int BS = kBlockBytes<T>;
   const int lane = threadIdx.x & 31, j = lane & 7;
@@ -473,6 +475,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     kquant_splitk_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                          const int8_t* __restrict__ xq, const float* __restrict__ xd,
                          const int16_t* __restrict__ xbsum, int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kWarpsPerCta * 32);
   using F = ExactFmt<T>;
   constexpr int BS = kBlockBytes<T>, S = kLaneGroups / R;
   static_assert(R * S == kLaneGroups && R * NT <= kWarpsPerCta * 32, "a CTA's groups and chain threads");
@@ -746,6 +749,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     kquant_mma_stream_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                              const int8_t* __restrict__ xq, const float* __restrict__ xd, int n,
                              float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kWarpsPerCta * 32);
   constexpr int BS = kBlockBytes<T>, G = kWarpsPerCta / W;  // row groups of 16 a CTA
   constexpr int CT = (kTiles + W - 1) / W;                  // tiles whose float steps a lane takes
   static_assert(G * W == kWarpsPerCta && kTiles <= kStreamMaxTiles, "a CTA's warps and tiles");
@@ -883,6 +887,7 @@ template <DType T>
 __global__ void __launch_bounds__(kGemmWarps * 32, 1)
     kquant_gemm_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                        const int8_t* __restrict__ xq, const float* __restrict__ xd, int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kGemmWarps * 32);
   constexpr int BS = kBlockBytes<T>, RS = kGemmRowStride<T>, CH = kGemmChunks<T>, SB = kGemmStageBytes<T>;
   static_assert(CH * 16 <= RS && SB % 16 == 0, "a row's copied chunks fit its stride; stages stay 16-byte aligned");
   DFL_DYNAMIC_SMEM(uint4, smem4);
@@ -1230,6 +1235,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     block32_dp4a_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                         const int8_t* __restrict__ xq, const float* __restrict__ xd, const int32_t* __restrict__ xsum,
                         int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kWarpsPerCta * 32);
   constexpr int BS = kBlock32Bytes<T>;
   const int lane = threadIdx.x & 31, l = lane & 7;
   const int64_t r = ((int64_t)blockIdx.x * kWarpsPerCta + (threadIdx.x >> 5)) * kRowsPerDp4aWarp + (lane >> 3);
@@ -1275,6 +1281,7 @@ __global__ void __launch_bounds__(kBlock32MmaWarps * 32)
     block32_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                        const int8_t* __restrict__ xq, const float* __restrict__ xd, const int32_t* __restrict__ xsum,
                        int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kBlock32MmaWarps * 32);
   constexpr int BS = kBlock32Bytes<T>;
   DFL_STATIC_SMEM(float, chain, [kBlock32MmaWarps][kTokTiles][4][32]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;

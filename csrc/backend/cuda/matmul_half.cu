@@ -69,6 +69,7 @@ template <bool kBF16, int kTiles>
 __global__ void __launch_bounds__(kSplit * 32)
     half_mma_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, const float* __restrict__ x, int n,
                     float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kSplit * 32);
   DFL_STATIC_SMEM(float, part, [kSplit][kTiles][4][32]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t m0 = (int64_t)blockIdx.x * 16;

@@ -128,6 +128,7 @@ template <class F, int NT, int RW>
 __global__ void __launch_bounds__(kWarps * 32)
     matvec_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                   const float* __restrict__ x, int n, float* __restrict__ y, int chunk_cols) {
+  DFL_LAUNCH_BOUND(kWarps * 32);
   DFL_DYNAMIC_SMEM(float4, smem_f4);
   float* xs = reinterpret_cast<float*>(smem_f4);
   constexpr int S = Layout<F>::S;
@@ -198,6 +199,7 @@ template <class F, int NT, int RW, int U, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB)
     matvec_gx_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                   const float* __restrict__ x, int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(kWarps * 32);
   constexpr int G = F::P / 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t row_tasks = cols / F::BE * F::TPB;
@@ -292,6 +294,7 @@ template <class F>
 __global__ void __launch_bounds__(256)
     tiled_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, int64_t row_bytes,
                  const float* __restrict__ x, int n, float* __restrict__ y) {
+  DFL_LAUNCH_BOUND(256);
   DFL_STATIC_SMEM(__align__(16) float, ws, [kTileK][kTileM + 4]);
   DFL_STATIC_SMEM(__align__(16) float, xs, [kTileK][kTileN + 4]);
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;

@@ -479,6 +479,16 @@ inline void check_launch(dim3 grid, dim3 block, size_t smem, const void* fn) {
   }
 }
 
+// A kernel compiled with __launch_bounds__(bound) (DFL_LAUNCH_BOUND, common.cuh): the GPU refuses a launch of
+// more threads a block (too many resources requested); each thread of such a launch stops the run here.
+inline void check_launch_bound(unsigned bound, const char* kernel) {
+  const unsigned nt = blockDim.x * blockDim.y * blockDim.z;
+  if (nt <= bound) return;
+  std::fprintf(stderr, "emu: launch refused: %u threads per block over %s's __launch_bounds__ (%u)\n", nt, kernel,
+               bound);
+  std::abort();
+}
+
 // fn: the kernel (for its shared-memory opt-in); null for the emulator's own launches
 inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body, const void* fn = nullptr) {
   if (capturing) {
