@@ -362,7 +362,7 @@ class Decoder:
         costs ~4x a 4-row one on a CPU), and a probe priced at the short block of a request's last tokens bet
         four times what the allowance meant to."""
         prompt = [int(t) for t in self.tokenize("def f(x):\n")] or [0]
-        budget = min(GenParams().budget, self._batch - 1)
+        budget = min(4, self._batch - 1)   # small trees: a draft's cost hardly depends on the budget, its rows do
         n_steps = 2 + 2 * max(1, len(self.drafts))
         # room for more than any drafter's block after the steps (a block is cut to the tokens still to come)
         max_new = min(n_steps + _WARM_UP_BLOCK_ROOM, self.n_ctx - len(prompt) - 1)
