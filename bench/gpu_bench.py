@@ -667,7 +667,10 @@ def part_drafters(target: str | None, draft: str | None, device: str, n_new: int
             e = ctx_.auto_estimates(k)
             a = e["ar_s"]
             out["estimates"][name] = {"ar_ms": a * 1e3, "draft_in_ar": e["draft_s"] / a if a else None,
-                                      "verify_in_ar": {n: v / a for n, v in e["verify_s"].items()} if a else None}
+                                      "verify_in_ar": {n: v / a for n, v in e["verify_s"].items()} if a else None,
+                                      # the draft by block rows (a request's last steps draft shorter blocks)
+                                      "draft_rows_in_ar": {n: v / a for n, v in e["draft_rows_s"].items()}
+                                      if a else None}
     return out
 
 
