@@ -185,13 +185,12 @@ void AutoController::new_request() {
 void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                                   const std::vector<uint8_t>& on_path) {
   const bool was_probe = rec.probe;
-  if (block_rows_ > 0) {  // learnt for the block's rows; a first timing of a size is bounded by its neighbours'
-    const double expected = e_.draft_at(block_rows_);
-    ema(e_.draft_rows_s[block_rows_], rec.draft_s, expected);
-    e_.draft_s = e_.draft_rows_s[block_rows_];
-  } else {
-    ema(e_.draft_s, rec.draft_s);
-  }
+  // learnt for the rows price_block priced (the step's block); a size's first timing is bounded by what its
+  // neighbours predict (taken before the new entry exists)
+  const double draft_expected = e_.draft_at(block_rows_);
+  double& drafted = e_.draft_rows_s[block_rows_];
+  ema(drafted, rec.draft_s, draft_expected);
+  e_.draft_s = drafted;
   ema(e_.tree_s, rec.tree_s);
   if (budget <= 0) return;  // drafted, then AR won: nothing verified, nothing learnt about acceptance
   have_spec_ = true;

@@ -185,7 +185,7 @@ class AutoController {
   int since_probe_ = 0, probe_gap_ = kMinProbeGap;
   double probe_loss_ = -1;                  // the last probe's measured loss (s; -1: none yet)
   int remaining_ = 1 << 30;                 // the request's tokens still to come (decided()'s)
-  int block_rows_ = 0;                      // the block price_block priced (0: not told)
+  int block_rows_ = 0;                      // the rows of the block price_block priced (every step, before wish)
 };
 
 }  // namespace dfl
