@@ -46,17 +46,16 @@ bool avx512_from_env() {
   const char* e = std::getenv("DFLASH27B_CPU_AVX512");
   return cpu_avx512_supported() && !(e && std::strcmp(e, "0") == 0);
 }
-std::atomic<int> g_avx512{-1};  // -1: not yet read from the environment
 }  // namespace
 
-bool cpu_avx512_active() {
-  int v = g_avx512.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = avx512_from_env() ? 1 : 0;
-    g_avx512.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
+namespace detail {
+std::atomic<int> g_avx512{-1};
+int avx512_from_env_once() {
+  const int v = avx512_from_env() ? 1 : 0;
+  g_avx512.store(v, std::memory_order_relaxed);
+  return v;
 }
+}  // namespace detail
 
 void set_cpu_avx512(int mode) {
   if (mode < -1 || mode > 1) fail("AVX-512 mode %d: use 1 (on), 0 (off) or -1 (as DFLASH27B_CPU_AVX512)", mode);
@@ -65,7 +64,7 @@ void set_cpu_avx512(int mode) {
 #else
   if (mode == 1) fail("AVX-512 kernels: this build has no AVX2 kernels");
 #endif
-  g_avx512.store(mode < 0 ? (avx512_from_env() ? 1 : 0) : mode, std::memory_order_relaxed);
+  detail::g_avx512.store(mode < 0 ? (avx512_from_env() ? 1 : 0) : mode, std::memory_order_relaxed);
 }
 
 const char* simd_name() {

@@ -1,6 +1,8 @@
 // simd.h — the CPU kernels' one switch between their AVX2 and scalar code, and
 // the small helpers the kernel files share.
 #pragma once
+#include <atomic>
+
 #include "quant/blocks.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -24,8 +26,16 @@ inline float fp16(uint16_t h) {
 // bits as the AVX2 ones.  DFLASH27B_CPU_AVX512=0 in the environment, or
 // set_cpu_avx512(0), keeps the AVX2 kernels (to compare, or to time both).
 bool cpu_avx512_supported();
-bool cpu_avx512_active();
 void set_cpu_avx512(int mode);  // 1 on (fails where unsupported), 0 off, -1 as the environment says
+namespace detail {
+extern std::atomic<int> g_avx512;  // 1 on, 0 off, -1: not yet read from the environment
+int avx512_from_env_once();
+}  // namespace detail
+// Inline: the float kernels ask once per weight row (a call was 1-2% of a tiny model's decode).
+inline bool cpu_avx512_active() {
+  const int v = detail::g_avx512.load(std::memory_order_relaxed);
+  return (v < 0 ? detail::avx512_from_env_once() : v) == 1;
+}
 
 // The target of every AVX-512 kernel (called only where cpu_avx512_active()), and
 // the warnings GCC 12 gives inside its own AVX-512 intrinsics (their "undefined"

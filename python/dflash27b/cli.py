@@ -196,7 +196,9 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
             calls = (dec.last_message() or {}).get("tool_calls") if params.calls_tools else None
             for c in calls or []:   # the reply's calls, parsed (the text above holds them as the model wrote them)
                 click.echo("tool call: " + json.dumps(c["function"], ensure_ascii=False))
-            shape = f"budget {s.budget}" if s.mode == "ddtree" else f"block {s.block_size}"
+            # (block 0: several drafters, each with its own block)
+            shape = (f"budget {s.budget}" if s.mode == "ddtree" else
+                     f"block {s.block_size}" if s.block_size > 0 else "each drafter's own block")
             accept = f" | accept {s.mean_accept:.2f} ({shape})" if s.mode not in ("ar", "auto") else ""
             if s.mode == "auto":
                 accept = f" | accept {s.mean_accept:.2f} | auto: {s.auto_summary}"
