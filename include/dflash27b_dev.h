@@ -39,6 +39,16 @@ int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const flo
 /* The worst case of a drafter's smallest step against an AR step (seconds), for `slots` requests sharing the
  * step: what a request's loss allowance must cover before auto mode drafts (spec/adaptive.h worst_loss_s). */
 int dfl_auto_worst_loss(const dfl_auto_estimates* e, int32_t slots, double* out_s);
+/* A request's loss allowance (spec/adaptive.h LossAllowance) after the drafted steps given, at AR steps of
+ * ar_s seconds: what one bet may still lose in its worst case (bet_s) and what a probe may (probe_s). */
+typedef struct {
+  int32_t probe;      /* 1: a probe (exploring: charged to the probes' share) */
+  int32_t budget;     /* draft nodes verified (0: AR won the step, its draft alone was spent) */
+  int32_t committed;  /* tokens the step gave */
+  double draft_s, tree_s, verify_s, commit_s;
+} dfl_auto_step;
+int dfl_auto_allowance(int32_t max_new_tokens, double ar_s, const dfl_auto_step* steps, int32_t n, double* bet_s,
+                       double* probe_s);
 /* What a context's auto mode has learnt so far for drafter i of its portfolio (0 = the most preferred): the
  * same tables (verify sizes timed, per-depth calibration).  DFL_ERROR for a drafter it does not hold. */
 int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_estimates* out);

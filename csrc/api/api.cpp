@@ -526,6 +526,30 @@ int dfl_auto_worst_loss(const dfl_auto_estimates* e, int32_t slots, double* out_
   });
 }
 
+int dfl_auto_allowance(int32_t max_new_tokens, double ar_s, const dfl_auto_step* steps, int32_t n, double* bet_s,
+                       double* probe_s) {
+  return guard([&] {
+    need(bet_s, "bet_s");
+    need(probe_s, "probe_s");
+    if (n < 0) dfl::fail("step count %d is negative", n);
+    if (n > 0) need(steps, "steps");
+    if (!(ar_s > 0)) dfl::fail("ar_s must be positive (got %g)", ar_s);
+    dfl::LossAllowance a;
+    a.begin(max_new_tokens);
+    for (int32_t i = 0; i < n; ++i) {
+      dfl::StepRecord rec;
+      rec.probe = steps[i].probe != 0;
+      rec.auto_budget = steps[i].budget;
+      rec.committed = steps[i].committed;
+      rec.draft_s = steps[i].draft_s, rec.tree_s = steps[i].tree_s;
+      rec.verify_s = steps[i].verify_s, rec.commit_s = steps[i].commit_s;
+      a.settle(rec, ar_s);
+    }
+    *bet_s = a.bet_s(ar_s, false);
+    *probe_s = a.bet_s(ar_s, true);
+  });
+}
+
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
                     int32_t min_budget, int32_t with_draft, double max_worst_s, dfl_auto_choice* out) {
   return guard([&] {

@@ -92,9 +92,12 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
 }
 
 void LossAllowance::settle(const StepRecord& rec, double ar_s) {
-  if (rec.probe || ar_s <= 0) return;
-  if (rec.auto_budget > 0) lost_ += (rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s) / ar_s - rec.committed;
-  else lost_ += (rec.draft_s + rec.tree_s) / ar_s;
+  if (ar_s <= 0) return;
+  const double loss = rec.auto_budget > 0
+                          ? (rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s) / ar_s - rec.committed
+                          : (rec.draft_s + rec.tree_s) / ar_s;
+  if (rec.probe) probe_lost_ += std::max(0.0, loss);
+  else lost_ += loss;
 }
 
 double worst_loss_s(const AutoEstimates& e, int slots) {

@@ -89,28 +89,33 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
 // an AR step.  The request's allowance is kShare of its AR time (max_new_tokens AR steps) plus what its bets
 // have won so far, less what they have lost, counted in AR steps of the time each was made; a bet whose worst
 // case exceeds its share of what is left is not made (a smaller tree, or AR).  Early in a short request little
-// is at stake, so only cheap bets run; once a tree has won, larger ones may.  Probes, which explore rather than bet, have
-// their own bound (AutoController::kRequestShare); the two together are 5% of the request's AR time.  (A
+// is at stake, so only cheap bets run; once a tree has won, larger ones may.  Probes, which explore rather than
+// bet, draw on a share of their own, kProbeShare, spent by whichever drafter of a portfolio probes (each
+// drafter's spacing, AutoController::kProbeShare, only says how often it may; a portfolio of two drafters that
+// probe could otherwise spend twice the share); the two together are 5% of the request's AR time.  (A
 // request that stops early at an EOS had a smaller AR time than its max_new_tokens promised: it can end below
 // the floor by up to the allowance.)
 class LossAllowance {
  public:
-  static constexpr double kShare = 0.03;
-  void begin(int max_new_tokens) { n_new_ = std::max(max_new_tokens, 0), lost_ = 0; }
+  static constexpr double kShare = 0.03, kProbeShare = 0.02;
+  void begin(int max_new_tokens) { n_new_ = std::max(max_new_tokens, 0), lost_ = 0, probe_lost_ = 0; }
   // A step that drafted, once done (ar_s: the AR step's time then): a verified tree's whole time against AR's
-  // for the tokens it gave; a declined one's draft alone (its verify was an AR step); a probe's nothing.
+  // for the tokens it gave; a declined one's draft alone (its verify was an AR step).  A probe's loss is
+  // charged to the probes' share (what a probe wins gives the bets nothing: exploring is not a bet).
   void settle(const StepRecord& rec, double ar_s);
-  // Seconds one bet may lose in its worst case (AR steps of ar_s): kOneBet of what is left, so a first bet that
-  // fails leaves room for the next (one 8-node tree missing at once would otherwise end a short request's
-  // bets).  A probe is not bounded here (kRequestShare bounds it).
+  // Seconds one step may lose in its worst case (AR steps of ar_s).  A bet: kOneBet of what is left, so a
+  // first bet that fails leaves room for the next (one 8-node tree missing at once would otherwise end a short
+  // request's bets).  A probe: what is left of the probes' share.
   static constexpr double kOneBet = 0.5;
   double bet_s(double ar_s, bool probe = false) const {
-    return probe ? 1e300 : kOneBet * std::max(0.0, kShare * n_new_ - lost_) * ar_s;
+    if (probe) return std::max(0.0, kProbeShare * n_new_ - probe_lost_) * ar_s;
+    return kOneBet * std::max(0.0, kShare * n_new_ - lost_) * ar_s;
   }
 
  private:
   int n_new_ = 0;
-  double lost_ = 0;  // AR steps lost so far (negative: won)
+  double lost_ = 0;        // AR steps the bets lost so far (negative: won)
+  double probe_lost_ = 0;  // AR steps the probes lost so far
 };
 
 class AutoController {
@@ -172,6 +177,9 @@ class AutoController {
   static constexpr double kNewRequestWeight = 0.25;
   void new_request();
   const AutoEstimates& estimates() const { return e_; }
+  // Whether a speculative step of this drafter has been measured: until then its probe is the one that
+  // measures (once a decoder, at its warm-up), which no request's allowance bounds.
+  bool measured() const { return have_spec_; }
 
  private:
   // The decayed per-depth sums, one observation of n nodes (predicted path probability vs on the path).
