@@ -138,3 +138,30 @@ def test_generate_penalty_flags(pair):
     assert pen == want and pen != plain
     bad = run(*args, "--repeat-penalty", "0")
     assert bad.returncode != 0 and "repeat_penalty" in bad.stderr
+
+
+def test_auto_says_why_it_verified_no_tree():
+    """generate's line after a run where auto verified no tree: each drafter's draft (its whole block) and a
+    verify of the request's budget, in AR steps of this machine, from auto's own estimates; nothing once a
+    tree was verified, or outside auto mode."""
+    from types import SimpleNamespace
+
+    from dflash27b.cli import _auto_why
+    from dflash27b.results import GenerateStats
+
+    est = {"ar_s": 0.002, "draft_s": 0.001, "draft_rows_s": {4: 0.001, 16: 0.004},
+           "verify_s": {2: 0.0025, 8: 0.006, 23: 0.014, 33: 0.02}}
+    dec = SimpleNamespace(drafts=("/models/tiny-draft2", "lookup"),
+                          _ctx=SimpleNamespace(auto_estimates=lambda k: est))
+    def stats(mode, auto_budget):
+        return GenerateStats(prompt_tokens=4, generated_tokens=4, prefill_s=0.1, decode_s=0.1, decode_tok_s=30.0,
+                             prefill_tok_s=40.0, steps=3, stop_reason="length", mode=mode, budget=22,
+                             auto_budget=auto_budget)
+
+    s = stats("auto", [0, 0, 0])
+    why = _auto_why(dec, s)
+    assert why.startswith("auto verified no tree: in AR steps here, tiny-draft2: a draft 2.0, a 23-node verify 7.0;"
+                          " lookup: a draft 2.0, a 23-node verify 7.0")
+    assert _auto_why(dec, stats("auto", [0, 3, 0])) is None
+    assert _auto_why(dec, stats("ddtree", [])) is None
+    assert _auto_why(SimpleNamespace(drafts=()), s) is None

@@ -205,12 +205,38 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
             click.echo(f"[{s.mode} {s.device}] prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
                        f"generated {s.generated_tokens} tok, {s.decode_tok_s:.2f} tok/s{accept} | "
                        f"stop: {s.stop_reason}", err=True)
+            why = _auto_why(dec, s) if socket_path is None else None
+            if why:
+                click.echo(why, err=True)
             if ar is not None and s.mode != "ar":
                 a = ar.stats
                 click.echo(f"[ar {a.device}] {a.decode_tok_s:.2f} tok/s | speedup {s.decode_tok_s / a.decode_tok_s:.2f}x"
                            f" | same tokens: {ar.tokens == dec._last_tokens}", err=True)
     except DFlashError as e:
         _fail(str(e))
+
+
+def _auto_why(dec, s) -> str | None:
+    """Why auto mode verified no tree in this run, in its own estimates: each drafter's draft and a verify of the
+    request's budget, in AR steps here (a first-time user's 1.0x on a CPU is otherwise a puzzle)."""
+    if s.mode != "auto" or not s.auto_budget or any(b > 0 for b in s.auto_budget) or not dec.drafts:
+        return None
+    parts = []
+    for k, src in enumerate(dec.drafts):
+        try:
+            e = dec._ctx.auto_estimates(k)
+        except DFlashError:
+            return None
+        ar = e["ar_s"]
+        if ar <= 0 or not e["verify_s"]:
+            return None
+        name = src if src in ("lookup", "mtp") else Path(src).name
+        rows = e["draft_rows_s"]
+        draft = rows[max(rows)] if rows else e["draft_s"]
+        n = max((v for v in e["verify_s"] if v <= s.budget + 1), default=min(e["verify_s"]))
+        parts.append(f"{name}: a draft {draft / ar:.1f}, a {n}-node verify {e['verify_s'][n] / ar:.1f}")
+    return ("auto verified no tree: in AR steps here, " + "; ".join(parts) +
+            " (a tree must give more tokens than it costs; --mode ddtree shows what the trees give)")
 
 
 @main.command()
