@@ -441,11 +441,33 @@ inline void panel_rows(const Weight& W, const int64_t* rows, int64_t i, size_t b
   for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
 }
 
+// The next panel's bytes prefetched a slice at a time, spread over this panel's work: each super-block
+// unpacked and each tile of tokens issues its share.  One quad of tokens has little work to hide a whole
+// panel's loads behind: issued as one burst before its tile (or before a quad's panel in registers), they
+// arrived late, and the synthetic 0.8B's 3- and 4-token forwards took 1.2-1.3x as long as with these
+// slices (2-vCPU Zen 3; 5 to 64 tokens: the same within 4%); a panel further ahead was slower still.
+struct Trickle {
+  const char* p = nullptr;
+  size_t left = 0, per = 0;
+  // bytes at p, in `steps` slices
+  void start(const char* at, size_t bytes, int steps) {
+    p = at, left = at ? bytes : 0;
+    per = left ? (left / (size_t)std::max(steps, 1) + 63) / 64 * 64 : 0;
+  }
+  void step() {
+    const size_t b = std::min(per, left);
+    for (size_t off = 0; off < b; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    p += b, left -= b;
+  }
+  void rest() { per = left, step(); }
+};
+
 // A whole row range's panel in memory, for several tiles of tokens to read.
 template <DType T>
-void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P) {
+void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P, Trickle& next) {
   const int64_t nb = W.cols / QK_K;
   for (int64_t i = 0; i < nb; ++i) {
+    next.step();
     PanelSB& b = P[i];
     const uint8_t* blk[4];
     panel_rows(W, rows, i, block_bytes(T), blk);
@@ -526,10 +548,12 @@ void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2,
 // One quad of tokens (3 or 4): no tile would read a stored panel twice, so each chunk is used where it is
 // made, in registers (storing and reloading the panel was half of a quad's time on AVX2).
 template <DType T>
-void panel_direct(const Weight& W, const int64_t* rows, int64_t nb, const ActRow* x, const float* xd2, float* out) {
+void panel_direct(const Weight& W, const int64_t* rows, int64_t nb, const ActRow* x, const float* xd2, float* out,
+                  Trickle& next) {
   constexpr bool G16 = T == DType::Q6_K;
   TileAcc acc;
   for (int64_t i = 0; i < nb; ++i) {
+    next.step();
     const uint8_t* blk[4];
     panel_rows(W, rows, i, block_bytes(T), blk);
     __m256i is[4];
@@ -587,28 +611,29 @@ constexpr int kTokenBlock = 64;
 // block (unpack(rows)) and tiles of tokens run over it (tile(t0, te, out) fills
 // out[4t + r] for the tokens it takes, up to tile_max, and returns how many).  The
 // next panel's rows are contiguous with this one's: they are prefetched while this
-// one's tiles run, a slice per tile (a burst of requests stalls more than a trickle).
+// one's super-blocks are unpacked and its tiles run (Trickle).
 template <class Unpack, class Tile>
 inline void panel_loop(const Weight& W, int64_t r0, int64_t r1, float* y, int n, int n4, int tile_max, Unpack unpack,
                        Tile tile) {
   alignas(64) float out[4 * 8];
+  const int nb = (int)(W.cols / QK_K);
   for (int tb = 0; tb < n4; tb += kTokenBlock) {
     const int te = std::min(n4, tb + kTokenBlock);
+    const int n_tiles = (te - tb + tile_max - 1) / tile_max;
     for (int64_t p0 = r0; p0 < r1; p0 += 4) {
       int64_t rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
-      unpack(rows);
-      const char* nxt = p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr;
-      const size_t bytes = nxt ? (size_t)std::min<int64_t>(4, r1 - p0 - 4) * W.row_bytes : 0;
-      const int n_tiles = (te - tb + tile_max - 1) / tile_max;
+      Trickle next;
+      next.start(p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr,
+                 (size_t)std::max<int64_t>(0, std::min<int64_t>(4, r1 - p0 - 4)) * W.row_bytes, nb + n_tiles);
+      unpack(rows, next);
       for (int t0 = tb; t0 < te;) {
-        const int k = (t0 - tb) / tile_max;
-        const size_t lo = bytes * k / n_tiles / 64 * 64, hi = bytes * (k + 1) / n_tiles;
-        for (size_t off = lo; off < hi; off += 64) _mm_prefetch(nxt + off, _MM_HINT_T0);
+        next.step();
         const int nt = tile(t0, te, out);
         store_tile(out, std::min(nt, n - t0), (int)std::min<int64_t>(4, r1 - p0), y + (int64_t)t0 * W.rows + p0, W.rows);
         t0 += nt;
       }
+      next.rest();
     }
   }
 }
@@ -627,15 +652,16 @@ void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
     for (int64_t p0 = r0; p0 < r1; p0 += 4) {
       int64_t rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
-      if (p0 + 4 < r1)  // the next panel's rows, a line at a time ahead of their use
-        for (int r = 0; r < 4 && p0 + 4 + r < r1; ++r)
-          for (size_t off = 0; off < W.row_bytes; off += 64) _mm_prefetch((const char*)W.row(p0 + 4 + r) + off, _MM_HINT_T0);
-      panel_direct<T>(W, rows, nb, in.xs.data(), in.quad_scales(0, nb), out);
+      Trickle next;  // the next panel's rows, a slice with each super-block
+      next.start(p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr,
+                 (size_t)std::max<int64_t>(0, std::min<int64_t>(4, r1 - p0 - 4)) * W.row_bytes, (int)nb);
+      panel_direct<T>(W, rows, nb, in.xs.data(), in.quad_scales(0, nb), out, next);
+      next.rest();
       store_tile(out, n, (int)std::min<int64_t>(4, r1 - p0), y + p0, W.rows);
     }
     return;
   }
-  panel_loop(W, r0, r1, y, n, in.n4, 4, [&](const int64_t* rows) { unpack_panel<T>(W, rows, panel); },
+  panel_loop(W, r0, r1, y, n, in.n4, 4, [&](const int64_t* rows, Trickle& next) { unpack_panel<T>(W, rows, panel, next); },
              [&](int t0, int, float* out) {
                panel_tile<T == DType::Q6_K>(panel, nb, in.xs.data() + t0, in.quad_scales(t0, nb), out);
                return 4;
@@ -759,10 +785,11 @@ DFL_AVX512 inline __m512 row_scales16(const uint16_t h[4]) {
 }
 
 template <DType T>
-DFL_AVX512 void unpack_panel16(const Weight& W, const int64_t* rows, Panel16* P) {
+DFL_AVX512 void unpack_panel16(const Weight& W, const int64_t* rows, Panel16* P, Trickle& next) {
   const int64_t nb = W.cols / QK_K;
   const size_t bs = block_bytes(T);
   for (int64_t i = 0; i < nb; ++i) {
+    next.step();
     Panel16& p = P[i];
     const uint8_t* blk[4];
     for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
@@ -885,7 +912,7 @@ DFL_AVX512 void gemm_panels16(const Weight& W, int64_t r0, int64_t r1, const Act
   S.in.prepare(x, n, nb, [](int l) { return l % 4; });  // the tile's lanes 4r + t
   Panel16* panel = S.panel.data();
   const PanelInputs& in = S.in;
-  panel_loop(W, r0, r1, y, n, in.n4, 8, [&](const int64_t* rows) { unpack_panel16<T>(W, rows, panel); },
+  panel_loop(W, r0, r1, y, n, in.n4, 8, [&](const int64_t* rows, Trickle& next) { unpack_panel16<T>(W, rows, panel, next); },
              [&](int t0, int te, float* out) {
                const ActRow* xs = in.xs.data() + t0;
                if (te - t0 >= 8) {
