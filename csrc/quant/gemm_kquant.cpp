@@ -215,8 +215,30 @@ inline void load_super_block(const uint8_t* blk, SuperBlockRegs& s) {
   }
 }
 
+// The next rows' bytes prefetched a slice at a time, spread over this work on the current ones: each
+// super-block unpacked (a panel's, or a few-token group's) and each tile of tokens issues its share.  Left
+// to the hardware prefetcher, or issued as one burst before a tile, they arrived late: on a 2-vCPU Zen 3 the
+// synthetic 0.8B's 1- and 2-token forwards (the few-token kernel) took 1.1-1.2x as long as with these
+// slices, its 3- and 4-token ones (one quad) 1.2-1.3x (5 to 64 tokens: the same within 4%); a panel
+// further ahead was slower still.
+struct Trickle {
+  const char* p = nullptr;
+  size_t left = 0, per = 0;
+  // bytes at p, in `steps` slices
+  void start(const char* at, size_t bytes, int steps) {
+    p = at, left = at ? bytes : 0;
+    per = left ? (left / (size_t)std::max(steps, 1) + 63) / 64 * 64 : 0;
+  }
+  void step() {
+    const size_t b = std::min(per, left);
+    for (size_t off = 0; off < b; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    p += b, left -= b;
+  }
+  void rest() { per = left, step(); }
+};
+
 // ---- few tokens: R rows x NT tokens = 8 outputs, lane p = r * NT + t ----------
-// Each row is read start to end (one stream for the prefetcher); its per-super-block
+// Each row is read start to end, the next group's rows prefetched meanwhile (Trickle); its per-super-block
 // integer sums wait in FusedSums until all 8 outputs have theirs, then reduce together.
 struct FusedSums {
   std::vector<int32_t> is, ms;  // [super-block][output][8]
@@ -225,13 +247,14 @@ struct FusedSums {
 
 template <DType T, int NT>
 void fused(const Weight& W, const int64_t* rows, const ActRow* x, int32_t* __restrict is, int32_t* __restrict ms,
-           float* __restrict dd, float* __restrict dmm, float* out) {
+           float* __restrict dd, float* __restrict dmm, float* out, Trickle& next) {
   constexpr int R = 8 / NT;
   const int64_t nb = W.cols / QK_K;
   const size_t bs = block_bytes(T);
   for (int r = 0; r < R; ++r) {
     const uint8_t* row = W.row(rows[r]);
     for (int64_t i = 0; i < nb; ++i) {
+      next.step();
       SuperBlockRegs s;
       load_super_block<T>(row + i * bs, s);
       const __m256i glo = _mm256_permute2x128_si256(s.sg, s.sg, 0x00), ghi = _mm256_permute2x128_si256(s.sg, s.sg, 0x11);
@@ -440,27 +463,6 @@ inline void panel_sb(const uint8_t* const blk[4], Chunk&& chunk, PanelTail& tail
 inline void panel_rows(const Weight& W, const int64_t* rows, int64_t i, size_t bs, const uint8_t* blk[4]) {
   for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
 }
-
-// The next panel's bytes prefetched a slice at a time, spread over this panel's work: each super-block
-// unpacked and each tile of tokens issues its share.  One quad of tokens has little work to hide a whole
-// panel's loads behind: issued as one burst before its tile (or before a quad's panel in registers), they
-// arrived late, and the synthetic 0.8B's 3- and 4-token forwards took 1.2-1.3x as long as with these
-// slices (2-vCPU Zen 3; 5 to 64 tokens: the same within 4%); a panel further ahead was slower still.
-struct Trickle {
-  const char* p = nullptr;
-  size_t left = 0, per = 0;
-  // bytes at p, in `steps` slices
-  void start(const char* at, size_t bytes, int steps) {
-    p = at, left = at ? bytes : 0;
-    per = left ? (left / (size_t)std::max(steps, 1) + 63) / 64 * 64 : 0;
-  }
-  void step() {
-    const size_t b = std::min(per, left);
-    for (size_t off = 0; off < b; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-    p += b, left -= b;
-  }
-  void rest() { per = left, step(); }
-};
 
 // A whole row range's panel in memory, for several tiles of tokens to read.
 template <DType T>
@@ -687,8 +689,11 @@ void gemm_fused(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n,
     for (int64_t p0 = r0; p0 < r1; p0 += R) {
       int64_t rows[8];
       for (int r = 0; r < R; ++r) rows[r] = std::min(p0 + r, r1 - 1);
-      if (nt == 2) fused<T, 2>(W, rows, x + t0, is, ms, dd, dm, out);
-      else fused<T, 1>(W, rows, x + t0, is, ms, dd, dm, out);
+      Trickle next;  // the next group's rows, a slice with each super-block
+      next.start(p0 + R < r1 ? (const char*)W.row(p0 + R) : nullptr,
+                 (size_t)std::max<int64_t>(0, std::min<int64_t>(R, r1 - p0 - R)) * W.row_bytes, (int)(R * (W.cols / QK_K)));
+      if (nt == 2) fused<T, 2>(W, rows, x + t0, is, ms, dd, dm, out, next);
+      else fused<T, 1>(W, rows, x + t0, is, ms, dd, dm, out, next);
       for (int p = 0; p < 8; ++p) {
         const int64_t r = p0 + p / nt;
         if (r < r1) y[(int64_t)(t0 + p % nt) * W.rows + r] = out[p];
