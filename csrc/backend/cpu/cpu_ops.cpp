@@ -53,6 +53,13 @@ void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, 
       for (int t0 = 0; t0 < n; t0 += kDotMaxTokens) {
         const int nt = n - t0 < kDotMaxTokens ? n - t0 : kDotMaxTokens;
         for (int64_t r = g; r < ge; ++r) {
+#if defined(__AVX2__)
+          // the next group's row, a row at a time ahead of its use (as the K-quant kernels' Trickle):
+          // left to the hardware prefetcher, a 1-token forward of the synthetic 0.8B took 1.18x as long
+          // in Q8_0, 1.05x in BF16, the bundled F16 target's 1.2x (2-vCPU Zen 3); more tokens: the same
+          if (t0 == 0 && r + group < r1)
+            for (size_t off = 0; off < W.row_bytes; off += 64) _mm_prefetch((const char*)W.row(r + group) + off, _MM_HINT_T0);
+#endif
           if (q) {
             dot_row_q(W.type, W.row(r), rows.data() + t0, nt, cols, tmp);
           } else {
