@@ -235,6 +235,11 @@ struct Trickle {
     p += b, left -= b;
   }
   void rest() { per = left, step(); }
+  // rows [first, min(first + count, end)) of W (none when first >= end)
+  void start_rows(const Weight& W, int64_t first, int64_t end, int64_t count, int steps) {
+    const int64_t n = std::max<int64_t>(0, std::min(count, end - first));
+    start(n ? (const char*)W.row(first) : nullptr, (size_t)n * W.row_bytes, steps);
+  }
 };
 
 // ---- few tokens: R rows x NT tokens = 8 outputs, lane p = r * NT + t ----------
@@ -626,8 +631,7 @@ inline void panel_loop(const Weight& W, int64_t r0, int64_t r1, float* y, int n,
       int64_t rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
       Trickle next;
-      next.start(p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr,
-                 (size_t)std::max<int64_t>(0, std::min<int64_t>(4, r1 - p0 - 4)) * W.row_bytes, nb + n_tiles);
+      next.start_rows(W, p0 + 4, r1, 4, nb + n_tiles);
       unpack(rows, next);
       for (int t0 = tb; t0 < te;) {
         next.step();
@@ -655,8 +659,7 @@ void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
       int64_t rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
       Trickle next;  // the next panel's rows, a slice with each super-block
-      next.start(p0 + 4 < r1 ? (const char*)W.row(p0 + 4) : nullptr,
-                 (size_t)std::max<int64_t>(0, std::min<int64_t>(4, r1 - p0 - 4)) * W.row_bytes, (int)nb);
+      next.start_rows(W, p0 + 4, r1, 4, (int)nb);
       panel_direct<T>(W, rows, nb, in.xs.data(), in.quad_scales(0, nb), out, next);
       next.rest();
       store_tile(out, n, (int)std::min<int64_t>(4, r1 - p0), y + p0, W.rows);
@@ -690,8 +693,7 @@ void gemm_fused(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n,
       int64_t rows[8];
       for (int r = 0; r < R; ++r) rows[r] = std::min(p0 + r, r1 - 1);
       Trickle next;  // the next group's rows, a slice with each super-block
-      next.start(p0 + R < r1 ? (const char*)W.row(p0 + R) : nullptr,
-                 (size_t)std::max<int64_t>(0, std::min<int64_t>(R, r1 - p0 - R)) * W.row_bytes, (int)(R * (W.cols / QK_K)));
+      next.start_rows(W, p0 + R, r1, R, (int)(R * (W.cols / QK_K)));
       if (nt == 2) fused<T, 2>(W, rows, x + t0, is, ms, dd, dm, out, next);
       else fused<T, 1>(W, rows, x + t0, is, ms, dd, dm, out, next);
       for (int p = 0; p < 8; ++p) {
