@@ -128,9 +128,9 @@ class AutoController {
   // controller each) of which one step drafts with at most one: wish() says what this drafter would do (no
   // state changes), decided() records whether it did.  A wish's `probe` is a forced exploration; its
   // `forecast` is the choice the last drafted tree predicts.  remaining: the request's tokens still to come;
-  // a probe whose measured loss would exceed kRequestShare of their AR time waits for a longer request, so
-  // no request pays more than that share for exploring.
-  static constexpr double kRequestShare = 0.02;
+  // a probe whose measured loss would exceed kRequestShare of their AR time waits for a longer request (the
+  // request's LossAllowance bounds what all its probes spend, by the same share).
+  static constexpr double kRequestShare = LossAllowance::kProbeShare;
   static constexpr double kFreeDraftShare = 0.05;  // draft + tree time below this share of an AR step: draft always
   struct Wish {
     bool draft = false, probe = false;

@@ -345,8 +345,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
     AutoController& ac = autos_[(size_t)chosen_];
-    // the draft is spent; a drafter's first, measuring probe is not the request's to bound
-    const double max_worst = ac.measured() ? allowance_.bet_s(ac.estimates().ar_s, probe) - rec.draft_s : 1e300;
+    const double max_worst = allowed_loss_s(ac, probe) - rec.draft_s;  // the draft is spent
     const AutoChoice c = ac.choose(t.depth.data(), t.logp.data(), t.size(), probe, look, work_.slots, max_worst);
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
@@ -536,8 +535,7 @@ bool Generator::decide_step(int slots) {
       wish[i] = autos_[i].wish(remaining, work_.slots);
       const AutoController::Wish& w = wish[i];
       // a bet (or a probe) the request cannot afford to lose is not made, however good its odds
-      const double room = autos_[i].measured() ? allowance_.bet_s(autos_[i].estimates().ar_s, w.probe) : 1e300;
-      if (!w.draft || autos_[i].worst_loss_s(work_.slots) > room) continue;
+      if (!w.draft || autos_[i].worst_loss_s(work_.slots) > allowed_loss_s(autos_[i], w.probe)) continue;
       const AutoController::Wish* best = k >= 0 ? &wish[(size_t)k] : nullptr;
       if (!best || w.rank() > best->rank() ||
           (w.rank() == 3 && best->rank() == 3 && w.forecast.tok_s > best->forecast.tok_s))
@@ -556,6 +554,10 @@ bool Generator::decide_step(int slots) {
   }
   work_.speculate = speculate, work_.look = look, work_.V = V, work_.room = room;
   return true;
+}
+
+double Generator::allowed_loss_s(const AutoController& ac, bool probe) const {
+  return ac.measured() ? allowance_.bet_s(ac.estimates().ar_s, probe) : 1e300;
 }
 
 TreeParams Generator::step_tree(int room, bool whole) const {

@@ -182,6 +182,9 @@ class Generator {
   int block_of(int k) const;
   void draft_chain(int32_t s, int V, StepRecord& rec);
   void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe, bool look);
+  // The most a step drafted with controller ac may lose in its worst case (seconds): the request's allowance
+  // for a bet or a probe; a drafter's first, measuring probe is not the request's to bound.
+  double allowed_loss_s(const AutoController& ac, bool probe) const;
   bool is_eos(int32_t t) const;
   // The target's choice for the token at absolute position pos from one raw
   // logits row, the sequence before it being hist_ then extra[0, n_extra)

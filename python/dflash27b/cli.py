@@ -233,8 +233,9 @@ def _auto_why(dec, s) -> str | None:
         name = src if src in ("lookup", "mtp") else Path(src).name
         rows = e["draft_rows_s"]
         draft = rows[max(rows)] if rows else e["draft_s"]
-        n = max((v for v in e["verify_s"] if v <= s.budget + 1), default=min(e["verify_s"]))
-        parts.append(f"{name}: a draft {draft / ar:.1f}, a {n}-node verify {e['verify_s'][n] / ar:.1f}")
+        # the largest verify timed within the request's budget (nodes, the root included)
+        nodes = max((size for size in e["verify_s"] if size <= s.budget + 1), default=min(e["verify_s"]))
+        parts.append(f"{name}: a draft {draft / ar:.1f}, a {nodes}-node verify {e['verify_s'][nodes] / ar:.1f}")
     return ("auto verified no tree: in AR steps here, " + "; ".join(parts) +
             " (a tree must give more tokens than it costs; --mode ddtree shows what the trees give)")
 
