@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--short-reps", type=int, default=15,
                     help="passes at --short tokens (cheap, and a 32-token request's time swings by several percent)")
     ap.add_argument("--n-humaneval", type=int, default=8)
+    ap.add_argument("--only", default="", help="comma-separated drafter sets to run (ar is always run)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "portfolio-cpu.json"))
     a = ap.parse_args(argv)
     target, draft2 = bundled_pair()
@@ -102,6 +103,9 @@ def main(argv=None) -> int:
     reps = {"": a.reps, " short": a.short_reps}
     drafters = {"ar": None, "ar again": None, "dflash2": [draft2], "lookup": ["lookup"], "mtp": ["mtp"],
                 "portfolio": [draft2, "lookup"], "mtp+lookup": ["mtp", "lookup"], "all": [draft2, "mtp", "lookup"]}
+    if a.only:
+        keep = {"ar"} | {x.strip() for x in a.only.split(",")}
+        drafters = {k: v for k, v in drafters.items() if k in keep}
     from dflash27b.gguf_meta import read_gguf_metadata
     if not read_gguf_metadata(target).get("qwen35.nextn_predict_layers"):
         drafters = {k: v for k, v in drafters.items() if "mtp" not in (v or [])}   # a target without a head

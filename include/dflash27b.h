@@ -220,6 +220,8 @@ typedef struct {
                               decided: their drafters' acceptance learnt from them */
   int32_t draft_batch;     /* slots (dfl_generate_next_many): the blocks its drafter forward made at once, this
                               slot's among them (0: a forward of its own, or none) */
+  int32_t draft_depth;     /* the depths asked of the drafter below the root (0: no draft); in auto mode an
+                              autoregressive drafter's (the MTP head, a draft model) fit the tree it expects */
 } dfl_step_stats;
 
 /* Log-probabilities of the emitted tokens (dfl_gen_params.n_logprobs >= 0): one entry per token, in order. */

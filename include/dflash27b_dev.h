@@ -33,6 +33,8 @@ typedef struct {
   int32_t budget;          /* 0 = AR */
   double expected_tokens;
   double tok_s, ar_tok_s;
+  int32_t depth;           /* the deepest node of the budget (0 = AR): auto drafts an autoregressive drafter
+                              one depth deeper than this, no more */
 } dfl_auto_choice;
 int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const float* logp, int32_t n,
                     int32_t min_budget, int32_t with_draft, double max_worst_s, dfl_auto_choice* out);

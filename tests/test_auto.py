@@ -49,6 +49,17 @@ def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0,
     return out.budget, out.expected_tokens, out.tok_s, out.ar_tok_s
 
 
+def chosen_depth(ar_s, verify, depth, p, **kw):
+    ffi, lib = load()
+    e = estimates(ar_s, verify)
+    d = np.asarray(depth, dtype=np.int32)
+    lp = np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
+    out = ffi.new("dfl_auto_choice*")
+    check(lib.dfl_auto_choose(e, ffi.cast("int32_t*", d.ctypes.data), ffi.cast("float*", lp.ctypes.data), len(d),
+                              0, 0, math.inf, out))
+    return out.budget, out.depth
+
+
 def chain(n, q):
     """A chain of n nodes whose depth-d path probability is q**d."""
     return list(range(1, n + 1)), [q ** d for d in range(1, n + 1)]
@@ -84,6 +95,21 @@ def test_budget_stops_where_acceptance_stops_paying():
     verify = {1: ar, 23: ar * (1 + 0.05 * 22)}
     b, *_ = choose(ar, verify, depth, p)
     assert b == 6
+
+
+def test_the_choice_names_the_depth_its_tree_reaches():
+    """What an autoregressive drafter (the MTP head, a draft model: a forward per depth) is asked to draft in
+    auto mode: the forecast tree's deepest node, plus one.  A wide shallow tree reaches depth 1 whatever its
+    budget; a chain its budget; AR none."""
+    ar = 0.010
+    verify = {2: 1.02 * ar, 8: 1.1 * ar, 23: 1.5 * ar}
+    # five siblings at depth 1 (p 0.9, 0.05, ...), then their children
+    depth = [1, 1, 1, 2, 2, 3]
+    p = [0.9, 0.05, 0.03, 0.85, 0.04, 0.8]
+    b, d = chosen_depth(ar, verify, depth, p)
+    assert b > 0 and d == max(depth[:b])
+    assert chosen_depth(ar, verify, *chain(6, 0.95)) == (6, 6)
+    assert chosen_depth(ar, {2: 3 * ar}, *chain(6, 0.95)) == (0, 0)
 
 
 def test_calibration_scales_acceptance():

@@ -478,6 +478,7 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->drafter = r.drafter;
     o->declined_learnt = r.declined_learnt;
     o->draft_batch = r.draft_batch;
+    o->draft_depth = r.draft_depth;
   });
 }
 
@@ -563,6 +564,7 @@ int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const flo
     out->expected_tokens = c.expected;
     out->tok_s = c.tok_s;
     out->ar_tok_s = c.ar_tok_s;
+    out->depth = c.depth;
   });
 }
 

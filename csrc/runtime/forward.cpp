@@ -706,6 +706,28 @@ void Context::mtp_forward_many(Context* const* cs, const MtpRows* rs, int n_part
   // one full-attention decoder layer, the trunk's arithmetic, each part on its own head KV
   const LayerWeights& w = W.layer;
   be.rmsnorm(x, be.vec(w.attn_norm), n, H, c.rms_eps, I.hn.f());
+  bool wanted = k > 0;
+  for (int p = 0; p < n_parts; ++p) wanted = wanted || rs[p].head_out || rs[p].logits;
+  if (!wanted) {
+    // a catch-up: its rows' slots are all a later draft reads, and a slot's K/V come from the layer's input
+    // alone: no Q, attention, MLP or output matrix (on the bundled pair that is 3x less work a row, and a
+    // probe after 30 AR steps catches 30 rows up)
+    float* kk = I.a1.f();
+    float* vv = I.a2.f();
+    be.matmul(w.wk, I.hn.f(), n, kk);
+    be.matmul(w.wv, I.hn.f(), n, vv);
+    const size_t kvd = (size_t)c.kv_dim();
+    AttnShape kv_only = I.attn;
+    kv_only.n_head = 0;  // (attn_store: K/V only)
+    for (int p = 0; p < n_parts; ++p) {
+      const AttnRows& a = parts[(size_t)p];
+      if (n_parts > 1) be.begin_chunk(*a.plan);
+      be.attn_store(nullptr, kk + (size_t)a.row0 * kvd, vv + (size_t)a.row0 * kvd,
+                    AttnLayer{kv_only, a.k, a.v, be.vec(w.q_norm), be.vec(w.k_norm)});
+    }
+    if (n_parts > 1) be.begin_chunk(*all);
+    return;
+  }
   lead.attention_sublayer(w, parts.data(), n_parts, n, *all);
   lead.mlp_sublayer(w, x, I.out.f(), n);
   // the head: shared_head_norm, then the trunk's output matrix

@@ -71,8 +71,10 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   bool have = min_budget <= 0;
   const double fixed = (with_draft ? e.draft_s : 0.0) + e.tree_s + e.commit_s;
   double accepted = 0;  // expected accepted drafts of the first b nodes
+  int deepest = 0;
   for (int b = 1; b <= n; ++b) {
     accepted += std::min(1.0, e.calib(depth[b - 1]) * std::exp((double)logp[b - 1]));
+    deepest = std::max(deepest, (int)depth[b - 1]);
     if (b < min_budget) continue;
     const double cost = fixed + AutoEstimates::verify_at(verify, b + 1);
     if (cost - ar > max_worst) break;  // its worst case (one token for the whole step) is more than the request affords
@@ -83,6 +85,7 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
     // keep the smaller tree)
     if (!have || rate > best.tok_s * (1.0 + (best.budget == 0 ? min_gain : slack))) {
       best.budget = b;
+      best.depth = deepest;
       best.expected = 1.0 + accepted;
       best.tok_s = rate;
       have = true;

@@ -64,6 +64,7 @@ struct AutoChoice {
   double expected = 0;        // expected committed tokens (bonus included)
   double tok_s = 0;           // expected tokens per second of that step
   double ar_tok_s = 0;        // expected tokens per second of an AR step
+  int depth = 0;              // the deepest of those nodes (0: AR)
 };
 
 // The worst case of a drafter's smallest step against an AR step (seconds): draft, tree, commit and a 2-node

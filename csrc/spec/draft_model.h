@@ -42,6 +42,7 @@ class DraftModelProposer final : public Proposer {
   const char* name() const override { return "draft model"; }
   unsigned capabilities() const override { return Rank | Chain | Expand; }
   int default_block() const override { return kDraftModelBlock; }
+  bool drafts_by_depth() const override { return true; }
   void reset() override;
   void prompt_done(const int32_t* prompt, int n) override { sync(prompt, n); }
   // Makes the draft context hold exactly hist[0, s): keeps the common prefix,

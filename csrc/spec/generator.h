@@ -81,6 +81,7 @@ struct StepRecord {
   int drafter = -1;         // auto mode: the portfolio's drafter that drafted (-1: none, and outside auto)
   int declined_learnt = 0;  // auto mode: declined trees whose tokens this step decided (observe_declined)
   int draft_batch = 0;      // slots: the blocks its drafter forward made at once (0: its own forward, or none)
+  int draft_depth = 0;      // the depths asked of the drafter below the root (0: no draft)
 };
 
 // Called after each prefill chunk with (tokens done, total); returning false

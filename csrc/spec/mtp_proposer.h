@@ -27,6 +27,7 @@ class MtpProposer final : public Proposer {
   const char* name() const override { return "mtp"; }
   unsigned capabilities() const override { return Rank | Chain; }
   int default_block() const override { return block_; }
+  bool drafts_by_depth() const override { return true; }
   void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override;
   void reset() override;
   void prompt_done(const int32_t*, int) override { flush(); }

@@ -70,6 +70,10 @@ class Proposer {
   bool can(Capability c) const { return (capabilities() & c) != 0; }
   // Draft tokens per step, the root included, when the request sets none (0: no default).
   virtual int default_block() const { return 0; }
+  // Whether each depth below the root costs a forward of its own (an autoregressive drafter: the MTP head, a
+  // draft model): auto mode then drafts no deeper than the tree it expects to verify needs, and one depth
+  // more to see whether it should grow (a one-forward block drafter keeps its block).
+  virtual bool drafts_by_depth() const { return false; }
 
   // Rank: ids / logp [r.L][K].
   virtual void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp);

@@ -33,6 +33,7 @@ class GenerateStats:
     target_forwards: list[int] = field(default_factory=list)
     tree_size: list[int] = field(default_factory=list)   # draft nodes verified per step
     tree_depth: list[int] = field(default_factory=list)
+    draft_depth: list[int] = field(default_factory=list)  # depths asked of the drafter below the root (0: none)
     # auto mode, per step: the budget chosen (0 = AR; -1 in the other modes), forced probes, and the
     # estimates behind the choice (expected tokens, expected tok/s of the choice and of an AR step)
     auto_budget: list[int] = field(default_factory=list)
