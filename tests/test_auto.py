@@ -166,30 +166,30 @@ def allowance(n_new, ar_s, steps):
 
 
 def test_probes_share_one_allowance_across_a_portfolio():
-    """A request's probes draw on one share, 2% of its AR time, whichever drafter of a portfolio probes: each
+    """A request's probes draw on one share, 1% of its AR time, whichever drafter of a portfolio probes: each
     drafter's own spacing bounds only how often it explores, so two probing drafters (DFlash2 and the MTP head)
-    could spend 2% each on top of the bets' 3%, below the 0.95x floor auto promises.  What a probe wins is
+    could each spend a share on top of the bets' 2%, towards the 0.95x floor auto promises.  What a probe wins is
     not credited to anything; what it loses is gone from the probes' share alone, never from the bets'."""
     ar = 0.010
-    bet0, probe0 = allowance(100, ar, [])
-    assert probe0 == pytest.approx(0.02 * 100 * ar) and bet0 == pytest.approx(0.5 * 0.03 * 100 * ar)
+    bet0, probe0 = allowance(200, ar, [])
+    assert probe0 == pytest.approx(0.01 * 200 * ar) and bet0 == pytest.approx(0.5 * 0.02 * 200 * ar)
     # a probe that drafted 1 ms and verified in 1.5 AR steps' time: 1.6 AR steps for 1 token, 0.6 lost
     lost = {"probe": 1, "budget": 1, "committed": 1, "draft_s": 0.001, "verify_s": 0.015}
-    bet, probe = allowance(100, ar, [lost])
+    bet, probe = allowance(200, ar, [lost])
     assert bet == pytest.approx(bet0) and probe == pytest.approx((2.0 - 0.6) * ar)
     # a second drafter's probe draws on the same share, and the share does not go below nothing
-    assert allowance(100, ar, [lost, dict(lost, draft_s=0.002)])[1] == pytest.approx((2.0 - 0.6 - 0.7) * ar)
-    assert allowance(100, ar, [lost] * 4) == (pytest.approx(bet0), 0.0)
+    assert allowance(200, ar, [lost, dict(lost, draft_s=0.002)])[1] == pytest.approx((2.0 - 0.6 - 0.7) * ar)
+    assert allowance(200, ar, [lost] * 4) == (pytest.approx(bet0), 0.0)
     # a probe that won (4 tokens for 2.6 AR steps' time) leaves both shares as they were
     won = dict(lost, committed=4, budget=3)
-    assert allowance(100, ar, [won]) == (pytest.approx(bet0), pytest.approx(probe0))
+    assert allowance(200, ar, [won]) == (pytest.approx(bet0), pytest.approx(probe0))
     # a probe AR won after drafting (nothing verified) spent its draft; a lost bet leaves the probes' share alone
-    assert allowance(100, ar, [{"probe": 1, "budget": 0, "draft_s": 0.005}])[1] == pytest.approx(1.5 * ar)
+    assert allowance(200, ar, [{"probe": 1, "budget": 0, "draft_s": 0.005}])[1] == pytest.approx(1.5 * ar)
     bet_lost = {"probe": 0, "budget": 4, "committed": 1, "draft_s": 0.001, "verify_s": 0.02}
-    bet, probe = allowance(100, ar, [bet_lost])
-    assert probe == pytest.approx(probe0) and bet == pytest.approx(0.5 * (3.0 - 1.1) * ar)
+    bet, probe = allowance(200, ar, [bet_lost])
+    assert probe == pytest.approx(probe0) and bet == pytest.approx(0.5 * (4.0 - 1.1) * ar)
     with pytest.raises(DFlashError, match="ar_s must be positive"):
-        allowance(100, 0.0, [])
+        allowance(200, 0.0, [])
 
 
 def worst_loss(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit_s=0.0, slots=1):
