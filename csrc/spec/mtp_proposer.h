@@ -4,7 +4,8 @@
 // at p - 1 (after output_norm; zeros before the first position).  Committed positions arrive through
 // take_features (the prompt's chunks, then each step's accepted path, with their tokens) and wait, a
 // (token, hidden) row each, until the next draft writes them all in one forward (or a full batch does):
-// an AR step of auto mode costs the head one row copy, and the catch-up is part of the draft it serves.
+// an AR step of auto mode costs the head one row copy, and the catch-up (the rows' K/V alone: Context::
+// mtp_forward with nothing asked of its output) is part of the draft it serves.
 // The prompt's rows are written when the prefill ends (prompt_done), with the prefill's time: left waiting,
 // a long prompt's catch-up would land on the first probe (947 rows cost ~21 ms, 30 AR steps, on the
 // bundled pair), which then never pays and makes auto mode skip the head for the rest of the request.  A draft runs
