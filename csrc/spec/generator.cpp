@@ -537,9 +537,14 @@ bool Generator::decide_step(int slots) {
       wish[i] = autos_[i].wish(remaining, work_.slots);
       // a drafter that pays a forward per depth drafts only the depths its expected tree reaches, and one more
       // (the tree can grow a depth a step): the tiny MTP head's 3 depths cost 0.7 ms against 0.27 ms for one,
-      // and a chain of one that it wins is an AR step's worth of drafting when it drafts all of them
+      // and a chain of one that it wins is an AR step's worth of drafting when it drafts all of them.  Depths
+      // that save next to nothing (a 27B's head on a GPU: a few % of an AR step each) are drafted anyway: the
+      // tree then need not grow back a depth a step after a miss.
       const int fit = std::max(2, wish[i].forecast.depth + 2);
-      if (drafters_[i]->drafts_by_depth() && wish[i].draft && fit < rows[i]) {
+      const AutoEstimates& e = autos_[i].estimates();
+      const double saving = rows[i] > 1 ? e.draft_s * (rows[i] - fit) / (double)(rows[i] - 1) : 0.0;
+      if (drafters_[i]->drafts_by_depth() && wish[i].draft && fit < rows[i] &&
+          saving > AutoController::kFreeDraftShare * e.ar_s) {
         rows[i] = fit;
         autos_[i].price_block(fit);
         wish[i] = autos_[i].wish(remaining, work_.slots);
