@@ -47,6 +47,17 @@ def test_it_pays_where_the_context_repeats(dec, rewrites):
         assert sum(acc) / len(acc) > 2.5, (mode, sum(acc) / len(acc))
 
 
+def test_a_step_without_a_match_is_no_probe():
+    """Until the reply repeats something, lookup has nothing to draft: those steps are AR steps, not probes (the
+    stats had counted 23 probes in the first 23 steps of a 128-token reply), and its first probe stays due."""
+    with Decoder(draft="lookup", threads=2, cache_mem=0) as d:
+        s = d.generate("def fibonacci(n):", 128, mode="auto", ignore_eos=True, cache=False).stats
+    first_tree = next(k for k, b in enumerate(s.auto_budget) if b > 0)
+    assert first_tree > 4, s.auto_budget   # (the bundled target repeats itself after a while)
+    assert not any(s.probe[:first_tree]), s.probe
+    assert sum(s.probe) <= 1 + len(s.probe) // 8, s.probe
+
+
 def test_after_a_prefix_cache_hit(dec, rewrites):
     p1 = rewrites[0]
     r1 = dec.generate(p1, 24, mode="ddtree", ignore_eos=True)

@@ -342,6 +342,9 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     constrain_tree(t, cap, rec);
   }
   if (p_.mode == DecodeMode::Auto) {
+    // a drafter with nothing to propose (prompt lookup without a match) explored nothing: not a probe in the
+    // step's record (its first probe stays due; the empty draft cost nothing)
+    if (t.size() == 0) rec.probe = false;
     // The builder adds nodes best-first: the tree of budget b is the first b
     // nodes, so one draft prices every budget.
     AutoController& ac = autos_[(size_t)chosen_];
