@@ -710,8 +710,8 @@ void Context::mtp_forward_many(Context* const* cs, const MtpRows* rs, int n_part
   for (int p = 0; p < n_parts; ++p) wanted = wanted || rs[p].head_out || rs[p].logits;
   if (!wanted) {
     // a catch-up: its rows' slots are all a later draft reads, and a slot's K/V come from the layer's input
-    // alone: no Q, attention, MLP or output matrix (on the bundled pair that is 3x less work a row, and a
-    // probe after 30 AR steps catches 30 rows up)
+    // alone: no Q, attention or MLP (on the bundled pair a probe after ~30 AR steps, which catches those rows
+    // up, drafted 4.2 ms through the whole layer, 0.5-0.8 ms through K/V alone)
     float* kk = I.a1.f();
     float* vv = I.a2.f();
     be.matmul(w.wk, I.hn.f(), n, kk);
