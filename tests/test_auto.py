@@ -37,8 +37,9 @@ def estimates(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit
     return e
 
 
-def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(),
+def choice(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(),
            min_budget=0, with_draft=False, max_worst=math.inf):
+    """The chooser's whole answer (dfl_auto_choice) for a tree of these depths and path probabilities."""
     ffi, lib = load()
     e = estimates(ar_s, verify, draft_s=draft_s, tree_s=tree_s, commit_s=commit_s, calib=calib)
     d = np.asarray(depth, dtype=np.int32)
@@ -46,17 +47,16 @@ def choose(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0,
     out = ffi.new("dfl_auto_choice*")
     check(lib.dfl_auto_choose(e, ffi.cast("int32_t*", d.ctypes.data), ffi.cast("float*", lp.ctypes.data), len(d),
                               min_budget, int(with_draft), max_worst, out))
+    return out
+
+
+def choose(*args, **kw):
+    out = choice(*args, **kw)
     return out.budget, out.expected_tokens, out.tok_s, out.ar_tok_s
 
 
-def chosen_depth(ar_s, verify, depth, p, **kw):
-    ffi, lib = load()
-    e = estimates(ar_s, verify)
-    d = np.asarray(depth, dtype=np.int32)
-    lp = np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
-    out = ffi.new("dfl_auto_choice*")
-    check(lib.dfl_auto_choose(e, ffi.cast("int32_t*", d.ctypes.data), ffi.cast("float*", lp.ctypes.data), len(d),
-                              0, 0, math.inf, out))
+def chosen_depth(*args, **kw):
+    out = choice(*args, **kw)
     return out.budget, out.depth
 
 

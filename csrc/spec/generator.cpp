@@ -544,13 +544,13 @@ bool Generator::decide_step(int slots) {
       // that save next to nothing (a 27B's head on a GPU: a few % of an AR step each) are drafted anyway: the
       // tree then need not grow back a depth a step after a miss.
       const int fit = std::max(2, wish[i].forecast.depth + 2);
-      const AutoEstimates& e = autos_[i].estimates();
-      const double saving = rows[i] > 1 ? e.draft_s * (rows[i] - fit) / (double)(rows[i] - 1) : 0.0;
-      if (drafters_[i]->drafts_by_depth() && wish[i].draft && fit < rows[i] &&
-          saving > AutoController::kFreeDraftShare * e.ar_s) {
-        rows[i] = fit;
-        autos_[i].price_block(fit);
-        wish[i] = autos_[i].wish(remaining, work_.slots);
+      if (drafters_[i]->drafts_by_depth() && wish[i].draft && fit < rows[i]) {
+        const AutoEstimates& e = autos_[i].estimates();  // (draft_s: the whole block's, as priced above)
+        if (e.draft_s * (rows[i] - fit) / (rows[i] - 1) > AutoController::kFreeDraftShare * e.ar_s) {
+          rows[i] = fit;
+          autos_[i].price_block(fit);
+          wish[i] = autos_[i].wish(remaining, work_.slots);
+        }
       }
       const AutoController::Wish& w = wish[i];
       // a bet (or a probe) the request cannot afford to lose is not made, however good its odds
