@@ -222,6 +222,8 @@ typedef struct {
                               slot's among them (0: a forward of its own, or none) */
   int32_t draft_depth;     /* the depths asked of the drafter below the root (0: no draft); in auto mode an
                               autoregressive drafter's (the MTP head, a draft model) fit the tree it expects */
+  int32_t merged;          /* auto: verified nodes a free drafter (prompt lookup) added to the tree of the drafter
+                              that drafted (their union verified in one forward) */
 } dfl_step_stats;
 
 /* Log-probabilities of the emitted tokens (dfl_gen_params.n_logprobs >= 0): one entry per token, in order. */

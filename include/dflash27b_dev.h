@@ -72,6 +72,14 @@ int32_t dfl_build_ddtree(const float* logits, int32_t L, int32_t n_vocab, int32_
 int32_t dfl_build_ddtree_lattice(const int32_t* cand_ids, const float* cand_logp, const float* edge, int32_t L,
                                  int32_t K, int32_t budget, int32_t chain_seed, int32_t cap, int32_t* tokens,
                                  int32_t* depth, int32_t* parents, float* logp);
+/* The union of two draft trees under one root (auto mode's merge of a free drafter's tree into the chosen
+ * drafter's: spec/tree_merge.h).  Tree x has nx nodes (x_tokens, x_parents: 0 = the root, parent < index) and
+ * each node's acceptance x_q in [0, 1].  Writes up to cap nodes best-first, parents first (tokens, depth,
+ * parents, q) and for each its 1-based index in a and in b (0: not there); returns the count, -1 on error. */
+int32_t dfl_merge_trees(int32_t na, const int32_t* a_tokens, const int32_t* a_parents, const double* a_q, int32_t nb,
+                        const int32_t* b_tokens, const int32_t* b_parents, const double* b_q, int32_t cap,
+                        int32_t* tokens, int32_t* depth, int32_t* parents, double* q, int32_t* from_a,
+                        int32_t* from_b);
 /* Runs `iters` parallel loops of varied shapes on one pool of n_threads and
  * checks every index is visited exactly once per loop; -1 with a message if not. */
 int dfl_selftest_threadpool(int32_t n_threads, int64_t iters);

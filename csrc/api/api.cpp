@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -22,6 +23,7 @@
 #include "spec/ddtree.h"
 #include "spec/sampler.h"
 #include "spec/generator.h"
+#include "spec/tree_merge.h"
 
 #ifndef DFLASH27B_VERSION
 #define DFLASH27B_VERSION "0.0.0"
@@ -479,6 +481,7 @@ int dfl_generate_step_stats(const dfl_context* c, int32_t i, dfl_step_stats* o) 
     o->declined_learnt = r.declined_learnt;
     o->draft_batch = r.draft_batch;
     o->draft_depth = r.draft_depth;
+    o->merged = r.merged;
   });
 }
 
@@ -629,6 +632,42 @@ int32_t dfl_build_ddtree_lattice(const int32_t* cand_ids, const float* cand_logp
       if (logp) logp[i] = t.logp[(size_t)i];
     }
     n = t.size();
+  });
+  return n;
+}
+
+int32_t dfl_merge_trees(int32_t na, const int32_t* a_tokens, const int32_t* a_parents, const double* a_q, int32_t nb,
+                        const int32_t* b_tokens, const int32_t* b_parents, const double* b_q, int32_t cap,
+                        int32_t* tokens, int32_t* depth, int32_t* parents, double* q, int32_t* from_a,
+                        int32_t* from_b) {
+  int32_t n = -1;
+  guard([&] {
+    auto tree = [](const char* name, int32_t m, const int32_t* tok, const int32_t* par, const double* qs) {
+      if (m < 0) dfl::fail("tree %s: %d nodes", name, m);
+      if (m > 0) need(tok, "tokens"), need(par, "parents"), need(qs, "q");
+      dfl::DraftTree t;
+      for (int32_t i = 1; i <= m; ++i) {
+        const int32_t p = par[i - 1];
+        if (p < 0 || p >= i) dfl::fail("tree %s: node %d has parent %d (must be in 0..%d)", name, i, p, i - 1);
+        if (!(qs[i - 1] >= 0 && qs[i - 1] <= 1)) dfl::fail("tree %s: node %d's q %g is outside [0, 1]", name, i, qs[i - 1]);
+        t.tokens.push_back(tok[i - 1]), t.parent.push_back(p), t.logp.push_back(0.f);
+        t.depth.push_back(p == 0 ? 1 : t.depth[(size_t)p - 1] + 1);
+      }
+      return t;
+    };
+    const dfl::DraftTree a = tree("a", na, a_tokens, a_parents, a_q), b = tree("b", nb, b_tokens, b_parents, b_q);
+    const dfl::TreeUnion u = dfl::merge_trees(a, a_q, b, b_q);
+    if (u.tree.size() > cap) dfl::fail("union of %d nodes exceeds the capacity %d", u.tree.size(), cap);
+    for (int i = 0; i < u.tree.size(); ++i) {
+      const size_t k = (size_t)i;
+      if (tokens) tokens[i] = u.tree.tokens[k];
+      if (depth) depth[i] = u.tree.depth[k];
+      if (parents) parents[i] = u.tree.parent[k];
+      if (q) q[i] = u.q[k];
+      if (from_a) from_a[i] = u.from_a[k];
+      if (from_b) from_b[i] = u.from_b[k];
+    }
+    n = u.tree.size();
   });
   return n;
 }

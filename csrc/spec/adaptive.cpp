@@ -189,7 +189,7 @@ void AutoController::new_request() {
 }
 
 void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
-                                  const std::vector<uint8_t>& on_path) {
+                                  const std::vector<uint8_t>& on_path, int n_learn) {
   const bool was_probe = rec.probe;
   // learnt for the rows price_block priced (the step's block); a size's first timing is bounded by what its
   // neighbours predict (taken before the new entry exists)
@@ -206,7 +206,7 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   // a size not timed yet is bounded by what the sizes around it predict
   const double expected = AutoEstimates::verify_at(e_.verify_points(), budget + 1);
   ema(e_.verify_s[budget + 1], rec.verify_s, expected);
-  learn_acceptance(depth, logp, budget, on_path.data());
+  learn_acceptance(depth, logp, n_learn < 0 ? budget : n_learn, on_path.data());
   if (was_probe && e_.ar_s > 0) {
     // Space the next probe so its measured loss is at most kProbeShare of the
     // AR time in between.

@@ -169,8 +169,10 @@ class AutoController {
   void observe_ar(double step_s);
   // A verify forward of n_nodes (root included) timed outside a step (Generator::measure_verify, at load).
   void observe_verify(int n_nodes, double s);
+  // n_learn: the nodes (of depth / logp / on_path) that are this drafter's to learn acceptance from (-1: all
+  // `budget`; a union with another drafter's tree passes its own verified nodes only).
   void observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
-                    const std::vector<uint8_t>& on_path);
+                    const std::vector<uint8_t>& on_path, int n_learn = -1);
   // A drafted tree that was not verified (AR won the step) once its tokens are decided: which of its n nodes
   // the decided tokens follow.  Acceptance only, no cost: a declined look still teaches what the drafter is
   // worth on the current text, so the estimate does not go stale while the drafter stops being verified.
@@ -180,6 +182,12 @@ class AutoController {
   static constexpr double kNewRequestWeight = 0.25;
   void new_request();
   const AutoEstimates& estimates() const { return e_; }
+  // After choose() on a tree that holds another drafter's nodes (tree_merge.h): the forecast for the next
+  // step is this drafter's own tree, not the union (the other drafter's nodes are priced where they come).
+  void keep_forecast(const int32_t* depth, const float* logp, int n) {
+    last_depth_.assign(depth, depth + n);
+    last_logp_.assign(logp, logp + n);
+  }
   // Whether a speculative step of this drafter has been measured: until then its probe is the one that
   // measures (once a decoder, at its warm-up), which no request's allowance bounds.
   bool measured() const { return have_spec_; }

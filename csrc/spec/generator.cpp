@@ -1,5 +1,6 @@
 // generator.cpp — the decode loop: AR, chain, DDTree and auto steps on Context::forward, drafts from Proposers.
 #include "spec/generator.h"
+#include "spec/tree_merge.h"
 
 #include <algorithm>
 #include <cmath>
@@ -335,6 +336,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     rec.draft_s += since(t0);
     t0 = Clock::now();
     if (!expander) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
+    if (p_.mode == DecodeMode::Auto && !constraint_) merge_free_drafter(s, room, tp, cap, t);
   }
   if (constraint_ && !whole) {
     const std::vector<int32_t> f = forced_tokens(V - 1);
@@ -350,6 +352,10 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     AutoController& ac = autos_[(size_t)chosen_];
     const double max_worst = allowed_loss_s(ac, probe) - rec.draft_s;  // the draft is spent
     const AutoChoice c = ac.choose(t.depth.data(), t.logp.data(), t.size(), probe, look, work_.slots, max_worst);
+    if (work_.merged_with >= 0) {
+      ac.keep_forecast(work_.own.depth.data(), work_.own.logp.data(), work_.own.size());
+      for (int i = 0; i < c.budget; ++i) rec.merged += work_.from_own[(size_t)i] == 0;
+    }
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
     auto_tree_ = t;
@@ -364,6 +370,50 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     depth_[i] = t.depth[i - 1];
   }
   if (!whole) rec.tree_s = since(t0);
+}
+
+void Generator::merge_free_drafter(int32_t s, int room, const TreeParams& tp, int cap, DraftTree& t) {
+  AutoController& ac = autos_[(size_t)chosen_];
+  // a drafter's first probe measures it alone; a weightless drafter's own step has nothing cheaper to add
+  if (!ac.measured() || drafters_[(size_t)chosen_]->weightless()) return;
+  for (size_t j = 0; j < drafters_.size(); ++j) {
+    if ((int)j == chosen_ || !drafters_[j]->weightless()) continue;
+    Proposer* q = drafters_[j];
+    const int V = std::min({block_of((int)j), work_.remaining + 1, room});
+    if (V < 2) return;
+    DraftTree b;
+    if (q->can(Proposer::OwnTree)) {
+      b = q->propose_tree(request(s, V), tp, ddtree_k(tp, ctx_.model().cfg.n_vocab));
+    } else {
+      const int K = ddtree_k(tp, ctx_.model().cfg.n_vocab);
+      std::vector<int32_t> ids((size_t)(V - 1) * K);
+      std::vector<float> lp(ids.size());
+      q->propose_topk(request(s, V), K, ids.data(), lp.data());
+      b = build_ddtree_topk(ids.data(), lp.data(), V - 1, K, tp);
+    }
+    if (b.size() == 0) return;  // (lookup without a match)
+    // each node's chance to be accepted by its own drafter's calibration
+    const AutoController& bc = autos_[j];
+    std::vector<double> qa((size_t)t.size()), qb((size_t)b.size());
+    for (int i = 0; i < t.size(); ++i)
+      qa[(size_t)i] = std::min(1.0, ac.estimates().calib(t.depth[(size_t)i]) * std::exp((double)t.logp[(size_t)i]));
+    for (int i = 0; i < b.size(); ++i)
+      qb[(size_t)i] = std::min(1.0, bc.estimates().calib(b.depth[(size_t)i]) * std::exp((double)b.logp[(size_t)i]));
+    TreeUnion u = merge_trees(t, qa.data(), b, qb.data());
+    const int n = std::min(u.tree.size(), cap);  // best-first, parents first: a prefix is a tree
+    for (auto* v : {&u.tree.tokens, &u.tree.depth, &u.tree.parent}) v->resize((size_t)n);
+    u.tree.logp.resize((size_t)n), u.from_a.resize((size_t)n);
+    // the chosen controller prices a node as calib(depth) x exp(logp): the log-prob that makes that its q
+    for (int i = 0; i < n; ++i)
+      u.tree.logp[(size_t)i] =
+          (float)(std::log(std::max(u.q[(size_t)i], 1e-30)) - std::log(ac.estimates().calib(u.tree.depth[(size_t)i])));
+    work_.merged_with = (int)j;
+    work_.own = std::move(t);
+    work_.added = std::move(b);
+    work_.from_own = std::move(u.from_a);
+    t = std::move(u.tree);
+    return;  // one weightless drafter a step
+  }
 }
 
 void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
@@ -746,11 +796,30 @@ int Generator::finish_step(std::vector<int32_t>& out) {
       allowance_.settle(rec, autos_[(size_t)chosen_].estimates().ar_s);
       std::vector<uint8_t> on_path((size_t)std::max(rec.auto_budget, 0), 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
-      autos_[(size_t)chosen_].observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(), rec.auto_budget,
-                                           on_path);
-      if (rec.auto_budget == 0 && auto_tree_.size() > 0) {  // drafted, then AR won: learnt once its tokens are decided
+      auto decline = [&](int drafter, const DraftTree& t) {  // learnt once its tokens are decided
+        if (t.size() == 0) return;
         if (declined_.size() == kMaxDeclined) declined_.erase(declined_.begin());
-        declined_.push_back(Declined{chosen_, s, auto_tree_});
+        declined_.push_back(Declined{drafter, s, t});
+      };
+      if (work_.merged_with < 0) {
+        autos_[(size_t)chosen_].observe_spec(rec, auto_tree_.depth.data(), auto_tree_.logp.data(),
+                                             rec.auto_budget, on_path);
+        if (rec.auto_budget == 0) decline(chosen_, auto_tree_);  // drafted, then AR won
+      } else {
+        // a union (tree_merge.h): the chosen drafter learns from its own verified nodes, with its own
+        // log-probs; the weightless drafter's whole tree is learnt as a declined one once its tokens are decided
+        const DraftTree& own = work_.own;
+        std::vector<int32_t> depth;
+        std::vector<float> logp;
+        std::vector<uint8_t> on;
+        for (int i = 0; i < rec.auto_budget; ++i)
+          if (const int32_t k = work_.from_own[(size_t)i]) {
+            depth.push_back(own.depth[(size_t)k - 1]), logp.push_back(own.logp[(size_t)k - 1]);
+            on.push_back(on_path[(size_t)i]);
+          }
+        autos_[(size_t)chosen_].observe_spec(rec, depth.data(), logp.data(), rec.auto_budget, on, (int)on.size());
+        if (rec.auto_budget == 0) decline(chosen_, own);
+        decline(work_.merged_with, work_.added);
       }
     }
     rec.declined_learnt = resolve_declined();

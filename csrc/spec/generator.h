@@ -82,6 +82,8 @@ struct StepRecord {
   int declined_learnt = 0;  // auto mode: declined trees whose tokens this step decided (observe_declined)
   int draft_batch = 0;      // slots: the blocks its drafter forward made at once (0: its own forward, or none)
   int draft_depth = 0;      // the depths asked of the drafter below the root (0: no draft)
+  int merged = 0;           // auto mode: verified nodes a weightless drafter (prompt lookup) added to the tree of the
+                            // drafter that drafted (tree_merge.h)
 };
 
 // Called after each prefill chunk with (tokens done, total); returning false
@@ -169,6 +171,11 @@ class Generator {
     ForwardOutputs o;
     std::vector<int32_t> rows;
     std::chrono::steady_clock::time_point t0;
+    // auto mode: a weightless drafter's tree added to the chosen drafter's (tree_merge.h): the two trees as drafted,
+    // the weightless drafter (-1: no union this step) and where each node of the union is in the chosen one's (0: not)
+    int merged_with = -1;
+    DraftTree own, added;
+    std::vector<int32_t> from_own;
   };
   StepWork work_;
   // The first attached proposer with capability c (null: none).
@@ -183,6 +190,10 @@ class Generator {
   int block_of(int k) const;
   void draft_chain(int32_t s, int V, StepRecord& rec);
   void draft_tree(int32_t s, int V, int room, StepRecord& rec, bool probe, bool look);
+  // Auto mode, a step drafted by a drafter that costs a forward: a weightless drafter's tree (prompt lookup's, when
+  // it has a match) joins the drafted tree t (tree_merge.h), every node priced by its own drafter's
+  // calibration in the chosen controller's terms, cut to `cap` nodes.
+  void merge_free_drafter(int32_t s, int room, const TreeParams& tp, int cap, DraftTree& t);
   // The most a step drafted with controller ac may lose in its worst case (seconds): the request's allowance
   // for a bet or a probe; a drafter's first, measuring probe is not the request's to bound.
   double allowed_loss_s(const AutoController& ac, bool probe) const;

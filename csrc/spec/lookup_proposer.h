@@ -34,6 +34,7 @@ class LookupProposer final : public Proposer {
   const char* name() const override { return "lookup"; }
   unsigned capabilities() const override { return Rank | Chain | OwnTree; }
   int default_block() const override { return p_.block; }
+  bool weightless() const override { return true; }
   void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp) override;
   void propose_chain(const DraftRequest& r, int32_t* tokens) override;
   DraftTree propose_tree(const DraftRequest& r, const TreeParams& tp, int K) override;

@@ -74,6 +74,9 @@ class Proposer {
   // draft model): auto mode then drafts no deeper than the tree it expects to verify needs, and one depth
   // more to see whether it should grow (a one-forward block drafter keeps its block).
   virtual bool drafts_by_depth() const { return false; }
+  // Whether it drafts without a forward of its own (prompt lookup: a scan of the context): auto mode then adds
+  // its tree to the step of a drafter that does run one (tree_merge.h), for the price of verify rows alone.
+  virtual bool weightless() const { return false; }
 
   // Rank: ids / logp [r.L][K].
   virtual void propose_topk(const DraftRequest& r, int K, int32_t* ids, float* logp);

@@ -407,7 +407,7 @@ class Context:
                                                      "target_forwards", "draft_s", "tree_s", "verify_s", "commit_s",
                                                      "auto_budget", "probe", "expected_tokens", "est_tok_s",
                                                      "est_ar_tok_s", "pruned", "mask_s", "drafter", "declined_learnt",
-                                                     "draft_batch", "draft_depth")})
+                                                     "draft_batch", "draft_depth", "merged")})
         return out
 
     def drafter_names(self) -> list[str]:

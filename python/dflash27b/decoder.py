@@ -663,6 +663,7 @@ class Decoder:
             verify_ms=[st["verify_s"] * 1e3 for st in steps], commit_ms=[st["commit_s"] * 1e3 for st in steps],
             target_forwards=[st["target_forwards"] for st in steps], tree_size=[st["drafted"] for st in steps],
             tree_depth=[st["tree_depth"] for st in steps], draft_depth=[st["draft_depth"] for st in steps],
+            merged=[st["merged"] for st in steps],
             auto_budget=[st["auto_budget"] for st in steps],
             probe=[bool(st["probe"]) for st in steps], expected_tokens=[st["expected_tokens"] for st in steps],
             pruned=[st["pruned"] for st in steps], mask_ms=[st["mask_s"] * 1e3 for st in steps],

@@ -34,6 +34,8 @@ class GenerateStats:
     tree_size: list[int] = field(default_factory=list)   # draft nodes verified per step
     tree_depth: list[int] = field(default_factory=list)
     draft_depth: list[int] = field(default_factory=list)  # depths asked of the drafter below the root (0: none)
+    # auto mode with prompt lookup beside a model drafter: verified nodes lookup added to that drafter's tree
+    merged: list[int] = field(default_factory=list)
     # auto mode, per step: the budget chosen (0 = AR; -1 in the other modes), forced probes, and the
     # estimates behind the choice (expected tokens, expected tok/s of the choice and of an AR step)
     auto_budget: list[int] = field(default_factory=list)
@@ -62,6 +64,8 @@ class GenerateStats:
         names = sorted({d for d in self.drafter if d})   # a portfolio: its drafters' tree steps
         if names:
             out += " [" + ", ".join(f"{n} {self.drafter.count(n)}" for n in names) + "]"
+        joined = sum(m > 0 for m in self.merged)
+        out += f", {joined} with lookup's nodes added" if joined else ""
         return out
 
     def to_dict(self) -> dict:
