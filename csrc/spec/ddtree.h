@@ -35,6 +35,9 @@ struct TreeParams {
 struct DraftTree {
   std::vector<int32_t> tokens, depth, parent;
   std::vector<float> logp;  // cumulative draft log-probability of the node's path
+  // Optional, per node (empty: none): a label the generator's rewrites of a tree (a constraint's forced chain
+  // grafted, forbidden nodes pruned) carry along, so a union's nodes keep their origin (tree_merge.h)
+  std::vector<int32_t> tag;
   int size() const { return (int)tokens.size(); }
   int max_depth() const;
 };

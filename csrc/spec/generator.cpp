@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 namespace dfl {
@@ -11,6 +12,11 @@ namespace dfl {
 using Clock = std::chrono::steady_clock;
 static double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+Generator::Generator(Context& ctx) : ctx_(ctx) {
+  const char* v = std::getenv("DFLASH27B_TREE_MERGE");
+  merge_trees_ = !(v && std::strcmp(v, "0") == 0);
 }
 
 void Generator::set_proposers(std::vector<Proposer*> ps) {
@@ -271,11 +277,13 @@ void Generator::draft_chain(int32_t s, int V, StepRecord& rec) {
 // ancestors agree with it.  Builder order (parents first, the certain nodes before the rest) is kept.
 static DraftTree graft_forced(const DraftTree& t, const int32_t* f, int nf) {
   DraftTree g;
+  const bool tagged = !t.tag.empty();
   for (int d = 1; d <= nf; ++d) {
     g.tokens.push_back(f[d - 1]);
     g.depth.push_back(d);
     g.parent.push_back(d - 1);
     g.logp.push_back(0.f);
+    if (tagged) g.tag.push_back(0);  // the constraint's, no drafter's
   }
   std::vector<int32_t> at((size_t)t.size() + 1, -1);  // old node -> new node (0 = the root)
   at[0] = 0;
@@ -290,6 +298,7 @@ static DraftTree graft_forced(const DraftTree& t, const int32_t* f, int nf) {
     g.depth.push_back(d);
     g.parent.push_back(p);
     g.logp.push_back(t.logp[(size_t)i - 1]);
+    if (tagged) g.tag.push_back(t.tag[(size_t)i - 1]);
     at[(size_t)i] = g.size();
   }
   return g;
@@ -336,12 +345,22 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     rec.draft_s += since(t0);
     t0 = Clock::now();
     if (!expander) t = build_ddtree_topk(top_ids_.data(), top_logp_.data(), V - 1, K, tp);
-    if (p_.mode == DecodeMode::Auto && !constraint_) merge_free_drafter(s, room, tp, cap, t);
+    // (tp.budget: the cap, or under a pruning constraint the overdraft that constrain_tree cuts to the cap)
+    if (p_.mode == DecodeMode::Auto && merge_trees_) merge_weightless_drafter(s, room, tp, tp.budget, t);
   }
   if (constraint_ && !whole) {
     const std::vector<int32_t> f = forced_tokens(V - 1);
     if (!f.empty()) t = graft_forced(t, f.data(), (int)f.size());
     constrain_tree(t, cap, rec);
+  }
+  if (work_.merged_with >= 0) {  // each node of the final tree: its index in the chosen drafter's own, or 0
+    work_.from_own.assign((size_t)t.size(), 0);
+    work_.lookup_added.assign((size_t)t.size(), 0);
+    for (int i = 0; i < t.size(); ++i)
+      if (const int32_t u = t.tag[(size_t)i]) {  // (0: a node the constraint forced)
+        work_.from_own[(size_t)i] = work_.union_from_own[(size_t)u - 1];
+        work_.lookup_added[(size_t)i] = work_.union_from_own[(size_t)u - 1] == 0;
+      }
   }
   if (p_.mode == DecodeMode::Auto) {
     // a drafter with nothing to propose (prompt lookup without a match) explored nothing: not a probe in the
@@ -354,7 +373,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     const AutoChoice c = ac.choose(t.depth.data(), t.logp.data(), t.size(), probe, look, work_.slots, max_worst);
     if (work_.merged_with >= 0) {
       ac.keep_forecast(work_.own.depth.data(), work_.own.logp.data(), work_.own.size());
-      for (int i = 0; i < c.budget; ++i) rec.merged += work_.from_own[(size_t)i] == 0;
+      for (int i = 0; i < c.budget; ++i) rec.merged += work_.lookup_added[(size_t)i];
     }
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
@@ -372,7 +391,7 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
   if (!whole) rec.tree_s = since(t0);
 }
 
-void Generator::merge_free_drafter(int32_t s, int room, const TreeParams& tp, int cap, DraftTree& t) {
+void Generator::merge_weightless_drafter(int32_t s, int room, const TreeParams& tp, int cap, DraftTree& t) {
   AutoController& ac = autos_[(size_t)chosen_];
   // a drafter's first probe measures it alone; a weightless drafter's own step has nothing cheaper to add
   if (!ac.measured() || drafters_[(size_t)chosen_]->weightless()) return;
@@ -407,10 +426,12 @@ void Generator::merge_free_drafter(int32_t s, int room, const TreeParams& tp, in
     for (int i = 0; i < n; ++i)
       u.tree.logp[(size_t)i] =
           (float)(std::log(std::max(u.q[(size_t)i], 1e-30)) - std::log(ac.estimates().calib(u.tree.depth[(size_t)i])));
+    u.tree.tag.resize((size_t)n);
+    for (int i = 0; i < n; ++i) u.tree.tag[(size_t)i] = i + 1;  // the union's node, through a constraint's rewrite
     work_.merged_with = (int)j;
     work_.own = std::move(t);
     work_.added = std::move(b);
-    work_.from_own = std::move(u.from_a);
+    work_.union_from_own = std::move(u.from_a);
     t = std::move(u.tree);
     return;  // one weightless drafter a step
   }
@@ -443,6 +464,7 @@ void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
     kept.depth.push_back(t.depth[(size_t)i - 1]);
     kept.parent.push_back(new_index[(size_t)p]);
     kept.logp.push_back(t.logp[(size_t)i - 1]);
+    if (!t.tag.empty()) kept.tag.push_back(t.tag[(size_t)i - 1]);
     if (m != i) std::copy_n(masks_.data() + (size_t)i * words, words, masks_.data() + (size_t)m * words);
   }
   masks_.resize((size_t)(kept.size() + 1) * words);

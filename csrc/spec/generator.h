@@ -92,7 +92,7 @@ using PrefillProgress = std::function<bool(int done, int total)>;
 
 class Generator {
  public:
-  explicit Generator(Context& ctx) : ctx_(ctx) {}
+  explicit Generator(Context& ctx);
   // The attached proposers, most preferred first (the caller owns them).  The first that reads target
   // features gets them; a step drafts with the first that gives the shape its mode needs.
   void set_proposers(std::vector<Proposer*> ps);
@@ -172,10 +172,13 @@ class Generator {
     std::vector<int32_t> rows;
     std::chrono::steady_clock::time_point t0;
     // auto mode: a weightless drafter's tree added to the chosen drafter's (tree_merge.h): the two trees as drafted,
-    // the weightless drafter (-1: no union this step) and where each node of the union is in the chosen one's (0: not)
+    // the weightless drafter (-1: no union this step), where each node of the union is in the chosen one's (0: not),
+    // and per node of the tree verified (after a constraint's graft and pruning): the same, and whether the
+    // weightless drafter added it
     int merged_with = -1;
     DraftTree own, added;
-    std::vector<int32_t> from_own;
+    std::vector<int32_t> union_from_own, from_own;
+    std::vector<uint8_t> lookup_added;
   };
   StepWork work_;
   // The first attached proposer with capability c (null: none).
@@ -193,7 +196,8 @@ class Generator {
   // Auto mode, a step drafted by a drafter that costs a forward: a weightless drafter's tree (prompt lookup's, when
   // it has a match) joins the drafted tree t (tree_merge.h), every node priced by its own drafter's
   // calibration in the chosen controller's terms, cut to `cap` nodes.
-  void merge_free_drafter(int32_t s, int room, const TreeParams& tp, int cap, DraftTree& t);
+  void merge_weightless_drafter(int32_t s, int room, const TreeParams& tp, int cap, DraftTree& t);
+  bool merge_trees_ = true;  // DFLASH27B_TREE_MERGE=0 turns the union off (bench/portfolio_cpu.py's A/B)
   // The most a step drafted with controller ac may lose in its worst case (seconds): the request's allowance
   // for a bet or a probe; a drafter's first, measuring probe is not the request's to bound.
   double allowed_loss_s(const AutoController& ac, bool probe) const;
