@@ -458,6 +458,21 @@ def test_cuda_portfolio_and_lookup_equal_cuda_ar(pair):
         assert d.generate(ids, n, ignore_eos=True, mode="ddtree").tokens == ar
 
 
+def test_cuda_lookup_union_equals_cuda_ar(pair):
+    """Prompt lookup's tree joined to another drafter's (a top-k hook right near the root: tests/test_tree_merge)
+    on the CUDA backend: auto mode's tokens are CUDA AR's, greedy and seeded."""
+    from test_tree_merge import NearRoot
+    n = 12 if EMULATED else 64
+    prompt = "import os\nimport sys\n" * 3 + "import os\nimport"
+    with Decoder(pair[0], "lookup", device="cuda", ctx=512, threads=2, warm_up=False) as d:
+        for sampling in ({}, {"temperature": 0.7, "seed": 5}):
+            ar = d.generate(prompt, n, ignore_eos=True, mode="ar", cache=False, **sampling)
+            d._ctx.set_topk_hook(NearRoot(list(ar.prompt_tokens) + ar.tokens, d.info["n_vocab"], 2, wait=0))
+            for _ in range(2):   # the second request prices with the first one's estimates
+                assert d.generate(prompt, n, ignore_eos=True, mode="auto", cache=False, **sampling).tokens == ar.tokens
+            d._ctx.set_topk_hook(None)
+
+
 def test_cuda_mtp_head_equals_cuda_ar(tmp_path):
     """The target's MTP head drafting on the CUDA backend (its layer uploaded with the trunk, its KV there):
     chain and DDTree give CUDA AR's tokens; two slots drafting make each depth of both chains in one head forward
