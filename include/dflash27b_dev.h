@@ -28,6 +28,10 @@ typedef struct {
   int32_t n_draft;
   int32_t draft_rows[64];
   double draft_rows_s[64];
+  /* structured output: the host time of an AR step's masks and of this drafter's tree's (every drafted node),
+   * learnt on constrained steps and priced while the request has a constraint (constrained != 0) */
+  double mask_ar_s, mask_tree_s;
+  int32_t constrained;
 } dfl_auto_estimates;
 typedef struct {
   int32_t budget;          /* 0 = AR */

@@ -23,11 +23,15 @@ DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled
 TRAIN_PROMPT = np.random.default_rng(0).integers(0, 2047, 16).tolist()  # the distilled drafter's first
 
 
-def estimates(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=()):
-    """The controller's tables as the dev API takes them (dfl_auto_estimates)."""
+def estimates(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(), masks=None):
+    """The controller's tables as the dev API takes them (dfl_auto_estimates); masks: (an AR step's, a tree's)
+    under a constraint."""
     ffi, _ = load()
     e = ffi.new("dfl_auto_estimates*")
     e.ar_s, e.draft_s, e.tree_s, e.commit_s = ar_s, draft_s, tree_s, commit_s
+    if masks is not None:
+        e.mask_ar_s, e.mask_tree_s = masks
+        e.constrained = 1
     e.n_verify = len(verify)
     for i, (n, t) in enumerate(sorted(verify.items())):
         e.verify_nodes[i], e.verify_s[i] = n, t
@@ -38,10 +42,10 @@ def estimates(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit
 
 
 def choice(ar_s, verify: dict[int, float], depth, p, *, draft_s=0.0, tree_s=0.0, commit_s=0.0, calib=(),
-           min_budget=0, with_draft=False, max_worst=math.inf):
+           min_budget=0, with_draft=False, max_worst=math.inf, masks=None):
     """The chooser's whole answer (dfl_auto_choice) for a tree of these depths and path probabilities."""
     ffi, lib = load()
-    e = estimates(ar_s, verify, draft_s=draft_s, tree_s=tree_s, commit_s=commit_s, calib=calib)
+    e = estimates(ar_s, verify, draft_s=draft_s, tree_s=tree_s, commit_s=commit_s, calib=calib, masks=masks)
     d = np.asarray(depth, dtype=np.int32)
     lp = np.log(np.asarray(p, dtype=np.float64)).astype(np.float32)
     out = ffi.new("dfl_auto_choice*")
@@ -256,6 +260,44 @@ def test_auto_equals_ar_sampled(tiny_f32_gguf):
         ar = d.generate(TRAIN_PROMPT, 64, ignore_eos=True, mode="ar", **kw)
         auto = d.generate(TRAIN_PROMPT, 64, ignore_eos=True, mode="auto", **kw)
     assert auto.tokens == ar.tokens
+
+
+def test_a_constraints_masks_are_priced_per_step():
+    """Under a constraint a step's masks are host time of that step: an AR step's (the root) and a tree's (every
+    drafted node: up to 3x the budget under pruning) are priced beside the forward, and only then.  Verify 2 / 4
+    nodes at 1.2 / 1.6 AR steps, a 3-node chain at 0.9 (3.4 tokens): a tree; the same with the tree's masks at 4
+    AR steps and AR's at 0.4: AR; with masks as dear for both: the tree again."""
+    verify = {2: 1.2e-3, 4: 1.6e-3}
+    depth, p = chain(3, 0.9)
+    assert choose(1e-3, verify, depth, p)[0] == 3
+    b, _, tok_s, ar_tok_s = choose(1e-3, verify, depth, p, masks=(0.4e-3, 4e-3))
+    assert b == 0 and ar_tok_s == pytest.approx(1 / 1.4e-3)
+    assert choose(1e-3, verify, depth, p, masks=(0.4e-3, 0.4e-3))[0] == 3
+    ffi, lib = load()
+    worst = ffi.new("double*")
+    check(lib.dfl_auto_worst_loss(estimates(1e-3, verify, masks=(0.4e-3, 4e-3)), 1, worst))
+    assert worst[0] == pytest.approx(0.2e-3 + 3.6e-3)   # the 2-node verify's extra, the tree's masks beyond AR's
+
+
+def test_a_constraints_masks_stay_out_of_the_drafters_costs():
+    """A constrained request's masks are learnt apart (mask_ar_s, mask_tree_s) and priced only while a request
+    has a constraint: the drafter's tree cost stays what it is without one, so the next plain request speculates
+    as before (on the bundled pair a lookup tree's masks under a grammar cost ~2 ms, a hundred times its tree)."""
+    grammar = 'root ::= [a-zA-Z_ .,:()=\\n#"]{1,600}'
+    prompt = "import os\nimport sys\n" * 3 + "import os\nimport"
+    with Decoder(draft="lookup", threads=2) as d:
+        plain_ar = d.generate(prompt, 64, mode="ar", ignore_eos=True, cache=False)
+        d.generate(prompt, 64, mode="auto", ignore_eos=True, cache=False)
+        before = d._ctx.auto_estimates(0)
+        assert not before["constrained"] and before["mask_ar_s"] == 0
+        ar = d.generate(prompt, 64, mode="ar", grammar=grammar, cache=False)
+        r = d.generate(prompt, 64, mode="auto", grammar=grammar, cache=False)
+        assert r.tokens == ar.tokens
+        during = d._ctx.auto_estimates(0)
+        assert during["constrained"] and during["mask_ar_s"] > 0
+        assert during["tree_s"] < 5 * max(before["tree_s"], 1e-5)
+        r = d.generate(prompt, 64, mode="auto", ignore_eos=True, cache=False)
+        assert r.tokens == plain_ar.tokens and not d._ctx.auto_estimates(0)["constrained"]
 
 
 def test_oracle_drafter_makes_auto_speculate(tiny_f32_gguf, ar_tokens):

@@ -66,6 +66,7 @@ dfl::AutoEstimates auto_estimates(const dfl_auto_estimates* e) {
   for (int i = 0; i < e->n_verify; ++i) est.verify_s[e->verify_nodes[i]] = e->verify_s[i];
   for (int i = 0; i < e->n_draft; ++i) est.draft_rows_s[e->draft_rows[i]] = e->draft_rows_s[i];
   est.depth_calib.assign(e->depth_calib, e->depth_calib + e->n_calib);
+  est.mask_ar_s = e->mask_ar_s, est.mask_tree_s = e->mask_tree_s, est.constrained = e->constrained != 0;
   return est;
 }
 }  // namespace
@@ -499,6 +500,7 @@ int dfl_context_auto_estimates(const dfl_context* c, int32_t drafter, dfl_auto_e
     const dfl::AutoEstimates& e = c->gen->auto_controller((size_t)drafter).estimates();
     *out = dfl_auto_estimates{};
     out->ar_s = e.ar_s, out->draft_s = e.draft_s, out->tree_s = e.tree_s, out->commit_s = e.commit_s;
+    out->mask_ar_s = e.mask_ar_s, out->mask_tree_s = e.mask_tree_s, out->constrained = e.constrained ? 1 : 0;
     for (const auto& [n, s] : e.verify_s) {
       if (out->n_verify == 64) break;
       out->verify_nodes[out->n_verify] = n;

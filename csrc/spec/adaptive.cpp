@@ -62,14 +62,16 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
                          double max_worst) {
   AutoChoice best;
   const std::vector<std::pair<int, double>> verify = e.verify_points();  // once per call, not per budget
-  const double ar = e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1);
+  // under a constraint a step's masks are host time of that step, an AR step's (the root) and a tree's (every
+  // drafted node) alike
+  const double ar = (e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1)) + (e.constrained ? e.mask_ar_s : 0.0);
   const double others = std::max(slots, 1) - 1.0;  // the other slots' tokens of the shared step
   best.ar_tok_s = ar > 0 ? (others + 1.0) / ar : 0.0;
   best.budget = 0;
   best.expected = 1.0;
   best.tok_s = best.ar_tok_s;
   bool have = min_budget <= 0;
-  const double fixed = (with_draft ? e.draft_s : 0.0) + e.tree_s + e.commit_s;
+  const double fixed = (with_draft ? e.draft_s : 0.0) + e.tree_s + e.commit_s + (e.constrained ? e.mask_tree_s : 0.0);
   double accepted = 0;  // expected accepted drafts of the first b nodes
   int deepest = 0;
   for (int b = 1; b <= n; ++b) {
@@ -105,7 +107,8 @@ void LossAllowance::settle(const StepRecord& rec, double ar_s) {
 
 double worst_loss_s(const AutoEstimates& e, int slots) {
   const double verify_extra = std::max(0.0, AutoEstimates::verify_at(e.verify_points(), 2) - e.ar_s);
-  return std::max(slots, 1) * (e.draft_s + e.tree_s + e.commit_s + verify_extra);
+  const double mask_extra = e.constrained ? std::max(0.0, e.mask_tree_s - e.mask_ar_s) : 0.0;
+  return std::max(slots, 1) * (e.draft_s + e.tree_s + e.commit_s + verify_extra + mask_extra);
 }
 
 AutoController::Wish AutoController::wish(int remaining, int slots) const {
@@ -119,7 +122,7 @@ AutoController::Wish AutoController::wish(int remaining, int slots) const {
   } else if (c.budget > 0 && c.tok_s > c.ar_tok_s && spec_rate_ > c.ar_tok_s / std::max(slots, 1)) {
     w.draft = true;
   } else if (since_probe_ + 1 >= probe_gap_ * std::max(slots, 1) &&
-             (probe_loss_ < 0 || probe_loss_ * std::max(slots, 1) <= kRequestShare * e_.ar_s * remaining)) {
+             (probe_loss_ < 0 || probe_loss_ * std::max(slots, 1) <= kRequestShare * ar_step_s() * remaining)) {
     // (a probe stalls every slot of a shared step: it is spaced and bounded by what it costs them all)
     w.draft = w.probe = true;
   } else if (e_.draft_s + e_.tree_s < kFreeDraftShare * e_.ar_s) {
@@ -148,7 +151,7 @@ AutoChoice AutoController::choose(const int32_t* depth, const float* logp, int n
     return choose_budget(e_, depth, logp, b, b, false, 1e300, 0, 1, 0, max_worst);
   }
   // a probe may cost at most what the request affords it (wish's remaining tokens)
-  const double max_loss = probe ? kRequestShare * e_.ar_s * remaining_ : 1e300;
+  const double max_loss = probe ? kRequestShare * ar_step_s() * remaining_ : 1e300;
   return choose_budget(e_, depth, logp, n, probe ? 1 : 0, /*with_draft=*/false, max_loss,
                        look ? kLookGain : probe ? 0.0 : kSpecGain, slots, kTreeSlack, max_worst);
 }
@@ -159,6 +162,10 @@ void AutoController::price_block(int rows) {
 }
 
 void AutoController::observe_ar(double step_s) { ema(e_.ar_s, step_s); }
+
+void AutoController::observe_ar_masks(double s) {
+  if (s > 0) ema(e_.mask_ar_s, s);
+}
 
 void AutoController::observe_verify(int n_nodes, double s) {
   if (n_nodes >= 2 && s > 0) ema(e_.verify_s[n_nodes], s);
@@ -191,17 +198,30 @@ void AutoController::new_request() {
 void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                                   const std::vector<uint8_t>& on_path, int n_learn) {
   const bool was_probe = rec.probe;
+  // What the step was expected to cost, before its timings move the estimates: one stalled step (a page fault
+  // storm, a constraint's first masks: llguidance's first walk of a tree took 3-10 ms where later ones take
+  // 0.2 ms a node) counts at most kOutlier times that in the realized rate and a probe's loss, or a forecast
+  // that wins would be overruled for the rest of the request.  A constraint's masks are priced apart
+  // (mask_tree_s), so they are left out of the drafter's costs (tree_s).
+  const double mask_s = std::min(rec.mask_s, rec.tree_s);
+  const double expected_s = have_spec_ && budget > 0
+                                ? e_.draft_at(block_rows_) + e_.tree_s + e_.commit_s +
+                                      AutoEstimates::verify_at(e_.verify_points(), budget + 1) +
+                                      (e_.constrained ? e_.mask_tree_s : 0.0)
+                                : 0.0;
   // learnt for the rows price_block priced (the step's block); a size's first timing is bounded by what its
   // neighbours predict (taken before the new entry exists)
   const double draft_expected = e_.draft_at(block_rows_);
   double& drafted = e_.draft_rows_s[block_rows_];
   ema(drafted, rec.draft_s, draft_expected);
   e_.draft_s = drafted;
-  ema(e_.tree_s, rec.tree_s);
+  ema(e_.tree_s, rec.tree_s - mask_s);
+  if (rec.masked > 0) ema(e_.mask_tree_s, mask_s);
   if (budget <= 0) return;  // drafted, then AR won: nothing verified, nothing learnt about acceptance
   have_spec_ = true;
   ema(e_.commit_s, rec.commit_s);
-  const double spent = rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s;
+  double spent = rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s;
+  if (expected_s > 0) spent = std::min(spent, kOutlier * expected_s);
   if (spent > 0) spec_rate_ = spec_rate_ > 0 ? 0.5 * spec_rate_ + 0.5 * rec.committed / spent : rec.committed / spent;
   // a size not timed yet is bounded by what the sizes around it predict
   const double expected = AutoEstimates::verify_at(e_.verify_points(), budget + 1);
@@ -210,9 +230,9 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   if (was_probe && e_.ar_s > 0) {
     // Space the next probe so its measured loss is at most kProbeShare of the
     // AR time in between.
-    const double loss = std::max(0.0, spent - e_.ar_s * rec.committed);
+    const double loss = std::max(0.0, spent - ar_step_s() * rec.committed);
     probe_loss_ = loss;
-    const double gap = std::ceil(loss / (kProbeShare * e_.ar_s));
+    const double gap = std::ceil(loss / (kProbeShare * ar_step_s()));
     probe_gap_ = (int)std::clamp(gap, (double)kMinProbeGap, (double)kMaxProbeGap);
   }
 }

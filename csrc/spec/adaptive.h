@@ -45,6 +45,13 @@ struct AutoEstimates {
   std::map<int, double> draft_rows_s;     // drafter forward time by block rows (root included)
   std::map<int, double> verify_s;         // verify forward time by node count (root included)
   std::vector<double> depth_calib;        // [depth] multiplier on the draft path probability
+  // Structured output: a constraint's masks are host time of the step that asks for them (llguidance walks
+  // the tree: every drafted node, an overdraft of up to 3x the budget under pruning, against the root alone in
+  // an AR step).  Kept apart from the drafter's costs (tree_s), which hold for every request, and priced only
+  // while the request has a constraint.
+  double mask_ar_s = 0;                   // an AR step's masks (learnt on constrained AR steps, by every drafter)
+  double mask_tree_s = 0;                 // this drafter's tree's masks (learnt on its constrained tree steps)
+  bool constrained = false;               // the current request has a constraint
   // Verify time of n nodes: verify_s (and ar_s at 1 node) interpolated between
   // sizes seen, extrapolated beyond by the last slope.
   std::vector<std::pair<int, double>> verify_points() const;
@@ -167,6 +174,12 @@ class AutoController {
   // After the step: its timings, and for a speculative one which of the
   // verified nodes (1..budget) were accepted (`on_path`, indexed like depth).
   void observe_ar(double step_s);
+  // A constrained AR step's masks (s seconds).  set_constrained: whether the request now beginning has a
+  // constraint (AR steps and trees are then priced with their masks).
+  void observe_ar_masks(double s);
+  void set_constrained(bool on) { e_.constrained = on; }
+  // An AR step of the current request: the forward, and under a constraint its masks.
+  double ar_step_s() const { return e_.ar_s + (e_.constrained ? e_.mask_ar_s : 0.0); }
   // A verify forward of n_nodes (root included) timed outside a step (Generator::measure_verify, at load).
   void observe_verify(int n_nodes, double s);
   // n_learn: the nodes (of depth / logp / on_path) that are this drafter's to learn acceptance from (-1: all

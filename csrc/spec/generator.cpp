@@ -120,7 +120,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   for (Proposer* q : proposers_) q->reset();
   declined_.clear();
   if (p.mode == DecodeMode::Auto)
-    for (AutoController& ac : autos_) ac.new_request();
+    for (AutoController& ac : autos_) ac.new_request(), ac.set_constrained(constraint_ != nullptr);
   allowance_.begin(p.max_new_tokens);
   if (n_keep > 0 && capturing()) give_features(0, n_keep, nullptr, nullptr, nullptr);  // kept: skipped
   logits_.assign((size_t)c.n_vocab, 0.f);
@@ -470,6 +470,7 @@ void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
   masks_.resize((size_t)(kept.size() + 1) * words);
   t = std::move(kept);
   rec.pruned = forbidden;
+  rec.masked = N;
   rec.mask_s = since(t0);
   masks_ready_ = true;
 }
@@ -648,7 +649,7 @@ bool Generator::decide_step(int slots) {
 }
 
 double Generator::allowed_loss_s(const AutoController& ac, bool probe) const {
-  return ac.measured() ? allowance_.bet_s(ac.estimates().ar_s, probe) : 1e300;
+  return ac.measured() ? allowance_.bet_s(ac.ar_step_s(), probe) : 1e300;
 }
 
 TreeParams Generator::step_tree(int room, bool whole) const {
@@ -815,7 +816,7 @@ int Generator::finish_step(std::vector<int32_t>& out) {
     if (N == 1)  // an AR step's cost is every drafter's baseline
       for (AutoController& ac : autos_) ac.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
-      allowance_.settle(rec, autos_[(size_t)chosen_].estimates().ar_s);
+      allowance_.settle(rec, autos_[(size_t)chosen_].ar_step_s());
       std::vector<uint8_t> on_path((size_t)std::max(rec.auto_budget, 0), 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
       auto decline = [&](int drafter, const DraftTree& t) {  // learnt once its tokens are decided
@@ -844,6 +845,9 @@ int Generator::finish_step(std::vector<int32_t>& out) {
         decline(work_.merged_with, work_.added);
       }
     }
+    // an AR step's masks under a constraint: every drafter's baseline (a tree's are its drafter's, observe_spec)
+    if (rec.masked > 0 && !speculate)
+      for (AutoController& ac : autos_) ac.observe_ar_masks(rec.mask_s);
     rec.declined_learnt = resolve_declined();
   }
   steps_.push_back(rec);

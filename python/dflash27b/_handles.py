@@ -424,7 +424,8 @@ class Context:
         return {"ar_s": e.ar_s, "draft_s": e.draft_s, "tree_s": e.tree_s, "commit_s": e.commit_s,
                 "verify_s": {e.verify_nodes[i]: e.verify_s[i] for i in range(e.n_verify)},
                 "depth_calib": [e.depth_calib[i] for i in range(e.n_calib)],
-                "draft_rows_s": {e.draft_rows[i]: e.draft_rows_s[i] for i in range(e.n_draft)}}
+                "draft_rows_s": {e.draft_rows[i]: e.draft_rows_s[i] for i in range(e.n_draft)},
+                "mask_ar_s": e.mask_ar_s, "mask_tree_s": e.mask_tree_s, "constrained": bool(e.constrained)}
 
     def measure_verify(self, max_nodes: int) -> None:
         """Times verify forwards of 2, 4 .. max_nodes nodes now and gives them to auto mode's estimates."""
