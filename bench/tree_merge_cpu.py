@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -31,29 +29,7 @@ from ar import cpu_name  # noqa: E402
 from portfolio_cpu import agent  # noqa: E402
 
 from dflash27b import Decoder  # noqa: E402
-
-
-class NearRoot:
-    """Top-k hook: the known continuation for the first `right` depths (p 0.95), a wrong token below (p 0.3)."""
-
-    def __init__(self, n_vocab: int, right: int, wait: float):
-        self.seq: list[int] = []
-        self.V, self.right, self.wait = n_vocab, right, wait
-
-    def __call__(self, root_pos, root, L, k):
-        t0 = time.perf_counter()
-        ids = np.empty((L, k), np.int32)
-        lp = np.full((L, k), -6.0, np.float32)
-        for d in range(1, L + 1):
-            p = root_pos + d
-            top = self.seq[p] if p < len(self.seq) else 0
-            if d > self.right:
-                top = (top + 7) % self.V
-            ids[d - 1] = (top + np.arange(k)) % self.V
-            lp[d - 1, 0] = np.log(0.95 if d <= self.right else 0.3)
-        while time.perf_counter() - t0 < self.wait:
-            pass
-        return ids, lp
+from dflash27b.tools.oracle_draft import NearRootOracle  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -72,7 +48,7 @@ def main(argv=None) -> int:
             os.environ["DFLASH27B_TREE_MERGE"] = "0"   # read when the decoder's generator is made
         decs[name] = Decoder(draft="lookup", threads=a.threads)
         os.environ.pop("DFLASH27B_TREE_MERGE", None)
-        hooks[name] = NearRoot(decs[name].info["n_vocab"], a.right, a.wait)
+        hooks[name] = NearRootOracle([], decs[name].info["n_vocab"], a.right, a.wait)
         decs[name]._ctx.set_topk_hook(hooks[name])
     print(f"machine: {cpu_name()}, {a.threads} threads; {len(reqs)} requests x {a.reps} passes, {a.new} new tokens; "
           f"stand-in drafter right at {a.right} depths, {a.wait * 1e3:.2f} ms a draft")

@@ -461,13 +461,13 @@ def test_cuda_portfolio_and_lookup_equal_cuda_ar(pair):
 def test_cuda_lookup_union_equals_cuda_ar(pair):
     """Prompt lookup's tree joined to another drafter's (a top-k hook right near the root: tests/test_tree_merge)
     on the CUDA backend: auto mode's tokens are CUDA AR's, greedy and seeded."""
-    from test_tree_merge import NearRoot
+    from dflash27b.tools.oracle_draft import NearRootOracle
     n = 12 if EMULATED else 64
     prompt = "import os\nimport sys\n" * 3 + "import os\nimport"
     with Decoder(pair[0], "lookup", device="cuda", ctx=512, threads=2, warm_up=False) as d:
         for sampling in ({}, {"temperature": 0.7, "seed": 5}):
             ar = d.generate(prompt, n, ignore_eos=True, mode="ar", cache=False, **sampling)
-            d._ctx.set_topk_hook(NearRoot(list(ar.prompt_tokens) + ar.tokens, d.info["n_vocab"], 2, wait=0))
+            d._ctx.set_topk_hook(NearRootOracle(list(ar.prompt_tokens) + ar.tokens, d.info["n_vocab"], 2, wait=0))
             for _ in range(2):   # the second request prices with the first one's estimates
                 assert d.generate(prompt, n, ignore_eos=True, mode="auto", cache=False, **sampling).tokens == ar.tokens
             d._ctx.set_topk_hook(None)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import numpy as np
 import pytest
 
 from dflash27b import Decoder, DFlashError
 from dflash27b._lib import check, load
+from dflash27b.tools.oracle_draft import NearRootOracle as NearRoot
 
 
 def merge(a, b, cap=64):
@@ -124,30 +124,6 @@ def test_bad_trees_are_refused(a, b, message):
 
 SRC = open(os.path.join(os.path.dirname(__file__), "..", "python", "dflash27b", "results.py")).read()[:1500]
 EDIT = f"# results.py\n{SRC}\n\n# results.py, with the edit applied:\n{SRC[:700]}"
-
-
-class NearRoot:
-    """A drafter (the context's top-k hook) that knows the target's continuation for its first `right` depths
-    only, and below guesses wrong with less confidence; it takes `wait` seconds, so it is no free drafter (on the
-    bundled pair an AR step is ~1 ms)."""
-
-    def __init__(self, seq, n_vocab, right=3, wait=2e-4):
-        self.seq, self.V, self.right, self.wait = list(seq), n_vocab, right, wait
-
-    def __call__(self, root_pos, root, L, k):
-        t0 = time.perf_counter()
-        ids = np.empty((L, k), np.int32)
-        lp = np.full((L, k), -6.0, np.float32)
-        for d in range(1, L + 1):
-            p = root_pos + d
-            top = self.seq[p] if p < len(self.seq) else 0
-            if d > self.right:
-                top = (top + 7) % self.V
-            ids[d - 1] = (top + np.arange(k)) % self.V
-            lp[d - 1, 0] = np.log(0.95 if d <= self.right else 0.3)
-        while time.perf_counter() - t0 < self.wait:   # (a sleep on a busy machine takes milliseconds)
-            pass
-        return ids, lp
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.3, "seed": 11}], ids=["greedy", "seeded"])
