@@ -125,7 +125,8 @@ AutoController::Wish AutoController::wish(int remaining, int slots) const {
              (probe_loss_ < 0 || probe_loss_ * std::max(slots, 1) <= kRequestShare * ar_step_s() * remaining)) {
     // (a probe stalls every slot of a shared step: it is spaced and bounded by what it costs them all)
     w.draft = w.probe = true;
-  } else if (e_.draft_s + e_.tree_s < kFreeDraftShare * e_.ar_s) {
+  } else if (e_.draft_s + e_.tree_s + (e_.constrained ? e_.mask_tree_s : 0.0) < kFreeDraftShare * ar_step_s()) {
+    // (under a constraint a look's tree is masked before it is priced: its masks count)
     // a drafter that costs next to nothing (prompt lookup) drafts every step: the budget is then chosen on this
     // step's own tree (0 = an AR step), not on the last one's forecast
     w.draft = w.look = true;
