@@ -353,15 +353,6 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     if (!f.empty()) t = graft_forced(t, f.data(), (int)f.size());
     constrain_tree(t, cap, rec);
   }
-  if (work_.merged_with >= 0) {  // each node of the final tree: its index in the chosen drafter's own, or 0
-    work_.from_own.assign((size_t)t.size(), 0);
-    work_.lookup_added.assign((size_t)t.size(), 0);
-    for (int i = 0; i < t.size(); ++i)
-      if (const int32_t u = t.tag[(size_t)i]) {  // (0: a node the constraint forced)
-        work_.from_own[(size_t)i] = work_.union_from_own[(size_t)u - 1];
-        work_.lookup_added[(size_t)i] = work_.union_from_own[(size_t)u - 1] == 0;
-      }
-  }
   if (p_.mode == DecodeMode::Auto) {
     // a drafter with nothing to propose (prompt lookup without a match) explored nothing: not a probe in the
     // step's record (its first probe stays due; the empty draft cost nothing)
@@ -373,7 +364,8 @@ void Generator::draft_tree(int32_t s, int V, int room, StepRecord& rec, bool pro
     const AutoChoice c = ac.choose(t.depth.data(), t.logp.data(), t.size(), probe, look, work_.slots, max_worst);
     if (work_.merged_with >= 0) {
       ac.keep_forecast(work_.own.depth.data(), work_.own.logp.data(), work_.own.size());
-      for (int i = 0; i < c.budget; ++i) rec.merged += work_.lookup_added[(size_t)i];
+      for (int i = 0; i < c.budget; ++i)  // (tag 0: a node the constraint forced, no drafter's)
+        rec.merged += t.tag[(size_t)i] > 0 && work_.own_index(t.tag[(size_t)i]) == 0;
     }
     rec.auto_budget = c.budget;
     rec.expected = c.expected, rec.est_tok_s = c.tok_s, rec.est_ar_tok_s = c.ar_tok_s;
@@ -396,20 +388,11 @@ void Generator::merge_weightless_drafter(int32_t s, int room, const TreeParams& 
   // a drafter's first probe measures it alone; a weightless drafter's own step has nothing cheaper to add
   if (!ac.measured() || drafters_[(size_t)chosen_]->weightless()) return;
   for (size_t j = 0; j < drafters_.size(); ++j) {
-    if ((int)j == chosen_ || !drafters_[j]->weightless()) continue;
-    Proposer* q = drafters_[j];
+    // (a weightless drafter builds its own tree: prompt lookup's trie)
+    if ((int)j == chosen_ || !drafters_[j]->weightless() || !drafters_[j]->can(Proposer::OwnTree)) continue;
     const int V = std::min({block_of((int)j), work_.remaining + 1, room});
     if (V < 2) return;
-    DraftTree b;
-    if (q->can(Proposer::OwnTree)) {
-      b = q->propose_tree(request(s, V), tp, ddtree_k(tp, ctx_.model().cfg.n_vocab));
-    } else {
-      const int K = ddtree_k(tp, ctx_.model().cfg.n_vocab);
-      std::vector<int32_t> ids((size_t)(V - 1) * K);
-      std::vector<float> lp(ids.size());
-      q->propose_topk(request(s, V), K, ids.data(), lp.data());
-      b = build_ddtree_topk(ids.data(), lp.data(), V - 1, K, tp);
-    }
+    DraftTree b = drafters_[j]->propose_tree(request(s, V), tp, ddtree_k(tp, ctx_.model().cfg.n_vocab));
     if (b.size() == 0) return;  // (lookup without a match)
     // each node's chance to be accepted by its own drafter's calibration
     const AutoController& bc = autos_[j];
@@ -836,7 +819,7 @@ int Generator::finish_step(std::vector<int32_t>& out) {
         std::vector<float> logp;
         std::vector<uint8_t> on;
         for (int i = 0; i < rec.auto_budget; ++i)
-          if (const int32_t k = work_.from_own[(size_t)i]) {
+          if (const int32_t k = work_.own_index(auto_tree_.tag[(size_t)i])) {
             depth.push_back(own.depth[(size_t)k - 1]), logp.push_back(own.logp[(size_t)k - 1]);
             on.push_back(on_path[(size_t)i]);
           }

@@ -173,13 +173,12 @@ class Generator {
     std::vector<int32_t> rows;
     std::chrono::steady_clock::time_point t0;
     // auto mode: a weightless drafter's tree added to the chosen drafter's (tree_merge.h): the two trees as drafted,
-    // the weightless drafter (-1: no union this step), where each node of the union is in the chosen one's (0: not),
-    // and per node of the tree verified (after a constraint's graft and pruning): the same, and whether the
-    // weightless drafter added it
+    // the weightless drafter (-1: no union this step) and where each node of the union is in the chosen one's (0:
+    // not).  A node of the tree verified carries its union node as its tag (0: forced by a constraint).
     int merged_with = -1;
     DraftTree own, added;
-    std::vector<int32_t> union_from_own, from_own;
-    std::vector<uint8_t> lookup_added;
+    std::vector<int32_t> union_from_own;
+    int32_t own_index(int32_t tag) const { return tag > 0 ? union_from_own[(size_t)tag - 1] : 0; }
   };
   StepWork work_;
   // The first attached proposer with capability c (null: none).

@@ -37,10 +37,8 @@ TreeUnion merge_trees(const DraftTree& a, const double* qa, const DraftTree& b, 
     at[(size_t)i] = u;
   };
   for (int i = 1; i <= a.size(); ++i) add(a, qa, a_at, ia, i);
-  const size_t n_a = tok.size();
   for (int i = 1; i <= b.size(); ++i) add(b, qb, b_at, ib, i);
   TreeUnion out;
-  out.added = (int)(tok.size() - n_a);
 
   // Siblings are exclusive: a node's children together claim at most the node's own chance (scaled down
   // together where two drafters' guesses overclaim), so no child claims more than its parent.  Parents come

@@ -23,7 +23,6 @@ struct TreeUnion {
   DraftTree tree;                      // builder order; logp: log q
   std::vector<double> q;               // per node: its estimated acceptance
   std::vector<int32_t> from_a, from_b;  // per node: its 1-based index in a / in b (0: not there)
-  int added = 0;                       // nodes of b that a does not hold
 };
 
 // qa / qb: each tree's nodes' acceptance (indexed like its nodes, 0..size-1), each in [0, 1].
