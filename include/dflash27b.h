@@ -326,16 +326,18 @@ typedef int32_t (*dfl_progress_fn)(void* user, int32_t done, int32_t total);
 int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* user);
 
 /* Structured output: the caller's matcher (a JSON schema or grammar) decides which tokens may come next, and
-   every mode's reply is the constrained AR reply.  masks(user, n, tokens, parents, masks): for the n nodes of
-   a step (node 0 = the last decided token, already committed; node i > 0 the path of its ancestors' tokens
-   after node 0 and its own, parents[i] < i) set bit t of masks[i * words + t / 32], words = (n_vocab + 31) / 32,
-   when token t may follow node i (a node its parent's mask forbids is never reached; its mask may be left as
-   is).  commit(user, n, tokens): the tokens just decided, in order (the prefill's first, then each step's
+   every mode's reply is the constrained AR reply.  masks(user, n, tokens, parents, keep, masks): for the n
+   nodes of a step (node 0 = the last decided token, already committed; node i > 0 the path of its ancestors'
+   tokens after node 0 and its own, parents[i] < i) set bit t of masks[i * words + t / 32], words =
+   (n_vocab + 31) / 32, when token t may follow node i (a node its parent's mask forbids is never reached; its
+   mask may be left as is).  Only the first `keep` nodes i > 0 whose parent is one of them (or node 0) and
+   whose parent's mask allows them are kept: masks after the keep-th are never read (a callback may stop
+   there; with prune off, n <= keep + 1).  commit(user, n, tokens): the tokens just decided, in order (the prefill's first, then each step's
    accepted drafts and bonus).  Either returning nonzero fails the call in progress.  prune: drop draft nodes
    the constraint forbids before the verify.  masks == NULL removes the constraint.  The masks are asked once
    per step before the target's verify; the logits rows of every verified node then come back to the host. */
 typedef int32_t (*dfl_constraint_masks_fn)(void* user, int32_t n, const int32_t* tokens, const int32_t* parents,
-                                           uint32_t* masks);
+                                           int32_t keep, uint32_t* masks);
 typedef int32_t (*dfl_constraint_commit_fn)(void* user, int32_t n, const int32_t* tokens);
 /* forced (may be NULL): writes up to cap tokens the constraint forces after the decided ones (each the only one
    it allows there), returns how many (or -1): they are drafted first, as drafts that cannot miss. */

@@ -208,6 +208,51 @@ def test_auto_masks_across_the_trigger_equal_a_fresh_matchers(dec):
     assert np.array_equal(out[first], out[0]) and bits >= tok.vocab_size * 0.9   # free text: every token
 
 
+
+def test_masks_stop_after_the_nodes_the_caller_keeps(dec):
+    """keep: the core keeps the first `keep` allowed nodes of a pruned tree (drafted past its cap) and reads no
+    mask after them, so the walk stops there: the rows it fills equal the whole walk's, it asks the matcher for
+    at most keep + 1 masks, and leaves the matcher where it found it."""
+    from dflash27b.constraint import TokenConstraint, compile_grammar
+    tok, tools = dec.tokenizer, parse_tools(TOOLS)
+    g = compile_grammar(lark=tool_grammar(tools, "required", True, after_think=False))
+    paths = ["<tool_call>\n<function=get_weather>\n<parameter=city>\nRome", "<tool_call>\nnot a function",
+             "<tool_call>\n<function=ping>\n</function>\n</tool_call>", "no call at all"]
+    tokens, parents, node_of = [0], [-1], {(): 0}
+    for text in paths:
+        ids = tok.encode(text, parse_special=False)
+        for d in range(1, len(ids) + 1):
+            if tuple(ids[:d]) not in node_of:
+                node_of[tuple(ids[:d])] = len(tokens)
+                tokens.append(ids[d - 1])
+                parents.append(node_of[tuple(ids[:d - 1])])
+    n = len(tokens)
+    whole = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
+    full = np.zeros((n, whole.words), np.uint32)
+    whole.masks(n, np.array(tokens), np.array(parents), full)
+    allowed = [i for i in range(1, n) if full[parents[i]][tokens[i] >> 5] >> np.uint32(tokens[i] & 31) & 1
+               and (parents[i] == 0 or full[parents[i]].any())]
+    assert 6 < len(allowed) < n - 1   # some nodes forbidden, enough allowed to stop early
+    for keep in (0, 1, 5, len(allowed), n):
+        c = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
+        calls = 0
+        inner = c._mask
+
+        def counted():
+            nonlocal calls
+            calls += 1
+            return inner()
+        c._mask = counted
+        out = np.zeros((n, c.words), np.uint32)
+        c.masks(n, np.array(tokens), np.array(parents), out, keep)
+        last = allowed[keep - 1] if 0 < keep <= len(allowed) else (0 if keep == 0 else n - 1)
+        assert np.array_equal(out[:last + 1], full[:last + 1]), keep
+        assert not out[last + 1:].any(), keep
+        assert calls <= min(keep, len(allowed)) + 1, (keep, calls)
+        c._mask = inner
+        assert np.array_equal(c._mask(), full[0])   # the matcher is back at node 0
+
+
 def test_split_streamed_equals_whole():
     tools = parse_tools(TOOLS)
     call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n3\n" \

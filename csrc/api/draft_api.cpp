@@ -227,8 +227,8 @@ int dfl_context_set_constraint(dfl_context* c, dfl_constraint_masks_fn masks, df
     }
     if (!commit) dfl::fail("a constraint needs its commit callback");
     c->constraint = std::make_unique<dfl::CallbackConstraint>(
-        [masks, user](int n, const int32_t* tokens, const int32_t* parents, uint32_t* out) {
-          if (masks(user, n, tokens, parents, out) != 0) dfl::fail("the constraint's mask callback failed");
+        [masks, user](int n, const int32_t* tokens, const int32_t* parents, int keep, uint32_t* out) {
+          if (masks(user, n, tokens, parents, keep, out) != 0) dfl::fail("the constraint's mask callback failed");
         },
         [commit, user](const int32_t* tokens, int n) {
           if (commit(user, n, tokens) != 0) dfl::fail("the constraint's commit callback failed");

@@ -177,7 +177,7 @@ void Generator::prefill(const int32_t* prompt, int n, int first) {
   if (constraint_) {  // node 0 = the last prompt token: its mask is the empty reply's
     masks_.assign((size_t)mask_words(ctx_.model().cfg.n_vocab), 0u);
     const int32_t parent = -1;
-    constraint_->masks(1, prompt + n - 1, &parent, masks_.data());
+    constraint_->masks(1, prompt + n - 1, &parent, 0, masks_.data());
     mask = masks_.data();
   }
   pending_ = need_rows() ? pick(logits_.data(), n, nullptr, 0, mask) : top_ids_[0];
@@ -421,21 +421,23 @@ void Generator::merge_weightless_drafter(int32_t s, int room, const TreeParams& 
 }
 
 void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
-  const int N = t.size() + 1;
+  // unpruned, the first cap nodes are the tree; pruned, the first cap the masks allow (the matcher stops there)
+  const int N = (prune_ ? t.size() : std::min(t.size(), cap)) + 1;
   const size_t words = (size_t)mask_words(ctx_.model().cfg.n_vocab);
   auto t0 = Clock::now();
   std::vector<int32_t> tok((size_t)N), par((size_t)N);
   tok[0] = pending_, par[0] = -1;
   for (int i = 1; i < N; ++i) tok[(size_t)i] = t.tokens[(size_t)i - 1], par[(size_t)i] = t.parent[(size_t)i - 1];
   masks_.assign((size_t)N * words, 0u);
-  constraint_->masks(N, tok.data(), par.data(), masks_.data());
+  constraint_->masks(N, tok.data(), par.data(), cap, masks_.data());
   // keep, in builder order (best first, parents first), the nodes whose parent is kept and allows them,
   // up to cap: a prefix-closed tree whose masks stay row-aligned with its nodes
   DraftTree kept;
   std::vector<int32_t> new_index((size_t)N, -1);
   new_index[0] = 0;
-  int forbidden = 0;
+  int forbidden = 0, read = 1;
   for (int i = 1; i < N && kept.size() < cap; ++i) {
+    read = i + 1;
     const int p = par[(size_t)i];
     if (new_index[(size_t)p] < 0 || (prune_ && !mask_allows(masks_.data() + (size_t)p * words, tok[(size_t)i]))) {
       ++forbidden;  // forbidden, or under a forbidden node
@@ -453,7 +455,7 @@ void Generator::constrain_tree(DraftTree& t, int cap, StepRecord& rec) {
   masks_.resize((size_t)(kept.size() + 1) * words);
   t = std::move(kept);
   rec.pruned = forbidden;
-  rec.masked = N;
+  rec.masked = read;
   rec.mask_s = since(t0);
   masks_ready_ = true;
 }

@@ -72,7 +72,7 @@ struct StepRecord {
   int tree_depth = 0;       // deepest drafted node
   int target_forwards = 0;  // always 1; counted, not assumed
   int pruned = 0;           // draft nodes a constraint forbade (dropped before the verify)
-  int masked = 0;           // nodes (the root included) whose masks the constraint computed (mask_s)
+  int masked = 0;           // nodes (the root included) the constraint was asked to mask, up to the last kept (mask_s)
   double draft_s = 0, tree_s = 0, verify_s = 0, commit_s = 0, mask_s = 0;
   // auto mode: the budget verified (0 = an AR step; -1 in other modes), whether
   // the step was a forced probe, and the estimates behind the choice

@@ -279,12 +279,12 @@ class Context:
             return
         words = c.words
 
-        def masks(user, n, tokens, parents, out):
+        def masks(user, n, tokens, parents, keep, out):
             try:
                 t = np.frombuffer(ffi.buffer(tokens, n * 4), np.int32)
                 p = np.frombuffer(ffi.buffer(parents, n * 4), np.int32)
                 o = np.frombuffer(ffi.buffer(out, n * words * 4), np.uint32).reshape(n, words)
-                c.masks(n, t, p, o)
+                c.masks(n, t, p, o, keep)
                 return 0
             except BaseException as e:  # noqa: BLE001 - reported by the caller of the decode
                 c.error = e

@@ -164,14 +164,19 @@ class TokenConstraint:
                     m[e >> 5] &= ~np.uint32(1 << (e & 31))
         return m
 
-    def masks(self, n: int, tokens, parents, out: np.ndarray) -> None:
-        """out [n, words]: node 0's mask is the matcher's now; node i's after consuming its path."""
+    def masks(self, n: int, tokens, parents, out: np.ndarray, keep: int | None = None) -> None:
+        """out [n, words]: node 0's mask is the matcher's now; node i's after consuming its path.  keep: the
+        caller keeps the first `keep` allowed nodes (their parents allowed too) and reads no mask after them, so
+        the walk stops there: a pruned tree is drafted past its cap, and each mask costs a matcher walk."""
         self.mask_calls += 1
         out[0] = self._mask()
         depth = [0] * n
         path: list[int] = []  # nodes consumed beyond node 0, root first
         alive = [True] + [False] * (n - 1)
+        kept = 0
         for i in range(1, n):
+            if keep is not None and kept >= keep:
+                break
             p = int(parents[i])
             t = int(tokens[i])
             if not alive[p] or not (out[p, t >> 5] >> np.uint32(t & 31)) & np.uint32(1):
@@ -183,6 +188,7 @@ class TokenConstraint:
                 out[i] = 0
                 alive[i] = True
                 depth[i] = depth[p] + 1
+                kept += 1
                 continue
             # back up to the parent, then consume this node's token
             d = depth[p]
@@ -206,6 +212,7 @@ class TokenConstraint:
             path.append(i)
             depth[i] = d + 1
             alive[i] = True
+            kept += 1
             out[i] = self._mask()
         if path:
             self.matcher.rollback(len(path))
