@@ -63,6 +63,28 @@ def test_after_prefix_cache_hits(dec):
         assert r.tokens == dec.generate(p, 24, mode="ar", ignore_eos=True, cache=False).tokens
 
 
+
+def test_constrained_slots_reply_as_alone(dec):
+    """A JSON schema or a grammar is per request: each slot's matcher masks its own nodes, so constrained and
+    free requests decode side by side, each equal to its solo decode (greedy and seeded, every mode)."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"name": {"enum": ["read_file", "run_tests"]}, "line": {"type": "integer"}},
+              "required": ["name", "line"], "additionalProperties": False}
+    reqs = [dict(mode="ddtree", budget=8, json_schema=schema), dict(mode="auto", ignore_eos=True),
+            dict(mode="chain", grammar='root ::= "yes" | "no"'), dict(mode="auto", json_schema=schema, temperature=0.8, seed=4),
+            dict(mode="ar", json_schema=schema)]
+    prompts = ["def f(x):\n", "import os\n", "Answer: ", "class A:\n", "x = "]
+    ps = [dec._settings(None, 32, r) for r in reqs]
+    solo = [dec.generate(p, params=q, cache=False) for p, q in zip(prompts, ps)]
+    many = dec.generate_many(prompts, params=ps, parallel=4, cache=False)
+    assert [r.tokens for r in many] == [r.tokens for r in solo]
+    assert many[2].text in ("yes", "no")
+    ended = [k for k in (0, 3, 4) if many[k].stats.stop_reason != "length"]
+    assert ended   # (greedy may write digits until the token limit)
+    for k in ended:
+        v = json.loads(many[k].text)
+        assert v["name"] in ("read_file", "run_tests") and isinstance(v["line"], int), many[k].text
+
 @pytest.mark.parametrize("draft", ["lookup", "mtp", "mtp+lookup"])
 def test_slots_with_other_drafters(draft):
     with Decoder(draft=draft.split("+"), threads=2, warm_up=False) as d:
