@@ -114,7 +114,8 @@ def test_text_parts_and_null_fields_of_a_message_are_fine(d, local):
     ({"max_tokens": 10**30}, "'max_tokens'"),
     ({"max_tokens": 2**31}, "'max_tokens'"),
     ({"seed": -1}, "'seed'"),
-    ({"n": 2}, "n=1"),
+    ({"n": 0}, "'n'"),
+    ({"n": 65}, "'n'"),
     ({"n": "1"}, "'n'"),
     ({"model": 5}, "'model'"),
     ({"temperature": "0"}, "'temperature'"),
@@ -140,6 +141,62 @@ def _dumps_raw(obj) -> bytes:
     import json
     return json.dumps(obj).encode()   # ensure_ascii: lone surrogates travel as \ud800 escapes
 
+
+
+# -- n: several choices, decoded in slots ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dp(tiny_f32_gguf, tmp_path_factory):
+    s = serve(tmp_path_factory.mktemp("oai-n"), "-m", str(tiny_f32_gguf), "-md", str(DISTILLED), "--parallel", "3",
+              ctx=3 * CTX)
+    yield s
+    s.stop()
+
+
+def test_n_choices_are_the_requests_with_seed_plus_i(dp, local):
+    """Choice i of a request with seed s is that request alone with seed s + i (counter-based sampling: the
+    same seed would give n equal choices); the prompt counts once in the usage, every choice's tokens count."""
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 12, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    r = httpx.post(dp.url + "/v1/completions", json={**body, "n": 4}, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    want = [local.generate("def fibonacci(n):", 12, temperature=0.9, seed=7 + i, ignore_eos=True, cache=False).text
+            for i in range(4)]
+    assert [c["text"] for c in r["choices"]] == want
+    assert len(set(want)) > 1
+    assert r["usage"]["completion_tokens"] == 48
+    assert r["usage"]["total_tokens"] == r["usage"]["prompt_tokens"] + 48 == len(local.tokenize("def fibonacci(n):")) + 48
+    assert len(r["dflash27b"]) == 4
+    one = httpx.post(dp.url + "/v1/completions", json={**body, "seed": 9}, timeout=60).json()
+    assert one["choices"][0]["text"] == want[2] and one["choices"][0]["index"] == 0
+
+
+def test_n_streamed_chat_choices_equal_the_whole_ones(dp):
+    """Streamed, the choices' chunks interleave, each naming its index: each choice's text is the non-streamed
+    one's, each gets its own role chunk and finish, and the usage chunk counts them all."""
+    body = {"messages": MSGS, "max_tokens": 10, "temperature": 0.8, "seed": 3, "n": 3,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    whole = httpx.post(dp.url + "/v1/chat/completions", json=body, timeout=60).json()
+    with httpx.stream("POST", dp.url + "/v1/chat/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    text = {i: "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"][0]["index"] == i)
+            for i in range(3)}
+    assert [text[i] for i in range(3)] == [c["message"]["content"] for c in whole["choices"]]
+    for i in range(3):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"].get("role") == "assistant" and mine[-1]["finish_reason"] is not None
+    assert len({c["id"] for c in chunks}) == 1
+    usage = events[-2]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")   # (the second request's prompt was cached)
+    assert usage["choices"] == [] and [usage["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
+
+
+def test_n_greedy_choices_are_equal(dp):
+    r = httpx.post(dp.url + "/v1/completions", json={"prompt": "import os", "max_tokens": 8, "temperature": 0,
+                                                      "n": 2}, timeout=60).json()
+    assert r["choices"][0]["text"] == r["choices"][1]["text"]
 
 # -- finding 9: logprob and tokenize shapes --------------------------------------------------------------------
 

@@ -100,6 +100,11 @@ class Shape:
     stream: bool = False
     include_usage: bool = False
     token_ids: bool = False   # vLLM's return_tokens_as_token_ids: tokens spelled "token_id:N"
+    n: int = 1                # choices: n requests, decoded in slots as the daemon's --parallel allows
+
+
+# choices one request may ask for (each is a queued request of its own)
+MAX_CHOICES = 64
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -119,14 +124,13 @@ def _check_fields(body: dict, chat: bool) -> None:
         raise _fail(f"'{'messages' if not chat else 'prompt'}' belongs to /v1/"
                     f"{'chat/completions' if not chat else 'completions'}")
     n = body.get("n", 1)
-    if not _typed(n, int):
-        raise _fail("'n' must be an integer (only n=1 is supported)")
-    if n != 1:
-        raise _fail("only n=1 is supported")
+    if not _typed(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise _fail(f"'n' must be an integer from 1 to {MAX_CHOICES}")
 
 
 def _stream_shape(body: dict, chat: bool) -> Shape:
-    shape = Shape(chat, stream=body.get("stream", False), token_ids=body.get("return_tokens_as_token_ids", False))
+    shape = Shape(chat, stream=body.get("stream", False), token_ids=body.get("return_tokens_as_token_ids", False),
+                  n=body.get("n", 1))
     so = body.get("stream_options")
     if so is not None:
         if not shape.stream:
@@ -334,8 +338,8 @@ def _ours(stats: dict) -> dict:
 class Reply:
     """The OpenAI objects of one reply (JSON body, or SSE chunks)."""
 
-    def __init__(self, shape: Shape, model: str, tokenizer, think_open: bool = False, tools=None):
-        self.shape = shape
+    def __init__(self, shape: Shape, model: str, tokenizer, think_open: bool = False, tools=None, index: int = 0):
+        self.shape, self.index = shape, index
         # a chat reply: a thinking template's <think> block goes to reasoning_content, tool calls (with tools)
         # to tool_calls
         thinks = template_thinks(tokenizer.chat_template)
@@ -359,13 +363,13 @@ class Reply:
             if calls:   # each call whole, in one delta (OpenAI's clients assemble deltas by index)
                 delta["tool_calls"] = calls
                 self.n_calls += len(calls)
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(lps)}
+            choice = {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": self.logprobs(lps)}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": self.logprobs(lps)}
+            choice = {"index": self.index, "text": text or "", "finish_reason": finish, "logprobs": self.logprobs(lps)}
         return sse({**self._head(True), "choices": [choice], **(extra or {})})
 
-    def usage_chunk(self, stats: dict) -> bytes:   # OpenAI's shape: one more chunk, no choices, the usage
-        return sse({**self._head(True), "choices": [], "usage": _usage(stats)})
+    def usage_chunk(self, usage: dict) -> bytes:   # OpenAI's shape: one more chunk, no choices, the usage
+        return sse({**self._head(True), "choices": [], "usage": usage})
 
     def body(self, done: dict) -> dict:
         fin, lps = _finish(done["stats"]["stop_reason"]), self.logprobs(done.get("logprobs"))
@@ -374,11 +378,30 @@ class Reply:
             if self.split is not None:
                 msg = self.split.message(done["text"])
                 fin = _finish(done["stats"]["stop_reason"], bool(msg.get("tool_calls")))
-            choice = {"index": 0, "message": msg, "finish_reason": fin, "logprobs": lps}
+            choice = {"index": self.index, "message": msg, "finish_reason": fin, "logprobs": lps}
         else:
-            choice = {"index": 0, "text": done["text"], "finish_reason": fin, "logprobs": lps}
+            choice = {"index": self.index, "text": done["text"], "finish_reason": fin, "logprobs": lps}
         return {**self._head(False), "choices": [choice], "usage": _usage(done["stats"]),
                 "dflash27b": _ours(done["stats"])}
+
+
+def _usage_of(stats: list[dict]) -> dict:
+    """The usage of a request's choices: its prompt once, every choice's tokens."""
+    u = _usage(stats[0])
+    u["completion_tokens"] = sum(s["generated_tokens"] for s in stats)
+    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    return u
+
+
+def _body_of(replies: list[Reply], done: list[dict]) -> dict:
+    """One response for n choices: each choice's own body, one usage; our stats per choice (a list when n > 1)."""
+    bodies = [r.body(d) for r, d in zip(replies, done)]
+    out = bodies[0]
+    if len(bodies) > 1:
+        out["choices"] = [b["choices"][0] for b in bodies]
+        out["usage"] = _usage_of([d["stats"] for d in done])
+        out["dflash27b"] = [b["dflash27b"] for b in bodies]
+    return out
 
 
 def sse(obj: dict) -> bytes:
@@ -403,12 +426,17 @@ async def wait_disconnect(receive) -> None:
 
 
 class EventStream:
-    """A job's reply as server-sent events, ending in `data: [DONE]`.  The job is cancelled the moment the
-    client disconnects; a job ended by the daemon (shutdown, a queue timeout, an error) ends the stream with
-    an `{"error": {...}}` object naming why."""
+    """A request's reply as server-sent events, ending in `data: [DONE]`: one job, or one per choice (`n`),
+    their chunks in the order they come, each naming its choice.  Every job is cancelled the moment the client
+    disconnects; a job ended by the daemon (shutdown, a queue timeout, an error) ends the stream with an
+    `{"error": {...}}` object naming why, and the other choices with it."""
 
-    def __init__(self, job: Job, reply: Reply, daemon):
-        self.job, self.reply, self.daemon = job, reply, daemon
+    def __init__(self, jobs: list[Job], replies: list[Reply], daemon):
+        self.jobs, self.replies, self.daemon = jobs, replies, daemon
+
+    def _cancel(self, reason: str = CLIENT_GONE) -> None:
+        for job in self.jobs:
+            job.cancel(reason)   # no-op when it finished
 
     async def __call__(self, scope, receive, send) -> None:
         self.daemon.request_opened()
@@ -424,18 +452,49 @@ class EventStream:
             pass   # the client went away while we wrote
         finally:
             watcher.cancel()
-            self.job.cancel(CLIENT_GONE)   # no-op when it finished
+            self._cancel()
             self.daemon.request_closed()
 
     async def _watch(self, receive) -> None:
         await wait_disconnect(receive)
-        self.job.cancel(CLIENT_GONE)
+        self._cancel()
+
+    async def _events(self):
+        """(choice, event) of every job as they come, until each job has ended."""
+        if len(self.jobs) == 1:
+            while (ev := await self.jobs[0].events.get()) is not None:
+                yield 0, ev
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, job: Job) -> None:
+            while (ev := await job.events.get()) is not None:
+                await merged.put((i, ev))
+            await merged.put((i, None))
+        pumps = [asyncio.create_task(pump(i, job)) for i, job in enumerate(self.jobs)]
+        try:
+            left = len(pumps)
+            while left:
+                i, ev = await merged.get()
+                if ev is None:
+                    left -= 1
+                else:
+                    yield i, ev
+        finally:
+            for p in pumps:
+                p.cancel()
 
     async def _chunks(self):
-        r = self.reply
-        if r.shape.chat:
-            yield r.chunk(None, first=True)
-        while (ev := await self.job.events.get()) is not None:
+        replies = self.replies
+        if replies[0].shape.chat:
+            for r in replies:
+                yield r.chunk(None, first=True)
+        stats: list[dict | None] = [None] * len(replies)
+        failed = False
+        async for i, ev in self._events():
+            if failed:
+                continue   # the other choices, cancelled with the first error: drained, not written
+            r = replies[i]
             if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
                 if r.split is None:
                     yield r.chunk(ev["text"], lps=ev.get("logprobs"))
@@ -444,19 +503,21 @@ class EventStream:
                     if reasoning or content or calls or ev.get("logprobs"):
                         yield r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning, calls=calls)
             elif ev["event"] == "done":
-                stats = ev["stats"]
+                stats[i] = ev["stats"]
                 if r.split is not None:
                     reasoning, content, calls = r.split.flush()
                     if reasoning or content or calls:
                         yield r.chunk(content or None, reasoning=reasoning, calls=calls)
-                yield r.chunk(None if r.shape.chat else "", _finish(stats["stop_reason"], r.n_calls > 0),
-                              extra={"dflash27b": _ours(stats)})
-                if r.shape.include_usage:
-                    yield r.usage_chunk(stats)
+                yield r.chunk(None if r.shape.chat else "", _finish(stats[i]["stop_reason"], r.n_calls > 0),
+                              extra={"dflash27b": _ours(stats[i])})
             elif ev["event"] == "error":
+                failed = True
+                self._cancel()
                 code = STATUS.get(ev.get("code"), 400)
                 yield sse({"error": {"message": ev["message"], "type": "server_error" if code >= 500 else
                                      "invalid_request_error", "code": code}})
+        if replies[0].shape.include_usage and not failed and all(s is not None for s in stats):
+            yield replies[0].usage_chunk(_usage_of(stats))
         yield b"data: [DONE]\n\n"
 
 
@@ -498,39 +559,54 @@ class OpenAIFront:
     async def _completion(self, request: Request, chat: bool):
         try:
             params, shape = to_engine(await self._json_body(request), chat)
-            job, _ = await self.daemon.admit(params)
+            jobs = await self.daemon.admit_choices(params, shape.n)
         except RequestError as e:
             return _request_error(e)
-        p = job.params["params"]
-        reply = Reply(shape, self.daemon.model_name, self.decoder.tokenizer,
-                      think_open=bool(job.params.get("think_open")),
-                      tools=parse_tools(p.tools) if p.calls_tools else None)
+        first = jobs[0].params
+        p = first["params"]
+        tools = parse_tools(p.tools) if p.calls_tools else None
+        replies = [Reply(shape, self.daemon.model_name, self.decoder.tokenizer, think_open=bool(first.get("think_open")),
+                         tools=tools, index=i) for i in range(len(jobs))]
+        for r in replies[1:]:   # one response: one id, one time
+            r.id, r.created = replies[0].id, replies[0].created
         if shape.stream:
-            return EventStream(job, reply, self.daemon)
-        return await self._result(job, reply, request)
+            return EventStream(jobs, replies, self.daemon)
+        return await self._result(jobs, replies, request)
 
-    async def _result(self, job: Job, reply: Reply, request: Request):
-        """Wait for a non-streamed job's end; the client's disconnect cancels it at the next step."""
+    @staticmethod
+    async def _end(job: Job) -> dict | None:
+        """A job's last event: its result or its error (None: it ended without either)."""
+        while (ev := await job.events.get()) is not None:
+            if ev["event"] in ("done", "error"):
+                return ev
+        return None
+
+    async def _result(self, jobs: list[Job], replies: list[Reply], request: Request):
+        """Wait for a non-streamed request's end (every choice's); the client's disconnect cancels them at the
+        next step, and one choice's error ends the others."""
         self.daemon.request_opened()
         gone = asyncio.create_task(wait_disconnect(request.receive))
+        ends = {asyncio.create_task(self._end(job)): i for i, job in enumerate(jobs)}
+        done: list[dict] = [{}] * len(jobs)
         try:
-            while True:
-                get = asyncio.create_task(job.events.get())
-                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    job.cancel(CLIENT_GONE)
+            while ends:
+                finished, _ = await asyncio.wait({*ends, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone in finished:
                     return Response(status_code=499)   # nobody reads it
-                ev = get.result()
-                if ev is None:
-                    return error_response(500, "the request ended without a result")
-                if ev["event"] == "done":
-                    return JSONResponse(reply.body(ev))
-                if ev["event"] == "error":
-                    return error_response(STATUS.get(ev.get("code"), 400), ev["message"])
+                for t in finished:
+                    ev = t.result()
+                    if ev is None:
+                        return error_response(500, "the request ended without a result")
+                    if ev["event"] == "error":
+                        return error_response(STATUS.get(ev.get("code"), 400), ev["message"])
+                    done[ends.pop(t)] = ev
+            return JSONResponse(_body_of(replies, done))
         finally:
             gone.cancel()
-            job.cancel(CLIENT_GONE)   # no-op when it finished
+            for t in ends:
+                t.cancel()
+            for job in jobs:
+                job.cancel(CLIENT_GONE)   # no-op when it finished
             self.daemon.request_closed()
 
     async def tokenize(self, request: Request):

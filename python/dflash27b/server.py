@@ -18,7 +18,7 @@ import signal
 import socket
 import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ._lib import DFlashError
@@ -244,6 +244,28 @@ class Daemon:
             raise RequestError("the daemon is shutting down and takes no new requests", SHUTDOWN)
         prepared = await asyncio.to_thread(self.service.prepare, params)
         return self.service.submit(prepared, asyncio.get_running_loop(), arrived)
+
+    async def admit_choices(self, params: dict, n: int) -> list[Job]:
+        """n requests for one prompt (OpenAI's `n`): prepared once, queued n times, choice i sampling with
+        seed + i when a seed is given (each its own fresh seed when not), so choice i is the reply the same
+        request with that seed gets alone.  They decode side by side in the slots --parallel gives."""
+        if n == 1:
+            return [(await self.admit(params))[0]]
+        arrived = time.monotonic()
+        if not self.service.accepting:
+            raise RequestError("the daemon is shutting down and takes no new requests", SHUTDOWN)
+        prepared = await asyncio.to_thread(self.service.prepare, params)
+        seed = prepared["params"].seed
+        loop, jobs = asyncio.get_running_loop(), []
+        try:
+            for i in range(n):
+                p = dict(prepared, params=replace(prepared["params"], seed=None if seed is None else (seed + i) % 2**32))
+                jobs.append(self.service.submit(p, loop, arrived)[0])
+        except BaseException:
+            for j in jobs:
+                j.cancel(CLIENT_GONE)
+            raise
+        return jobs
 
     def request_opened(self) -> None:
         self._open_requests += 1
