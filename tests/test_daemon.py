@@ -325,6 +325,9 @@ def test_openai_fields_honoured_or_refused(daemon, local):
                                   response_format={"type": "text"}, tools=None,
                                   extra_body={"ignore_eos": True, "logit_bias": {}, "metadata": {"k": "v"}})
     assert r.choices[0].message.model_dump(exclude_none=True) == want
+    two = c.chat.completions.create(**base, n=2, extra_body={"ignore_eos": True})   # n choices: greedy, equal
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert all(ch.message.model_dump(exclude_none=True) == want for ch in two.choices)
     # JSON mode and schemas: honoured, the in-process constrained decode's reply
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
@@ -344,7 +347,7 @@ def test_openai_fields_honoured_or_refused(daemon, local):
     refused = {"top_logprobs": dict(top_logprobs=2),
                "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
                "logit_bias": dict(logit_bias={"5": 10}), "frobnicate": dict(extra_body={"frobnicate": 1}),
-               "n=1": dict(n=2)}
+               "n": dict(n=65)}
     for field, kw in refused.items():
         with pytest.raises(openai.BadRequestError, match=field.split("=")[0]):
             c.chat.completions.create(**base, **kw)
