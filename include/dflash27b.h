@@ -330,9 +330,9 @@ int dfl_context_set_prefill_progress(dfl_context* c, dfl_progress_fn fn, void* u
    nodes of a step (node 0 = the last decided token, already committed; node i > 0 the path of its ancestors'
    tokens after node 0 and its own, parents[i] < i) set bit t of masks[i * words + t / 32], words =
    (n_vocab + 31) / 32, when token t may follow node i (a node its parent's mask forbids is never reached; its
-   mask may be left as is).  Only the first `keep` nodes i > 0 whose parent is one of them (or node 0) and
-   whose parent's mask allows them are kept: masks after the keep-th are never read (a callback may stop
-   there; with prune off, n <= keep + 1).  commit(user, n, tokens): the tokens just decided, in order (the prefill's first, then each step's
+   mask may be left as is).  With prune on, only the first `keep` nodes i > 0 whose parent is one of them (or
+   node 0) and whose parent's mask allows them are kept: masks after the keep-th are never read (a callback
+   may stop there).  With prune off every node is kept and n <= keep + 1.  commit(user, n, tokens): the tokens just decided, in order (the prefill's first, then each step's
    accepted drafts and bonus).  Either returning nonzero fails the call in progress.  prune: drop draft nodes
    the constraint forbids before the verify.  masks == NULL removes the constraint.  The masks are asked once
    per step before the target's verify; the logits rows of every verified node then come back to the host. */

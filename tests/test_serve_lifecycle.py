@@ -302,6 +302,9 @@ def test_model_that_fails_to_load_leaves_no_socket_file(tmp_path):
 
 
 def test_metrics_count_cancellations(d):
+    cm, _ = _stream_until_first_token(d, LONG)   # a client that leaves (its own: under xdist the tests above
+    cm.__exit__(None, None, None)                # may run in another worker, against another daemon)
+    _wait_queue(d, 0, timeout=2)
     m = httpx.get(d.url + "/metrics", timeout=10).text
     vals = {ln.split()[0]: float(ln.split()[1]) for ln in m.splitlines() if ln and not ln.startswith("#")}
     assert vals['dflash27b_requests_cancelled_total{reason="client_gone"}'] >= 1

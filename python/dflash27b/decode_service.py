@@ -19,7 +19,7 @@ from ._lib import DFlashError
 from ._handles import Context
 from .decoder import Decoder
 
-from .serve_protocol import (THINK_OPEN, BAD_REQUEST, CANCEL_REASONS, CLIENT_GONE, INTERNAL, PromptTokenizer, PromptTooLong, RequestError, SHUTDOWN, StopMatcher, TIMEOUT, chat_text, event_error, too_long)
+from .serve_protocol import (THINK_OPEN, BAD_REQUEST, CANCEL_REASONS, CHOICE_FAILED, CLIENT_GONE, INTERNAL, PromptTokenizer, PromptTooLong, RequestError, SHUTDOWN, StopMatcher, TIMEOUT, chat_text, event_error, too_long)
 
 # -- jobs ----------------------------------------------------------------------------------------------------
 
@@ -300,6 +300,8 @@ class DecodeService:
             return event_error(f"timed out after {job.timeout:g} s waiting in the queue (timeout)", TIMEOUT)
         if job.reason == SHUTDOWN:
             return event_error("the daemon is shutting down: the request was not started", SHUTDOWN)
+        if job.reason == CHOICE_FAILED:
+            return event_error("cancelled: another choice of the request failed", CHOICE_FAILED)
         return event_error("cancelled: the client went away", CLIENT_GONE)
 
     def _early_end(self, job: Job, done: dict | None) -> dict:
@@ -315,6 +317,8 @@ class DecodeService:
         if job.reason == SHUTDOWN:
             return event_error(f"the daemon is shutting down: the request was stopped after {n} tokens",
                                 SHUTDOWN)
+        if job.reason == CHOICE_FAILED:
+            return event_error("cancelled: another choice of the request failed", CHOICE_FAILED)
         return event_error("cancelled: the client went away", CLIENT_GONE)
 
     def _count_after_cancel(self, job: Job, decided: float, n_tokens: int) -> None:

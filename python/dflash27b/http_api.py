@@ -13,6 +13,7 @@ CORS, body limits, read deadlines) are in http_guard.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,8 +23,8 @@ from .decode_service import Job
 from .params import GenParams
 from .tool_calls import parse_tools
 from .chat_reply import ReplySplit, template_thinks
-from .serve_protocol import (BAD_REQUEST, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, RequestError, parse_generate,
-                             parse_off_loop)
+from .serve_protocol import (BAD_REQUEST, CHOICE_FAILED, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, RequestError,
+                             parse_generate, parse_off_loop)
 
 try:
     import uvicorn
@@ -80,7 +81,7 @@ _MESSAGE_FIELD_WHY = {"name": "participant names are not passed to the chat temp
                       "audio": "audio is not supported",
                       "refusal": "refusals are not passed to the chat template"}
 
-STATUS = {BAD_REQUEST: 400, TIMEOUT: 503, SHUTDOWN: 503, INTERNAL: 500, CLIENT_GONE: 499}
+STATUS = {BAD_REQUEST: 400, TIMEOUT: 503, SHUTDOWN: 503, INTERNAL: 500, CLIENT_GONE: 499, CHOICE_FAILED: 500}
 
 
 def _fail(message: str) -> RequestError:
@@ -445,8 +446,9 @@ class EventStream:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]})
-            async for data in self._chunks():
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+            async with contextlib.aclosing(self._chunks()) as chunks:   # closed at once when send fails
+                async for data in chunks:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass   # the client went away while we wrote
@@ -491,31 +493,32 @@ class EventStream:
                 yield r.chunk(None, first=True)
         stats: list[dict | None] = [None] * len(replies)
         failed = False
-        async for i, ev in self._events():
-            if failed:
-                continue   # the other choices, cancelled with the first error: drained, not written
-            r = replies[i]
-            if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
-                if r.split is None:
-                    yield r.chunk(ev["text"], lps=ev.get("logprobs"))
-                else:
-                    reasoning, content, calls = r.split.push(ev["text"])
-                    if reasoning or content or calls or ev.get("logprobs"):
-                        yield r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning, calls=calls)
-            elif ev["event"] == "done":
-                stats[i] = ev["stats"]
-                if r.split is not None:
-                    reasoning, content, calls = r.split.flush()
-                    if reasoning or content or calls:
-                        yield r.chunk(content or None, reasoning=reasoning, calls=calls)
-                yield r.chunk(None if r.shape.chat else "", _finish(stats[i]["stop_reason"], r.n_calls > 0),
-                              extra={"dflash27b": _ours(stats[i])})
-            elif ev["event"] == "error":
-                failed = True
-                self._cancel()
-                code = STATUS.get(ev.get("code"), 400)
-                yield sse({"error": {"message": ev["message"], "type": "server_error" if code >= 500 else
-                                     "invalid_request_error", "code": code}})
+        async with contextlib.aclosing(self._events()) as events:
+            async for i, ev in events:
+                if failed:
+                    continue   # the other choices, cancelled with the first error: drained, not written
+                r = replies[i]
+                if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
+                    if r.split is None:
+                        yield r.chunk(ev["text"], lps=ev.get("logprobs"))
+                    else:
+                        reasoning, content, calls = r.split.push(ev["text"])
+                        if reasoning or content or calls or ev.get("logprobs"):
+                            yield r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning, calls=calls)
+                elif ev["event"] == "done":
+                    stats[i] = ev["stats"]
+                    if r.split is not None:
+                        reasoning, content, calls = r.split.flush()
+                        if reasoning or content or calls:
+                            yield r.chunk(content or None, reasoning=reasoning, calls=calls)
+                    yield r.chunk(None if r.shape.chat else "", _finish(stats[i]["stop_reason"], r.n_calls > 0),
+                                  extra={"dflash27b": _ours(stats[i])})
+                elif ev["event"] == "error":
+                    failed = True
+                    self._cancel(CHOICE_FAILED)
+                    code = STATUS.get(ev.get("code"), 400)
+                    yield sse({"error": {"message": ev["message"], "type": "server_error" if code >= 500 else
+                                         "invalid_request_error", "code": code}})
         if replies[0].shape.include_usage and not failed and all(s is not None for s in stats):
             yield replies[0].usage_chunk(_usage_of(stats))
         yield b"data: [DONE]\n\n"
@@ -562,11 +565,16 @@ class OpenAIFront:
             jobs = await self.daemon.admit_choices(params, shape.n)
         except RequestError as e:
             return _request_error(e)
-        first = jobs[0].params
-        p = first["params"]
-        tools = parse_tools(p.tools) if p.calls_tools else None
-        replies = [Reply(shape, self.daemon.model_name, self.decoder.tokenizer, think_open=bool(first.get("think_open")),
-                         tools=tools, index=i) for i in range(len(jobs))]
+        try:
+            first = jobs[0].params
+            p = first["params"]
+            tools = parse_tools(p.tools) if p.calls_tools else None
+            replies = [Reply(shape, self.daemon.model_name, self.decoder.tokenizer,
+                             think_open=bool(first.get("think_open")), tools=tools, index=i) for i in range(len(jobs))]
+        except BaseException:
+            for job in jobs:   # queued, and nobody would read them
+                job.cancel(CLIENT_GONE)
+            raise
         for r in replies[1:]:   # one response: one id, one time
             r.id, r.created = replies[0].id, replies[0].created
         if shape.stream:
@@ -598,6 +606,8 @@ class OpenAIFront:
                     if ev is None:
                         return error_response(500, "the request ended without a result")
                     if ev["event"] == "error":
+                        for job in jobs:   # the others' results would go unread
+                            job.cancel(CHOICE_FAILED)
                         return error_response(STATUS.get(ev.get("code"), 400), ev["message"])
                     done[ends.pop(t)] = ev
             return JSONResponse(_body_of(replies, done))

@@ -26,7 +26,8 @@ MAX_INT_DIGITS = 100         # longer JSON integers are refused while parsing (P
 
 # why a request ended early; error events carry one of these as `code` (plus bad_request / internal)
 CLIENT_GONE, TIMEOUT, SHUTDOWN = "client_gone", "timeout", "shutdown"
-CANCEL_REASONS = (CLIENT_GONE, TIMEOUT, SHUTDOWN)
+CHOICE_FAILED = "choice_failed"   # another choice of the same request (OpenAI's n) failed: the reply is an error
+CANCEL_REASONS = (CLIENT_GONE, TIMEOUT, SHUTDOWN, CHOICE_FAILED)
 BAD_REQUEST, INTERNAL = "bad_request", "internal"
 
 

@@ -262,8 +262,8 @@ class Daemon:
                 p = dict(prepared, params=replace(prepared["params"], seed=None if seed is None else (seed + i) % 2**32))
                 jobs.append(self.service.submit(p, loop, arrived)[0])
         except BaseException:
-            for j in jobs:
-                j.cancel(CLIENT_GONE)
+            for j in jobs:   # (submit fails only once the daemon is shutting down)
+                j.cancel(SHUTDOWN)
             raise
         return jobs
 
