@@ -170,6 +170,23 @@ def test_the_grammar_accepts_the_templates_own_calls_and_the_parser_reads_them_b
         assert parsed["name"] == name and json.loads(parsed["arguments"]) == args
 
 
+def _walk(tok, grammar, paths: list[str]):
+    """A draft tree holding each text's tokens as a path, node 0 the last decided token (its mask is the
+    root's), and a fresh matcher's masks of its every node: (tokens, parents, node of each token prefix, masks)."""
+    from dflash27b.constraint import TokenConstraint
+    tokens, parents, node_of = [0], [-1], {(): 0}
+    for text in paths:
+        ids = tok.encode(text, parse_special=False)
+        for d in range(1, len(ids) + 1):
+            if tuple(ids[:d]) not in node_of:
+                node_of[tuple(ids[:d])] = len(tokens)
+                tokens.append(ids[d - 1])
+                parents.append(node_of[tuple(ids[:d - 1])])
+    c = TokenConstraint(tok, tok.eos_ids, grammar, tok.vocab_size)
+    out = np.zeros((len(tokens), c.words), np.uint32)
+    c.masks(len(tokens), np.array(tokens), np.array(parents), out)
+    return tokens, parents, node_of, out
+
 def test_auto_masks_across_the_trigger_equal_a_fresh_matchers(dec):
     """tool_choice auto: before '<tool_call>' every token is allowed, after it only a call.  A draft tree whose
     paths cross the trigger gets, at every node, the mask a fresh matcher computes after consuming that node's
@@ -180,19 +197,8 @@ def test_auto_masks_across_the_trigger_equal_a_fresh_matchers(dec):
     paths = ["Sure. <tool_call>\n<function=get_weather>\n<parameter=city>\nRome",
              "Sure. <tool_call>\n<function=ping>\n</function>\n</tool_call>",
              "Sure. <tool_call>\nnot a function", "Sure, no call needed."]
-    tokens, parents, node_of = [0], [-1], {(): 0}   # node 0: the last decided token (its mask is the root's)
-    for text in paths:
-        ids = tok.encode(text, parse_special=False)
-        for d in range(1, len(ids) + 1):
-            key = tuple(ids[:d])
-            if key not in node_of:
-                node_of[key] = len(tokens)
-                tokens.append(ids[d - 1])
-                parents.append(node_of[tuple(ids[:d - 1])])
+    tokens, parents, node_of, out = _walk(tok, g, paths)
     n = len(tokens)
-    c = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
-    out = np.zeros((n, c.words), np.uint32)
-    c.masks(n, np.array(tokens), np.array(parents), out)
     alive = 0
     for key, i in node_of.items():
         fresh = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
@@ -218,18 +224,8 @@ def test_masks_stop_after_the_nodes_the_caller_keeps(dec):
     g = compile_grammar(lark=tool_grammar(tools, "required", True, after_think=False))
     paths = ["<tool_call>\n<function=get_weather>\n<parameter=city>\nRome", "<tool_call>\nnot a function",
              "<tool_call>\n<function=ping>\n</function>\n</tool_call>", "no call at all"]
-    tokens, parents, node_of = [0], [-1], {(): 0}
-    for text in paths:
-        ids = tok.encode(text, parse_special=False)
-        for d in range(1, len(ids) + 1):
-            if tuple(ids[:d]) not in node_of:
-                node_of[tuple(ids[:d])] = len(tokens)
-                tokens.append(ids[d - 1])
-                parents.append(node_of[tuple(ids[:d - 1])])
+    tokens, parents, _, full = _walk(tok, g, paths)
     n = len(tokens)
-    whole = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
-    full = np.zeros((n, whole.words), np.uint32)
-    whole.masks(n, np.array(tokens), np.array(parents), full)
     allowed = [i for i in range(1, n) if full[parents[i]][tokens[i] >> 5] >> np.uint32(tokens[i] & 31) & 1
                and (parents[i] == 0 or full[parents[i]].any())]
     assert 6 < len(allowed) < n - 1   # some nodes forbidden, enough allowed to stop early
