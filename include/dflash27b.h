@@ -171,6 +171,12 @@ typedef struct {
   float typical_p;     /* locally typical sampling, after top-k (llama.cpp's typ_p): (0, 1]; 1 = off */
   int32_t tree_scores; /* ddtree/auto with a DFlash2 drafter: 0 (default) = the tree from its candidate selector's
                           transition scores; 1 = from the draft probabilities alone, as a DFlash drafter's */
+  /* a logit bias (OpenAI's logit_bias, llama.cpp's --logit-bias): logit_bias_values[i] is added to the logit of
+     token logit_bias_ids[i] before the penalties and the sampler, in every mode (each id once, in the vocabulary;
+     log-probabilities stay the raw logits'); 0 entries (default) = none */
+  int32_t n_logit_bias;
+  const int32_t* logit_bias_ids;
+  const float* logit_bias_values;
 } dfl_gen_params;
 
 dfl_gen_params dfl_gen_default_params(void);

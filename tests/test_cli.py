@@ -138,6 +138,15 @@ def test_generate_penalty_flags(pair):
     assert pen == want and pen != plain
     bad = run(*args, "--repeat-penalty", "0")
     assert bad.returncode != 0 and "repeat_penalty" in bad.stderr
+    # --logit-bias in llama.cpp's spelling (and JSON): the engine's tokens with the same bias
+    biased = json.loads(run(*args, "--logit-bias", f"{plain[0]}-100,{plain[3]}-5").stdout)["tokens"]
+    as_json = json.loads(run(*args, "--logit-bias", json.dumps({str(plain[0]): -100, str(plain[3]): -5})).stdout)
+    with Decoder(pair[0], pair[1], device="cpu", threads=2) as d:
+        want = d.generate("import os\nimport sys\nimport ", 24, ignore_eos=True, mode="ar",
+                          logit_bias={plain[0]: -100, plain[3]: -5}).tokens
+    assert biased == as_json["tokens"] == want and plain[0] not in biased
+    bad = run(*args, "--logit-bias", "5*2")
+    assert bad.returncode != 0 and "logit_bias" in bad.stderr
 
 
 def test_auto_says_why_it_verified_no_tree():

@@ -325,6 +325,12 @@ def test_openai_fields_honoured_or_refused(daemon, local):
                                   response_format={"type": "text"}, tools=None,
                                   extra_body={"ignore_eos": True, "logit_bias": {}, "metadata": {"k": "v"}})
     assert r.choices[0].message.model_dump(exclude_none=True) == want
+    # a logit bias: honoured, the in-process reply with the same bias
+    banned = local.generate(msgs, 8, chat=True, ignore_eos=True, cache=False).tokens[:2]
+    biased = local.generate(msgs, 8, chat=True, ignore_eos=True, cache=False,
+                            logit_bias={t: -100 for t in banned}).message
+    r = c.chat.completions.create(**base, logit_bias={str(t): -100 for t in banned}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.model_dump(exclude_none=True) == biased != want
     two = c.chat.completions.create(**base, n=2, extra_body={"ignore_eos": True})   # n choices: greedy, equal
     assert [ch.index for ch in two.choices] == [0, 1]
     assert all(ch.message.model_dump(exclude_none=True) == want for ch in two.choices)
@@ -346,7 +352,7 @@ def test_openai_fields_honoured_or_refused(daemon, local):
             c.chat.completions.create(**base, response_format=bad)
     refused = {"top_logprobs": dict(top_logprobs=2),
                "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
-               "logit_bias": dict(logit_bias={"5": 10}), "frobnicate": dict(extra_body={"frobnicate": 1}),
+               "logit_bias": dict(logit_bias={"5": 101}), "frobnicate": dict(extra_body={"frobnicate": 1}),
                "n": dict(n=65)}
     for field, kw in refused.items():
         with pytest.raises(openai.BadRequestError, match=field.split("=")[0]):

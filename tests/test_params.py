@@ -13,6 +13,8 @@ from dflash27b.params import GenParams, SettingError
 
 ROOT = Path(__file__).resolve().parent.parent
 RESOLVED_BY_DECODER = {"mode", "block_size", "n_eos", "eos_ids"}  # from the drafter and the tokenizer
+# GenParams.logit_bias, as two arrays the context handle fills (Context.begin)
+ARRAYS = {"n_logit_bias", "logit_bias_ids", "logit_bias_values"}
 
 
 def _c_members() -> set[str]:
@@ -25,7 +27,7 @@ def _c_members() -> set[str]:
 
 def test_every_c_member_comes_from_genparams():
     from_params = set(GenParams().with_(seed=1).c_fields())
-    assert from_params | RESOLVED_BY_DECODER == _c_members()
+    assert from_params | RESOLVED_BY_DECODER | ARRAYS == _c_members()
     ffi, lib = load()
     gp = ffi.new("dfl_gen_params*", lib.dfl_gen_default_params())
     for member, value in GenParams(seed=7, logprobs=3, temperature=0.5).c_fields().items():

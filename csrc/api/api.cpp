@@ -380,6 +380,15 @@ int dfl_generate_begin_keep(dfl_context* c, const int32_t* prompt, int32_t n_pro
       if (p->tree_scores != 0 && p->tree_scores != 1)
         dfl::fail("tree_scores must be 0 (the selector's) or 1 (the draft probabilities'), got %d", p->tree_scores);
       gp.tree.scores = (dfl::TreeParams::Scores)p->tree_scores;
+      if (p->n_logit_bias < 0) dfl::fail("n_logit_bias must be >= 0 (got %d)", p->n_logit_bias);
+      if (p->n_logit_bias > 0) {
+        need(p->logit_bias_ids, "logit_bias_ids");
+        need(p->logit_bias_values, "logit_bias_values");
+        for (int32_t i = 0; i < p->n_logit_bias; ++i)
+          gp.sampler.logit_bias.emplace_back(p->logit_bias_ids[i], p->logit_bias_values[i]);
+        std::sort(gp.sampler.logit_bias.begin(), gp.sampler.logit_bias.end(),
+                  [](const auto& a, const auto& b) { return a.first < b.first; });  // (a repeated id is refused)
+      }
       if (p->n_eos > 0) {
         need(p->eos_ids, "eos_ids");
         gp.eos_ids.assign(p->eos_ids, p->eos_ids + p->n_eos);

@@ -82,7 +82,7 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
     fail("prompt of %d tokens does not fit the context length %d (leave room for at least one new token)",
          n_prompt, ctx_.params().n_ctx);
   if (p.max_new_tokens < 0) fail("max_new_tokens must be >= 0 (got %d)", p.max_new_tokens);
-  validate_sampler(p.sampler);
+  validate_sampler(p.sampler, c.n_vocab);
   block_ = 1;
   if (p.mode == DecodeMode::DDTree || p.mode == DecodeMode::Auto) {
     const bool is_auto = p.mode == DecodeMode::Auto;
@@ -218,11 +218,16 @@ int32_t Generator::pick(const float* row, int64_t pos, const int32_t* extra, int
     if (!any) fail("the constraint allows no token at position %lld", (long long)pos);
     row = row_scratch_.data();
   }
+  if (p_.sampler.biased()) {  // then the bias, as every position's row gets it (before the penalties)
+    if (!mask) row_scratch_.assign(row, row + V);
+    for (const auto& [t, b] : p_.sampler.logit_bias) row_scratch_[(size_t)t] += b;
+    row = row_scratch_.data();
+  }
   if (!p_.sampler.penalized()) return sample_token(row, V, p_.sampler, pos, sample_scratch_);
   // the node's own sequence: the committed tokens, then its ancestors and itself
   const size_t n0 = hist_.size();
   hist_.insert(hist_.end(), extra, extra + n_extra);
-  if (!mask) row_scratch_.assign(row, row + V);
+  if (!mask && !p_.sampler.biased()) row_scratch_.assign(row, row + V);
   apply_penalties(row_scratch_.data(), V, p_.sampler, hist_.data(), hist_.size(), penalty_scratch_);
   hist_.resize(n0);
   return sample_token(row_scratch_.data(), V, p_.sampler, pos, sample_scratch_);

@@ -209,7 +209,7 @@ class Generator {
   int32_t pick(const float* row, int64_t pos, const int32_t* extra = nullptr, int n_extra = 0,
                const uint32_t* mask = nullptr);
   // Whole logits rows must come back (sampling, penalties or a constraint), not just the device's top-k.
-  bool need_rows() const { return !greedy() || p_.sampler.penalized() || constraint_; }
+  bool need_rows() const { return !greedy() || p_.sampler.penalized() || p_.sampler.biased() || constraint_; }
   // The constraint's masks for the step's chain (tokens_ / parent_ / depth_), pruned as constrain_tree does
   // (trees go through constrain_tree directly, before auto prices them).
   void constrain_step(StepRecord& rec);

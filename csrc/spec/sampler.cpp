@@ -8,7 +8,7 @@
 
 namespace dfl {
 
-void validate_sampler(const SamplerParams& p) {
+void validate_sampler(const SamplerParams& p, int n_vocab) {
   if (!(p.temperature >= 0.f) || !std::isfinite(p.temperature))
     fail("temperature must be a finite number >= 0 (got %g)", (double)p.temperature);
   if (p.top_k < 0) fail("top_k must be >= 0 (0 = off; got %d)", p.top_k);
@@ -20,6 +20,13 @@ void validate_sampler(const SamplerParams& p) {
   if (!std::isfinite(p.frequency_penalty)) fail("frequency_penalty must be a finite number (got %g)", (double)p.frequency_penalty);
   if (!std::isfinite(p.presence_penalty)) fail("presence_penalty must be a finite number (got %g)", (double)p.presence_penalty);
   if (p.repeat_last_n < -1) fail("repeat_last_n must be >= -1 (-1 = the whole sequence, 0 = off; got %d)", p.repeat_last_n);
+  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
+    const auto [t, b] = p.logit_bias[i];
+    if (t < 0 || (n_vocab > 0 && t >= n_vocab))
+      fail("logit_bias token id %d is outside the vocabulary (0..%d)", t, n_vocab - 1);
+    if (!std::isfinite(b)) fail("logit_bias of token %d must be a finite number (got %g)", t, (double)b);
+    if (i > 0 && t <= p.logit_bias[i - 1].first) fail("logit_bias gives token %d twice", t);
+  }
 }
 
 void apply_penalties(float* logits, int n_vocab, const SamplerParams& p, const int32_t* hist, size_t n_hist,

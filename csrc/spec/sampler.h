@@ -1,6 +1,7 @@
 // sampler.h — sampling the target's logits, with counter-based randomness.
 //
-// Filters in llama.cpp's default order and semantics: top-k, then top-p, then
+// A logit bias first (llama.cpp's logit-bias sampler, OpenAI's logit_bias), then the penalties, then the
+// filters in llama.cpp's default order and semantics: top-k, then top-p, then
 // min-p (each on the softmax of the surviving logits at temperature 1), then
 // temperature, then a draw.  temperature <= 0 means greedy (argmax, lowest id
 // on ties).  The uniform number for the token at absolute position `pos` is a
@@ -31,14 +32,17 @@ struct SamplerParams {
   float frequency_penalty = 0.f;  // 0: off
   float presence_penalty = 0.f;   // 0: off
   int repeat_last_n = 64;
+  // Added to the logit of each token before everything else: (token, bias), tokens ascending, each once.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   bool greedy() const { return !(temperature > 0.f); }
+  bool biased() const { return !logit_bias.empty(); }
   bool penalized() const {
     return repeat_last_n != 0 && (repeat_penalty != 1.f || frequency_penalty != 0.f || presence_penalty != 0.f);
   }
 };
 
-// Throws a one-line dfl::Error naming the bad parameter.
-void validate_sampler(const SamplerParams& p);
+// Throws a one-line dfl::Error naming the bad parameter (n_vocab: the token ids' range; 0 = unchecked).
+void validate_sampler(const SamplerParams& p, int n_vocab = 0);
 
 // Uniform in [0, 1) for the token at absolute position pos (SplitMix64-style hash).
 double position_uniform(uint64_t seed, int64_t pos);

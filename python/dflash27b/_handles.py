@@ -347,9 +347,10 @@ class Context:
     def begin(self, prompt, params, eos_ids, mode: int, block_size: int, n_keep: int = 0) -> None:
         """Starts a decode with a GenParams (params.py) whose seed is resolved; mode and block size as the
         Decoder resolved them.  n_keep: prompt tokens the context already holds (a prefix-cache hit)."""
-        self._begin(prompt, eos_ids, n_keep, {**params.c_fields(), "mode": mode, "block_size": block_size})
+        self._begin(prompt, eos_ids, n_keep, {**params.c_fields(), "mode": mode, "block_size": block_size},
+                    params.logit_bias)
 
-    def _begin(self, prompt, eos_ids, n_keep: int, c_fields: dict) -> None:
+    def _begin(self, prompt, eos_ids, n_keep: int, c_fields: dict, logit_bias: dict | None = None) -> None:
         ffi = self._ffi
         prompt = _i32(prompt)
         if len(prompt) == 0:
@@ -359,6 +360,11 @@ class Context:
         gp.n_eos, gp.eos_ids = len(self._eos), self._p(self._eos)
         for k, v in c_fields.items():  # dfl_gen_params members by name
             setattr(gp, k, v)
+        if logit_bias:   # (the arrays live on self: the core copies them at begin)
+            self._bias = (_i32(list(logit_bias)), np.asarray(list(logit_bias.values()), np.float32))
+            gp.n_logit_bias = len(logit_bias)
+            gp.logit_bias_ids = self._p(self._bias[0])
+            gp.logit_bias_values = ffi.cast("float*", self._bias[1].ctypes.data)
         check(self._lib.dfl_generate_begin_keep(self.handle, self._p(prompt), len(prompt), n_keep, gp))
         self._buf = np.empty(max(256, gp.block_size + 1, gp.tree_budget + 2), np.int32)
 

@@ -42,7 +42,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 # engine fields a body may carry besides OpenAI's (openai client: extra_body): every generation setting
 # (GenParams, its old spellings too) but those OpenAI names itself, and the protocol's cache_prompt and timeout
-_OPENAI_SPELLED = {"max_new_tokens", "logprobs", "temperature", "top_p", "seed"}
+_OPENAI_SPELLED = {"max_new_tokens", "logprobs", "temperature", "top_p", "seed", "logit_bias"}
 _EXTRA = tuple(n for n in (*GenParams.names(), *GenParams.aliases()) if n not in _OPENAI_SPELLED) + \
     ("cache_prompt", "timeout")
 
@@ -50,7 +50,7 @@ _EXTRA = tuple(n for n in (*GenParams.names(), *GenParams.aliases()) if n not in
 # with HTTP 400 naming it (docs/PROTOCOL.md has the table).  Unknown fields are refused too.
 _HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
              "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-             "return_tokens_as_token_ids", "response_format", "chat_template_kwargs"} | set(_EXTRA)
+             "return_tokens_as_token_ids", "response_format", "chat_template_kwargs", "logit_bias"} | set(_EXTRA)
 # no-ops, with the type OpenAI gives them (a wrong type is still a 400)
 _NO_OP = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "true or false"),
           "service_tier": (str, "a string")}
@@ -61,7 +61,6 @@ _TYPED = {"model": (str, "a string"), "stream": (bool, "true or false"),
 def _neutral(k: str, v) -> bool:
     """Values of the not-honoured fields that ask for nothing (so the answer cannot change)."""
     return {
-        "logit_bias": v == {},
         "functions": v == [],
         "function_call": v == "none",
         "echo": v is False,
@@ -71,8 +70,7 @@ def _neutral(k: str, v) -> bool:
     }.get(k, False)
 
 
-_WHY = {"logit_bias": "logit biases are not applied",
-        "functions": "function calls are not supported", "function_call": "function calls are not supported",
+_WHY = {"functions": "function calls are not supported", "function_call": "function calls are not supported",
         "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
         "best_of": "only best_of=1 is supported", "modalities": "only [\"text\"] output is supported"}
 
@@ -257,7 +255,7 @@ def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
             req["max_new_tokens"], names["max_new_tokens"] = body[k], k
     # OpenAI's default temperature is 1.0 (sampling); pass temperature=0 for greedy, exact decoding
     req["temperature"] = body.get("temperature", 1.0)
-    for k in ("top_p", "seed", "stop", "chat_template_kwargs", *_EXTRA):
+    for k in ("top_p", "seed", "stop", "chat_template_kwargs", "logit_bias", *_EXTRA):
         if k in body:
             req[k] = body[k]
     if "response_format" in body:

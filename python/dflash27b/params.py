@@ -126,6 +126,45 @@ def _tool_choice(name, v):
                        "{\"name\": ...}}", v)
 
 
+LOGIT_BIAS_MAX = 100.0   # OpenAI's range: -100 all but bans a token, +100 all but forces it
+
+
+def _logit_bias(name, v):
+    """{token id: bias} (OpenAI's logit_bias; JSON keys are strings), its JSON text, or llama.cpp's
+    --logit-bias spelling "ID+BIAS,ID-BIAS": normalised to {int: float}, ids ascending."""
+    if v is None:
+        return None
+    what = "{token id: bias} with biases in [-100, 100] (or llama.cpp's \"ID+BIAS,ID-BIAS\")"
+    if isinstance(v, str):
+        text = v.strip()
+        if text.startswith("{"):
+            import json
+            try:
+                v = json.loads(text)
+            except json.JSONDecodeError:
+                raise SettingError(name, what, v) from None
+        else:
+            import re
+            pairs = {}
+            for part in filter(None, (p.strip() for p in text.split(","))):
+                m = re.fullmatch(r"(\d+)\s*([+-]\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)", part)
+                if not m or m.group(1) in pairs:
+                    raise SettingError(name, what, v)
+                pairs[m.group(1)] = float(m.group(2).replace(" ", ""))
+            v = pairs
+    if not isinstance(v, Mapping):
+        raise SettingError(name, what, v)
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        tid = k if _is_int(k) else int(k) if isinstance(k, str) and k.strip().isdigit() else None
+        if tid is None or tid < 0 or tid > INT32_MAX or tid in out:
+            raise SettingError(name, what, v, plain=f"{what}: bad token id {k!r}")
+        if not _is_num(b) or abs(b) > LOGIT_BIAS_MAX:
+            raise SettingError(name, what, v, plain=f"{what}: bad bias {b!r} for token {tid}")
+        out[tid] = float(b)
+    return dict(sorted(out.items())) or None
+
+
 def _setting(default, check: Callable, help: str, *, c: str | None = None, cli: tuple[str, ...] = (),
              to_c: Callable | None = None, aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
              text_or_file: bool = False):
@@ -181,6 +220,10 @@ class GenParams:
     presence_penalty: float = _setting(0.0, _num("a number (0 = off)", lambda v: True),
                                        "subtract this from seen tokens' logits", c="presence_penalty",
                                        cli=("--presence-penalty",))
+    logit_bias: dict | None = _setting(None, _logit_bias, "add a bias to tokens' logits before the penalties and "
+                                       "the sampler: {token id: bias} as JSON, or llama.cpp's \"ID+BIAS,ID-BIAS\" "
+                                       "(biases in [-100, 100]; -100 all but bans a token)", cli=("--logit-bias",),
+                                       text_or_file=True)
     logprobs: int | None = _setting(None, _int(0, 20, optional=True), "record each token's log-probability and "
                                     "its k most likely alternatives", c="n_logprobs",
                                     to_c=lambda v: -1 if v is None else v)
