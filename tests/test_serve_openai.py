@@ -193,6 +193,34 @@ def test_n_streamed_chat_choices_equal_the_whole_ones(dp):
     assert usage["choices"] == [] and [usage["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
 
 
+
+def test_a_batch_of_prompts_gives_n_choices_each_in_order(dp, local):
+    """A completions batch (prompt: a list of prompts, as lm-evaluation-harness sends): n choices for each, in
+    prompt order (choice index = prompt * n + j), each the prompt alone with seed + j; the usage counts every
+    prompt once."""
+    prompts = ["def fibonacci(n):", "import os", [5, 6, 7]]
+    body = {"prompt": prompts, "max_tokens": 6, "temperature": 0.7, "seed": 2, "n": 2, "ignore_eos": True}
+    r = httpx.post(dp.url + "/v1/completions", json=body, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    want = [local.generate(p, 6, temperature=0.7, seed=2 + j, ignore_eos=True, cache=False).text
+            for p in prompts for j in range(2)]
+    assert [c["text"] for c in r["choices"]] == want
+    n_prompt = sum(len(local.tokenize(p)) if isinstance(p, str) else len(p) for p in prompts)
+    assert r["usage"]["prompt_tokens"] == n_prompt and r["usage"]["completion_tokens"] == 36
+    with httpx.stream("POST", dp.url + "/v1/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        events = sse_events(s.iter_lines())
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(6)] == want
+    assert events[-2]["usage"]["prompt_tokens"] == n_prompt
+
+
+@pytest.mark.parametrize("prompt, n, needle", [
+    ([[]], 1, "'prompt'"), ([], 1, "'prompt'"), (["a", 5], 1, "'prompt'"), (["x"] * 5, 64, "256 requests")])
+def test_bad_batches_are_refused(dp, prompt, n, needle):
+    _refused(httpx.post(dp.url + "/v1/completions", json={"prompt": prompt, "n": n, "max_tokens": 2}, timeout=30),
+             needle)
+
 def test_n_greedy_choices_are_equal(dp):
     r = httpx.post(dp.url + "/v1/completions", json={"prompt": "import os", "max_tokens": 8, "temperature": 0,
                                                       "n": 2}, timeout=60).json()

@@ -102,8 +102,10 @@ class Shape:
     n: int = 1                # choices: n requests, decoded in slots as the daemon's --parallel allows
 
 
-# choices one request may ask for (each is a queued request of its own)
+# choices one request may ask for, and queued requests in all (a batch of prompts times n): each is a request of
+# its own in the daemon's queue
 MAX_CHOICES = 64
+MAX_REQUESTS = 256
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -183,14 +185,20 @@ def _chat_messages(msgs) -> list[dict]:
     return out
 
 
-def _prompt(p) -> dict:
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]   # one prompt given as a batch of one
-    if isinstance(p, str):
-        return {"prompt": p}
-    if isinstance(p, list) and p and all(_typed(t, int) for t in p):
-        return {"prompt_ids": p}
-    raise _fail("'prompt' must be a string or a list of token ids (one prompt per request)")
+def _prompts(p) -> list[dict]:
+    """A completion's prompt: a string, a list of token ids, or a batch (a list of either), one request each."""
+    def one(q):
+        if isinstance(q, str):
+            return {"prompt": q}
+        if isinstance(q, list) and q and all(_typed(t, int) for t in q):
+            return {"prompt_ids": q}
+        return None
+    if (single := one(p)) is not None:
+        return [single]
+    batch = [one(q) for q in p] if isinstance(p, list) and p and all(isinstance(q, (str, list)) for q in p) else [None]
+    if None in batch:
+        raise _fail("'prompt' must be a string, a list of token ids, or a batch: a list of either")
+    return batch
 
 
 def _logprobs(body: dict, chat: bool) -> dict:
@@ -237,8 +245,9 @@ def _response_format(v) -> dict:
                 "{\"type\": \"json_schema\", \"json_schema\": {...}}")
 
 
-def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
-    """An OpenAI request body -> (a validated daemon generate request, how to write the reply)."""
+def to_engine(body: dict, chat: bool) -> tuple[list[dict], Shape]:
+    """An OpenAI request body -> (validated daemon generate requests: one, or one per prompt of a completions
+    batch; how to write the reply)."""
     body = {k: v for k, v in body.items() if v is not None}   # OpenAI: null = not given
     _check_fields(body, chat)
     shape = _stream_shape(body, chat)
@@ -247,7 +256,10 @@ def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
     else:
         if "prompt" not in body:
             raise _fail("'prompt' is required")
-        req = _prompt(body["prompt"])
+        prompts = _prompts(body["prompt"])
+        if len(prompts) * shape.n > MAX_REQUESTS:
+            raise _fail(f"{len(prompts)} prompts x n={shape.n} choices is more than {MAX_REQUESTS} requests")
+        req = prompts[0]
     req.update(_logprobs(body, chat))
     names = {}
     for k in ("max_tokens", "max_completion_tokens"):   # the newer name wins where both are given
@@ -264,7 +276,10 @@ def to_engine(body: dict, chat: bool) -> tuple[dict, Shape]:
             raise _fail("'response_format' and 'json_schema' / 'grammar' ask for two constraints: give one")
         req.update(rf)
     req["stream"] = shape.stream
-    return parse_generate(req, names), shape
+    if chat:
+        return [parse_generate(req, names)], shape
+    base = {k: v for k, v in req.items() if k not in ("prompt", "prompt_ids")}
+    return [parse_generate({**base, **p}, names) for p in prompts], shape
 
 
 # -- replies ----------------------------------------------------------------------------------------------------
@@ -384,21 +399,23 @@ class Reply:
                 "dflash27b": _ours(done["stats"])}
 
 
-def _usage_of(stats: list[dict]) -> dict:
-    """The usage of a request's choices: its prompt once, every choice's tokens."""
-    u = _usage(stats[0])
-    u["completion_tokens"] = sum(s["generated_tokens"] for s in stats)
-    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
-    return u
+def _usage_of(stats: list[dict], n: int) -> dict:
+    """The usage of a request's choices (n per prompt, prompt by prompt): each prompt once, every choice's tokens."""
+    firsts = stats[::n]
+    prompt = sum(s["prompt_tokens"] for s in firsts)
+    completion = sum(s["generated_tokens"] for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.get("cached_tokens", 0) for s in firsts)}}
 
 
 def _body_of(replies: list[Reply], done: list[dict]) -> dict:
-    """One response for n choices: each choice's own body, one usage; our stats per choice (a list when n > 1)."""
+    """One response for every choice (n per prompt; a completions batch prompt by prompt): each choice's own
+    body, one usage; our stats per choice (a list when there are several)."""
     bodies = [r.body(d) for r, d in zip(replies, done)]
     out = bodies[0]
     if len(bodies) > 1:
         out["choices"] = [b["choices"][0] for b in bodies]
-        out["usage"] = _usage_of([d["stats"] for d in done])
+        out["usage"] = _usage_of([d["stats"] for d in done], replies[0].shape.n)
         out["dflash27b"] = [b["dflash27b"] for b in bodies]
     return out
 
@@ -518,7 +535,7 @@ class EventStream:
                     yield sse({"error": {"message": ev["message"], "type": "server_error" if code >= 500 else
                                          "invalid_request_error", "code": code}})
         if replies[0].shape.include_usage and not failed and all(s is not None for s in stats):
-            yield replies[0].usage_chunk(_usage_of(stats))
+            yield replies[0].usage_chunk(_usage_of(stats, replies[0].shape.n))
         yield b"data: [DONE]\n\n"
 
 
@@ -558,10 +575,14 @@ class OpenAIFront:
         return await self._completion(request, chat=False)
 
     async def _completion(self, request: Request, chat: bool):
+        jobs: list[Job] = []
         try:
-            params, shape = to_engine(await self._json_body(request), chat)
-            jobs = await self.daemon.admit_choices(params, shape.n)
+            batch, shape = to_engine(await self._json_body(request), chat)
+            for params in batch:   # prompt by prompt, n choices each: choice index = prompt * n + j
+                jobs += await self.daemon.admit_choices(params, shape.n)
         except RequestError as e:
+            for job in jobs:   # (a later prompt refused: the queued ones would go unread)
+                job.cancel(CHOICE_FAILED)
             return _request_error(e)
         try:
             first = jobs[0].params
