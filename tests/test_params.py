@@ -99,7 +99,7 @@ def test_typical_p_speculative_equals_ar_and_reaches_every_front(pair):
     from dflash27b.http_api import to_engine
     from dflash27b.serve_protocol import RequestError, parse_generate
     assert parse_generate({"prompt": "x", "typical_p": 0.5})["params"].typical_p == 0.5
-    req, _ = to_engine({"prompt": "x", "typical_p": 0.5, "max_tokens": 3}, chat=False)
+    (req,), _ = to_engine({"prompt": "x", "typical_p": 0.5, "max_tokens": 3}, chat=False)
     assert req["params"].typical_p == 0.5 and req["params"].max_new_tokens == 3
     with pytest.raises(RequestError, match="'typical_p' must be a number in \\(0, 1\\]"):
         parse_generate({"prompt": "x", "typical_p": 0})

@@ -221,6 +221,41 @@ def test_bad_batches_are_refused(dp, prompt, n, needle):
     _refused(httpx.post(dp.url + "/v1/completions", json={"prompt": prompt, "n": n, "max_tokens": 2}, timeout=30),
              needle)
 
+
+def test_echo_returns_the_prompt_and_its_logprobs(dp, local):
+    """echo (completions): the prompt's text before the reply's; with logprobs, every prompt token's
+    log-probability given the ones before it (the first: null), as lm-evaluation-harness's loglikelihood asks
+    (a batch of token-id prompts, max_tokens 0, logprobs 1): the log-softmax of the raw logits, as the reply's."""
+    prompt = "def fibonacci(n):\n    if n < 2:"
+    r = httpx.post(dp.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                      "echo": True, "ignore_eos": True}, timeout=60).json()
+    want = local.generate(prompt, 5, ignore_eos=True, cache=False)
+    assert r["choices"][0]["text"] == prompt + want.text
+    batch = [local.tokenize(prompt), local.tokenize("import os\nimport sys")]
+    r = httpx.post(dp.url + "/v1/completions", json={"prompt": batch, "max_tokens": 0, "temperature": 0,
+                                                      "echo": True, "logprobs": 1}, timeout=60).json()
+    for ids, c in zip(batch, r["choices"]):
+        lp = c["logprobs"]
+        assert c["text"] == local.detokenize(ids) and len(lp["tokens"]) == len(ids)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        ref = local.prompt_logprobs(ids, 1)
+        assert lp["token_logprobs"][1:] == pytest.approx([e["logprob"] for e in ref[1:]], abs=1e-6)
+        assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # the prompt's logprobs then the reply's, streamed as whole; the reply's equal the plain request's
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2, "ignore_eos": True}
+    whole = httpx.post(dp.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    plain = httpx.post(dp.url + "/v1/completions", json={**body, "echo": False}, timeout=60).json()["choices"][0]
+    n_prompt = len(local.tokenize(prompt))
+    assert whole["logprobs"]["token_logprobs"][n_prompt:] == plain["logprobs"]["token_logprobs"]
+    assert whole["text"] == prompt + plain["text"]
+    with httpx.stream("POST", dp.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [e for e in sse_events(s.iter_lines()) if isinstance(e, dict) and e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    streamed = [x for c in chunks if c["choices"][0]["logprobs"] for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == whole["logprobs"]["token_logprobs"]
+    _refused(_chat(dp, echo=True), "echo")
+
 def test_n_greedy_choices_are_equal(dp):
     r = httpx.post(dp.url + "/v1/completions", json={"prompt": "import os", "max_tokens": 8, "temperature": 0,
                                                       "n": 2}, timeout=60).json()

@@ -338,6 +338,10 @@ class DecodeService:
         return stats
 
 
+class _Stopped(Exception):
+    """A job cancelled between the chunks of its prompt's log-probabilities."""
+
+
 class _JobRun:
     """One running job on a slot: its prompt prefilled by start(), then each batched step's tokens fed in
     (stop strings, streamed events), and its terminal event from end()."""
@@ -351,6 +355,7 @@ class _JobRun:
         self.stopped = self.cancelled = False
         self.error: dict | None = None
         self.want_lp = p["params"].logprobs is not None
+        self.prompt_lps: list[dict] | None = None   # asked with prompt_logprobs: computed before the prefill
         self.steps = None
 
     def start(self, between_chunks: Callable[[], None] | None = None) -> bool:
@@ -371,6 +376,21 @@ class _JobRun:
             if job.stop_requested():   # cancelled between the queue and its slot
                 self.cancelled = True
                 return False
+            if p.get("prompt_logprobs") is not None:
+                # a forward of its own over the prompt (every row's logits), the others stepping between its
+                # chunks as between a prefill's; a cancel ends it at the next chunk
+                def between() -> None:
+                    if job.stop_requested():
+                        raise _Stopped
+                    if between_chunks is not None:
+                        between_chunks()
+                try:
+                    self.prompt_lps = self.view.prompt_logprobs(p["prompt_ids"], p["prompt_logprobs"], between)
+                except _Stopped:
+                    self.cancelled = True
+                    return False
+                if p["stream"]:
+                    job.emit({"event": "prompt_logprobs", "logprobs": self.prompt_lps})
             self.steps = self.view.stream_ids(p["prompt_ids"], params=p["params"], cache=p.get("cache_prompt", True),
                                               on_prefill=on_prefill,
                                               history=p.get("history"))
@@ -434,4 +454,6 @@ class _JobRun:
             done["message"] = view.reply_message(stop.text, p["params"])
         if self.want_lp:
             done["logprobs"] = view.last_logprobs()[:len(self.tokens)]
+        if self.prompt_lps is not None:
+            done["prompt_logprobs"] = self.prompt_lps
         return svc._early_end(job, done) if cancelled else done

@@ -688,6 +688,39 @@ class Decoder:
         self._ctx.reset()
         return lg
 
+    def prompt_logprobs(self, token_ids: Sequence[int], k: int = 0, between_chunks=None) -> list[dict]:
+        """Each token's log-probability given the tokens before it (the first token has none: logprob and top
+        None), with its k most likely alternatives (descending, lower id first on ties): the log-softmax of the
+        target's raw logits, from a fresh state, 64 positions' rows at a time (between_chunks() after each).
+        What OpenAI's echo with logprobs and vLLM's prompt_logprobs return; it leaves the context reset."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise DFlashError("prompt_logprobs() needs at least one token")
+        if len(ids) > self.n_ctx:
+            raise DFlashError(f"{len(ids)} tokens do not fit the context length {self.n_ctx}")
+        out = [{"token": ids[0], "logprob": None, "top": None}]
+        step = max(1, min(64, self._batch))
+        self._ctx.reset()
+        try:
+            for s in range(0, len(ids) - 1, step):   # rows s.. predict tokens s + 1..
+                chunk = ids[s:min(s + step, len(ids) - 1)]
+                lg, _ = self._ctx.forward(chunk)
+                x = lg.astype(np.float64)
+                mx = x.max(axis=1)
+                lse = mx + np.log(np.exp(x - mx[:, None]).sum(axis=1))
+                for r, t in enumerate(ids[s + 1:s + 1 + len(chunk)]):
+                    e = {"token": t, "logprob": float(x[r, t] - lse[r]), "top": []}
+                    if k > 0:
+                        kth = np.partition(lg[r], lg.shape[1] - k)[lg.shape[1] - k] if k < lg.shape[1] else -np.inf
+                        cand = sorted(np.flatnonzero(lg[r] >= kth).tolist(), key=lambda i: (-lg[r, i], i))[:k]
+                        e["top"] = [(int(i), float(x[r, i] - lse[r])) for i in cand]
+                    out.append(e)
+                if between_chunks is not None:
+                    between_chunks()
+        finally:
+            self._ctx.reset()
+        return out
+
     def hidden_states(self, token_ids: Sequence[int], layers: Sequence[int]) -> np.ndarray:
         """float32 [n, len(layers), n_embd]: residual stream after each layer, from a fresh state."""
         ids = self._prompt_ids(list(token_ids), chat=False)

@@ -100,6 +100,7 @@ class Shape:
     include_usage: bool = False
     token_ids: bool = False   # vLLM's return_tokens_as_token_ids: tokens spelled "token_id:N"
     n: int = 1                # choices: n requests, decoded in slots as the daemon's --parallel allows
+    echo: bool = False        # completions: the prompt's text (and log-probabilities) before the reply's
 
 
 # choices one request may ask for, and queued requests in all (a batch of prompts times n): each is a request of
@@ -110,7 +111,10 @@ MAX_REQUESTS = 256
 
 def _check_fields(body: dict, chat: bool) -> None:
     for k, v in body.items():
-        if k in _NO_OP or k in _TYPED:
+        if k == "echo" and not chat:   # honoured on completions
+            if not isinstance(v, bool):
+                raise _fail("'echo' must be true or false")
+        elif k in _NO_OP or k in _TYPED:
             t, what = _NO_OP.get(k) or _TYPED[k]
             if not _typed(v, t):
                 raise _fail(f"'{k}' must be {what}")
@@ -131,7 +135,7 @@ def _check_fields(body: dict, chat: bool) -> None:
 
 def _stream_shape(body: dict, chat: bool) -> Shape:
     shape = Shape(chat, stream=body.get("stream", False), token_ids=body.get("return_tokens_as_token_ids", False),
-                  n=body.get("n", 1))
+                  n=body.get("n", 1), echo=not chat and body.get("echo", False))
     so = body.get("stream_options")
     if so is not None:
         if not shape.stream:
@@ -261,6 +265,8 @@ def to_engine(body: dict, chat: bool) -> tuple[list[dict], Shape]:
             raise _fail(f"{len(prompts)} prompts x n={shape.n} choices is more than {MAX_REQUESTS} requests")
         req = prompts[0]
     req.update(_logprobs(body, chat))
+    if shape.echo and "logprobs" in req:   # echo with logprobs: every prompt token's too (vLLM's prompt_logprobs)
+        req["prompt_logprobs"] = req["logprobs"]
     names = {}
     for k in ("max_tokens", "max_completion_tokens"):   # the newer name wins where both are given
         if k in body:
@@ -309,6 +315,7 @@ class LogprobShaper:
     "top_logprobs", "text_offset"}.  Offsets run on across the chunks of one reply."""
 
     def __init__(self, tokenizer, shape: Shape):
+        self.tokenizer = tokenizer
         self.spell = TokenSpelling(tokenizer, shape.token_ids)
         self.chat = shape.chat
         self._chars = tokenizer.stream_decoder()   # text offsets count the reply's decoded characters
@@ -321,8 +328,9 @@ class LogprobShaper:
             return {"content": [{**self.spell.entry(e["token"], e["logprob"]),
                                  "top_logprobs": [self.spell.entry(i, p) for i, p in e["top"]]} for e in entries]}
         return {"tokens": [self.spell.text(e["token"]) for e in entries],
-                "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self.spell.text(i): p for i, p in e["top"]} for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],   # (an echoed prompt's first token: null)
+                "top_logprobs": [None if e["top"] is None else {self.spell.text(i): p for i, p in e["top"]}
+                                 for e in entries],
                 "text_offset": [self._advance(e["token"]) for e in entries]}
 
     def _advance(self, t: int) -> int:
@@ -354,6 +362,8 @@ class Reply:
 
     def __init__(self, shape: Shape, model: str, tokenizer, think_open: bool = False, tools=None, index: int = 0):
         self.shape, self.index = shape, index
+        self.echo_text: str | None = None   # echo: the prompt's text, written before the reply's
+        self.echo_logprobs = False          # ... with the prompt tokens' log-probabilities
         # a chat reply: a thinking template's <think> block goes to reasoning_content, tool calls (with tools)
         # to tool_calls
         thinks = template_thinks(tokenizer.chat_template)
@@ -394,7 +404,13 @@ class Reply:
                 fin = _finish(done["stats"]["stop_reason"], bool(msg.get("tool_calls")))
             choice = {"index": self.index, "message": msg, "finish_reason": fin, "logprobs": lps}
         else:
-            choice = {"index": self.index, "text": done["text"], "finish_reason": fin, "logprobs": lps}
+            text = done["text"]
+            if self.echo_text is not None:
+                text = self.echo_text + text
+                if done.get("prompt_logprobs") is not None:   # (the shaper's offsets run over the prompt first)
+                    self.logprobs = LogprobShaper(self.logprobs.tokenizer, self.shape)
+                    lps = self.logprobs(done["prompt_logprobs"] + (done.get("logprobs") or []))
+            choice = {"index": self.index, "text": text, "finish_reason": fin, "logprobs": lps}
         return {**self._head(False), "choices": [choice], "usage": _usage(done["stats"]),
                 "dflash27b": _ours(done["stats"])}
 
@@ -508,12 +524,17 @@ class EventStream:
                 yield r.chunk(None, first=True)
         stats: list[dict | None] = [None] * len(replies)
         failed = False
+        for r in replies:   # echo without log-probabilities: the prompt's text first (with them: when they come)
+            if r.echo_text is not None and not r.echo_logprobs:
+                yield r.chunk(r.echo_text)
         async with contextlib.aclosing(self._events()) as events:
             async for i, ev in events:
                 if failed:
                     continue   # the other choices, cancelled with the first error: drained, not written
                 r = replies[i]
-                if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
+                if ev["event"] == "prompt_logprobs" and r.echo_text is not None:
+                    yield r.chunk(r.echo_text, lps=ev["logprobs"])
+                elif ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
                     if r.split is None:
                         yield r.chunk(ev["text"], lps=ev.get("logprobs"))
                     else:
@@ -596,6 +617,11 @@ class OpenAIFront:
             raise
         for r in replies[1:]:   # one response: one id, one time
             r.id, r.created = replies[0].id, replies[0].created
+        if shape.echo:   # each choice's prompt as the client gave it (token ids: their text)
+            for i, r in enumerate(replies):
+                given = batch[i // shape.n]
+                r.echo_text = given["prompt"] if "prompt" in given else self.decoder.tokenizer.decode(given["prompt_ids"])
+                r.echo_logprobs = "prompt_logprobs" in given
         if shape.stream:
             return EventStream(jobs, replies, self.daemon)
         return await self._result(jobs, replies, request)

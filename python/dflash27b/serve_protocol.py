@@ -174,6 +174,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop": (lambda v: isinstance(v, str) and v != "" or (isinstance(v, list) and len(v) <= 16 and all(
         isinstance(s, str) and s for s in v)), "must be a non-empty string or a list of up to 16 of them"),
     "stream": (lambda v: isinstance(v, bool), "must be true or false"),
+    # vLLM's: every prompt token's log-probability given the ones before it, with k alternatives (0..20), in
+    # the done event (the first token: null); OpenAI's echo with logprobs reads them
+    "prompt_logprobs": _int_in(0, 20),
     # llama-server's name: false decodes without the prefix cache (neither reads nor feeds it)
     "cache_prompt": (lambda v: isinstance(v, bool), "must be true or false"),
     # seconds from arrival to the end of the request, queue wait included (capped by --request-timeout)
