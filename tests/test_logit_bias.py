@@ -80,6 +80,7 @@ def test_spellings(v, ok):
 
 @pytest.mark.parametrize("v, needle", [
     ({"15": 101}, "bad bias 101"), ({"x": 1}, "bad token id 'x'"), ({-1: 1}, "bad token id -1"),
+    ({"\u00b2": 1}, "bad token id"), ({"\u0661\u0665": 1}, "bad token id"),   # digits, but not ASCII ones
     ("15+1,15-2", "ID+BIAS"), ("15*2", "ID+BIAS"), ([1, 2], "token id: bias"), ({"1": float("nan")}, "bad bias"),
 ])
 def test_bad_biases_are_refused_by_name(v, needle):

@@ -405,7 +405,8 @@ class Reply:
             choice = {"index": self.index, "message": msg, "finish_reason": fin, "logprobs": lps}
         else:
             text = done["text"]
-            if self.echo_text is not None:
+            # (echo with logprobs needs the prompt's: a reply cut before they existed is the reply alone)
+            if self.echo_text is not None and (not self.echo_logprobs or done.get("prompt_logprobs") is not None):
                 text = self.echo_text + text
                 if done.get("prompt_logprobs") is not None:   # (the shaper's offsets run over the prompt first)
                     self.logprobs = LogprobShaper(self.logprobs.tokenizer, self.shape)
@@ -601,10 +602,12 @@ class OpenAIFront:
             batch, shape = to_engine(await self._json_body(request), chat)
             for params in batch:   # prompt by prompt, n choices each: choice index = prompt * n + j
                 jobs += await self.daemon.admit_choices(params, shape.n)
-        except RequestError as e:
-            for job in jobs:   # (a later prompt refused: the queued ones would go unread)
+        except BaseException as e:
+            for job in jobs:   # (a later prompt refused or failing: the queued ones would go unread)
                 job.cancel(CHOICE_FAILED)
-            return _request_error(e)
+            if isinstance(e, RequestError):
+                return _request_error(e)
+            raise
         try:
             first = jobs[0].params
             p = first["params"]

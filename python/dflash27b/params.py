@@ -156,7 +156,8 @@ def _logit_bias(name, v):
         raise SettingError(name, what, v)
     out: dict[int, float] = {}
     for k, b in v.items():
-        tid = k if _is_int(k) else int(k) if isinstance(k, str) and k.strip().isdigit() else None
+        tid = k if _is_int(k) else int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() \
+            else None
         if tid is None or tid < 0 or tid > INT32_MAX or tid in out:
             raise SettingError(name, what, v, plain=f"{what}: bad token id {k!r}")
         if not _is_num(b) or abs(b) > LOGIT_BIAS_MAX:
