@@ -41,3 +41,34 @@ def test_bad_logprobs_and_eos(dec):
     assert r.tokens == [] and r.logprobs == []
     r = dec.generate("def f(x):", 6, logprobs=0)
     assert len(r.logprobs) == len(r.tokens) and all(e["top"] == [] for e in r.logprobs)
+
+
+def test_prompt_logprobs_are_the_log_softmax_and_the_decode_goes_on_from_them(dec):
+    """prompt_logprobs: each prompt token's log-softmax given the ones before it (the first: None), k
+    alternatives best first (lower id on ties), 64 rows a chunk; the same values as a reply's own logprobs for
+    its tokens.  With keep, the context holds the prompt but its last token and a decode goes on from there
+    (held=): the same tokens as a decode of the whole prompt, in every mode, its prefill one token."""
+    ids = dec.tokenize("def fibonacci(n):\n" + "    x = x + 1\n" * 30)   # > 64 tokens: two chunks
+    assert len(ids) > 70
+    pl = dec.prompt_logprobs(ids, 3)
+    assert pl[0] == {"token": ids[0], "logprob": None, "top": None} and len(pl) == len(ids)
+    rows = dec.logits(ids).astype(np.float64)[:-1]
+    ref = rows - rows.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    assert max(abs(e["logprob"] - ref[i, e["token"]]) for i, e in enumerate(pl[1:])) < 1e-9
+    for i, e in enumerate(pl[1:]):
+        want = sorted(range(rows.shape[1]), key=lambda t: (-rows[i, t], t))[:3]
+        assert [t for t, _ in e["top"]] == want
+    r = dec.generate(ids, 6, ignore_eos=True, mode="ar", logprobs=0, cache=False)
+    tail = dec.prompt_logprobs(ids + r.tokens, 0)[len(ids):]
+    assert [round(e["logprob"], 5) for e in tail] == [round(e["logprob"], 5) for e in r.logprobs]
+    for mode in ("ar", "ddtree", "auto"):
+        kw = dict(mode=mode, ignore_eos=True, cache=False, temperature=0.7, seed=4)
+        want = dec.generate(ids, 16, **kw).tokens
+        dec.prompt_logprobs(ids, 1, keep=True)
+        assert dec.context.n_past == len(ids) - 1
+        got = [t for ts in dec.stream_ids(ids, 16, held=len(ids) - 1, **kw) for t in ts]
+        assert got == want, mode
+        assert dec.last_stats().cached_tokens == 0
+    with pytest.raises(DFlashError, match="the context holds"):
+        list(dec.stream_ids(ids, 2, held=5, cache=False))

@@ -384,16 +384,17 @@ class _JobRun:
                         raise _Stopped
                     if between_chunks is not None:
                         between_chunks()
-                try:
-                    self.prompt_lps = self.view.prompt_logprobs(p["prompt_ids"], p["prompt_logprobs"], between)
+                try:   # (kept: the decode below goes on from the prompt's last token, not the whole prompt again)
+                    self.prompt_lps = self.view.prompt_logprobs(p["prompt_ids"], p["prompt_logprobs"], between,
+                                                                keep=True)
                 except _Stopped:
                     self.cancelled = True
                     return False
                 if p["stream"]:
                     job.emit({"event": "prompt_logprobs", "logprobs": self.prompt_lps})
             self.steps = self.view.stream_ids(p["prompt_ids"], params=p["params"], cache=p.get("cache_prompt", True),
-                                              on_prefill=on_prefill,
-                                              history=p.get("history"))
+                                              on_prefill=on_prefill, history=p.get("history"),
+                                              held=len(p["prompt_ids"]) - 1 if self.prompt_lps is not None else 0)
             return self._take(time.monotonic())   # (the first token: decided with the prefill)
         except Exception as e:  # noqa: BLE001 - every failure becomes the job's terminal event
             self.fail(e)

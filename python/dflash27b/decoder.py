@@ -471,7 +471,7 @@ class Decoder:
 
     def stream_ids(self, prompt: str | Sequence[int] | Sequence[dict], max_new_tokens: int | None = None, *,
                    chat: bool = False, on_prefill=None, cache: bool = True, params: GenParams | None = None,
-                   chat_template_kwargs: dict | None = None, history: int | None = None,
+                   chat_template_kwargs: dict | None = None, history: int | None = None, held: int = 0,
                    **settings) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
         chat: the prompt is a user message or a list of OpenAI messages, rendered by the GGUF's chat template
@@ -480,7 +480,8 @@ class Decoder:
         `on_prefill(done, total)` is called after each prefill chunk; a truthy return cancels.
         cache: use (and feed) the prefix cache when the Decoder has one.  history: prompt tokens that end the
         conversation's history, before the chat template's generation prompt (found here for chat messages):
-        the prefix cache checkpoints there too."""
+        the prefix cache checkpoints there too.  held: the prompt's first tokens the context already holds
+        (prompt_logprobs(keep=True) just ran over them), decoded on from there as after a prefix-cache hit."""
         p = self._settings(params, max_new_tokens, settings)
         mode, bs = self._resolve_mode(p.mode, p.block_size)
         if p.seed is None:  # like llama.cpp's default: a fresh seed, reported in the stats
@@ -491,11 +492,15 @@ class Decoder:
         self._last_mode = (mode, bs, p.budget if mode in ("ddtree", "auto") else 0, p.temperature, p.seed)
         pc = self.prefix_cache if cache else None
         n_keep = 0
-        if pc is not None:
+        if held:   # the context holds the prompt's first `held` tokens (prompt_logprobs(keep=True) ran over them)
+            if not 0 < held < len(ids) or self._ctx.n_past != held:
+                raise DFlashError(f"the context holds {self._ctx.n_past} tokens, not the prompt's first {held}")
+            n_keep = held
+        elif pc is not None:
             ck = pc.lookup(ids)
             if ck is not None:
                 n_keep = pc.restore(self._ctx, ck)
-        self._last_cached = n_keep
+        self._last_cached = 0 if held else n_keep
         self._pre_prefill_s = 0.0
         if history is None and pc is not None and chat and not isinstance(prompt, str) and prompt:
             history = self.history_len(list(prompt), ids, p.tools, chat_template_kwargs)
@@ -688,11 +693,13 @@ class Decoder:
         self._ctx.reset()
         return lg
 
-    def prompt_logprobs(self, token_ids: Sequence[int], k: int = 0, between_chunks=None) -> list[dict]:
+    def prompt_logprobs(self, token_ids: Sequence[int], k: int = 0, between_chunks=None, keep: bool = False) -> list[dict]:
         """Each token's log-probability given the tokens before it (the first token has none: logprob and top
         None), with its k most likely alternatives (descending, lower id first on ties): the log-softmax of the
         target's raw logits, from a fresh state, 64 positions' rows at a time (between_chunks() after each).
-        What OpenAI's echo with logprobs and vLLM's prompt_logprobs return; it leaves the context reset."""
+        What OpenAI's echo with logprobs and vLLM's prompt_logprobs return.  It leaves the context reset, or
+        with keep, holding every token but the last: a decode of the same prompt then starts from there
+        (stream_ids(held=len - 1)) instead of running the prompt again."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise DFlashError("prompt_logprobs() needs at least one token")
@@ -717,7 +724,10 @@ class Decoder:
                     out.append(e)
                 if between_chunks is not None:
                     between_chunks()
-        finally:
+        except BaseException:
+            self._ctx.reset()
+            raise
+        if not keep:
             self._ctx.reset()
         return out
 
