@@ -64,14 +64,14 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   const std::vector<std::pair<int, double>> verify = e.verify_points();  // once per call, not per budget
   // under a constraint a step's masks are host time of that step, an AR step's (the root) and a tree's (every
   // drafted node) alike
-  const double ar = (e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1)) + (e.constrained ? e.mask_ar_s : 0.0);
+  const double ar = (e.ar_s > 0 ? e.ar_s : AutoEstimates::verify_at(verify, 1)) + e.ar_masks_s();
   const double others = std::max(slots, 1) - 1.0;  // the other slots' tokens of the shared step
   best.ar_tok_s = ar > 0 ? (others + 1.0) / ar : 0.0;
   best.budget = 0;
   best.expected = 1.0;
   best.tok_s = best.ar_tok_s;
   bool have = min_budget <= 0;
-  const double fixed = (with_draft ? e.draft_s : 0.0) + e.tree_s + e.commit_s + (e.constrained ? e.mask_tree_s : 0.0);
+  const double fixed = (with_draft ? e.draft_s : 0.0) + e.tree_s + e.commit_s + e.tree_masks_s();
   double accepted = 0;  // expected accepted drafts of the first b nodes
   int deepest = 0;
   for (int b = 1; b <= n; ++b) {
@@ -107,7 +107,7 @@ void LossAllowance::settle(const StepRecord& rec, double ar_s) {
 
 double worst_loss_s(const AutoEstimates& e, int slots) {
   const double verify_extra = std::max(0.0, AutoEstimates::verify_at(e.verify_points(), 2) - e.ar_s);
-  const double mask_extra = e.constrained ? std::max(0.0, e.mask_tree_s - e.mask_ar_s) : 0.0;
+  const double mask_extra = std::max(0.0, e.tree_masks_s() - e.ar_masks_s());
   return std::max(slots, 1) * (e.draft_s + e.tree_s + e.commit_s + verify_extra + mask_extra);
 }
 
@@ -125,7 +125,7 @@ AutoController::Wish AutoController::wish(int remaining, int slots) const {
              (probe_loss_ < 0 || probe_loss_ * std::max(slots, 1) <= kRequestShare * ar_step_s() * remaining)) {
     // (a probe stalls every slot of a shared step: it is spaced and bounded by what it costs them all)
     w.draft = w.probe = true;
-  } else if (e_.draft_s + e_.tree_s + (e_.constrained ? e_.mask_tree_s : 0.0) < kFreeDraftShare * ar_step_s()) {
+  } else if (e_.draft_s + e_.tree_s + e_.tree_masks_s() < kFreeDraftShare * ar_step_s()) {
     // (under a constraint a look's tree is masked before it is priced: its masks count)
     // a drafter that costs next to nothing (prompt lookup) drafts every step: the budget is then chosen on this
     // step's own tree (0 = an AR step), not on the last one's forecast
@@ -208,7 +208,7 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   const double expected_s = have_spec_ && budget > 0
                                 ? e_.draft_at(block_rows_) + e_.tree_s + e_.commit_s +
                                       AutoEstimates::verify_at(e_.verify_points(), budget + 1) +
-                                      (e_.constrained ? e_.mask_tree_s : 0.0)
+                                      e_.tree_masks_s()
                                 : 0.0;
   // learnt for the rows price_block priced (the step's block); a size's first timing is bounded by what its
   // neighbours predict (taken before the new entry exists)

@@ -52,6 +52,9 @@ struct AutoEstimates {
   double mask_ar_s = 0;                   // an AR step's masks (learnt on constrained AR steps, by every drafter)
   double mask_tree_s = 0;                 // this drafter's tree's masks (learnt on its constrained tree steps)
   bool constrained = false;               // the current request has a constraint
+  // what the current request's steps pay for masks: an AR step's, a tree's (0 without a constraint)
+  double ar_masks_s() const { return constrained ? mask_ar_s : 0.0; }
+  double tree_masks_s() const { return constrained ? mask_tree_s : 0.0; }
   // Verify time of n nodes: verify_s (and ar_s at 1 node) interpolated between
   // sizes seen, extrapolated beyond by the last slope.
   std::vector<std::pair<int, double>> verify_points() const;
@@ -179,7 +182,7 @@ class AutoController {
   void observe_ar_masks(double s);
   void set_constrained(bool on) { e_.constrained = on; }
   // An AR step of the current request: the forward, and under a constraint its masks.
-  double ar_step_s() const { return e_.ar_s + (e_.constrained ? e_.mask_ar_s : 0.0); }
+  double ar_step_s() const { return e_.ar_s + e_.ar_masks_s(); }
   // A verify forward of n_nodes (root included) timed outside a step (Generator::measure_verify, at load).
   void observe_verify(int n_nodes, double s);
   // n_learn: the nodes (of depth / logp / on_path) that are this drafter's to learn acceptance from (-1: all

@@ -208,26 +208,28 @@ void Generator::record_logprob(int node, int32_t token) {
 
 int32_t Generator::pick(const float* row, int64_t pos, const int32_t* extra, int n_extra, const uint32_t* mask) {
   const int V = ctx_.model().cfg.n_vocab;
+  // each stage below edits the row in row_scratch_, copied there by the first that runs
+  auto own_row = [&] {
+    if (row != row_scratch_.data()) row_scratch_.assign(row, row + V), row = row_scratch_.data();
+  };
   if (mask) {  // the constraint first: what it forbids is out before penalties, filters and the draw
-    row_scratch_.assign(row, row + V);
+    own_row();
     bool any = false;
     for (int t = 0; t < V; ++t) {
       if (mask_allows(mask, t)) any = true;
       else row_scratch_[(size_t)t] = -INFINITY;
     }
     if (!any) fail("the constraint allows no token at position %lld", (long long)pos);
-    row = row_scratch_.data();
   }
   if (p_.sampler.biased()) {  // then the bias, as every position's row gets it (before the penalties)
-    if (!mask) row_scratch_.assign(row, row + V);
+    own_row();
     for (const auto& [t, b] : p_.sampler.logit_bias) row_scratch_[(size_t)t] += b;
-    row = row_scratch_.data();
   }
   if (!p_.sampler.penalized()) return sample_token(row, V, p_.sampler, pos, sample_scratch_);
   // the node's own sequence: the committed tokens, then its ancestors and itself
   const size_t n0 = hist_.size();
   hist_.insert(hist_.end(), extra, extra + n_extra);
-  if (!mask && !p_.sampler.biased()) row_scratch_.assign(row, row + V);
+  own_row();
   apply_penalties(row_scratch_.data(), V, p_.sampler, hist_.data(), hist_.size(), penalty_scratch_);
   hist_.resize(n0);
   return sample_token(row_scratch_.data(), V, p_.sampler, pos, sample_scratch_);

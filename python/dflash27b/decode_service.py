@@ -300,9 +300,7 @@ class DecodeService:
             return event_error(f"timed out after {job.timeout:g} s waiting in the queue (timeout)", TIMEOUT)
         if job.reason == SHUTDOWN:
             return event_error("the daemon is shutting down: the request was not started", SHUTDOWN)
-        if job.reason == CHOICE_FAILED:
-            return event_error("cancelled: another choice of the request failed", CHOICE_FAILED)
-        return event_error("cancelled: the client went away", CLIENT_GONE)
+        return _cancelled(job)
 
     def _early_end(self, job: Job, done: dict | None) -> dict:
         """The terminal event of a job stopped before its end.  `done`: what it decoded (None: in prefill)."""
@@ -317,9 +315,7 @@ class DecodeService:
         if job.reason == SHUTDOWN:
             return event_error(f"the daemon is shutting down: the request was stopped after {n} tokens",
                                 SHUTDOWN)
-        if job.reason == CHOICE_FAILED:
-            return event_error("cancelled: another choice of the request failed", CHOICE_FAILED)
-        return event_error("cancelled: the client went away", CLIENT_GONE)
+        return _cancelled(job)
 
     def _count_after_cancel(self, job: Job, decided: float, n_tokens: int) -> None:
         if job.cancel_time is not None and job.cancel_time < decided:
@@ -336,6 +332,13 @@ class DecodeService:
         self.decode_steps_total += stats["steps"]
         self.decode_seconds_total += stats["decode_s"]
         return stats
+
+
+def _cancelled(job: Job) -> dict:
+    """The end of a job its client's side cancelled: the client left, or another choice of its request failed."""
+    if job.reason == CHOICE_FAILED:
+        return event_error("cancelled: another choice of the request failed", CHOICE_FAILED)
+    return event_error("cancelled: the client went away", CLIENT_GONE)
 
 
 class _Stopped(Exception):

@@ -315,7 +315,6 @@ class LogprobShaper:
     "top_logprobs", "text_offset"}.  Offsets run on across the chunks of one reply."""
 
     def __init__(self, tokenizer, shape: Shape):
-        self.tokenizer = tokenizer
         self.spell = TokenSpelling(tokenizer, shape.token_ids)
         self.chat = shape.chat
         self._chars = tokenizer.stream_decoder()   # text offsets count the reply's decoded characters
@@ -396,7 +395,14 @@ class Reply:
         return sse({**self._head(True), "choices": [], "usage": usage})
 
     def body(self, done: dict) -> dict:
-        fin, lps = _finish(done["stats"]["stop_reason"]), self.logprobs(done.get("logprobs"))
+        text, entries = done["text"], done.get("logprobs")
+        # echo: the prompt first, its log-probabilities too (asked for them, a reply cut before they existed is
+        # the reply alone: text and logprobs stay in step)
+        if self.echo_text is not None and (not self.echo_logprobs or done.get("prompt_logprobs") is not None):
+            text = self.echo_text + text
+            if self.echo_logprobs:
+                entries = done["prompt_logprobs"] + (entries or [])
+        fin, lps = _finish(done["stats"]["stop_reason"]), self.logprobs(entries)
         if self.shape.chat:
             msg = {"role": "assistant", "content": done["text"]}
             if self.split is not None:
@@ -404,13 +410,6 @@ class Reply:
                 fin = _finish(done["stats"]["stop_reason"], bool(msg.get("tool_calls")))
             choice = {"index": self.index, "message": msg, "finish_reason": fin, "logprobs": lps}
         else:
-            text = done["text"]
-            # (echo with logprobs needs the prompt's: a reply cut before they existed is the reply alone)
-            if self.echo_text is not None and (not self.echo_logprobs or done.get("prompt_logprobs") is not None):
-                text = self.echo_text + text
-                if done.get("prompt_logprobs") is not None:   # (the shaper's offsets run over the prompt first)
-                    self.logprobs = LogprobShaper(self.logprobs.tokenizer, self.shape)
-                    lps = self.logprobs(done["prompt_logprobs"] + (done.get("logprobs") or []))
             choice = {"index": self.index, "text": text, "finish_reason": fin, "logprobs": lps}
         return {**self._head(False), "choices": [choice], "usage": _usage(done["stats"]),
                 "dflash27b": _ours(done["stats"])}
@@ -602,21 +601,16 @@ class OpenAIFront:
             batch, shape = to_engine(await self._json_body(request), chat)
             for params in batch:   # prompt by prompt, n choices each: choice index = prompt * n + j
                 jobs += await self.daemon.admit_choices(params, shape.n)
-        except BaseException as e:
-            for job in jobs:   # (a later prompt refused or failing: the queued ones would go unread)
-                job.cancel(CHOICE_FAILED)
-            if isinstance(e, RequestError):
-                return _request_error(e)
-            raise
-        try:
             first = jobs[0].params
             p = first["params"]
             tools = parse_tools(p.tools) if p.calls_tools else None
             replies = [Reply(shape, self.daemon.model_name, self.decoder.tokenizer,
                              think_open=bool(first.get("think_open")), tools=tools, index=i) for i in range(len(jobs))]
-        except BaseException:
-            for job in jobs:   # queued, and nobody would read them
-                job.cancel(CLIENT_GONE)
+        except BaseException as e:
+            for job in jobs:   # (a later prompt refused, or the replies' setup failing: nobody would read them)
+                job.cancel(CHOICE_FAILED)
+            if isinstance(e, RequestError):
+                return _request_error(e)
             raise
         for r in replies[1:]:   # one response: one id, one time
             r.id, r.created = replies[0].id, replies[0].created

@@ -237,24 +237,23 @@ class Daemon:
                 "cache": d.prefix_cache.stats() if d.prefix_cache is not None else None}
 
     # -- requests, from either front ---------------------------------------------------------------------------
-    async def admit(self, params: dict) -> tuple[Job, int]:
-        """Prepare (render, tokenize, check against the context; off the loop) and queue a validated request."""
+    async def _prepare(self, params: dict) -> tuple[dict, float]:
+        """(the request prepared: rendered, tokenized, checked against the context, off the loop; its arrival)."""
         arrived = time.monotonic()
         if not self.service.accepting:
             raise RequestError("the daemon is shutting down and takes no new requests", SHUTDOWN)
-        prepared = await asyncio.to_thread(self.service.prepare, params)
+        return await asyncio.to_thread(self.service.prepare, params), arrived
+
+    async def admit(self, params: dict) -> tuple[Job, int]:
+        """Prepare and queue a validated request: its job and how many requests are ahead of it."""
+        prepared, arrived = await self._prepare(params)
         return self.service.submit(prepared, asyncio.get_running_loop(), arrived)
 
     async def admit_choices(self, params: dict, n: int) -> list[Job]:
         """n requests for one prompt (OpenAI's `n`): prepared once, queued n times, choice i sampling with
         seed + i when a seed is given (each its own fresh seed when not), so choice i is the reply the same
         request with that seed gets alone.  They decode side by side in the slots --parallel gives."""
-        if n == 1:
-            return [(await self.admit(params))[0]]
-        arrived = time.monotonic()
-        if not self.service.accepting:
-            raise RequestError("the daemon is shutting down and takes no new requests", SHUTDOWN)
-        prepared = await asyncio.to_thread(self.service.prepare, params)
+        prepared, arrived = await self._prepare(params)
         seed = prepared["params"].seed
         loop, jobs = asyncio.get_running_loop(), []
         try:
