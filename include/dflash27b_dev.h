@@ -52,6 +52,7 @@ typedef struct {
   int32_t budget;     /* draft nodes verified (0: AR won the step, its draft alone was spent) */
   int32_t committed;  /* tokens the step gave */
   double draft_s, tree_s, verify_s, commit_s;
+  double expected_s;  /* what the step was expected to cost (0: unknown): it counts at most twice that */
 } dfl_auto_step;
 int dfl_auto_allowance(int32_t max_new_tokens, double ar_s, const dfl_auto_step* steps, int32_t n, double* bet_s,
                        double* probe_s);

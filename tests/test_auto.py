@@ -196,6 +196,25 @@ def test_probes_share_one_allowance_across_a_portfolio():
         allowance(200, 0.0, [])
 
 
+def test_a_stalled_step_spends_at_most_twice_what_it_was_expected_to():
+    """The allowance bounds what wrong bets lose, not the machine's noise: a tree that won (16 tokens) but whose
+    verify stalled 100 ms on a loaded machine, 40 AR steps, had spent a 256-token request's whole allowance (5
+    AR steps) and left its later steps AR (test_oracle_drafter_makes_auto_speculate failed so under load).  Its
+    time now counts at most twice what the step was expected to cost; a step expected to lose still loses."""
+    ar = 0.0025
+    bet0, _ = allowance(256, ar, [])
+    stalled = {"probe": 0, "budget": 16, "committed": 16, "draft_s": 0.001, "verify_s": 0.100}
+    assert allowance(256, ar, [stalled])[0] == 0.0                       # unbounded: the request's bets end
+    capped = dict(stalled, expected_s=0.006)                             # 2.4 AR steps expected, 4.8 counted
+    assert allowance(256, ar, [capped])[0] == pytest.approx(bet0 + 0.5 * (16 - 4.8) * ar)
+    # a loss the step was expected to make is not forgiven: a 1-token tree costing 1.5 AR steps, as expected
+    lost = {"probe": 0, "budget": 8, "committed": 1, "draft_s": 0.001, "verify_s": 0.00275, "expected_s": 0.00375}
+    assert allowance(256, ar, [lost])[0] == pytest.approx(bet0 - 0.5 * 0.5 * ar)
+    # a declined step (AR won after drafting) counts its draft, bounded the same way
+    declined = {"probe": 0, "budget": 0, "draft_s": 0.050, "expected_s": 0.001}
+    assert allowance(256, ar, [declined])[0] == pytest.approx(bet0 - 0.5 * 0.8 * ar)
+
+
 def worst_loss(ar_s, verify: dict[int, float], *, draft_s=0.0, tree_s=0.0, commit_s=0.0, slots=1):
     ffi, lib = load()
     out = ffi.new("double*")

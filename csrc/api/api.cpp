@@ -558,7 +558,7 @@ int dfl_auto_allowance(int32_t max_new_tokens, double ar_s, const dfl_auto_step*
       rec.committed = steps[i].committed;
       rec.draft_s = steps[i].draft_s, rec.tree_s = steps[i].tree_s;
       rec.verify_s = steps[i].verify_s, rec.commit_s = steps[i].commit_s;
-      a.settle(rec, ar_s);
+      a.settle(rec, ar_s, steps[i].expected_s);
     }
     *bet_s = a.bet_s(ar_s, false);
     *probe_s = a.bet_s(ar_s, true);

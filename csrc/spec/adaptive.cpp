@@ -13,12 +13,12 @@ constexpr double kTimeEma = 0.3;    // weight of a new timing
 constexpr double kAcceptDecay = 0.8;  // per speculative step: how fast the acceptance statistics forget
 constexpr double kCalibPrior = 0.5;   // pseudo-count pulling an unseen depth's calibration to 1
 constexpr double kUnknownSlope = 0.1; // per extra node, as a share of one node's cost, before two sizes are seen
-// A new timing counts at most this multiple of what is expected.  One stalled
-// step (another process, a page fault storm) must not price a tree size out
-// for good: the controller seldom revisits a size it believes slow, so an
-// outlier left unbounded would stay in the estimate.  A real rise still gets
+// A new timing counts at most AutoController::kOutlier times what is expected.
+// One stalled step (another process, a page fault storm) must not price a tree
+// size out for good: the controller seldom revisits a size it believes slow, so
+// an outlier left unbounded would stay in the estimate.  A real rise still gets
 // through, 30% a step (kTimeEma of the doubled value).
-constexpr double kOutlier = 2.0;
+constexpr double kOutlier = AutoController::kOutlier;
 
 // `expected`: the bound's reference for a first timing (0: none, the timing is taken as it is).
 void ema(double& v, double x, double expected = 0) {
@@ -96,11 +96,11 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
   return best;  // (a probe with no budget affordable: AR)
 }
 
-void LossAllowance::settle(const StepRecord& rec, double ar_s) {
+void LossAllowance::settle(const StepRecord& rec, double ar_s, double expected_s) {
   if (ar_s <= 0) return;
-  const double loss = rec.auto_budget > 0
-                          ? (rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s) / ar_s - rec.committed
-                          : (rec.draft_s + rec.tree_s) / ar_s;
+  double spent = rec.draft_s + rec.tree_s + (rec.auto_budget > 0 ? rec.verify_s + rec.commit_s : 0.0);
+  if (expected_s > 0) spent = std::min(spent, AutoController::kOutlier * expected_s);
+  const double loss = spent / ar_s - (rec.auto_budget > 0 ? rec.committed : 0);
   if (rec.probe) probe_lost_ += std::max(0.0, loss);
   else lost_ += loss;
 }
@@ -196,6 +196,14 @@ void AutoController::new_request() {
   for (size_t d = 0; d < pred_.size(); ++d) e_.depth_calib[d] = (hit_[d] + kCalibPrior) / (pred_[d] + kCalibPrior);
 }
 
+double AutoController::expected_step_s(int budget) const {
+  const double drafted = e_.draft_at(block_rows_) + e_.tree_s + e_.tree_masks_s();
+  if (budget <= 0) return e_.draft_rows_s.empty() ? 0.0 : drafted;
+  if (e_.ar_s <= 0) return 0.0;
+  // (before the first verified step, the verify is what the AR step predicts for its size, the commit nothing)
+  return drafted + e_.commit_s + AutoEstimates::verify_at(e_.verify_points(), budget + 1);
+}
+
 void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                                   const std::vector<uint8_t>& on_path, int n_learn) {
   const bool was_probe = rec.probe;
@@ -205,11 +213,7 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   // that wins would be overruled for the rest of the request.  A constraint's masks are priced apart
   // (mask_tree_s), so they are left out of the drafter's costs (tree_s).
   const double mask_s = std::min(rec.mask_s, rec.tree_s);
-  const double expected_s = have_spec_ && budget > 0
-                                ? e_.draft_at(block_rows_) + e_.tree_s + e_.commit_s +
-                                      AutoEstimates::verify_at(e_.verify_points(), budget + 1) +
-                                      e_.tree_masks_s()
-                                : 0.0;
+  const double expected_s = budget > 0 ? expected_step_s(budget) : 0.0;
   // learnt for the rows price_block priced (the step's block); a size's first timing is bounded by what its
   // neighbours predict (taken before the new entry exists)
   const double draft_expected = e_.draft_at(block_rows_);

@@ -115,7 +115,11 @@ class LossAllowance {
   // A step that drafted, once done (ar_s: the AR step's time then): a verified tree's whole time against AR's
   // for the tokens it gave; a declined one's draft alone (its verify was an AR step).  A probe's loss is
   // charged to the probes' share (what a probe wins gives the bets nothing: exploring is not a bet).
-  void settle(const StepRecord& rec, double ar_s);
+  // expected_s: what the step was expected to cost (AutoController::expected_step_s; 0: unknown); its time
+  // counts at most kOutlier times that.  The allowance bounds what wrong bets lose, not the machine's noise:
+  // a stall (another process, a page fault storm) would have hit an AR step alike, and one 100 ms stall on a
+  // loaded machine had spent a 256-token request's whole allowance (20 AR steps of 2.5 ms) on a tree that won.
+  void settle(const StepRecord& rec, double ar_s, double expected_s = 0);
   // Seconds one step may lose in its worst case (AR steps of ar_s).  A bet: kOneBet of what is left, so a
   // first bet that fails leaves room for the next (one 8-node tree missing at once would otherwise end a short
   // request's bets).  A probe: what is left of the probes' share.
@@ -189,6 +193,11 @@ class AutoController {
   // `budget`; a union with another drafter's tree passes its own verified nodes only).
   void observe_spec(const StepRecord& rec, const int32_t* depth, const float* logp, int budget,
                     const std::vector<uint8_t>& on_path, int n_learn = -1);
+  // What a drafted step is expected to cost before its timings move the estimates (seconds; 0 before an AR
+  // step, or a draft, has been timed): its block's draft, the tree, its masks, and for budget > 0 the verify of
+  // budget + 1 nodes and the commit.  The bound on what one stalled step counts (kOutlier times this).
+  double expected_step_s(int budget) const;
+  static constexpr double kOutlier = 2.0;
   // A drafted tree that was not verified (AR won the step) once its tokens are decided: which of its n nodes
   // the decided tokens follow.  Acceptance only, no cost: a declined look still teaches what the drafter is
   // worth on the current text, so the estimate does not go stale while the drafter stops being verified.

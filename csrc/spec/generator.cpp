@@ -808,7 +808,8 @@ int Generator::finish_step(std::vector<int32_t>& out) {
     if (N == 1)  // an AR step's cost is every drafter's baseline
       for (AutoController& ac : autos_) ac.observe_ar(rec.verify_s + rec.commit_s);
     if (speculate) {
-      allowance_.settle(rec, autos_[(size_t)chosen_].ar_step_s());
+      const AutoController& chosen = autos_[(size_t)chosen_];
+      allowance_.settle(rec, chosen.ar_step_s(), chosen.expected_step_s(rec.auto_budget));
       std::vector<uint8_t> on_path((size_t)std::max(rec.auto_budget, 0), 0);
       for (int i = 1; i <= a; ++i) on_path[(size_t)path[i] - 1] = 1;  // (a constraint pruned before the choice)
       auto decline = [&](int drafter, const DraftTree& t) {  // learnt once its tokens are decided
