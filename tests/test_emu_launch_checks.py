@@ -53,8 +53,25 @@ def asan_checks(tmp_path_factory):
     return exe
 
 
+@pytest.fixture(scope="module")
+def tsan_checks(tmp_path_factory):
+    """The same program under ThreadSanitizer: the emulator's race check (emu::race in its shim)."""
+    cxx = shutil.which("g++")
+    if not cxx:
+        pytest.skip("no g++")
+    exe = tmp_path_factory.mktemp("emu-tsan") / "emu_launch_checks"
+    r = subprocess.run([cxx, "-std=c++17", "-O2", "-g", "-fsanitize=thread", "-DDFL_EMU=1", *_includes(),
+                        str(ROOT / "tests" / "cpp" / "emu_launch_checks.cpp"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    if r.returncode != 0 and "tsan" in r.stderr.lower():
+        pytest.skip("no ThreadSanitizer runtime: " + r.stderr[-300:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
 def _case(exe: Path, name: str, schedule: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ASAN_OPTIONS="detect_stack_use_after_return=0:detect_leaks=0")
+    env = dict(os.environ, ASAN_OPTIONS="detect_stack_use_after_return=0:detect_leaks=0",
+               TSAN_OPTIONS="halt_on_error=0:exitcode=66")
     env.pop("DFL_EMU_SCHEDULE", None)
     if schedule is not None:
         env["DFL_EMU_SCHEDULE"] = schedule
@@ -172,14 +189,19 @@ def test_threads_meeting_at_two_different_barriers_stop(checks, name):
 def test_fiber_stacks_under_the_sanitizer_report_only_real_overflows(asan_checks, schedule):
     """The sanitizer build is the stand-in for compute-sanitizer memcheck: a kernel's stack arrays, kept across
     barriers over 32 CTAs that reuse the fibers' stacks, report nothing (the emulator leaves no stale poison on
-    a finished fiber's stack), while a read one past a stack array and a write one past a device allocation are
-    reported."""
+    a finished fiber's stack), while a read one past a stack array and a write one past a device allocation or
+    a static shared array are reported."""
     assert _ran(_case(asan_checks, "stack_arrays", schedule)) == 2 * 16 * 64
     assert _ran(_case(asan_checks, "device_in_bounds", schedule)) == 64
     r = _case(asan_checks, "stack_past_end", schedule)
     assert r.returncode != 0 and "stack-buffer-overflow" in r.stderr, r.stdout + r.stderr[-2000:]
     r = _case(asan_checks, "device_past_end", schedule)
     assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr, r.stdout + r.stderr[-2000:]
+    # a static shared array is the CTA's own allocation, exactly its size: one past its end is reported too
+    assert _ran(_case(asan_checks, "static_smem_in_bounds", schedule)) == 2 * 64
+    r = _case(asan_checks, "static_smem_past_end", schedule)
+    assert r.returncode != 0 and "heap-buffer-overflow" in r.stderr and "static_smem_row" in r.stderr, \
+        r.stdout + r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("schedule", ["fifo", "reverse", "random:3"])
@@ -236,3 +258,35 @@ def test_every_bounded_kernel_checks_its_bound():
                 bad.append(f"{f.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: bound {bound}, opens "
                            f"with {first!r}")
     assert seen >= 17 and not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("schedule", ["fifo", "reverse", "random:5"])
+def test_the_race_check_reports_what_no_barrier_orders(tsan_checks, schedule):
+    """Under ThreadSanitizer every emulated thread is a fiber ordered with the others only by what orders them on
+    a GPU, so a race is reported whatever order the schedule happened to run the threads in (the schedules find
+    one only when it changes a result): a thread reading its neighbour's shared slot with no barrier after the
+    writes; a lane reading shared memory another lane wrote before a shuffle (a shuffle exchanges registers and
+    orders no memory); two CTAs of a launch writing one element (CTAs are unordered).  Each report names the
+    kernel's line."""
+    for name, line in (("rc_neighbour_race", "rc_neighbour"), ("rc_shuffle_race", "rc_after_shuffle"),
+                       ("rc_cta_race", "rc_ctas")):
+        r = _case(tsan_checks, name, schedule)
+        assert r.returncode == 66 and "WARNING: ThreadSanitizer: data race" in r.stderr, (name, r.stderr[-3000:])
+        assert f"emu_launch_checks.cpp" in r.stderr and f"in {line}(" in r.stderr, (name, r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("schedule", ["fifo", "reverse", "random:5"])
+def test_the_race_check_is_quiet_on_what_a_gpu_orders(tsan_checks, schedule):
+    """No report where a GPU orders the accesses, over CTAs that reuse everything the emulator reuses (fiber
+    stacks, its scheduler, static and dynamic shared memory): the same kernels with __syncthreads or
+    __syncwarp, each CTA writing its own element, and a kernel doing all of it at once (cp.async tiles waited
+    for before a barrier, a block sum in dynamic shared memory through shuffles and barriers run twice, half
+    the block exited before the later barriers, a second launch reading what the first wrote)."""
+    for name, ran in (("rc_neighbour_synced", None), ("rc_shuffle_synced", 992), ("rc_cta_own", 6),
+                      ("rc_clean", None)):
+        r = _case(tsan_checks, name, schedule)
+        assert r.returncode == 0 and "ThreadSanitizer" not in r.stderr, (name, r.stderr[-3000:])
+        if ran is not None:
+            assert r.stdout.strip() == f"ran {ran}"
+    # every thread of the neighbour kernel read its neighbour's value: sum over 8 CTAs of (t + 1) % 64
+    assert _case(tsan_checks, "rc_neighbour_synced", schedule).stdout.strip() == f"ran {8 * 2016}"

@@ -2,6 +2,7 @@
 // a case that should fail aborts with the emulator's message; one that should pass prints "ran N".
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 #include "cuda_runtime.h"
 #include "common.cuh"  // DFL_STATIC_SMEM, as the backend's kernels declare static shared arrays
@@ -136,6 +137,60 @@ __global__ void stack_arrays(int* sum, int past) {
 }
 // Writes one float past the end of a 64-float device allocation when `past`: heap-buffer-overflow under ASan.
 __global__ void write_row(float* row, int past) { row[threadIdx.x + past] = 1.f; }
+// The same past a static shared array (the CTA's own allocation in the emulator), then reads it back.
+__global__ void static_smem_row(int* n, int past) {
+  DFL_STATIC_SMEM(float, row, [64]);
+  row[threadIdx.x + past] = 1.f;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 0; i < 64; ++i) *n += row[i] == 1.f;
+}
+
+// ---- the race check (built with -fsanitize=thread: tests/test_emu_launch_checks.py) ----
+// Thread t writes s[t] and reads s[t + 1]: `synced` puts a barrier between, else a read of another thread's
+// write that nothing orders.  Over `ctas` CTAs reusing the array (a CTA's shared memory is new to the check).
+__global__ void rc_neighbour(int* out, bool synced) {
+  DFL_STATIC_SMEM(int, s, [64]);
+  s[threadIdx.x] = (int)threadIdx.x;
+  if (synced) __syncthreads();
+  out[64 * blockIdx.x + threadIdx.x] = s[(threadIdx.x + 1) % 64];
+}
+// A shuffle exchanges registers and orders no memory: lane l reads s[l ^ 1] after one; `syncwarp` orders it.
+__global__ void rc_after_shuffle(int* out, bool syncwarp) {
+  DFL_STATIC_SMEM(int, s, [32]);
+  s[threadIdx.x] = (int)threadIdx.x;
+  const int v = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+  if (syncwarp) __syncwarp();
+  out[threadIdx.x] = s[threadIdx.x ^ 1] + v;
+}
+// CTA b's thread b writes out[0]: the CTAs of a launch are unordered (`own` gives each its own element).
+__global__ void rc_ctas(int* out, bool own) {
+  if ((int)threadIdx.x == (int)blockIdx.x) out[own ? blockIdx.x : 0] = (int)blockIdx.x;
+}
+// What a GPU orders, all of it: a block sum in dynamic shared memory through shuffles and barriers, twice (the
+// second guarded against the first's readers), with the upper half of the block gone after writing its part
+// (an exited thread counts as arrived); cp.async tiles waited for before the barrier; a launch reading what
+// the last one wrote.  Over many CTAs.
+__global__ void rc_clean(const int* in, int* out) {
+  DFL_DYNAMIC_SMEM(int, part);
+  DFL_STATIC_SMEM(__align__(16) int, tile, [128]);
+  const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
+  emu::cp_async(&tile[t], &in[128 * blockIdx.x + t], 4, 4);
+  emu::cp_async_wait_all();
+  part[4 + t] = t;
+  __syncthreads();
+  if (t >= 64) return;
+  int total = 0;
+  for (int call = 0; call < 2; ++call) {
+    int v = tile[(t + 64 * call) % 128] + part[4 + t + 64];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (call) __syncthreads();  // part[0..1] may still be read by the last call
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    total += part[0] + part[1];
+  }
+  if (t == 0) out[blockIdx.x] = total;
+}
 
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
@@ -232,6 +287,34 @@ int main(int argc, char** argv) {
     emu::launch(1, 64, 0, [&] { write_row(row, past); });
     for (int i = 0; i < 64; ++i) n += row[i] == 1.f;
     cudaFree(row);
+  }
+  else if (!std::strcmp(c, "static_smem_in_bounds")) emu::launch(2, 64, 0, [&] { static_smem_row(&n, 0); });
+  else if (!std::strcmp(c, "static_smem_past_end")) emu::launch(1, 64, 0, [&] { static_smem_row(&n, 1); });
+  else if (!std::strncmp(c, "rc_", 3)) {  // the race check's cases; n = a checksum of what they wrote
+    std::vector<int> in(128 * 64), out(64 * 64, 0);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = (int)(i % 7);
+    int *d_in = nullptr, *d_out = nullptr;
+    if (cudaMalloc(reinterpret_cast<void**>(&d_in), in.size() * 4) != cudaSuccess ||
+        cudaMalloc(reinterpret_cast<void**>(&d_out), out.size() * 4) != cudaSuccess)
+      return 3;
+    cudaMemcpy(d_in, in.data(), in.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_out, out.data(), out.size() * 4, cudaMemcpyHostToDevice);
+    if (!std::strcmp(c, "rc_neighbour_race")) emu::launch(8, 64, 0, [&] { rc_neighbour(d_out, false); });
+    else if (!std::strcmp(c, "rc_neighbour_synced")) emu::launch(8, 64, 0, [&] { rc_neighbour(d_out, true); });
+    else if (!std::strcmp(c, "rc_shuffle_race")) emu::launch(1, 32, 0, [&] { rc_after_shuffle(d_out, false); });
+    else if (!std::strcmp(c, "rc_shuffle_synced")) emu::launch(1, 32, 0, [&] { rc_after_shuffle(d_out, true); });
+    else if (!std::strcmp(c, "rc_cta_race")) emu::launch(4, 32, 0, [&] { rc_ctas(d_out, false); });
+    else if (!std::strcmp(c, "rc_cta_own")) emu::launch(4, 32, 0, [&] { rc_ctas(d_out, true); });
+    else if (!std::strcmp(c, "rc_clean")) {
+      for (int round = 0; round < 2; ++round) {  // the second launch reads what the first wrote
+        emu::launch(64, 128, (4 + 128) * 4, [&] { rc_clean(d_in, d_out); });
+        std::swap(d_in, d_out);
+      }
+    } else return 2;
+    cudaMemcpy(out.data(), d_out, out.size() * 4, cudaMemcpyDeviceToHost);
+    for (int v : out) n += v;
+    cudaFree(d_in);
+    cudaFree(d_out);
   }
   else return 2;
   std::printf("ran %d\n", n);

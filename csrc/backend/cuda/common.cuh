@@ -32,9 +32,9 @@
 // Dynamic shared memory: the kernel's `extern __shared__` array on the GPU;
 // the emulator hands out its own buffer.
 // Static shared memory, `DFL_STATIC_SMEM(float, red, [32])`: a `__shared__` array on the GPU.  The
-// emulator's is a function static (one CTA runs at a time), which would start each CTA with what the last
-// one left and the first with zeros; the CTA's first thread to reach the declaration fills it with 0xff
-// bytes instead, as garbage would be on a GPU, so a read before any write shows.  Every kernel declares its
+// emulator's is the CTA's own allocation (emu::static_smem: a function static would start each CTA with what
+// the last one left and the first with zeros), which the CTA's first thread to reach the declaration fills
+// with 0xff bytes, as garbage would be on a GPU, so a read before any write shows.  Every kernel declares its
 // static shared arrays this way (tests/test_emu_launch_checks.py).
 // A kernel declared `__launch_bounds__(n, ...)` opens with `DFL_LAUNCH_BOUND(n);`.  nvcc compiles it for at
 // most n threads a block and the GPU refuses a larger launch; the emulator has no registers to run out of, so
@@ -42,9 +42,10 @@
 #ifdef DFL_EMU
 #define DFL_LAUNCH_BOUND(n) ::emu::check_launch_bound((n), __func__)
 #define DFL_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(::emu::dynamic_smem())
-#define DFL_STATIC_SMEM(T, name, dims) \
-  static T name dims;                  \
-  ::emu::fresh_static_smem(&name, sizeof(name))
+#define DFL_STATIC_SMEM(T, name, dims)                                                   \
+  static T dfl_smem_tag_##name dims; /* its type, size and identity; the array is the CTA's */ \
+  auto& name = *static_cast<decltype(&dfl_smem_tag_##name)>(                                \
+      ::emu::static_smem(&dfl_smem_tag_##name, sizeof(dfl_smem_tag_##name), __alignof__(dfl_smem_tag_##name)))
 #else
 #define DFL_LAUNCH_BOUND(n) ((void)0)
 #define DFL_DYNAMIC_SMEM(T, name) extern __shared__ T name[]

@@ -6,7 +6,7 @@
 // and the warp shuffles are barriers that switch to the next fiber until all
 // live threads of the CTA (or warp) have arrived, so the kernels' barrier
 // and shuffle logic runs exactly as written.  `__shared__` variables become
-// function statics (one CTA runs at a time).  "Device memory" is host memory;
+// function statics (one CTA runs at a time; DFL_STATIC_SMEM arrays the CTA's own).  "Device memory" is host memory;
 // streams and events are no-ops because every launch completes before it
 // returns.  Only what the backend uses is here.
 //
@@ -20,9 +20,23 @@
 // the op tests under each.
 // Dynamic shared memory starts every CTA as 0xff bytes (NaN floats, -1 ints), as garbage would on a GPU, and so
 // does each static shared array (DFL_STATIC_SMEM: filled when the CTA's first thread declares it).
+//
+// Built with -fsanitize=thread, the emulator is a race checker (compute-sanitizer racecheck's stand-in; see
+// emu::race below): every CUDA thread is a ThreadSanitizer fiber, ordered with the others only by what
+// orders them on a GPU, so a shared- or global-memory access that no barrier orders against another
+// thread's write is reported whatever order the schedule ran them in.
 #pragma once
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+extern "C" {  // ThreadSanitizer's annotations (exported by libtsan)
+void AnnotateIgnoreReadsBegin(const char* file, int line);
+void AnnotateIgnoreReadsEnd(const char* file, int line);
+void AnnotateIgnoreWritesBegin(const char* file, int line);
+void AnnotateIgnoreWritesEnd(const char* file, int line);
+}
 #endif
 #include <algorithm>
 #include <chrono>
@@ -158,6 +172,8 @@ struct Barrier {
   int arrived = 0;
   Site site;  // of the first arrival
   std::vector<int> waiters;
+  unsigned gen = 0;      // releases so far
+  char* sync = nullptr;  // the race check's two sync addresses, one for each parity of gen (see barrier_wait)
 };
 // A fiber's saved stack pointer.  On x86-64 the switch is a dozen instructions (the callee-saved
 // registers); ucontext's swapcontext would make a signal-mask syscall per switch.  The floating-point
@@ -178,7 +194,56 @@ struct Fiber {
 
 // The emulator's own bookkeeping (the schedule, the barriers, the mma tiles) is left out of the sanitizer
 // build's instrumentation: it is not what that build checks, and instrumented it took half a sanitized run.
+// (Under ThreadSanitizer its accesses would be races between fibers: they are the GPU's hardware.)
+#if defined(__SANITIZE_THREAD__)
+#define EMU_INTERNAL __attribute__((no_sanitize_address, no_sanitize_thread))
+#else
 #define EMU_INTERNAL __attribute__((no_sanitize_address))
+#endif
+
+// ---- the race check (a -fsanitize=thread build) ----
+// What orders two threads' memory accesses on a GPU, told to ThreadSanitizer, and nothing else:
+//  - a CTA-wide barrier (__syncthreads) and __syncwarp: each thread's accesses before it happen before every
+//    other participant's after it (a release by each arrival, an acquire by each as it leaves, on a sync
+//    address of the barrier's generation);
+//  - a launch: whatever the host did before it happens before every thread of the launch, and every thread
+//    before what the host does after it (the stream's order);
+//  - not a warp shuffle or mma.sync: they exchange registers, and order no memory on a GPU (independent
+//    thread scheduling), so a lane reading shared memory another lane wrote before a shuffle is reported;
+//  - not CTA order: the CTAs of a launch are unordered, so one CTA reading or writing what another wrote is
+//    reported.  Thread i of every CTA is one fiber (its stack is one buffer): CTAs' threads of the same index
+//    stay in program order, a race between only those goes unseen.
+// Every fiber switch tells ThreadSanitizer it synchronises nothing.  A CTA's shared memory is new heap memory
+// (allocated Untracked: its history starts there), so what the last CTA did there is not compared with this
+// one.  The emulator's own bookkeeping (the scheduler, the copy queues, the shuffle slots) is Untracked.
+namespace race {
+#if defined(__SANITIZE_THREAD__)
+struct Untracked {
+  Untracked() { AnnotateIgnoreReadsBegin(__FILE__, __LINE__), AnnotateIgnoreWritesBegin(__FILE__, __LINE__); }
+  ~Untracked() { AnnotateIgnoreWritesEnd(__FILE__, __LINE__), AnnotateIgnoreReadsEnd(__FILE__, __LINE__); }
+  Untracked(const Untracked&) = delete;
+  Untracked& operator=(const Untracked&) = delete;
+};
+inline void release(char* a) { __tsan_release(a); }
+inline void acquire(char* a) { __tsan_acquire(a); }
+// Thread slot i's fiber (created once, as its stack is allocated once: by the launch, before its threads run).
+inline void* fiber(int i) {
+  Untracked quiet;
+  static std::vector<void*> f;
+  while ((int)f.size() <= i) f.push_back(__tsan_create_fiber(0));
+  return f[(size_t)i];
+}
+inline void* current() { return __tsan_get_current_fiber(); }
+inline void switch_to(void* to) { __tsan_switch_to_fiber(to, __tsan_switch_to_fiber_no_sync); }
+#else
+struct Untracked {};
+inline void release(char*) {}
+inline void acquire(char*) {}
+inline void* fiber(int) { return nullptr; }
+inline void* current() { return nullptr; }
+inline void switch_to(void*) {}
+#endif
+}  // namespace race
 
 // One warp-wide mma.sync: what each lane posted (A: 4 registers, B: 2, C: 4) and the tile's result per lane.
 struct MmaRound {
@@ -253,11 +318,16 @@ struct Cta {
   void* sched_sp = nullptr;
   const std::function<void()>* body = nullptr;
   dim3 block;
-  // the launch's dynamic shared memory and what static + dynamic may total (see fresh_static_smem); the static
-  // shared arrays this CTA has declared, their bytes
+  // the launch's dynamic shared memory and what static + dynamic may total (see static_smem); the static
+  // shared arrays this CTA has declared (each declaration's tag, the CTA's array), their bytes
   size_t dyn_smem = 0, smem_total_limit = 0;
-  std::vector<const void*> statics;
+  std::vector<std::pair<const void*, void*>> statics;
   size_t static_bytes = 0;
+  unsigned char* smem = nullptr;  // the CTA's dynamic shared memory
+  // the race check: the launching thread's fiber; `launch_sync` [0] released by the host before the launch's
+  // threads start, [1] by each thread as it ends (see emu::race)
+  void* host_fiber = nullptr;
+  char* launch_sync = nullptr;
 };
 inline Cta* cta = nullptr;
 // A fiber's stack: 256 KiB usable, plus the skew that staggers the stacks' tops (see launch).
@@ -268,7 +338,7 @@ inline unsigned char* dynamic_smem_buffer() {
   alignas(16) static unsigned char buf[227u << 10];
   return buf;
 }
-inline void* dynamic_smem() { return dynamic_smem_buffer(); }
+inline void* dynamic_smem() { return cta->smem; }
 
 // DFL_EMU_SCHEDULE (see the top of this file), read once.
 struct ScheduleChoice {
@@ -353,6 +423,7 @@ EMU_INTERNAL inline int pop_ready() {
 
 EMU_INTERNAL inline void release(Barrier& b) {
   b.arrived = 0;
+  ++b.gen;
   if (&b == &cta->bar && cta->kind == Schedule::random && cta->n_ready == 0) rank_threads();
   for (int w : b.waiters) push_ready(w);
   b.waiters.clear();
@@ -365,15 +436,18 @@ EMU_INTERNAL inline void switch_to(void** save, int nx) {
   if (nx >= 0) {
     c.cur = nx;
     set_thread(nx);
+    race::switch_to(race::fiber(nx));
     switch_stack(save, c.fibers[nx].sp);
   } else {
+    race::switch_to(c.host_fiber);
     switch_stack(save, c.sched_sp);
   }
 }
 EMU_INTERNAL inline void run_next(void** save) { switch_to(save, pop_ready()); }
 
 // Arrive; block until all live threads of the group have arrived.
-EMU_INTERNAL inline void barrier_wait(Barrier& b, const int* live, Site at) {
+EMU_INTERNAL inline void barrier_meet(Barrier& b, const int* live, Site at) {
+  [[maybe_unused]] race::Untracked quiet;  // (this fiber's, kept across its switches)
   Cta& c = *cta;
   const int me = c.cur;
   if (b.arrived == 0) {
@@ -401,16 +475,36 @@ EMU_INTERNAL inline void barrier_wait(Barrier& b, const int* live, Site at) {
   // resumed by run_next of another fiber, which set cur and threadIdx
 }
 
+// Arrive; block until all live threads of the group have arrived.  orders_memory: a barrier (__syncthreads,
+// __syncwarp), not a register exchange (a shuffle, mma.sync), for the race check: each arrival releases on the
+// generation's sync address and each thread acquires it as it leaves.  A thread can be one generation ahead
+// of one still leaving the last (never two: the next release needs every thread), so two addresses alternate.
+EMU_INTERNAL inline void barrier_wait(Barrier& b, const int* live, Site at, bool orders_memory) {
+  char* const sync = orders_memory && b.sync ? b.sync + (b.gen & 1) : nullptr;
+  if (sync) race::release(sync);
+  barrier_meet(b, live, at);
+  if (sync) race::acquire(sync);
+}
+
 EMU_INTERNAL inline void fiber_entry() {
+  race::acquire(cta->launch_sync);  // what the host did before the launch comes before the thread
   (*cta->body)();
   Cta& c = *cta;
   const int me = c.cur, w = me >> 5;
-  c.fibers[me].done = true;
-  --c.live;
-  --c.warp_live[w];
-  // Threads that exit count as arrived, as on the GPU.
-  if (c.bar.arrived > 0 && c.bar.arrived >= c.live) release(c.bar);
-  if (c.warp_bar[w].arrived > 0 && c.warp_bar[w].arrived >= c.warp_live[w]) release(c.warp_bar[w]);
+  // the thread comes before what the host does after the launch, and (counted as arrived) before what the
+  // others do after their next barrier
+  race::release(c.launch_sync + 1);
+  if (c.bar.sync) race::release(c.bar.sync + (c.bar.gen & 1));
+  if (c.warp_bar[w].sync) race::release(c.warp_bar[w].sync + (c.warp_bar[w].gen & 1));
+  {
+    race::Untracked quiet;
+    c.fibers[me].done = true;
+    --c.live;
+    --c.warp_live[w];
+    // Threads that exit count as arrived, as on the GPU.
+    if (c.bar.arrived > 0 && c.bar.arrived >= c.live) release(c.bar);
+    if (c.warp_bar[w].arrived > 0 && c.warp_bar[w].arrived >= c.warp_live[w]) release(c.warp_bar[w]);
+  }
   void* dead = nullptr;
   run_next(&dead);  // never resumed
   std::abort();
@@ -444,22 +538,27 @@ inline size_t smem_limit(const void* fn) {
   return v ? *v : kSmemDefault;
 }
 
-// A static shared array reached by a thread of the running CTA (DFL_STATIC_SMEM): the CTA's first thread
-// there fills it with garbage.  Its bytes count against the CTA's shared memory as on the GPU: static arrays
-// at most 48 KiB, and with the dynamic part at most 48 KiB, or the device's opt-in maximum once
-// cudaFuncSetAttribute gave the kernel a dynamic limit (its dynamic part is checked against that at launch);
-// a launch over it is refused there.
-inline void fresh_static_smem(void* p, size_t bytes) {
+// The running CTA's static shared array of a declaration (DFL_STATIC_SMEM; `tag`: the declaration's function
+// static, its identity): the CTA's first thread there allocates it, exactly its size (a sanitizer build sees an
+// access past its end; the race check, new memory), and fills it with garbage; the CTA's end frees it.  Its
+// bytes count against the CTA's shared memory as on the GPU: static arrays at most 48 KiB, and with the
+// dynamic part at most 48 KiB, or the device's opt-in maximum once cudaFuncSetAttribute gave the kernel a
+// dynamic limit (its dynamic part is checked against that at launch); a launch over it is refused there.
+inline void* static_smem(const void* tag, size_t bytes, size_t align) {
+  race::Untracked quiet;
   Cta& c = *cta;
-  if (std::find(c.statics.begin(), c.statics.end(), p) != c.statics.end()) return;
-  c.statics.push_back(p);
+  for (const auto& [t, p] : c.statics)
+    if (t == tag) return p;
   c.static_bytes += bytes;
   if (c.static_bytes > kSmemDefault || c.static_bytes + c.dyn_smem > c.smem_total_limit) {
     std::fprintf(stderr, "emu: launch refused: static shared memory %zu bytes + dynamic %zu over the limit %zu\n",
                  c.static_bytes, c.dyn_smem, c.static_bytes > kSmemDefault ? kSmemDefault : c.smem_total_limit);
     std::abort();
   }
+  void* p = align <= 16 ? std::malloc(bytes) : std::aligned_alloc(align, (bytes + align - 1) / align * align);
   std::memset(p, 0xff, bytes);
+  c.statics.push_back({tag, p});
+  return p;
 }
 
 // The launch configurations the GPU refuses (cudaErrorInvalidConfiguration / ...OutOfResources) stop here.
@@ -501,6 +600,9 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   while ((int)stacks.size() < nt) stacks.push_back(static_cast<char*>(std::malloc(kStack)));
   Cta c;
   cta = &c;
+  c.host_fiber = race::current();
+  race::fiber(nt - 1);
+  c.launch_sync = static_cast<char*>(std::malloc(2));
   c.kind = schedule().kind;
   c.body = &body;
   c.block = block;
@@ -515,6 +617,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
     for (long long i = 0; i < n_cta; ++i) order[i] = (int)i;
     schedule_order(order);
   }
+  // Dynamic shared memory: one buffer for every CTA, or under the race check a new one for each.
   unsigned char* smem_buf = dynamic_smem_buffer();
 #if defined(__SANITIZE_ADDRESS__)
   // Past the launch's dynamic shared memory: a read or write there is an AddressSanitizer report.
@@ -524,9 +627,17 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   for (long long ci = 0; ci < n_cta; ++ci) {
     const unsigned lin = order.empty() ? (unsigned)ci : (unsigned)order[ci];
     const unsigned bx = lin % grid.x, by = (lin / grid.x) % grid.y, bz = lin / (grid.x * grid.y);
+    // the race check's barrier sync addresses, new for each CTA (freed below with what they held), so that no
+    // barrier orders one CTA's threads after another's
+    char* const bar_sync = static_cast<char*>(std::malloc(2 + 2 * ((nt + 31) / 32)));
+    race::Untracked quiet;  // (the host's; its fiber's until the CTA's threads are done)
+#if defined(__SANITIZE_THREAD__)
+    c.smem = static_cast<unsigned char*>(std::malloc(smem > 0 ? smem : 1));
+#else
+    c.smem = smem_buf;
+#endif
     blockIdx = dim3(bx, by, bz);
-    std::memset(smem_buf, 0xff, smem);  // a CTA's shared memory starts as garbage (static arrays: as declared)
-    c.statics.clear();
+    std::memset(c.smem, 0xff, smem);  // a CTA's shared memory starts as garbage (static arrays: as declared)
     c.static_bytes = 0;
     c.fibers.assign(nt, Fiber{});
     c.live = nt;
@@ -534,6 +645,8 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
     for (int i = 0; i < nt; ++i) ++c.warp_live[i >> 5];
     c.bar = Barrier{};
     c.warp_bar.assign(c.warp_live.size(), Barrier{});
+    c.bar.sync = bar_sync;
+    for (size_t w = 0; w < c.warp_bar.size(); ++w) c.warp_bar[w].sync = bar_sync + 2 + 2 * w;
     c.mma.resize(2 * c.warp_live.size());
     c.ready.clear();
     c.head = 0;
@@ -548,13 +661,22 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
       c.fibers[i].sp = prepare_stack(stacks[i], kStack, (size_t)(11 * i % 1024) * 64, fiber_entry);
     rank_threads();
     for (int i = 0; i < nt; ++i) push_ready(i);
+    race::release(c.launch_sync);  // (the host's clock: it has taken nothing from the launch's threads yet)
     run_next(&c.sched_sp);  // returns when no fiber is ready
     if (c.live > 0) {
       std::fprintf(stderr, "emu: deadlock: %d threads of CTA (%u,%u,%u) wait on a barrier forever\n", c.live,
                    bx, by, bz);
       std::abort();
     }
+    std::free(bar_sync);
+    for (const auto& st : c.statics) std::free(st.second);
+    c.statics.clear();
+#if defined(__SANITIZE_THREAD__)
+    std::free(c.smem);
+#endif
   }
+  race::acquire(c.launch_sync + 1);
+  std::free(c.launch_sync);
 #if defined(__SANITIZE_ADDRESS__)
   __asan_unpoison_memory_region(smem_buf, kSmemOptInMax);
 #endif
@@ -576,25 +698,27 @@ inline void cp_async(void* dst, const void* src, int size, int src_bytes) {
                  src_bytes);
     std::abort();
   }
+  race::Untracked quiet;
   cta->fibers[cta->cur].copies.push_back({dst, src, src_bytes, size});
 }
 inline void cp_async_wait_all() {
   std::vector<PendingCopy>& q = cta->fibers[cta->cur].copies;
-  for (const PendingCopy& c : q) {
+  for (const PendingCopy& c : q) {  // the copies' reads and writes are the thread's, checked
     std::memcpy(c.dst, c.src, (size_t)c.bytes);
     std::memset(static_cast<char*>(c.dst) + c.bytes, 0, (size_t)(c.size - c.bytes));
   }
+  race::Untracked quiet;
   q.clear();
 }
 }  // namespace emu
 
 namespace emu {
-inline void syncthreads_at(Site at) { barrier_wait(cta->bar, &cta->live, at); }
+inline void syncthreads_at(Site at) { barrier_wait(cta->bar, &cta->live, at, true); }
 // The warp's live lanes meet (the mask is the full warp wherever the kernels call it).
 inline void syncwarp_at(Site at) {
   Cta& c = *cta;
   const int w = c.cur >> 5;
-  barrier_wait(c.warp_bar[w], &c.warp_live[w], at);
+  barrier_wait(c.warp_bar[w], &c.warp_live[w], at, true);
 }
 }  // namespace emu
 // Macros, so each barrier knows its call site (emu::Site).
@@ -620,16 +744,16 @@ inline void require_full_warp(const char* what) {
 
 namespace emu {
 template <class T>
-inline T shfl_xor_at(Site at, unsigned, T v, int o) {
+EMU_INTERNAL inline T shfl_xor_at(Site at, unsigned, T v, int o) {
   static_assert(sizeof(T) == 4, "4-byte shuffles only");
   require_full_warp("__shfl_xor_sync");
   Cta& c = *cta;
   const int me = c.cur, lane = me & 31, w = me >> 5;
   float (&slot)[32][32] = c.slot[c.fibers[me].shuffles++ & 1];
-  std::memcpy(&slot[w % 32][lane], &v, 4);
-  barrier_wait(c.warp_bar[w], &c.warp_live[w], at);
+  __builtin_memcpy(&slot[w % 32][lane], &v, 4);
+  barrier_wait(c.warp_bar[w], &c.warp_live[w], at, false);
   T out;
-  std::memcpy(&out, &slot[w % 32][lane ^ o], 4);
+  __builtin_memcpy(&out, &slot[w % 32][lane ^ o], 4);
   return out;
 }
 }  // namespace emu
@@ -650,7 +774,7 @@ EMU_INTERNAL inline uint32_t (&mma_round(const uint32_t (&a)[4], const uint32_t 
   for (int i = 0; i < 4; ++i) r.reg[lane][i] = a[i];
   for (int i = 0; i < 2; ++i) r.reg[lane][4 + i] = b[i];
   for (int i = 0; i < 4; ++i) r.reg[lane][6 + i] = c[i];
-  barrier_wait(cx.warp_bar[w], &cx.warp_live[w], Site{"mma.sync", 0});
+  barrier_wait(cx.warp_bar[w], &cx.warp_live[w], Site{"mma.sync", 0}, false);
   if (!r.computed) {
     tile(r);
     r.computed = true;
