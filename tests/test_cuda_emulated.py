@@ -97,27 +97,37 @@ def test_cuda_tests_on_emulator(emu_build):
     assert " passed" in run.stdout
 
 
+def sanitizer_build(name: str, build_type: str, cxx_flags: str, runtime: str, target: str | None = None) -> Path:
+    """The emulator build under a sanitizer (build/NAME; `runtime`: the sanitizer's library, e.g. libasan.so,
+    skipped without it): configured and built, the whole tree or one target."""
+    cmake, gcc = shutil.which("cmake"), shutil.which("gcc")
+    if not cmake or not gcc:
+        pytest.skip("no cmake / gcc")
+    lib = subprocess.run([gcc, f"-print-file-name={runtime}"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(lib) or not os.path.exists(lib):
+        pytest.skip(f"no {runtime}")
+    out = ROOT / "build" / name
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    cfg = subprocess.run([cmake, "-S", str(ROOT), "-B", str(out), *gen, f"-DCMAKE_BUILD_TYPE={build_type}",
+                          f"-DCMAKE_CXX_FLAGS={cxx_flags}",
+                          "-DDFLASH27B_CUDA=OFF", "-DDFLASH27B_CUDA_EMU=ON", "-DDFLASH27B_BUILD_TESTS=ON"],
+                         capture_output=True, text=True)
+    assert cfg.returncode == 0, cfg.stdout[-3000:] + cfg.stderr[-3000:]
+    bld = subprocess.run([cmake, "--build", str(out), *(["--target", target] if target else []),
+                          "-j", str(os.cpu_count() or 2)], capture_output=True, text=True)
+    assert bld.returncode == 0, bld.stdout[-4000:] + bld.stderr[-4000:]
+    return out
+
+
 def test_backend_under_address_sanitizer(tmp_path):
     """The stand-in for compute-sanitizer memcheck where there is no GPU: the emulator build under
     AddressSanitizer ("device" memory is exact-size host memory; dynamic shared memory ends at the launch's
     size) and UBSan's alignment check (a misaligned vector load), running the op test and a short
     AR / chain / DDTree / sampled decode of the bundled pair on the emulated device."""
-    cmake, gcc = shutil.which("cmake"), shutil.which("gcc")
-    if not cmake or not gcc:
-        pytest.skip("no cmake / gcc")
-    libasan = subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not os.path.isabs(libasan) or not os.path.exists(libasan):
-        pytest.skip("no libasan")
-    out = ROOT / "build" / "emu-asan-tests"
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    cfg = subprocess.run([cmake, "-S", str(ROOT), "-B", str(out), *gen, "-DCMAKE_BUILD_TYPE=Debug",
-                          "-DCMAKE_CXX_FLAGS=-O1 -g -fsanitize=address,alignment -fno-sanitize-recover=alignment "
-                          "-fno-omit-frame-pointer",
-                          "-DDFLASH27B_CUDA=OFF", "-DDFLASH27B_CUDA_EMU=ON", "-DDFLASH27B_BUILD_TESTS=ON"],
-                         capture_output=True, text=True)
-    assert cfg.returncode == 0, cfg.stdout[-3000:] + cfg.stderr[-3000:]
-    bld = subprocess.run([cmake, "--build", str(out), "-j", str(os.cpu_count() or 2)], capture_output=True, text=True)
-    assert bld.returncode == 0, bld.stdout[-4000:] + bld.stderr[-4000:]
+    out = sanitizer_build("emu-asan-tests", "Debug", "-O1 -g -fsanitize=address,alignment "
+                          "-fno-sanitize-recover=alignment -fno-omit-frame-pointer", "libasan.so")
+    libasan = subprocess.run([shutil.which("gcc"), "-print-file-name=libasan.so"], capture_output=True,
+                             text=True).stdout.strip()
     asan = "detect_stack_use_after_return=0:detect_leaks=0:abort_on_error=0:exitcode=86"
     # random schedule: the threads in a fresh order at every barrier, so a race shows as a mismatch
     run_ops(out / "dfl_backend_ops", "7", env=dict(os.environ, ASAN_OPTIONS=asan, DFL_EMU_SCHEDULE="random:1"))
@@ -143,22 +153,8 @@ def test_backend_under_thread_sanitizer():
     barrier passes row_topk's op tests under the default schedule and is reported here (docs/GPU.md).  Every
     family at batches 1-2, and two of attention's cases (most of the run) at each model shape; the whole op test
     at max batch 3, matmul at 512 and attention at every case were clean when this check landed."""
-    cmake, gcc = shutil.which("cmake"), shutil.which("gcc")
-    if not cmake or not gcc:
-        pytest.skip("no cmake / gcc")
-    libtsan = subprocess.run([gcc, "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
-    if not os.path.isabs(libtsan) or not os.path.exists(libtsan):
-        pytest.skip("no libtsan")
-    out = ROOT / "build" / "emu-tsan-tests"
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    cfg = subprocess.run([cmake, "-S", str(ROOT), "-B", str(out), *gen, "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
-                          "-DCMAKE_CXX_FLAGS=-O2 -g -fsanitize=thread",
-                          "-DDFLASH27B_CUDA=OFF", "-DDFLASH27B_CUDA_EMU=ON", "-DDFLASH27B_BUILD_TESTS=ON"],
-                         capture_output=True, text=True)
-    assert cfg.returncode == 0, cfg.stdout[-3000:] + cfg.stderr[-3000:]
-    bld = subprocess.run([cmake, "--build", str(out), "--target", "dfl_backend_ops", "-j", str(os.cpu_count() or 2)],
-                         capture_output=True, text=True)
-    assert bld.returncode == 0, bld.stdout[-4000:] + bld.stderr[-4000:]
+    out = sanitizer_build("emu-tsan-tests", "RelWithDebInfo", "-O2 -g -fsanitize=thread", "libtsan.so",
+                          target="dfl_backend_ops")
     exe = str(out / "dfl_backend_ops")
     env = dict(os.environ, TSAN_OPTIONS="halt_on_error=0:exitcode=66")
     rest = ",".join(f for f in subprocess.run([exe, "--list"], capture_output=True, text=True).stdout.split()

@@ -36,37 +36,32 @@ def checks(tmp_path_factory):
     return exe
 
 
-@pytest.fixture(scope="module")
-def asan_checks(tmp_path_factory):
-    """The same program under AddressSanitizer, as tests/test_cuda_emulated.py builds the backend."""
+def _sanitized(tmp_path_factory, name: str, flags: list[str], runtime: str) -> Path:
+    """The program built with a sanitizer's flags (skipped where the compiler lacks its runtime)."""
     cxx = shutil.which("g++")
     if not cxx:
         pytest.skip("no g++")
-    exe = tmp_path_factory.mktemp("emu-asan") / "emu_launch_checks"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-DDFL_EMU=1",
-                        *_includes(),
+    exe = tmp_path_factory.mktemp(name) / "emu_launch_checks"
+    r = subprocess.run([cxx, "-std=c++17", *flags, "-DDFL_EMU=1", *_includes(),
                         str(ROOT / "tests" / "cpp" / "emu_launch_checks.cpp"), "-o", str(exe)],
                        capture_output=True, text=True)
-    if r.returncode != 0 and "asan" in r.stderr.lower():
-        pytest.skip("no AddressSanitizer runtime: " + r.stderr[-300:])
+    if r.returncode != 0 and runtime in r.stderr.lower():
+        pytest.skip(f"no {runtime} runtime: " + r.stderr[-300:])
     assert r.returncode == 0, r.stderr[-3000:]
     return exe
+
+
+@pytest.fixture(scope="module")
+def asan_checks(tmp_path_factory):
+    """The same program under AddressSanitizer, as tests/test_cuda_emulated.py builds the backend."""
+    return _sanitized(tmp_path_factory, "emu-asan", ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"],
+                      "asan")
 
 
 @pytest.fixture(scope="module")
 def tsan_checks(tmp_path_factory):
     """The same program under ThreadSanitizer: the emulator's race check (emu::race in its shim)."""
-    cxx = shutil.which("g++")
-    if not cxx:
-        pytest.skip("no g++")
-    exe = tmp_path_factory.mktemp("emu-tsan") / "emu_launch_checks"
-    r = subprocess.run([cxx, "-std=c++17", "-O2", "-g", "-fsanitize=thread", "-DDFL_EMU=1", *_includes(),
-                        str(ROOT / "tests" / "cpp" / "emu_launch_checks.cpp"), "-o", str(exe)],
-                       capture_output=True, text=True)
-    if r.returncode != 0 and "tsan" in r.stderr.lower():
-        pytest.skip("no ThreadSanitizer runtime: " + r.stderr[-300:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    return exe
+    return _sanitized(tmp_path_factory, "emu-tsan", ["-O2", "-g", "-fsanitize=thread"], "tsan")
 
 
 def _case(exe: Path, name: str, schedule: str | None = None) -> subprocess.CompletedProcess:
