@@ -157,8 +157,10 @@ def test_backend_under_thread_sanitizer():
                           target="dfl_backend_ops")
     exe = str(out / "dfl_backend_ops")
     env = dict(os.environ, TSAN_OPTIONS="halt_on_error=0:exitcode=66")
-    rest = ",".join(f for f in subprocess.run([exe, "--list"], capture_output=True, text=True).stdout.split()
-                    if f != "attention")
+    listed = subprocess.run([exe, "--list"], capture_output=True, text=True, env=env)
+    if "FATAL: ThreadSanitizer" in listed.stderr:  # this kernel's address-space layout, say
+        pytest.skip("ThreadSanitizer cannot run here: " + listed.stderr[-300:])
+    rest = ",".join(f for f in listed.stdout.split() if f != "attention")
     # attention: cases 0 and 3 of each model shape (f32 and q8_0 caches), one process each, beside the rest
     runs = [[exe, "--only", rest, "2"], [exe, "--only", "attention", "--shard", "0/7", "2"],
             [exe, "--only", "attention", "--shard", "3/7", "2"]]

@@ -48,6 +48,9 @@ def _sanitized(tmp_path_factory, name: str, flags: list[str], runtime: str) -> P
     if r.returncode != 0 and runtime in r.stderr.lower():
         pytest.skip(f"no {runtime} runtime: " + r.stderr[-300:])
     assert r.returncode == 0, r.stderr[-3000:]
+    probe = subprocess.run([str(exe), "smem48k"], capture_output=True, text=True, timeout=60)
+    if "FATAL: " in probe.stderr:  # e.g. ThreadSanitizer and this kernel's address-space layout
+        pytest.skip(f"{runtime} cannot run here: " + probe.stderr[-300:])
     return exe
 
 
