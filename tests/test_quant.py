@@ -125,12 +125,15 @@ def test_quantised_matmul_is_the_reference_arithmetic_bit_for_bit(name):
     AVX2, 16-byte pieces on AVX-512) and Q8_0 / Q4_0 (8 blocks' integer sums in one vector,
     8 float chains by block index; short last groups of 1..7 blocks), for every token count (tails
     of the 4-token quads and 2-token pairs, past the 64-token block), row counts that leave short
-    panels, and 1 or 2 threads."""
+    panels, and 1 or 2 threads.  Q6_K with rows in fours reads its panels pre-transposed (made on the first
+    matmul) unless DFLASH27B_CPU_Q6K_PANELS=0: the same bits both ways."""
     ffi, lib = load()
     rng = np.random.default_rng(11)
     tid, be, _, _ = FORMATS[name]
     tid = int(tid)
-    shapes = ((5, 256), (37, 1024), (64, 768)) if be == 256 else ((5, 32), (7, 96), (37, 288), (16, 1024), (9, 480))
+    # (rows in fours: Q6_K's pre-transposed panels, quant.h with_cpu_layout; other rows: the GGUF order)
+    shapes = ((5, 256), (37, 1024), (64, 768), (36, 3584)) if be == 256 else \
+        ((5, 32), (7, 96), (37, 288), (16, 1024), (9, 480))
     kernels = cpu_kernel_modes(lib)
     try:
         for rows, cols in shapes:

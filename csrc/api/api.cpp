@@ -761,7 +761,7 @@ dfl::Weight weight_view(uint32_t type, const void* w, int64_t rows, int64_t cols
   W.rows = rows;
   W.cols = cols;
   W.row_bytes = dfl::row_bytes(W.type, cols);
-  return W;
+  return dfl::with_cpu_layout(W);
 }
 }  // namespace
 

@@ -43,7 +43,7 @@ struct Loader {
     w.row_bytes = row_bytes(w.type, cols);
     if (w.type != DType::F32 && w.type != DType::F16 && w.type != DType::BF16 && cols % 32 != 0)
       fail("%s: tensor '%s' has %lld columns, not a multiple of 32", f.path().c_str(), name.c_str(), (long long)cols);
-    return w;
+    return with_cpu_layout(w);
   }
   std::vector<float> vec(const std::string& name, int64_t n, int64_t n1 = -1) {
     const GGUFTensor& t = get(name);

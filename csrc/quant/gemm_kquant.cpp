@@ -28,6 +28,8 @@
 //    (`panel_direct`) instead: no tile would read a stored panel twice.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "quant/quant.h"
@@ -933,8 +935,227 @@ DFL_AVX512 void gemm_panels16(const Weight& W, int64_t r0, int64_t r1, const Act
 
 DFL_AVX512_END
 
+// ---- Q6_K panels pre-transposed (CpuLayout, made on the first CPU matmul) -----------------------------
+// What panel_sb<Q6_K> computes before its bit operations, stored once: the low nibbles and high bits of 4 rows
+// transposed in 8-byte pieces, the group scales in the order the quad spreads them, the 4 f16 scales -- 840
+// bytes a 4-row super-block, as the GGUF blocks.  The quad's 4-row transposes were half its unpacking
+// (docs/research/cpu-q6k-quads.md): from cache a 4-token quad takes 1.36-1.42x less time, one token 57 -> 46 ns
+// a super-block (bench/q6k_layout.cpp).  The integer sums are the same numbers and the float steps the same
+// operations in the same order, so every output is bit for bit the GGUF order's.  Every quant block first
+// (768 bytes, 32-byte aligned), then every scale block (72 bytes), both in panel order.
+struct Q6Quant {
+  uint8_t ql[2][2][4][32];  // [h][half][piece]: the transposed ql + 64h + 32 half
+  uint8_t qh[2][4][32];     // [h][piece]: the transposed qh + 32h
+};
+struct Q6Scales {
+  int8_t sp[4][16];  // [k]: byte 4r + l is row r's scale of group 4k + l
+  uint16_t d[4];
+};
+static_assert(sizeof(Q6Quant) == 768 && sizeof(Q6Scales) == 72, "Q6_K panel blocks");
+
+struct Q6Panels {
+  const Q6Quant* q;
+  const Q6Scales* s;
+  int64_t nb;
+  explicit Q6Panels(const Weight& W) : nb(W.cols / QK_K) {
+    const uint8_t* base = align64(W.cpu_layout->bytes.data());
+    q = reinterpret_cast<const Q6Quant*>(base);
+    s = reinterpret_cast<const Q6Scales*>(base + (size_t)(W.rows / 4) * nb * sizeof(Q6Quant));
+  }
+  static const uint8_t* align64(const uint8_t* p) { return (const uint8_t*)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+  // panel p's super-blocks, and a Trickle over the next panel's bytes (both runs) spread over `steps`
+  void next(int64_t p, int64_t p_end, Trickle& nq, Trickle& ns, int steps) const {
+    const bool more = p + 1 < p_end;
+    nq.start(more ? (const char*)(q + (p + 1) * nb) : nullptr, (size_t)nb * sizeof(Q6Quant), steps);
+    ns.start(more ? (const char*)(s + (p + 1) * nb) : nullptr, (size_t)nb * sizeof(Q6Scales), steps);
+  }
+};
+
+// Q6_K: lane 4r + l of a piece of 4 groups (int16 lanes 4r + l: row r, group 4k + l) to all 4 lanes of row r,
+// within each 128-bit half: chunk j's group 2j + h from piece (2j + h) / 4
+const auto kGroupScale = [] {
+  Masks<4> m;
+  alignas(32) int8_t b[32];
+  for (int l = 0; l < 4; ++l) {
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 8; ++i) {  // int16 lane i of the half: row i / 4 of the half
+        const int src = 4 * (i / 4) + l;
+        b[16 * h + 2 * i] = (int8_t)(2 * src);
+        b[16 * h + 2 * i + 1] = (int8_t)(2 * src + 1);
+      }
+    m.m[l] = _mm256_load_si256((const __m256i*)b);
+  }
+  return m;
+}();
+
+void q6_fill_panel(const uint8_t* const blk[4], Q6Quant& q, Q6Scales& s) {
+  auto tr = [&](size_t off, uint8_t out[4][32]) {
+    __m256i v[4];
+    transpose_pieces(load256(blk[0] + off), load256(blk[1] + off), load256(blk[2] + off), load256(blk[3] + off), v);
+    for (int p = 0; p < 4; ++p) _mm256_storeu_si256((__m256i*)out[p], v[p]);
+  };
+  for (int h = 0; h < 2; ++h) {
+    tr(offsetof(block_q6_K, qh) + 32 * h, q.qh[h]);
+    for (int half = 0; half < 2; ++half) tr(offsetof(block_q6_K, ql) + 64 * h + 32 * half, q.ql[h][half]);
+  }
+  for (int k = 0; k < 4; ++k)
+    for (int r = 0; r < 4; ++r)
+      for (int l = 0; l < 4; ++l) s.sp[k][4 * r + l] = (int8_t)blk[r][offsetof(block_q6_K, scales) + 4 * k + l];
+  for (int r = 0; r < 4; ++r) std::memcpy(&s.d[r], blk[r] + offsetof(block_q6_K, d), 2);
+}
+
+// panel_sb<Q6_K>'s chunks and tail from the stored panel: its bit operations without the transposes.
+template <class Chunk>
+inline void q6_panel_sb(const Q6Quant& q, const Q6Scales& s, Chunk&& chunk, PanelTail& tail) {
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  __m256i sp[4];
+  for (int k = 0; k < 4; ++k) sp[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)s.sp[k]));
+  for (int k = 0; k < 4; ++k) tail.m[k] = _mm256_slli_epi16(sp[k], 5);
+  auto scale = [&](int j, int second) {
+    const int g = 2 * j + second;
+    return _mm256_shuffle_epi8(sp[g / 4], kGroupScale[g % 4]);
+  };
+  for (int h = 0; h < 2; ++h) {
+    __m256i l[4], hh[4], w[4];
+    for (int p = 0; p < 4; ++p) hh[p] = _mm256_load_si256((const __m256i*)q.qh[h][p]);
+    for (int p = 0; p < 4; ++p) l[p] = _mm256_load_si256((const __m256i*)q.ql[h][0][p]);
+    for (int p = 0; p < 4; ++p)
+      w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 4), m30));
+    chunk(4 * h, w, scale(4 * h, 0), scale(4 * h, 1));
+    for (int p = 0; p < 4; ++p)
+      w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4), _mm256_and_si256(hh[p], m30));
+    chunk(4 * h + 2, w, scale(4 * h + 2, 0), scale(4 * h + 2, 1));
+    for (int p = 0; p < 4; ++p) l[p] = _mm256_load_si256((const __m256i*)q.ql[h][1][p]);
+    for (int p = 0; p < 4; ++p)
+      w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 2), m30));
+    chunk(4 * h + 1, w, scale(4 * h + 1, 0), scale(4 * h + 1, 1));
+    for (int p = 0; p < 4; ++p)
+      w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4),
+                             _mm256_and_si256(_mm256_srli_epi16(hh[p], 2), m30));
+    chunk(4 * h + 3, w, scale(4 * h + 3, 0), scale(4 * h + 3, 1));
+  }
+  tail.d = tail.dm = lane_scales(s.d[0], s.d[1], s.d[2], s.d[3]);
+}
+
+// 1 or 2 tokens (NT) on one stored panel: the lanes of a quad tile's first pair (rows 0 1 0 1 2 3 2 3, tokens
+// 0 0 1 1 0 0 1 1; one token fills both), the same float steps as `fused` gives each output.  out[4t + r].
+template <int NT>
+void q6_pair(const Q6Panels& P, int64_t p, const ActRow* x, float* out, Trickle& nq, Trickle& ns) {
+  __m256 acc = _mm256_setzero_ps(), accm = acc;
+  const ActRow& x1 = x[NT - 1];
+  for (int64_t i = 0; i < P.nb; ++i) {
+    nq.step(), ns.step();
+    __m256i is0 = _mm256_setzero_si256(), is1 = is0;
+    PanelTail tail;
+    q6_panel_sb(P.q[p * P.nb + i], P.s[p * P.nb + i], [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+      is0 = tile_chunk<true>(w, sc0, sc1, x[0].q + 256 * i + 32 * j, is0);
+      if (NT == 2) is1 = tile_chunk<true>(w, sc0, sc1, x1.q + 256 * i + 32 * j, is1);
+    }, tail);
+    auto offsets = [&](const ActRow& xt) {
+      const int16_t* bsum = xt.bsum + 16 * i;
+      __m256i a = _mm256_madd_epi16(tail.m[0], bcast8(bsum));
+      for (int k = 1; k < 4; ++k) a = _mm256_add_epi32(a, _mm256_madd_epi16(tail.m[k], bcast8(bsum + 4 * k)));
+      return a;
+    };
+    const __m256i ms0 = offsets(x[0]), ms1 = NT == 2 ? offsets(x1) : ms0;
+    const float a = x[0].d[i], b = x1.d[i];
+    const __m256 xd = _mm256_setr_ps(a, a, b, b, a, a, b, b);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(tail.d, xd), _mm256_cvtepi32_ps(_mm256_hadd_epi32(is0, NT == 2 ? is1 : is0)), acc);
+    accm = _mm256_fmadd_ps(_mm256_mul_ps(tail.dm, xd), _mm256_cvtepi32_ps(_mm256_hadd_epi32(ms0, ms1)), accm);
+  }
+  const __m256i to_token_major = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc, accm), to_token_major));
+}
+
+// A quad of tokens on one stored panel, used where it is made (as panel_direct).
+void q6_quad(const Q6Panels& P, int64_t p, const ActRow* x, const float* xd2, float* out, Trickle& nq, Trickle& ns) {
+  TileAcc acc;
+  for (int64_t i = 0; i < P.nb; ++i) {
+    nq.step(), ns.step();
+    __m256i is[4];
+    for (int t = 0; t < 4; ++t) is[t] = _mm256_setzero_si256();
+    PanelTail tail;
+    q6_panel_sb(P.q[p * P.nb + i], P.s[p * P.nb + i], [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+      for (int t = 0; t < 4; ++t) is[t] = tile_chunk<true>(w, sc0, sc1, x[t].q + 256 * i + 32 * j, is[t]);
+    }, tail);
+    acc.add(tail.m, tail.d, tail.dm, x, i, xd2, is);
+  }
+  acc.store(out);
+}
+
+// One stored panel in the unpacked PanelSB form, for several tiles of tokens (as unpack_panel).
+void q6_unpack(const Q6Panels& P, int64_t p, PanelSB* out, Trickle& nq, Trickle& ns) {
+  for (int64_t i = 0; i < P.nb; ++i) {
+    nq.step(), ns.step();
+    PanelSB& b = out[i];
+    PanelTail tail;
+    q6_panel_sb(P.q[p * P.nb + i], P.s[p * P.nb + i], [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.q[j][k], w[k]);
+      _mm256_store_si256((__m256i*)b.sc[j][0], sc0);
+      _mm256_store_si256((__m256i*)b.sc[j][1], sc1);
+    }, tail);
+    for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], tail.m[k]);
+    _mm256_store_ps(b.d, tail.d);
+    _mm256_store_ps(b.dm, tail.dm);
+  }
+}
+
+// Rows [r0, r1) (whole panels) for n tokens from the stored panels: 1-2 tokens a pair at a time, a quad in
+// registers, more in tiles over an unpacked panel -- the GGUF order's kernels, without its transposes.
+void gemm_q6_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  const Q6Panels P(W);
+  const int64_t nb = P.nb, p_end = r1 / 4;
+  alignas(32) float out[16];
+  if (n < kPanelMinTokens) {
+    for (int t0 = 0; t0 < n;) {
+      const int nt = n - t0 >= 2 ? 2 : 1;
+      for (int64_t p = r0 / 4; p < p_end; ++p) {
+        Trickle nq, ns;
+        P.next(p, p_end, nq, ns, (int)nb);
+        if (nt == 2) q6_pair<2>(P, p, x + t0, out, nq, ns);
+        else q6_pair<1>(P, p, x + t0, out, nq, ns);
+        store_tile(out, nt, 4, y + (int64_t)t0 * W.rows + 4 * p, W.rows);
+      }
+      t0 += nt;
+    }
+    return;
+  }
+  thread_local PanelScratch S;
+  if ((int64_t)S.panel.size() < nb) S.panel.resize(nb);
+  S.in.prepare(x, n, nb, [](int l) { return 2 * (l / 8) + ((l >> 1) & 1); });
+  const PanelInputs& in = S.in;
+  if (in.n4 == 4) {
+    for (int64_t p = r0 / 4; p < p_end; ++p) {
+      Trickle nq, ns;
+      P.next(p, p_end, nq, ns, (int)nb);
+      q6_quad(P, p, in.xs.data(), in.quad_scales(0, nb), out, nq, ns);
+      store_tile(out, n, 4, y + 4 * p, W.rows);
+    }
+    return;
+  }
+  for (int tb = 0; tb < in.n4; tb += kTokenBlock) {
+    const int te = std::min(in.n4, tb + kTokenBlock);
+    for (int64_t p = r0 / 4; p < p_end; ++p) {
+      Trickle nq, ns;
+      P.next(p, p_end, nq, ns, (int)nb + (te - tb) / 4);
+      q6_unpack(P, p, S.panel.data(), nq, ns);
+      for (int t0 = tb; t0 < te; t0 += 4) {
+        nq.step(), ns.step();
+        panel_tile<true>(S.panel.data(), nb, in.xs.data() + t0, in.quad_scales(t0, nb), out);
+        store_tile(out, std::min(4, n - t0), 4, y + (int64_t)t0 * W.rows + 4 * p, W.rows);
+      }
+      nq.rest(), ns.rest();
+    }
+  }
+}
+
+bool q6_panels_ready(const Weight& W) {
+  return W.type == DType::Q6_K && W.cpu_layout && !W.cpu_layout->bytes.empty() && q6_panels_wanted(W);
+}
+
 template <DType T>
 void gemm_avx2(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  if (T == DType::Q6_K && r0 % 4 == 0 && r1 % 4 == 0 && q6_panels_ready(W)) return gemm_q6_panels(W, r0, r1, x, n, y);
   // AVX-512 panels pay from 2 tokens (a pair padded to a quad still beats the register kernel)
   if (n >= 2 && cpu_avx512_active()) {
     gemm_panels16<T>(W, r0, r1, x, n, y);
@@ -949,6 +1170,43 @@ void gemm_avx2(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, 
 }  // namespace
 
 bool gemm_kquant_supported(DType t) { return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K; }
+
+Weight with_cpu_layout(Weight w) {
+  if (w.type == DType::Q6_K && w.rows % 4 == 0 && w.cols % QK_K == 0) w.cpu_layout = std::make_shared<CpuLayout>();
+  return w;
+}
+
+bool q6_panels_wanted(const Weight& W) {
+#ifdef DFL_AVX2
+  if (W.type != DType::Q6_K || !W.cpu_layout || cpu_avx512_active()) return false;
+  const char* e = std::getenv("DFLASH27B_CPU_Q6K_PANELS");
+  return !(e && !std::strcmp(e, "0"));
+#else
+  (void)W;
+  return false;  // the portable build reads the GGUF order
+#endif
+}
+
+size_t q6_panels_bytes(const Weight& W) {  // (+63: the start aligned to 64 bytes in the vector)
+  return (size_t)(W.rows / 4) * (size_t)(W.cols / QK_K) * (sizeof(block_q6_K) * 4) + 63;
+}
+
+void q6_panels_fill(const Weight& W, int64_t p0, int64_t p1, uint8_t* bytes) {
+#ifdef DFL_AVX2
+  const int64_t nb = W.cols / QK_K;
+  uint8_t* base = const_cast<uint8_t*>(Q6Panels::align64(bytes));
+  Q6Quant* q = reinterpret_cast<Q6Quant*>(base);
+  Q6Scales* s = reinterpret_cast<Q6Scales*>(base + (size_t)(W.rows / 4) * nb * sizeof(Q6Quant));
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* blk[4];
+      for (int r = 0; r < 4; ++r) blk[r] = W.row(4 * p + r) + i * sizeof(block_q6_K);
+      q6_fill_panel(blk, q[p * nb + i], s[p * nb + i]);
+    }
+#else
+  (void)W, (void)p0, (void)p1, (void)bytes;
+#endif
+}
 
 void gemm_kquant(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
 #ifdef DFL_AVX2

@@ -36,6 +36,12 @@ void matmul(ThreadPool& pool, const Weight& W, const float* x, int n, float* y, 
   std::vector<ActRow> rows;
   if (q) rows = quantize_activations(pool, x, n, cols, act_block(W.type), act);
   if (gemm_kquant_supported(W.type)) {
+    if (q6_panels_wanted(W))  // Q6_K in the kernels' own order, made on first use (quant.h: with_cpu_layout)
+      std::call_once(W.cpu_layout->made, [&] {
+        std::vector<uint8_t>& b = W.cpu_layout->bytes;
+        b.resize(q6_panels_bytes(W));
+        pool.parallel_for(W.rows / 4, 16, [&](int64_t p0, int64_t p1) { q6_panels_fill(W, p0, p1, b.data()); });
+      });
     // parts in whole 4-row panels
     auto kbody = [&](int64_t r0, int64_t r1) { gemm_kquant(W, r0, r1, rows.data(), n, y); };
     if ((int64_t)W.rows * cols * n < (1 << 16)) kbody(0, W.rows);
