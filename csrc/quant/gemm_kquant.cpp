@@ -374,6 +374,33 @@ struct PanelTail {
   __m256 d, dm;
 };
 
+// Q6_K's chunks 4h .. 4h + 3 of 4 rows from their bytes transposed in 8-byte pieces (pieces(k, out): k = -1 the
+// high bits qh + 32h, k = 0 / 1 the low nibbles ql + 64h + 32k; asked for as they are needed, so that few are
+// live at once), each handed to chunk(j, w, sc0, sc1) with scale(j, 0 / 1): the one decode of the GGUF order's
+// panels and the pre-transposed ones.  The high bits 2k, 2k+1 of qh land on bits 4, 5 of chunk k's bytes: a
+// 16-bit shift is bytewise once masked to 0x30 (bits crossing a byte edge are cleared).
+template <class Pieces, class Chunk, class Scale>
+inline void q6_chunks(int h, Pieces&& pieces, Chunk&& chunk, Scale&& scale) {
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  __m256i l[4], hh[4], w[4];
+  pieces(-1, hh);
+  pieces(0, l);  // chunks 4h and 4h + 2: its low and high nibbles
+  for (int p = 0; p < 4; ++p)
+    w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 4), m30));
+  chunk(4 * h, w, scale(4 * h, 0), scale(4 * h, 1));
+  for (int p = 0; p < 4; ++p)
+    w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4), _mm256_and_si256(hh[p], m30));
+  chunk(4 * h + 2, w, scale(4 * h + 2, 0), scale(4 * h + 2, 1));
+  pieces(1, l);  // chunks 4h + 1 and 4h + 3
+  for (int p = 0; p < 4; ++p)
+    w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 2), m30));
+  chunk(4 * h + 1, w, scale(4 * h + 1, 0), scale(4 * h + 1, 1));
+  for (int p = 0; p < 4; ++p)
+    w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(hh[p], 2), m30));
+  chunk(4 * h + 3, w, scale(4 * h + 3, 0), scale(4 * h + 3, 1));
+}
+
 // The 4 rows' super-blocks (blk[r]: row r's) in the panel's layout, handed over as they are made, straight
 // from the packed bytes: they are transposed in 8-byte pieces first (the bit operations that make quants are
 // bytewise, so they commute with it).  chunk(j, w, sc0, sc1) gets chunk j (in any order): w[p] holds in
@@ -405,28 +432,10 @@ inline void panel_sb(const uint8_t* const blk[4], Chunk&& chunk, PanelTail& tail
                               : (second ? _mm256_permute4x64_epi64(e[j % 4], 0xff) : _mm256_permute4x64_epi64(e[j % 4], 0xaa));
       return _mm256_shuffle_epi8(q, spread);
     };
-    // high bits 2k, 2k+1 of qh land on bits 4, 5 of chunk k's bytes: a 16-bit
-    // shift is bytewise once masked to 0x30 (bits crossing a byte edge are cleared)
-    const __m256i m30 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; ++h) {
-      __m256i l[4], hh[4], w[4];
-      transposed(offsetof(block_q6_K, qh) + 32 * h, hh);
-      transposed(offsetof(block_q6_K, ql) + 64 * h, l);  // chunks 4h and 4h + 2: its low and high nibbles
-      for (int p = 0; p < 4; ++p)
-        w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 4), m30));
-      chunk(4 * h, w, scale(4 * h, 0), scale(4 * h, 1));
-      for (int p = 0; p < 4; ++p)
-        w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4), _mm256_and_si256(hh[p], m30));
-      chunk(4 * h + 2, w, scale(4 * h + 2, 0), scale(4 * h + 2, 1));
-      transposed(offsetof(block_q6_K, ql) + 64 * h + 32, l);  // chunks 4h + 1 and 4h + 3
-      for (int p = 0; p < 4; ++p)
-        w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 2), m30));
-      chunk(4 * h + 1, w, scale(4 * h + 1, 0), scale(4 * h + 1, 1));
-      for (int p = 0; p < 4; ++p)
-        w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4),
-                               _mm256_and_si256(_mm256_srli_epi16(hh[p], 2), m30));
-      chunk(4 * h + 3, w, scale(4 * h + 3, 0), scale(4 * h + 3, 1));
-    }
+    for (int h = 0; h < 2; ++h)
+      q6_chunks(h, [&](int k, __m256i out[4]) {
+        transposed(k < 0 ? offsetof(block_q6_K, qh) + 32 * h : offsetof(block_q6_K, ql) + 64 * h + 32 * k, out);
+      }, chunk, scale);
     uint16_t dh[4];
     for (int r = 0; r < 4; ++r) std::memcpy(&dh[r], blk[r] + offsetof(block_q6_K, d), 2);
     tail.d = tail.dm = lane_scales(dh[0], dh[1], dh[2], dh[3]);
@@ -1007,7 +1016,6 @@ void q6_fill_panel(const uint8_t* const blk[4], Q6Quant& q, Q6Scales& s) {
 // panel_sb<Q6_K>'s chunks and tail from the stored panel: its bit operations without the transposes.
 template <class Chunk>
 inline void q6_panel_sb(const Q6Quant& q, const Q6Scales& s, Chunk&& chunk, PanelTail& tail) {
-  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
   __m256i sp[4];
   for (int k = 0; k < 4; ++k) sp[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)s.sp[k]));
   for (int k = 0; k < 4; ++k) tail.m[k] = _mm256_slli_epi16(sp[k], 5);
@@ -1015,25 +1023,11 @@ inline void q6_panel_sb(const Q6Quant& q, const Q6Scales& s, Chunk&& chunk, Pane
     const int g = 2 * j + second;
     return _mm256_shuffle_epi8(sp[g / 4], kGroupScale[g % 4]);
   };
-  for (int h = 0; h < 2; ++h) {
-    __m256i l[4], hh[4], w[4];
-    for (int p = 0; p < 4; ++p) hh[p] = _mm256_load_si256((const __m256i*)q.qh[h][p]);
-    for (int p = 0; p < 4; ++p) l[p] = _mm256_load_si256((const __m256i*)q.ql[h][0][p]);
-    for (int p = 0; p < 4; ++p)
-      w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 4), m30));
-    chunk(4 * h, w, scale(4 * h, 0), scale(4 * h, 1));
-    for (int p = 0; p < 4; ++p)
-      w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4), _mm256_and_si256(hh[p], m30));
-    chunk(4 * h + 2, w, scale(4 * h + 2, 0), scale(4 * h + 2, 1));
-    for (int p = 0; p < 4; ++p) l[p] = _mm256_load_si256((const __m256i*)q.ql[h][1][p]);
-    for (int p = 0; p < 4; ++p)
-      w[p] = _mm256_or_si256(_mm256_and_si256(l[p], m4), _mm256_and_si256(_mm256_slli_epi16(hh[p], 2), m30));
-    chunk(4 * h + 1, w, scale(4 * h + 1, 0), scale(4 * h + 1, 1));
-    for (int p = 0; p < 4; ++p)
-      w[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l[p], 4), m4),
-                             _mm256_and_si256(_mm256_srli_epi16(hh[p], 2), m30));
-    chunk(4 * h + 3, w, scale(4 * h + 3, 0), scale(4 * h + 3, 1));
-  }
+  for (int h = 0; h < 2; ++h)
+    q6_chunks(h, [&](int k, __m256i out[4]) {
+      const uint8_t(*src)[32] = k < 0 ? q.qh[h] : q.ql[h][k];
+      for (int p = 0; p < 4; ++p) out[p] = _mm256_load_si256((const __m256i*)src[p]);
+    }, chunk, scale);
   tail.d = tail.dm = lane_scales(s.d[0], s.d[1], s.d[2], s.d[3]);
 }
 
