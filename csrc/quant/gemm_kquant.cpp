@@ -1172,9 +1172,11 @@ Weight with_cpu_layout(Weight w) {
 
 bool q6_panels_wanted(const Weight& W) {
 #ifdef DFL_AVX2
-  if (W.type != DType::Q6_K || !W.cpu_layout || cpu_avx512_active()) return false;
-  const char* e = std::getenv("DFLASH27B_CPU_Q6K_PANELS");
-  return !(e && !std::strcmp(e, "0"));
+  static const bool off = [] {  // read once: this is asked on every K-quant matmul
+    const char* e = std::getenv("DFLASH27B_CPU_Q6K_PANELS");
+    return e && !std::strcmp(e, "0");
+  }();
+  return W.type == DType::Q6_K && W.cpu_layout && !off && !cpu_avx512_active();
 #else
   (void)W;
   return false;  // the portable build reads the GGUF order

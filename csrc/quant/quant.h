@@ -52,12 +52,12 @@ void axpy_rows(const float* const* v, const float* p, int ns, float* out, int64_
 struct Weight;
 bool gemm_kquant_supported(DType t);
 // Q6_K weights whose rows come in fours get a CpuLayout holder (loaders call this): the AVX2 kernels then read
-// a copy pre-transposed into their panels' order, made on the first CPU matmul (q6_panels_make), the same bits
-// as the GGUF order at every batch size and 1.4x faster for a quad of tokens (bench/q6k_layout.cpp).
-// DFLASH27B_CPU_Q6K_PANELS=0 reads the GGUF order.
+// a copy pre-transposed into their panels' order, made on the first CPU matmul (cpu_ops.cpp: q6_panels_bytes,
+// then q6_panels_fill), the same bits as the GGUF order at every batch size and 1.3x faster for a quad of
+// tokens (bench/q6k_layout.cpp).  DFLASH27B_CPU_Q6K_PANELS=0 (read once) keeps the GGUF order.
 Weight with_cpu_layout(Weight w);
 // Whether the CPU's kernels would read W's panels now (AVX2 build, AVX-512 not active, not turned off), and
-// making them once (rows in [r0, r1) of panels; the caller splits the work): bytes, then fill.
+// making them once: the bytes to allocate, then panels [p0, p1) (4 rows each; the caller splits the work).
 bool q6_panels_wanted(const Weight& W);
 size_t q6_panels_bytes(const Weight& W);
 void q6_panels_fill(const Weight& W, int64_t p0, int64_t p1, uint8_t* out);  // 4-row panels p0..p1
