@@ -45,6 +45,10 @@ int dfl_auto_choose(const dfl_auto_estimates* e, const int32_t* depth, const flo
 /* The worst case of a drafter's smallest step against an AR step (seconds), for `slots` requests sharing the
  * step: what a request's loss allowance must cover before auto mode drafts (spec/adaptive.h worst_loss_s). */
 int dfl_auto_worst_loss(const dfl_auto_estimates* e, int32_t slots, double* out_s);
+/* Rows of Q6_K weights the CPU kernels have read from their pre-transposed panels so far in this process
+ * (quant.h with_cpu_layout): 0 where they do not run (AVX-512 active, the portable build,
+ * DFLASH27B_CPU_Q6K_PANELS=0). */
+int64_t dfl_cpu_q6k_panel_rows(void);
 /* A request's loss allowance (spec/adaptive.h LossAllowance) after the drafted steps given, at AR steps of
  * ar_s seconds: what one bet may still lose in its worst case (bet_s) and what a probe may (probe_s). */
 typedef struct {

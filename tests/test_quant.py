@@ -154,6 +154,38 @@ def test_quantised_matmul_is_the_reference_arithmetic_bit_for_bit(name):
         check(lib.dfl_cpu_avx512(-1))
 
 
+def test_q6k_weights_in_fours_are_read_from_their_panels():
+    """A Q6_K weight whose rows come in fours is read from the panels pre-transposed on its first CPU matmul
+    (quant.h with_cpu_layout) where the AVX2 kernels run, at every token count: the same bits as the
+    reference (the test above), and the rows counted here show the panels were what was read.  Rows not in
+    fours, and the AVX-512 kernels, read the GGUF order."""
+    import os
+    ffi, lib = load()
+    if "avx2" not in ffi.string(lib.dfl_build_info()).decode() or os.environ.get("DFLASH27B_CPU_Q6K_PANELS") == "0":
+        pytest.skip("no AVX2 kernels, or the panels turned off")
+    rng = np.random.default_rng(5)
+    tid = int(FORMATS["Q6_K"][0])
+
+    def rows_read(rows, n, avx512=0):
+        raw = np.ascontiguousarray(random_blocks("Q6_K", rows * 1024 // 256, rng).reshape(rows, -1))
+        x = rng.standard_normal((n, 1024)).astype(np.float32)
+        y = np.empty((n, rows), np.float32)
+        check(lib.dfl_cpu_avx512(avx512))
+        before = lib.dfl_cpu_q6k_panel_rows()
+        check(lib.dfl_matmul(tid, ffi.cast("void*", raw.ctypes.data), rows, 1024, ffi.cast("float*", x.ctypes.data), n,
+                             ffi.cast("float*", y.ctypes.data), 2))
+        return lib.dfl_cpu_q6k_panel_rows() - before
+
+    try:
+        for n in (1, 2, 3, 4, 5, 9, 70):
+            assert rows_read(64, n) == 64, n
+        assert rows_read(37, 4) == 0
+        if lib.dfl_cpu_avx512(1) == 0:
+            assert rows_read(64, 4, avx512=1) == 0
+    finally:
+        check(lib.dfl_cpu_avx512(-1))
+
+
 def cpu_kernel_modes(lib) -> list[int]:
     """The CPU kernel sets this machine can run: AVX2 / scalar (0), and AVX-512 (1) where the CPU has it."""
     return [0, 1] if lib.dfl_cpu_avx512(1) == 0 else [0]

@@ -83,6 +83,8 @@ const char* dfl_build_info(void) {
   return s.c_str();
 }
 
+int64_t dfl_cpu_q6k_panel_rows(void) { return dfl::q6_panel_rows_read(); }
+
 int dfl_cpu_avx512(int32_t mode) {
   return guard([&] { dfl::set_cpu_avx512(mode); });
 }

@@ -27,6 +27,7 @@
 //    tokens: 4 slots' AR step, a short chain) uses each chunk where it is made
 //    (`panel_direct`) instead: no tile would read a stored panel twice.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -1096,7 +1097,10 @@ void q6_unpack(const Q6Panels& P, int64_t p, PanelSB* out, Trickle& nq, Trickle&
 
 // Rows [r0, r1) (whole panels) for n tokens from the stored panels: 1-2 tokens a pair at a time, a quad in
 // registers, more in tiles over an unpacked panel -- the GGUF order's kernels, without its transposes.
+std::atomic<int64_t> g_q6_panel_rows{0};
+
 void gemm_q6_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
+  g_q6_panel_rows.fetch_add(r1 - r0, std::memory_order_relaxed);
   const Q6Panels P(W);
   const int64_t nb = P.nb, p_end = r1 / 4;
   alignas(32) float out[16];
@@ -1180,6 +1184,14 @@ bool q6_panels_wanted(const Weight& W) {
 #else
   (void)W;
   return false;  // the portable build reads the GGUF order
+#endif
+}
+
+int64_t q6_panel_rows_read() {
+#ifdef DFL_AVX2
+  return g_q6_panel_rows.load(std::memory_order_relaxed);
+#else
+  return 0;
 #endif
 }
 

@@ -61,6 +61,8 @@ Weight with_cpu_layout(Weight w);
 bool q6_panels_wanted(const Weight& W);
 size_t q6_panels_bytes(const Weight& W);
 void q6_panels_fill(const Weight& W, int64_t p0, int64_t p1, uint8_t* out);  // 4-row panels p0..p1
+// Rows of panels the kernels have read so far in this process (tests: the panel path was taken).
+int64_t q6_panel_rows_read();
 void gemm_kquant(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y);
 // The same arithmetic written one output at a time (the definition the kernels are tested against).
 void gemm_kquant_reference(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y);
