@@ -100,7 +100,9 @@ int dfl_dev_mtp_logits(dfl_context* c, const int32_t* tokens, int32_t n, float* 
 double dfl_measure_read_bandwidth(int64_t bytes, int32_t n_threads);
 int dfl_dequantize(uint32_t type, const void* src, int64_t n, float* dst);
 int dfl_quantize(uint32_t type, const float* src, int64_t n, void* dst); /* F32/F16/BF16/Q8_0/Q4_0 */
-/* y[t][r] = W[r] . x[t] for a rows x cols weight of `type` (row-major blocks) */
+/* y[t][r] = W[r] . x[t] for a rows x cols weight of `type` (row-major blocks).  A Q6_K weight whose rows come
+ * in fours is read as a model's is on the CPU, from panels pre-transposed for the call (the repack is part of
+ * its time). */
 int dfl_matmul(uint32_t type, const void* w, int64_t rows, int64_t cols, const float* x, int32_t n, float* y,
                int32_t n_threads);
 /* K-quants, Q8_0 and Q4_0: the arithmetic dfl_matmul's kernels (and the CUDA

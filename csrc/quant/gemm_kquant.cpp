@@ -25,7 +25,7 @@
 //    AVX2 (pmaddubsw and pmaddwd share them), and this takes 5 multiplies per
 //    128 products where one row at a time takes 8.  A batch of one quad (3 or 4
 //    tokens: 4 slots' AR step, a short chain) uses each chunk where it is made
-//    (`panel_direct`) instead: no tile would read a stored panel twice.
+//    (`quad_direct`) instead: no tile would read a stored panel twice.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -481,25 +481,39 @@ inline void panel_rows(const Weight& W, const int64_t* rows, int64_t i, size_t b
   for (int r = 0; r < 4; ++r) blk[r] = W.row(rows[r]) + i * bs;
 }
 
-// A whole row range's panel in memory, for several tiles of tokens to read.
-template <DType T>
-void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P, Trickle& next) {
-  const int64_t nb = W.cols / QK_K;
+// A panel's nb super-blocks, as sb(i, chunk, tail) makes them (from the GGUF order, or the stored Q6_K
+// panels), in memory for several tiles of tokens to read.
+template <bool G16, class Sb>
+inline void unpack_into(PanelSB* P, int64_t nb, Sb&& sb) {
   for (int64_t i = 0; i < nb; ++i) {
-    next.step();
     PanelSB& b = P[i];
-    const uint8_t* blk[4];
-    panel_rows(W, rows, i, block_bytes(T), blk);
     PanelTail tail;
-    panel_sb<T>(blk, [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+    sb(i, [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
       for (int p = 0; p < 4; ++p) _mm256_store_si256((__m256i*)b.q[j][p], w[p]);
       _mm256_store_si256((__m256i*)b.sc[j][0], sc0);
-      if (T == DType::Q6_K) _mm256_store_si256((__m256i*)b.sc[j][1], sc1);  // else the tile reads sc[j][0] only
+      if (G16) _mm256_store_si256((__m256i*)b.sc[j][1], sc1);  // else the tile reads sc[j][0] only
     }, tail);
     for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], tail.m[k]);
     _mm256_store_ps(b.d, tail.d);
     _mm256_store_ps(b.dm, tail.dm);
   }
+}
+
+// The GGUF order's super-blocks of 4 rows, i by i, the next rows' bytes prefetched a slice with each.
+template <DType T>
+inline auto gguf_sb(const Weight& W, const int64_t* rows, Trickle& next) {
+  return [&W, rows, &next](int64_t i, auto&& chunk, PanelTail& tail) {
+    next.step();
+    const uint8_t* blk[4];
+    panel_rows(W, rows, i, block_bytes(T), blk);
+    panel_sb<T>(blk, chunk, tail);
+  };
+}
+
+// A whole row range's panel in memory, for several tiles of tokens to read.
+template <DType T>
+void unpack_panel(const Weight& W, const int64_t* rows, PanelSB* P, Trickle& next) {
+  unpack_into<T == DType::Q6_K>(P, W.cols / QK_K, gguf_sb<T>(W, rows, next));
 }
 
 // The tile's arithmetic, shared by the panel in memory and the panel in registers.  One chunk of 4 rows
@@ -566,19 +580,15 @@ void panel_tile(const PanelSB* P, int64_t nb, const ActRow* x, const float* xd2,
 
 // One quad of tokens (3 or 4): no tile would read a stored panel twice, so each chunk is used where it is
 // made, in registers (storing and reloading the panel was half of a quad's time on AVX2).
-template <DType T>
-void panel_direct(const Weight& W, const int64_t* rows, int64_t nb, const ActRow* x, const float* xd2, float* out,
-                  Trickle& next) {
-  constexpr bool G16 = T == DType::Q6_K;
+// sb(i, chunk, tail): super-block i of the panel, from the GGUF order or the stored Q6_K panels.
+template <bool G16, class Sb>
+inline void quad_direct(int64_t nb, const ActRow* x, const float* xd2, float* out, Sb&& sb) {
   TileAcc acc;
   for (int64_t i = 0; i < nb; ++i) {
-    next.step();
-    const uint8_t* blk[4];
-    panel_rows(W, rows, i, block_bytes(T), blk);
     __m256i is[4];
     for (int t = 0; t < 4; ++t) is[t] = _mm256_setzero_si256();
     PanelTail tail;
-    panel_sb<T>(blk, [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+    sb(i, [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
       for (int t = 0; t < 4; ++t) is[t] = tile_chunk<G16>(w, sc0, sc1, x[t].q + 256 * i + 32 * j, is[t]);
     }, tail);
     acc.add(tail.m, tail.d, tail.dm, x, i, xd2, is);
@@ -625,15 +635,25 @@ constexpr int kPanelMinTokens = 3;
 // Tokens in blocks that stay in L2 while every panel of the row range passes over them.
 constexpr int kTokenBlock = 64;
 
-// The loop both panel kinds share.  Tokens go in blocks that stay in L2 while every
+// The prefetch of the rows after the panel at p0 (up to r1), a slice in each of `steps` (the panel loops'
+// start_next for the GGUF order: its next panel's rows are contiguous with this one's).
+inline auto next_rows(const Weight& W, int64_t r1) {
+  return [&W, r1](int64_t p0, int steps) {
+    Trickle t;
+    t.start_rows(W, p0 + 4, r1, 4, steps);
+    return t;
+  };
+}
+
+// The loop every panel kind shares.  Tokens go in blocks that stay in L2 while every
 // panel of the row range passes over them; each 4-row panel is unpacked once per
-// block (unpack(rows)) and tiles of tokens run over it (tile(t0, te, out) fills
+// block (unpack(rows, next)) and tiles of tokens run over it (tile(t0, te, out) fills
 // out[4t + r] for the tokens it takes, up to tile_max, and returns how many).  The
-// next panel's rows are contiguous with this one's: they are prefetched while this
-// one's super-blocks are unpacked and its tiles run (Trickle).
-template <class Unpack, class Tile>
-inline void panel_loop(const Weight& W, int64_t r0, int64_t r1, float* y, int n, int n4, int tile_max, Unpack unpack,
-                       Tile tile) {
+// next panel's bytes are prefetched while this one's super-blocks are unpacked and its
+// tiles run (start_next(p0, steps): a Trickle or two, next_rows for the GGUF order).
+template <class StartNext, class Unpack, class Tile>
+inline void panel_loop(const Weight& W, int64_t r0, int64_t r1, float* y, int n, int n4, int tile_max,
+                       StartNext start_next, Unpack unpack, Tile tile) {
   alignas(64) float out[4 * 8];
   const int nb = (int)(W.cols / QK_K);
   for (int tb = 0; tb < n4; tb += kTokenBlock) {
@@ -642,8 +662,7 @@ inline void panel_loop(const Weight& W, int64_t r0, int64_t r1, float* y, int n,
     for (int64_t p0 = r0; p0 < r1; p0 += 4) {
       int64_t rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
-      Trickle next;
-      next.start_rows(W, p0 + 4, r1, 4, nb + n_tiles);
+      auto next = start_next(p0, nb + n_tiles);
       unpack(rows, next);
       for (int t0 = tb; t0 < te;) {
         next.step();
@@ -653,6 +672,21 @@ inline void panel_loop(const Weight& W, int64_t r0, int64_t r1, float* y, int n,
       }
       next.rest();
     }
+  }
+}
+
+// One quad of tokens (3 or 4, n) over every panel of rows [r0, r1): quad(rows, next, out) fills out[4t + r] in
+// registers (quad_direct), the next panel prefetched meanwhile (start_next as panel_loop's).
+template <class StartNext, class Quad>
+inline void quad_loop(const Weight& W, int64_t r0, int64_t r1, int n, float* y, StartNext start_next, Quad quad) {
+  alignas(32) float out[16];
+  for (int64_t p0 = r0; p0 < r1; p0 += 4) {
+    int64_t rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
+    auto next = start_next(p0, (int)(W.cols / QK_K));  // a slice with each super-block
+    quad(rows, next, out);
+    next.rest();
+    store_tile(out, n, (int)std::min<int64_t>(4, r1 - p0), y + p0, W.rows);
   }
 }
 
@@ -666,19 +700,13 @@ void gemm_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n
   PanelSB* panel = S.panel.data();
   const PanelInputs& in = S.in;
   if (T != DType::Q6_K && in.n4 == 4) {  // one quad: the panel in registers (Q6_K's spill: 1.2-1.4x slower)
-    alignas(32) float out[16];
-    for (int64_t p0 = r0; p0 < r1; p0 += 4) {
-      int64_t rows[4];
-      for (int r = 0; r < 4; ++r) rows[r] = std::min(p0 + r, r1 - 1);  // a short panel repeats its last row
-      Trickle next;  // the next panel's rows, a slice with each super-block
-      next.start_rows(W, p0 + 4, r1, 4, (int)nb);
-      panel_direct<T>(W, rows, nb, in.xs.data(), in.quad_scales(0, nb), out, next);
-      next.rest();
-      store_tile(out, n, (int)std::min<int64_t>(4, r1 - p0), y + p0, W.rows);
-    }
+    quad_loop(W, r0, r1, n, y, next_rows(W, r1), [&](const int64_t* rows, Trickle& next, float* out) {
+      quad_direct<false>(nb, in.xs.data(), in.quad_scales(0, nb), out, gguf_sb<T>(W, rows, next));
+    });
     return;
   }
-  panel_loop(W, r0, r1, y, n, in.n4, 4, [&](const int64_t* rows, Trickle& next) { unpack_panel<T>(W, rows, panel, next); },
+  panel_loop(W, r0, r1, y, n, in.n4, 4, next_rows(W, r1),
+             [&](const int64_t* rows, Trickle& next) { unpack_panel<T>(W, rows, panel, next); },
              [&](int t0, int, float* out) {
                panel_tile<T == DType::Q6_K>(panel, nb, in.xs.data() + t0, in.quad_scales(t0, nb), out);
                return 4;
@@ -931,7 +959,8 @@ DFL_AVX512 void gemm_panels16(const Weight& W, int64_t r0, int64_t r1, const Act
   S.in.prepare(x, n, nb, [](int l) { return l % 4; });  // the tile's lanes 4r + t
   Panel16* panel = S.panel.data();
   const PanelInputs& in = S.in;
-  panel_loop(W, r0, r1, y, n, in.n4, 8, [&](const int64_t* rows, Trickle& next) { unpack_panel16<T>(W, rows, panel, next); },
+  panel_loop(W, r0, r1, y, n, in.n4, 8, next_rows(W, r1),
+             [&](const int64_t* rows, Trickle& next) { unpack_panel16<T>(W, rows, panel, next); },
              [&](int t0, int te, float* out) {
                const ActRow* xs = in.xs.data() + t0;
                if (te - t0 >= 8) {
@@ -973,12 +1002,24 @@ struct Q6Panels {
     s = reinterpret_cast<const Q6Scales*>(base + (size_t)(W.rows / 4) * nb * sizeof(Q6Quant));
   }
   static const uint8_t* align64(const uint8_t* p) { return (const uint8_t*)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
-  // panel p's super-blocks, and a Trickle over the next panel's bytes (both runs) spread over `steps`
-  void next(int64_t p, int64_t p_end, Trickle& nq, Trickle& ns, int steps) const {
-    const bool more = p + 1 < p_end;
-    nq.start(more ? (const char*)(q + (p + 1) * nb) : nullptr, (size_t)nb * sizeof(Q6Quant), steps);
-    ns.start(more ? (const char*)(s + (p + 1) * nb) : nullptr, (size_t)nb * sizeof(Q6Scales), steps);
+  // The prefetch of the panel after the one at row p0 (up to row r1): both its runs, a slice in each of `steps`.
+  struct Next {
+    Trickle q, s;
+    void step() { q.step(), s.step(); }
+    void rest() { q.rest(), s.rest(); }
+  };
+  auto next_panel(int64_t r1) const {
+    return [this, r1](int64_t p0, int steps) {
+      const int64_t p = p0 / 4 + 1;
+      const bool more = 4 * p < r1;
+      Next n;
+      n.q.start(more ? (const char*)(q + p * nb) : nullptr, (size_t)nb * sizeof(Q6Quant), steps);
+      n.s.start(more ? (const char*)(s + p * nb) : nullptr, (size_t)nb * sizeof(Q6Scales), steps);
+      return n;
+    };
   }
+  // the super-blocks of the panel at row p0, as quad_direct and unpack_into take them
+  auto sb(int64_t p0, Next& next) const;
 };
 
 // Q6_K: lane 4r + l of a piece of 4 groups (int16 lanes 4r + l: row r, group 4k + l) to all 4 lanes of row r,
@@ -1035,14 +1076,14 @@ inline void q6_panel_sb(const Q6Quant& q, const Q6Scales& s, Chunk&& chunk, Pane
 // 1 or 2 tokens (NT) on one stored panel: the lanes of a quad tile's first pair (rows 0 1 0 1 2 3 2 3, tokens
 // 0 0 1 1 0 0 1 1; one token fills both), the same float steps as `fused` gives each output.  out[4t + r].
 template <int NT>
-void q6_pair(const Q6Panels& P, int64_t p, const ActRow* x, float* out, Trickle& nq, Trickle& ns) {
+void q6_pair(const Q6Panels& P, int64_t p0, const ActRow* x, float* out, Q6Panels::Next& next) {
   __m256 acc = _mm256_setzero_ps(), accm = acc;
   const ActRow& x1 = x[NT - 1];
+  const auto sb = P.sb(p0, next);
   for (int64_t i = 0; i < P.nb; ++i) {
-    nq.step(), ns.step();
     __m256i is0 = _mm256_setzero_si256(), is1 = is0;
     PanelTail tail;
-    q6_panel_sb(P.q[p * P.nb + i], P.s[p * P.nb + i], [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
+    sb(i, [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
       is0 = tile_chunk<true>(w, sc0, sc1, x[0].q + 256 * i + 32 * j, is0);
       if (NT == 2) is1 = tile_chunk<true>(w, sc0, sc1, x1.q + 256 * i + 32 * j, is1);
     }, tail);
@@ -1062,37 +1103,12 @@ void q6_pair(const Q6Panels& P, int64_t p, const ActRow* x, float* out, Trickle&
   _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(_mm256_sub_ps(acc, accm), to_token_major));
 }
 
-// A quad of tokens on one stored panel, used where it is made (as panel_direct).
-void q6_quad(const Q6Panels& P, int64_t p, const ActRow* x, const float* xd2, float* out, Trickle& nq, Trickle& ns) {
-  TileAcc acc;
-  for (int64_t i = 0; i < P.nb; ++i) {
-    nq.step(), ns.step();
-    __m256i is[4];
-    for (int t = 0; t < 4; ++t) is[t] = _mm256_setzero_si256();
-    PanelTail tail;
-    q6_panel_sb(P.q[p * P.nb + i], P.s[p * P.nb + i], [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
-      for (int t = 0; t < 4; ++t) is[t] = tile_chunk<true>(w, sc0, sc1, x[t].q + 256 * i + 32 * j, is[t]);
-    }, tail);
-    acc.add(tail.m, tail.d, tail.dm, x, i, xd2, is);
-  }
-  acc.store(out);
-}
-
-// One stored panel in the unpacked PanelSB form, for several tiles of tokens (as unpack_panel).
-void q6_unpack(const Q6Panels& P, int64_t p, PanelSB* out, Trickle& nq, Trickle& ns) {
-  for (int64_t i = 0; i < P.nb; ++i) {
-    nq.step(), ns.step();
-    PanelSB& b = out[i];
-    PanelTail tail;
-    q6_panel_sb(P.q[p * P.nb + i], P.s[p * P.nb + i], [&](int j, const __m256i* w, __m256i sc0, __m256i sc1) {
-      for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.q[j][k], w[k]);
-      _mm256_store_si256((__m256i*)b.sc[j][0], sc0);
-      _mm256_store_si256((__m256i*)b.sc[j][1], sc1);
-    }, tail);
-    for (int k = 0; k < 4; ++k) _mm256_store_si256((__m256i*)b.m[k], tail.m[k]);
-    _mm256_store_ps(b.d, tail.d);
-    _mm256_store_ps(b.dm, tail.dm);
-  }
+auto Q6Panels::sb(int64_t p0, Next& next) const {
+  return [this, p0, &next](int64_t i, auto&& chunk, PanelTail& tail) {
+    next.step();
+    const int64_t k = p0 / 4 * nb + i;
+    q6_panel_sb(q[k], s[k], chunk, tail);
+  };
 }
 
 // Rows [r0, r1) (whole panels) for n tokens from the stored panels: 1-2 tokens a pair at a time, a quad in
@@ -1102,17 +1118,16 @@ std::atomic<int64_t> g_q6_panel_rows{0};
 void gemm_q6_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, int n, float* y) {
   g_q6_panel_rows.fetch_add(r1 - r0, std::memory_order_relaxed);
   const Q6Panels P(W);
-  const int64_t nb = P.nb, p_end = r1 / 4;
-  alignas(32) float out[16];
+  const int64_t nb = P.nb;
   if (n < kPanelMinTokens) {
+    alignas(32) float out[8];
     for (int t0 = 0; t0 < n;) {
       const int nt = n - t0 >= 2 ? 2 : 1;
-      for (int64_t p = r0 / 4; p < p_end; ++p) {
-        Trickle nq, ns;
-        P.next(p, p_end, nq, ns, (int)nb);
-        if (nt == 2) q6_pair<2>(P, p, x + t0, out, nq, ns);
-        else q6_pair<1>(P, p, x + t0, out, nq, ns);
-        store_tile(out, nt, 4, y + (int64_t)t0 * W.rows + 4 * p, W.rows);
+      for (int64_t p0 = r0; p0 < r1; p0 += 4) {
+        auto next = P.next_panel(r1)(p0, (int)nb);
+        if (nt == 2) q6_pair<2>(P, p0, x + t0, out, next);
+        else q6_pair<1>(P, p0, x + t0, out, next);
+        store_tile(out, nt, 4, y + (int64_t)t0 * W.rows + p0, W.rows);
       }
       t0 += nt;
     }
@@ -1122,29 +1137,19 @@ void gemm_q6_panels(const Weight& W, int64_t r0, int64_t r1, const ActRow* x, in
   if ((int64_t)S.panel.size() < nb) S.panel.resize(nb);
   S.in.prepare(x, n, nb, [](int l) { return 2 * (l / 8) + ((l >> 1) & 1); });
   const PanelInputs& in = S.in;
-  if (in.n4 == 4) {
-    for (int64_t p = r0 / 4; p < p_end; ++p) {
-      Trickle nq, ns;
-      P.next(p, p_end, nq, ns, (int)nb);
-      q6_quad(P, p, in.xs.data(), in.quad_scales(0, nb), out, nq, ns);
-      store_tile(out, n, 4, y + 4 * p, W.rows);
-    }
+  if (in.n4 == 4) {  // (the stored panels do not spill: a quad in registers)
+    quad_loop(W, r0, r1, n, y, P.next_panel(r1), [&](const int64_t* rows, Q6Panels::Next& next, float* out) {
+      quad_direct<true>(nb, in.xs.data(), in.quad_scales(0, nb), out, P.sb(rows[0], next));
+    });
     return;
   }
-  for (int tb = 0; tb < in.n4; tb += kTokenBlock) {
-    const int te = std::min(in.n4, tb + kTokenBlock);
-    for (int64_t p = r0 / 4; p < p_end; ++p) {
-      Trickle nq, ns;
-      P.next(p, p_end, nq, ns, (int)nb + (te - tb) / 4);
-      q6_unpack(P, p, S.panel.data(), nq, ns);
-      for (int t0 = tb; t0 < te; t0 += 4) {
-        nq.step(), ns.step();
-        panel_tile<true>(S.panel.data(), nb, in.xs.data() + t0, in.quad_scales(t0, nb), out);
-        store_tile(out, std::min(4, n - t0), 4, y + (int64_t)t0 * W.rows + 4 * p, W.rows);
-      }
-      nq.rest(), ns.rest();
-    }
-  }
+  PanelSB* panel = S.panel.data();
+  panel_loop(W, r0, r1, y, n, in.n4, 4, P.next_panel(r1),
+             [&](const int64_t* rows, Q6Panels::Next& next) { unpack_into<true>(panel, nb, P.sb(rows[0], next)); },
+             [&](int t0, int, float* out) {
+               panel_tile<true>(panel, nb, in.xs.data() + t0, in.quad_scales(t0, nb), out);
+               return 4;
+             });
 }
 
 bool q6_panels_ready(const Weight& W) {

@@ -98,8 +98,8 @@ AutoChoice choose_budget(const AutoEstimates& e, const int32_t* depth, const flo
 
 void LossAllowance::settle(const StepRecord& rec, double ar_s, double expected_s) {
   if (ar_s <= 0) return;
-  double spent = rec.draft_s + rec.tree_s + (rec.auto_budget > 0 ? rec.verify_s + rec.commit_s : 0.0);
-  if (expected_s > 0) spent = std::min(spent, AutoController::kOutlier * expected_s);
+  const double spent = AutoController::bounded(
+      rec.draft_s + rec.tree_s + (rec.auto_budget > 0 ? rec.verify_s + rec.commit_s : 0.0), expected_s);
   const double loss = spent / ar_s - (rec.auto_budget > 0 ? rec.committed : 0);
   if (rec.probe) probe_lost_ += std::max(0.0, loss);
   else lost_ += loss;
@@ -225,8 +225,7 @@ void AutoController::observe_spec(const StepRecord& rec, const int32_t* depth, c
   if (budget <= 0) return;  // drafted, then AR won: nothing verified, nothing learnt about acceptance
   have_spec_ = true;
   ema(e_.commit_s, rec.commit_s);
-  double spent = rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s;
-  if (expected_s > 0) spent = std::min(spent, kOutlier * expected_s);
+  const double spent = bounded(rec.draft_s + rec.tree_s + rec.verify_s + rec.commit_s, expected_s);
   if (spent > 0) spec_rate_ = spec_rate_ > 0 ? 0.5 * spec_rate_ + 0.5 * rec.committed / spent : rec.committed / spent;
   // a size not timed yet is bounded by what the sizes around it predict
   const double expected = AutoEstimates::verify_at(e_.verify_points(), budget + 1);

@@ -198,6 +198,11 @@ class AutoController {
   // budget + 1 nodes and the commit.  The bound on what one stalled step counts (kOutlier times this).
   double expected_step_s(int budget) const;
   static constexpr double kOutlier = 2.0;
+  // A step's time as it counts (in the realized rate, a probe's loss, the allowance): at most kOutlier times
+  // what it was expected to cost (0: unknown, as it is).
+  static double bounded(double spent_s, double expected_s) {
+    return expected_s > 0 ? std::min(spent_s, kOutlier * expected_s) : spent_s;
+  }
   // A drafted tree that was not verified (AR won the step) once its tokens are decided: which of its n nodes
   // the decided tokens follow.  Acceptance only, no cost: a declined look still teaches what the drafter is
   // worth on the current text, so the estimate does not go stale while the drafter stops being verified.
