@@ -178,7 +178,8 @@ def test_forced_tokens_are_drafted_first(dec):
     ({"grammar": "root ::= undefined_rule"}, "grammar"),
     ({"grammar": "   "}, "grammar"),
     ({"json_schema": {}, "grammar": 'root ::= "a"'}, "give one constraint"),
-    ({"json_schema": {"type": "string", "pattern": "(unclosed"}}, "json_schema"),
+    ({"json_schema": {"type": "string", "pattern": "(unclosed"}}, "json_schema: invalid regex /(unclosed/: unclosed group"),
+    ({"grammar": "root ::= [z-a]"}, "the start must be <= the end"),
 ])
 def test_bad_constraints_are_refused_by_name_and_the_decoder_goes_on(dec, kw, message):
     with pytest.raises(DFlashError, match=re.escape(message)) as e:
@@ -225,3 +226,41 @@ def test_a_schema_applies_after_a_thinking_block_the_prompt_opened(dec):
     assert "</think>" in ar.text or ar.stats.stop_reason == "length"
     for mode, kw in MODES:
         assert dec.generate(prompt, 40, mode=mode, json_schema=schema, **kw).tokens == ar.tokens
+
+
+@pytest.mark.parametrize("kw, answer, wrapped", [
+    ({"grammar": 'root ::= "yes" | "no"'}, "yes", True),
+    ({"json_schema": {"enum": [1, 2]}}, "2", True),
+    ({"grammar": 'root ::= "ok</think>\\n\\n" [0-9]'}, None, False),   # it writes </think> itself: the whole reply
+])
+def test_a_grammar_applies_after_the_thinking_block_unless_it_writes_one(dec, kw, answer, wrapped):
+    """A GBNF grammar shapes the answer after a thinking block the prompt opened, as a schema does (it had
+    shaped the thinking: the reply "yes" came back as reasoning_content with no content); a grammar that writes
+    </think> itself shapes the whole reply."""
+    from dflash27b.constraint import TokenConstraint
+    from dflash27b.tool_calls import request_grammar
+    from dflash27b.params import GenParams
+    tok = dec.tokenizer
+    g = request_grammar(GenParams(**kw), think_open=True)
+    assert (g != request_grammar(GenParams(**kw), think_open=False)) == wrapped
+    texts = [(f"some thought</think>\n\n{answer}", True), (answer, False)] if wrapped else [("ok</think>\n\n7", True)]
+    for text, complete in texts:
+        c = TokenConstraint(tok, tok.eos_ids, g, tok.vocab_size)
+        ok = True
+        try:
+            c.commit(tok.encode(text, parse_special=False))
+        except DFlashError:
+            ok = False
+        assert (ok and c.done()) == complete, text
+
+
+def test_a_pattern_too_complex_to_follow_is_refused_in_one_line(dec):
+    """(a{1000}){1000}: llguidance's lexer would spend about a second of the shared decode step building its
+    automaton, then print its state and the whole grammar.  Under the fuel the server gives it, the request is
+    refused saying why, in one line, and the decoder goes on."""
+    schema = {"type": "string", "pattern": "^(a{1000}){1000}$"}
+    with pytest.raises(DFlashError, match="too complex to follow") as e:
+        dec.generate("x", 8, mode="ar", json_schema=schema)
+    msg = str(e.value)
+    assert "\n" not in msg and "<state>" not in msg and "<grammar>" not in msg and len(msg) < 300, msg
+    assert dec.generate("x", 4, mode="chain", json_schema={"enum": [1, 2]}).text in ("1", "2")

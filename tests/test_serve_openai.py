@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from dflash27b import Decoder
-from serve_util import serve, sse_events
+from serve_util import serve, socket_request, sse_events
 
 DISTILLED = Path(__file__).resolve().parent / "fixtures" / "tiny_draft_distilled"
 CTX = 256
@@ -328,3 +328,83 @@ def test_metrics_export_llama_server_names(d):
     assert vals["llamacpp:tokens_predicted_total"] >= 6 and vals["llamacpp:prompt_tokens_total"] >= 1
     assert vals["llamacpp:requests_processing"] == 0 and vals["llamacpp:requests_deferred"] == 0
     assert vals["dflash27b_tokens_predicted_total"] == vals["llamacpp:tokens_predicted_total"]
+
+
+# -- a user's and an attacker's pass (2026-11-29): each was a crash, a silent cap or a leak before -----------------
+
+@pytest.mark.parametrize("variables,needle", [({"tools": "x"}, "'tools'"), ({"namespace": 1}, "'namespace'"),
+                                              ({"raise_exception": 1}, "'raise_exception'"),
+                                              ({"messages": "x"}, "'messages'")])
+def test_template_variables_may_not_replace_what_the_template_reads(d, variables, needle):
+    """These were an HTTP 500 (the render's own argument given twice, a template function replaced by a number)
+    and, over the socket, a dropped connection: now a 400 naming the variable, on either side, and the
+    connection and the server keep serving."""
+    _refused(_chat(d, chat_template_kwargs=variables), needle)
+    bad = {"messages": MSGS, "max_new_tokens": 2, "chat_template_kwargs": variables}
+    good = {"prompt": "def f(x):", "max_new_tokens": 2}
+    events = socket_request(d.sock, bad, good)
+    errors = [e for e in events if e["event"] == "error"]
+    assert len(errors) == 1 and needle in errors[0]["message"] and errors[0]["code"] == "bad_request", events
+    assert events[-1]["event"] == "done", events
+    assert _chat(d).status_code == 200
+
+
+def test_a_template_failing_on_the_variables_is_the_requests_error():
+    """A template computing with a variable of a type it does not expect raises Python's errors, not Jinja's:
+    the request is refused with what failed."""
+    from dflash27b.serve_protocol import RequestError, chat_text
+
+    class Failing:
+        class tokenizer:
+            chat_template = "{{ messages[0].content + limit }}"
+
+        @staticmethod
+        def chat_prompt(messages, tools=None, **kw):
+            return messages[0]["content"] + kw["limit"]
+
+    with pytest.raises(RequestError, match="the chat template failed .*TypeError"):
+        chat_text(Failing(), [{"role": "user", "content": "x"}], {"limit": 3})
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "required"), ("parallel_tool_calls", False),
+                                         ("chat_template_kwargs", {"enable_thinking": False})])
+def test_chat_only_fields_are_refused_on_completions(d, field, value):
+    """A raw prompt has no template to list tools in and no reply to parse calls from: tools on /v1/completions
+    had constrained the text to raw <tool_call> markup and returned it unparsed."""
+    _refused(_completion(d, **{field: value}), f"'{field}' belongs to /v1/chat/completions")
+
+
+def test_without_max_tokens_a_reply_runs_to_the_context_end(d):
+    """No max_tokens: to the end of the reply or of the context, as llama-server and OpenAI's chat (it had been
+    cut at the engine's CLI default of 256 tokens with finish_reason length)."""
+    r = httpx.post(d.url + "/v1/completions", json={"prompt": "def fibonacci(n):", "temperature": 0,
+                                                    "ignore_eos": True, "mode": "ar"}, timeout=60)
+    assert r.status_code == 200, r.text
+    u, choice = r.json()["usage"], r.json()["choices"][0]
+    # (the last token is emitted without a context row of its own)
+    assert u["prompt_tokens"] + u["completion_tokens"] == CTX + 1 and choice["finish_reason"] == "length", r.json()
+
+
+def test_chat_echo_names_where_echo_is(d):
+    _refused(_chat(d, echo=True), "/v1/completions does")
+
+
+def test_a_bad_constraint_is_refused_before_it_queues(d):
+    """Schemas and grammars are compiled when the request is admitted, off the decode thread: a bad one is
+    refused at once, while another request holds the only slot, and never waits in the queue."""
+    import threading
+    long = {"prompt": "def f(x):", "max_new_tokens": 200, "ignore_eos": True, "mode": "ar"}
+    got = []
+    t = threading.Thread(target=lambda: got.extend(socket_request(d.sock, long, timeout=120)))
+    t.start()
+    try:
+        import time
+        while d.health()["slots"]["busy"] == 0 and t.is_alive():
+            time.sleep(0.01)
+        events = socket_request(d.sock, {"prompt": "x", "json_schema": {"type": "string", "pattern": "(a"}})
+        assert [e["event"] for e in events] == ["error"], events
+        assert "invalid regex /(a/" in events[0]["message"]
+    finally:
+        t.join()
+    assert got[-1]["event"] == "done"

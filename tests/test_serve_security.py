@@ -143,3 +143,44 @@ def test_host_names_are_compared_without_port_case_or_trailing_dot():
     assert [host_name(h) for h in (b"LLM.lan.:80", b"[fe80::1]:8000", b"127.0.0.1", b"a:b:c", b"", None)] == [
         "llm.lan", "[fe80::1]", "127.0.0.1", None, None, None]
     assert allowed_hosts("127.0.0.1", ("*",)) is None
+
+
+def test_refusals_do_not_list_the_served_names(guarded, open_daemon):
+    """The 403 goes to anyone, key or not: it names the Host it refused, not the names the server answers to."""
+    r = httpx.get(guarded.url + "/health", headers={"Host": "evil.example"}, timeout=10)
+    assert r.status_code == 403 and "evil.example" in r.json()["error"]["message"]
+    assert "llm.lan" not in r.text and "localhost" not in r.text, r.text
+    resp = raw_http(open_daemon.port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert b"without a Host header" in resp, resp
+
+
+def test_a_refused_cors_preflight_is_json(guarded):
+    pre = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(guarded.url + "/v1/chat/completions", headers=pre, timeout=10)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    assert "origin" in r.json()["error"]["message"], r.text
+
+
+def test_connections_past_the_limit_get_a_json_503(tmp_path):
+    """--max-connections: a request on a connection past the limit gets OpenAI's error shape and Retry-After
+    (uvicorn's own limit answered plain text); a connection under it is served."""
+    import socket
+    s = serve(tmp_path, "--max-connections", "2")
+    held = []
+    try:
+        for _ in range(2):   # two idle connections hold the limit
+            c = socket.create_connection(("127.0.0.1", s.port))
+            held.append(c)
+        import time
+        time.sleep(0.2)
+        resp = raw_http(s.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert status_of(resp) == 503, resp
+        assert b"retry-after: 1" in resp.lower() and b"--max-connections" in resp, resp
+        for c in held:
+            c.close()
+        time.sleep(0.2)
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    finally:
+        for c in held:
+            c.close()
+        s.stop()

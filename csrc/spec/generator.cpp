@@ -121,7 +121,9 @@ void Generator::begin(const int32_t* prompt, int n_prompt, const GenParams& p, i
   declined_.clear();
   if (p.mode == DecodeMode::Auto)
     for (AutoController& ac : autos_) ac.new_request(), ac.set_constrained(constraint_ != nullptr);
-  allowance_.begin(p.max_new_tokens);
+  // the tokens this request can give: a max_new_tokens past the context (an OpenAI request without max_tokens
+  // runs to the context's end) would otherwise promise the allowance an AR time no decode reaches
+  allowance_.begin(std::min(p.max_new_tokens, ctx_.params().n_ctx - n_prompt));
   if (n_keep > 0 && capturing()) give_features(0, n_keep, nullptr, nullptr, nullptr);  // kept: skipped
   logits_.assign((size_t)c.n_vocab, 0.f);
   auto t0 = Clock::now();

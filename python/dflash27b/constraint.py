@@ -14,6 +14,7 @@ Grammars are compiled once per (kind, text) and cached; a matcher is cheap to ma
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -72,8 +73,43 @@ def ll_tokenizer(tok, eos_ids):
         return t
 
 
-def _first_line(msg: str, default: str) -> str:
-    return msg.strip().splitlines()[0] if msg.strip() else default
+def _summary(msg: str, default: str) -> str:
+    """llguidance's message as one line: its first line, or for a regex its pattern and the reason (the regex
+    crate draws a caret under the pattern on lines of their own); never the parser state or the grammar."""
+    msg = re.split(r"<state>|<non-verbose/>|<grammar>", msg)[0].strip()
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    if not lines:
+        return default
+    if "regex parse error:" in lines[0] and len(lines) >= 2:
+        why = next((ln[len("error:"):].strip() for ln in lines if ln.startswith("error:")), "")
+        head = lines[0][: lines[0].index("regex parse error:")].rstrip(" :")
+        if "invalid regex" not in head:   # (a grammar's message names the regex itself)
+            head = (f"{head}: " if head else "") + f"invalid regex /{lines[1]}/"
+        return head + (f": {why}" if why else "")
+    return lines[0][:400]
+
+
+# Bounds on what one request's grammar may cost while the slots wait: llguidance's lexer builds its states
+# lazily, at the masks, inside the shared decode step.  Its default fuel let a pattern such as (a{1000}){1000}
+# spend about a second on one mask (measured, 248K-token vocabulary); at this fuel that mask takes about
+# 50 ms and the pattern is refused as too complex.  verbose_errors off: a refusal names the problem, without
+# the parser's state or the whole grammar.
+INITIAL_LEXER_FUEL = 100_000
+
+
+def limits():
+    llg = _llguidance()
+    return llg.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, verbose_errors=False)
+
+
+def _after_think(grammar: str) -> str:
+    """`grammar` as the answer after a thinking block the prompt opened: free text up to the first </think>,
+    the blank line, then the grammar (nested: llguidance's @name reference to it)."""
+    inner = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
+    inner = [{**inner[0], "name": "answer_grammar"}, *inner[1:]]
+    top = ('%llguidance {}\nstart: think "\\n\\n" answer\n'
+           'think[suffix="</think>"]: /(?s:.*)/\nanswer: @answer_grammar\n')
+    return json.dumps({"grammars": [{"lark_grammar": top}, *inner]})
 
 
 def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: str | None = None,
@@ -81,7 +117,7 @@ def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: s
     """The llguidance grammar for exactly one of: a JSON schema (dict or JSON text; True / {} / "json_object" =
     any JSON object), a GBNF grammar, a Lark grammar, a regex.  Cached per input; errors name the problem.
     after_think: the reply starts inside a thinking block the prompt opened (Qwen3.5's generation prompt ends
-    with <think>): free text up to the first </think>, then the blank line, then the JSON schema's value."""
+    with <think>): free text up to the first </think>, then the blank line, then what the constraint admits."""
     given = [k for k, v in (("json_schema", json_schema), ("grammar", grammar), ("lark", lark), ("regex", regex))
              if v is not None]
     if len(given) != 1:
@@ -99,13 +135,11 @@ def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: s
         if not isinstance(schema, dict):
             raise ConstraintError(f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
         text = json.dumps(schema, sort_keys=True)
-        if after_think:
-            kind = "json_schema after thinking"
     else:
         text = locals()[kind]
         if not isinstance(text, str) or not text.strip():
             raise ConstraintError(f"{kind} must be a non-empty string")
-    key = (kind, text)
+    key = (kind, text, after_think)
     with _LOCK:
         if key in _GRAMMARS:
             _GRAMMARS.move_to_end(key)
@@ -114,21 +148,19 @@ def compile_grammar(json_schema: Any = None, grammar: str | None = None, lark: s
     try:
         if kind == "json_schema":
             g = llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
-        elif kind == "json_schema after thinking":
-            laid_out = {**json.loads(text), "x-guidance": JSON_LAYOUT}
-            g = llg.grammar_from("lark", "%llguidance {}\nstart: think \"\\n\\n\" answer\n"
-                                 "think[suffix=\"</think>\"]: /(?s:.*)/\nanswer: %json " + json.dumps(laid_out))
         elif kind == "grammar":
             g = llg.grammar_from("gbnf", text)
         elif kind == "lark":
             g = llg.LLMatcher.grammar_from_lark(text)
         else:
             g = llg.LLMatcher.grammar_from_regex(text)
+        if after_think:
+            g = _after_think(g)
     except Exception as e:  # noqa: BLE001 - llguidance raises ValueError / RuntimeError with the reason
-        raise ConstraintError(f"{kind.split()[0]}: {_first_line(str(e), type(e).__name__)}") from None
-    is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(g)
+        raise ConstraintError(f"{kind}: {_summary(str(e), type(e).__name__)}") from None
+    is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(g, limits=limits())
     if is_error:
-        raise ConstraintError(f"{kind.split()[0]}: {_first_line(msgs[0] if msgs else '', 'invalid')}")
+        raise ConstraintError(f"{kind}: {_summary(msgs[0] if msgs else '', 'invalid')}")
     with _LOCK:
         _GRAMMARS[key] = g
         while len(_GRAMMARS) > 64:
@@ -141,14 +173,22 @@ class TokenConstraint:
 
     def __init__(self, tok, eos_ids, grammar: str, n_vocab: int):
         llg = _llguidance()
-        self.matcher = llg.LLMatcher(ll_tokenizer(tok, eos_ids), grammar, log_level=0)
+        self.matcher = llg.LLMatcher(ll_tokenizer(tok, eos_ids), grammar, log_level=0, limits=limits())
         if self.matcher.is_error():
-            raise ConstraintError(self.matcher.get_error())
+            raise ConstraintError(_summary(self.matcher.get_error(), "the grammar cannot be used"))
         self.words = (n_vocab + 31) // 32
         self.eos_ids = sorted(eos_ids)
         self._eos = frozenset(self.eos_ids)
         self.error: BaseException | None = None
         self.mask_calls = 0
+
+    def _refusal(self, what: str) -> ConstraintError:
+        """The error for a token the matcher would not take: a grammar past the lexer's limits (the usual
+        cause: a pattern whose automaton explodes) is the request's problem, and says so."""
+        why = _summary(self.matcher.get_error(), "matcher error")
+        if "too many" in why or "fuel" in why or "limit" in why:
+            return ConstraintError(f"the constraint is too complex to follow ({why}): simplify its patterns")
+        return ConstraintError(f"{what} ({why})")
 
     def _mask(self) -> np.ndarray:
         m = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
@@ -205,10 +245,10 @@ class TokenConstraint:
                 path = []
                 for q in reversed(chain):
                     if not self.matcher.consume_token(int(tokens[q])):
-                        raise ConstraintError(f"matcher refused token {int(tokens[q])} on a path it allowed")
+                        raise self._refusal(f"matcher refused token {int(tokens[q])} on a path it allowed")
                     path.append(q)
             if not self.matcher.consume_token(t):
-                raise ConstraintError(f"matcher refused token {t} its mask allowed")
+                raise self._refusal(f"matcher refused token {t} its mask allowed")
             path.append(i)
             depth[i] = d + 1
             alive[i] = True
@@ -220,7 +260,7 @@ class TokenConstraint:
     def commit(self, tokens) -> None:
         for t in tokens:
             if not self.matcher.consume_token(int(t)):
-                raise ConstraintError(f"the decided token {int(t)} breaks the constraint ({self.matcher.get_error()})")
+                raise self._refusal(f"the decided token {int(t)} breaks the constraint")
 
     def forced(self, cap: int) -> list[int]:
         """The tokens the grammar forces next (each the only one allowed there), at most cap."""

@@ -18,6 +18,7 @@ from typing import Callable
 from ._lib import DFlashError
 from ._handles import Context
 from .decoder import Decoder
+from .params import GenParams
 
 from .serve_protocol import (THINK_OPEN, BAD_REQUEST, CANCEL_REASONS, CHOICE_FAILED, CLIENT_GONE, INTERNAL, PromptTokenizer, PromptTooLong, RequestError, SHUTDOWN, StopMatcher, TIMEOUT, chat_text, event_error, too_long)
 
@@ -130,23 +131,36 @@ class DecodeService:
             bad = next((t for t in ids if t >= n_vocab), None)
             if bad is not None:
                 raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
-            return p
-        if "messages" in params:
-            text = chat_text(self.decoder, params["messages"], params.get("chat_template_kwargs"),
-                             params["params"].tools)
-            p["think_open"] = text.rstrip().endswith(THINK_OPEN)   # the template opened the reply's thinking
         else:
-            text = params["prompt"]
-        try:
-            p["prompt_ids"] = self.prompts.encode(text, limit=n_ctx - 1)
-        except PromptTooLong as e:
-            raise too_long(str(e), n_ctx) from None
-        if "messages" in params and self.decoder.prefix_cache is not None:   # a checkpoint where the history ends
-            p["history"] = self.decoder.history_len(params["messages"], p["prompt_ids"], params["params"].tools,
-                                                    params.get("chat_template_kwargs"))
-        if not p["prompt_ids"]:
-            raise RequestError("empty prompt: give at least one token")
+            if "messages" in params:
+                text = chat_text(self.decoder, params["messages"], params.get("chat_template_kwargs"),
+                                 params["params"].tools)
+                p["think_open"] = text.rstrip().endswith(THINK_OPEN)   # the template opened the reply's thinking
+            else:
+                text = params["prompt"]
+            try:
+                p["prompt_ids"] = self.prompts.encode(text, limit=n_ctx - 1)
+            except PromptTooLong as e:
+                raise too_long(str(e), n_ctx) from None
+            if "messages" in params and self.decoder.prefix_cache is not None:   # where the history ends
+                p["history"] = self.decoder.history_len(params["messages"], p["prompt_ids"], params["params"].tools,
+                                                        params.get("chat_template_kwargs"))
+            if not p["prompt_ids"]:
+                raise RequestError("empty prompt: give at least one token")
+        self._check_constraint(params["params"], p["prompt_ids"])
         return p
+
+    def _check_constraint(self, gp: GenParams, ids: list[int]) -> None:
+        """A schema, grammar or tool set compiled here, before the request queues: a bad one is refused at
+        once, and a good one is compiled off the decode thread (the decoder finds it in constraint.py's
+        cache), so no running slot waits for it."""
+        if gp.json_schema is None and gp.grammar is None and not gp.calls_tools:
+            return
+        from .tool_calls import request_grammar
+        try:
+            request_grammar(gp, self.decoder.opens_thinking(ids))
+        except DFlashError as e:
+            raise RequestError(str(e)) from None
 
     def timeout_for(self, params: dict) -> float | None:
         """The request's own `timeout`, capped by the server's --request-timeout (0 = none)."""

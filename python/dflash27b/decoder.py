@@ -423,6 +423,11 @@ class Decoder:
             kwargs["tools"] = tools
         return self.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True, **kwargs)
 
+    def opens_thinking(self, ids: Sequence[int]) -> bool:
+        """The prompt ends inside a thinking block it opened (Qwen3.5's generation prompt ends with <think>):
+        the reply's first part is thinking, and a constraint shapes what follows it."""
+        return self.detokenize(list(ids[-16:])).rstrip().endswith("<think>")
+
     def _prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool, tools: list | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
         if chat and not isinstance(prompt, str) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -514,19 +519,12 @@ class Decoder:
                     saved[0] = done
                 return on_prefill(done, total) if on_prefill is not None else False
         constraint = None
-        self._think_open = self.detokenize(ids[-16:]).rstrip().endswith("<think>")
+        self._think_open = self.opens_thinking(ids)
         if p.json_schema is not None or p.grammar is not None or p.calls_tools:  # structured output (constraint.py)
-            from .constraint import TokenConstraint, compile_grammar
-            # a JSON schema or tool calls shape the answer, not a thinking block the prompt opened (Qwen3.5's)
-            if p.calls_tools:
-                from .tool_calls import parse_tool_choice, parse_tools, tool_grammar
-                tools = parse_tools(p.tools)
-                g = compile_grammar(lark=tool_grammar(tools, parse_tool_choice(p.tool_choice, tools),
-                                                      p.parallel_tool_calls, after_think=self._think_open))
-            else:
-                g = compile_grammar(json_schema=p.json_schema, grammar=p.grammar,
-                                    after_think=p.json_schema is not None and self._think_open)
-            constraint = TokenConstraint(self.tokenizer, self.eos_ids, g, self.info["n_vocab"])
+            from .constraint import TokenConstraint
+            from .tool_calls import request_grammar
+            constraint = TokenConstraint(self.tokenizer, self.eos_ids, request_grammar(p, self._think_open),
+                                         self.info["n_vocab"])
         self.last_constraint = constraint
         if progress is not None:
             self._ctx.set_prefill_progress(progress)

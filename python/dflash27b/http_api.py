@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ._lib import DFlashError
 from .decode_service import Job
-from .params import GenParams
+from .params import INT32_MAX, GenParams
 from .tool_calls import parse_tools
 from .chat_reply import ReplySplit, template_thinks
 from .serve_protocol import (BAD_REQUEST, CHOICE_FAILED, CLIENT_GONE, INTERNAL, SHUTDOWN, TIMEOUT, RequestError,
@@ -31,12 +31,12 @@ try:
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
-    from starlette.middleware.cors import CORSMiddleware
     from starlette.requests import Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
-    from .http_guard import ApiKeyGuard, BodyGuard, HostGuard, allowed_hosts, deadline_protocol, error_body
+    from .http_guard import (ApiKeyGuard, BodyGuard, HostGuard, JsonCORSMiddleware, allowed_hosts, deadline_protocol,
+                             error_body)
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise DFlashError("the HTTP front needs starlette and uvicorn: pip install 'dflash27b[serve]'") from e
 
@@ -71,8 +71,12 @@ def _neutral(k: str, v) -> bool:
 
 
 _WHY = {"functions": "function calls are not supported", "function_call": "function calls are not supported",
-        "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
+        "echo": "chat completions do not echo the prompt (/v1/completions does)",
+        "suffix": "suffix (insertion) is not supported",
         "best_of": "only best_of=1 is supported", "modalities": "only [\"text\"] output is supported"}
+
+# fields of /v1/chat/completions only
+_CHAT_ONLY = ("chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls")
 
 _MESSAGE_FIELD_WHY = {"name": "participant names are not passed to the chat template",
                       "function_call": "function calls are not supported (use tool_calls)",
@@ -123,8 +127,9 @@ def _check_fields(body: dict, chat: bool) -> None:
                 raise _fail(f"'{k}' is not supported: {_WHY[k]}")
         elif k not in _HONOURED:
             raise _fail(f"unknown request field '{k}'")
-    if not chat and "chat_template_kwargs" in body:
-        raise _fail("'chat_template_kwargs' belongs to /v1/chat/completions")
+    chat_only = [k for k in _CHAT_ONLY if k in body]
+    if not chat and chat_only:   # (a raw prompt has no template to list the tools, nor a reply to parse calls from)
+        raise _fail(f"'{chat_only[0]}' belongs to /v1/chat/completions")
     if ("messages" if not chat else "prompt") in body:
         raise _fail(f"'{'messages' if not chat else 'prompt'}' belongs to /v1/"
                     f"{'chat/completions' if not chat else 'completions'}")
@@ -268,6 +273,9 @@ def to_engine(body: dict, chat: bool) -> tuple[list[dict], Shape]:
     if shape.echo and "logprobs" in req:   # echo with logprobs: every prompt token's too (vLLM's prompt_logprobs)
         req["prompt_logprobs"] = req["logprobs"]
     names = {}
+    # without max_tokens a reply runs to its end or the context's, as OpenAI's chat, vLLM and llama-server
+    # decode (the engine's own default, 256, is the CLI's)
+    req["max_new_tokens"] = INT32_MAX
     for k in ("max_tokens", "max_completion_tokens"):   # the newer name wins where both are given
         if k in body:
             req["max_new_tokens"], names["max_new_tokens"] = body[k], k
@@ -787,7 +795,7 @@ def _guards(options, bound_host: str) -> list[Middleware]:
     """Outermost first: Host, CORS (only with --cors-origin), API key, body checks."""
     guards = [Middleware(HostGuard, allowed=allowed_hosts(bound_host, options.allow_hosts))]
     if options.cors_origins:
-        guards.append(Middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+        guards.append(Middleware(JsonCORSMiddleware, allow_origins=list(options.cors_origins),
                                  allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type",
                                                                                "x-api-key"]))
     if options.api_key:
@@ -835,8 +843,8 @@ async def start_http(daemon, sock) -> HttpFront:
     """Serve the app on an already listening socket (bound before the models loaded)."""
     o = daemon.options
     config = uvicorn.Config(make_app(daemon), log_level="warning", lifespan="off",
-                            http=deadline_protocol(o.read_timeout), timeout_keep_alive=5,
-                            limit_concurrency=o.max_connections, timeout_graceful_shutdown=1,
+                            http=deadline_protocol(o.read_timeout, o.max_connections), timeout_keep_alive=5,
+                            timeout_graceful_shutdown=1,
                             server_header=False, h11_max_incomplete_event_size=64 * 1024)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))

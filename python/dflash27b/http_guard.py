@@ -5,8 +5,8 @@ In request order:
   * HostGuard: the Host header must name this server (the bound address, localhost, 127.0.0.1, [::1], or a
     name given with --allow-host), else 403.  A web page the user visits cannot reach the port through DNS
     rebinding (its requests carry the attacker's host name).
-  * CORS (Starlette's CORSMiddleware) only when --cors-origin names origins; without it browsers get no CORS
-    headers, so a page on another origin cannot read replies.
+  * CORS (Starlette's CORSMiddleware; a refused preflight answered in JSON) only when --cors-origin names
+    origins; without it browsers get no CORS headers, so a page on another origin cannot read replies.
   * ApiKeyGuard: with --api-key, `Authorization: Bearer KEY` (or llama-server's `X-Api-Key: KEY`) on every
     request but `GET /health`, which then answers a bare liveness check to those without the key; else 401.
   * BodyGuard: POST bodies must be `application/json` (415: a cross-site form or text/plain post, which a
@@ -15,7 +15,8 @@ In request order:
     away mid-upload is let go quietly (no traceback).  The app then reads the buffered body, and its
     `receive` waits for the client's disconnect, which the app uses to cancel the request's decode.
   * DeadlineH11Protocol (uvicorn's h11 protocol): a request's headers must arrive within --read-timeout
-    seconds of the connection's first byte (or of the connection), else 408 and the connection closes.
+    seconds of the connection's first byte (or of the connection), else 408 and the connection closes; a
+    request on a connection past --max-connections gets 503 in the OpenAI error shape.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import hmac
 import json
 import time
 
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -83,11 +86,24 @@ class HostGuard:
         if scope["type"] == "http" and self.allowed is not None:
             name = host_name(header(scope, b"host"))
             if name not in self.allowed:
-                shown = "no Host header" if name is None else f"Host {name!r}"
-                return await send_error(send, 403, f"{shown} is not served here (allowed: "
-                                        f"{', '.join(sorted(self.allowed))}; add names with --allow-host)",
-                                        "permission_error")
+                # (the names it does serve are not listed: this answer goes to anyone, key or not)
+                why = ("a request without a Host header is not served" if name is None else
+                       f"Host {name!r} is not served here (the server's operator can add it with --allow-host)")
+                return await send_error(send, 403, why, "permission_error")
         await self.app(scope, receive, send)
+
+
+class JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in the OpenAI error shape like every other error."""
+
+    def preflight_response(self, request_headers):
+        resp = super().preflight_response(request_headers)
+        if resp.status_code == 200:
+            return resp
+        headers = {k: v for k, v in resp.headers.items() if k not in ("content-length", "content-type")}
+        message = resp.body.decode(errors="replace") + " (this server's --cors-origin does not allow it)"
+        return Response(error_body(resp.status_code, message, "invalid_request_error"), resp.status_code,
+                        headers=headers, media_type="application/json")
 
 
 class ApiKeyGuard:
@@ -182,8 +198,26 @@ def _replay(body: bytes, receive):
 
 class DeadlineH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus a deadline for each request's headers, which uvicorn does not have: a
-    client sending half a request line would otherwise hold its connection (and a slot) forever."""
+    client sending half a request line would otherwise hold its connection (and a slot) forever.  And the
+    connection limit (--max-connections) in place of uvicorn's limit_concurrency, whose 503 is plain text:
+    a request on a connection past the limit gets the OpenAI error shape, with Retry-After."""
     header_timeout = 30.0
+    max_connections: int | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.limit_concurrency = None
+        if self.max_connections is not None:
+            inner, limit = self.app, self.max_connections
+
+            async def limited(scope, receive, send):
+                # (this connection and this request's task are among those counted)
+                if scope["type"] == "http" and (len(self.connections) > limit or len(self.tasks) > limit):
+                    return await send_error(send, 503, f"the server is at its limit of {limit} connections "
+                                            "(--max-connections): retry shortly", "server_error",
+                                            [(b"retry-after", b"1")], close=True)
+                await inner(scope, receive, send)
+            self.app = limited
 
     def connection_made(self, transport):
         self._header_timer = None
@@ -224,5 +258,6 @@ class DeadlineH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def deadline_protocol(header_timeout: float) -> type:
-    return type("DeadlineH11", (DeadlineH11Protocol,), {"header_timeout": header_timeout})
+def deadline_protocol(header_timeout: float, max_connections: int | None = None) -> type:
+    return type("DeadlineH11", (DeadlineH11Protocol,), {"header_timeout": header_timeout,
+                                                          "max_connections": max_connections})

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from ._lib import DFlashError
 from .chat_reply import THINK_CLOSE, THINK_OPEN, ReasoningSplit, template_thinks  # noqa: F401 (the protocol's)
 from .params import INT32_MAX, GenParams, SettingError
-from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED
+from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, Tokenizer
 
 if TYPE_CHECKING:  # the service hands a Decoder in; importing it here would close a circle via the client
     from .decoder import Decoder
@@ -183,10 +183,21 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "timeout": (lambda v: _is_num(v) and 0 < v <= 1e6, "must be a number of seconds in (0, 1e6]"),
     # variables for the chat template (vLLM's / llama-server's name), e.g. {"enable_thinking": false}
     "chat_template_kwargs": (lambda v: isinstance(v, dict) and len(v) <= 32 and all(
-        isinstance(k, str) and k.isidentifier() and k not in ("messages", "add_generation_prompt")
-        and (v[k] is None or isinstance(v[k], (bool, str, int, float))) for k in v),
-        "must be an object of up to 32 template variables (names -> true/false, numbers, strings or null)"),
+        isinstance(k, str) and k.isidentifier() and (v[k] is None or isinstance(v[k], (bool, str, int, float)))
+        for k in v), "must be an object of up to 32 template variables (names -> true/false, numbers, strings "
+        "or null)"),
 }
+
+
+def template_kwargs_problem(v: dict) -> str | None:
+    """Why a chat_template_kwargs object cannot be used: a variable named like something the template reads
+    from the request or the renderer (its messages, the tools field's list, raise_exception, namespace...)."""
+    taken = sorted(k for k in v if k in Tokenizer.TEMPLATE_NAMES)
+    if taken:
+        return (f"field 'chat_template_kwargs' may not set {', '.join(map(repr, taken))}: the request's own fields "
+                "or the template's functions go by that name" + (" (give tools in the 'tools' field)"
+                                                                 if "tools" in taken else ""))
+    return None
 
 
 def parse_generate(req: dict, names: Mapping[str, str] | None = None) -> dict:
@@ -213,6 +224,10 @@ def parse_generate(req: dict, names: Mapping[str, str] | None = None) -> dict:
             ok, why = _FIELDS[k]
             if not ok(v):
                 raise RequestError(f"field {names.get(k, k)!r} {why} (got {json.dumps(v)[:80]})")
+    if isinstance(req.get("chat_template_kwargs"), dict):
+        problem = template_kwargs_problem(req["chat_template_kwargs"])
+        if problem:
+            raise RequestError(problem)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the protocol keeps accepting 'topk'
@@ -308,6 +323,10 @@ def chat_text(decoder: Decoder, messages: list[dict], template_kwargs: dict | No
         raise RequestError(str(e)) from None
     except jinja2.TemplateError as e:
         raise RequestError(f"the chat template refused the messages: {e.message or 'template error'}") from None
+    except (TypeError, ValueError, AttributeError, LookupError, ArithmeticError) as e:
+        # the template computing with what the request gave it (a variable of another type than it expects)
+        raise RequestError("the chat template failed on these messages and variables: "
+                           f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 class StopMatcher:

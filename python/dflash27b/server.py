@@ -18,12 +18,14 @@ import signal
 import socket
 import stat
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ._lib import DFlashError
 from .decoder import Decoder
-from .serve_protocol import (CLIENT_GONE, DEFAULT_MAX_BODY, PROTOCOL_VERSION, RequestError, SHUTDOWN, event_error, parse_generate, parse_off_loop)
+from .serve_protocol import (CLIENT_GONE, DEFAULT_MAX_BODY, INTERNAL, PROTOCOL_VERSION, RequestError, SHUTDOWN,
+                             event_error, parse_generate, parse_off_loop)
 from .decode_service import DecodeService, Job
 
 def _rss_bytes() -> int:
@@ -362,6 +364,12 @@ class Daemon:
             job, ahead = await self.admit(parse_generate(req))
         except RequestError as e:
             await self._write(writer, {**event_error(str(e), e.code), **tag})
+            return True
+        except Exception as e:  # noqa: BLE001 - a bug: the log gets the traceback, the connection stays usable
+            self.log("internal error while admitting a request:\n"
+                     + "".join(traceback.format_exception(e)).rstrip())
+            await self._write(writer, {**event_error("internal error (the daemon's log has the details)", INTERNAL),
+                                       **tag})
             return True
         await self._relay(job, ahead, writer, gone, tag)
         return True

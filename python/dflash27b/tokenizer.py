@@ -153,6 +153,11 @@ class Tokenizer:
         return StreamDecoder(self, skip_special)
 
     # -- chat template ---------------------------------------------------------------------------------
+    # Names a template reads that are not the caller's variables: the render's own arguments and the
+    # environment's functions (Jinja's defaults and ours).  A variable by one of these names would replace them.
+    TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "tools", "raise_exception", "strftime_now",
+                                "range", "dict", "lipsum", "cycler", "joiner", "namespace"})
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render `messages` with the file's Jinja template (ChatML if the file has none), like HF does."""

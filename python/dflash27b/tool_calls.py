@@ -448,3 +448,19 @@ def check_message_tool_calls(calls: Any, where: str) -> None:
             raise ToolError(f"{w}.function must be {{\"name\": string, \"arguments\": JSON text}}")
         if not isinstance(f.get("arguments", "{}"), (str, dict)):
             raise ToolError(f"{w}.function.arguments must be JSON text")
+
+
+def request_grammar(p, think_open: bool) -> str | None:
+    """The compiled grammar a request's settings (a GenParams) ask for: tool calls, a JSON schema or a
+    grammar, each shaping the answer after a thinking block the prompt opened (think_open), as vLLM's
+    structured output does with a reasoning parser; None without one.  A grammar that writes </think> itself
+    shapes the thinking block too: it is the whole reply's."""
+    from .constraint import compile_grammar
+    if p.calls_tools:
+        tools = parse_tools(p.tools)
+        return compile_grammar(lark=tool_grammar(tools, parse_tool_choice(p.tool_choice, tools),
+                                                 p.parallel_tool_calls, after_think=think_open))
+    if p.json_schema is not None or p.grammar is not None:
+        own_think = p.grammar is not None and "</think>" in p.grammar
+        return compile_grammar(json_schema=p.json_schema, grammar=p.grammar, after_think=think_open and not own_think)
+    return None
