@@ -69,7 +69,7 @@ CASES = {
                        r"beyond the end of the file .* the file is truncated"),
     "tensor_out_of_bounds": (lambda g, d: patched(g, d, lambda b: b.__setitem__(
         slice(tensor_info_pos(g, "blk.2.ffn_up.weight")[1], tensor_info_pos(g, "blk.2.ffn_up.weight")[1] + 8),
-        struct.pack("<Q", 1 << 36))), r"tensor 'blk.2.ffn_up.weight' data .* beyond the end"),
+        struct.pack("<Q", 1 << 36))), r"tensor 'blk.2.ffn_up.weight' data starts at offset 68719476736 .* damaged"),
     "unknown_type": (lambda g, d: patched(g, d, lambda b: b.__setitem__(
         slice(tensor_info_pos(g, "blk.0.ffn_up.weight")[0], tensor_info_pos(g, "blk.0.ffn_up.weight")[0] + 4),
         struct.pack("<I", 3))), r"tensor 'blk.0.ffn_up.weight' has unsupported tensor type 3 \(Q4_1\)"),
@@ -81,6 +81,24 @@ CASES = {
                        r"tensor 'blk.0.ffn_gate.weight' has shape \[256, 512\] but the metadata implies \[256, 384\]"),
     "wrong_arch": (lambda g, d: rewrite(g, d / "a.gguf", arch="llama"), r"unsupported architecture 'llama'"),
     "not_a_file": (lambda g, d: d / "nope.gguf", r"no such file"),
+    # tensor data out of its place: another tensor's bytes read as weights (they had loaded, decoding garbage)
+    "overlapping_data": (lambda g, d: patched(g, d, lambda b: b.__setitem__(
+        slice(tensor_info_pos(g, "blk.1.ffn_up.weight")[1], tensor_info_pos(g, "blk.1.ffn_up.weight")[1] + 8),
+        struct.pack("<Q", 0))), r"tensor 'blk.1.ffn_up.weight' data starts at offset 0 of the data section, but "
+                                r"the tensors before it end at \d+ .* the file is damaged"),
+    # a layer count the tensors cannot hold: refused before anything is allocated for it
+    "huge_block_count": (lambda g, d: rewrite(g, d / "b.gguf", set_kv={"qwen35.block_count": 10**9}),
+                         r"qwen35.block_count is 1000000000 but the file has only \d+ tensors"),
+    # one layer short: the last layer's tensors left over (it had run a 7-layer model)
+    "block_count_short": (lambda g, d: rewrite(g, d / "c.gguf", set_kv={"qwen35.block_count": 7}),
+                          r"tensor 'blk.7.\w+.weight' is not part of the model its metadata describes"),
+    "negative_rms_eps": (lambda g, d: rewrite(g, d / "e.gguf", set_kv={"qwen35.attention.layer_norm_rms_epsilon": -1.0}),
+                         r"layer_norm_rms_epsilon must be a positive number"),
+    "nan_rope_base": (lambda g, d: rewrite(g, d / "r.gguf", set_kv={"qwen35.rope.freq_base": float("nan")}),
+                      r"rope.freq_base must be a positive number"),
+    "eos_out_of_range": (lambda g, d: rewrite(g, d / "o.gguf", set_kv={"tokenizer.ggml.eos_token_id": 5000}),
+                         r"tokenizer.ggml.eos_token_id must be a token id in 0..2047 \(got 5000\)"),
+    "fifo": (lambda g, d: (__import__("os").mkfifo(d / "f.gguf"), d / "f.gguf")[1], r"not a regular file"),
 }
 
 
@@ -92,7 +110,8 @@ def test_bad_file_python(good, tmp_path, case):
         Decoder(bad, threads=1)
 
 
-@pytest.mark.parametrize("case", ["magic", "truncated_data", "unknown_type", "missing_tensor", "wrong_arch"])
+@pytest.mark.parametrize("case", ["magic", "truncated_data", "unknown_type", "missing_tensor", "wrong_arch", "fifo",
+                                  "overlapping_data"])
 def test_bad_file_cli(good, tmp_path, case):
     make, pattern = CASES[case]
     bad = make(good, tmp_path)
@@ -155,3 +174,13 @@ def test_misaligned_tensor_offset(good, tmp_path):
         slice(pos, pos + 8), struct.pack("<Q", struct.unpack("<Q", bytes(b[pos:pos + 8]))[0] + 4)))
     with pytest.raises(DFlashError, match=r"tensor 'blk.1.ffn_up.weight' data offset \d+ is not aligned to 32"):
         Decoder(bad, threads=1)
+
+
+def test_a_chat_template_that_is_not_jinja_fails_chat_only(good, tmp_path):
+    """A GGUF whose chat template does not parse still decodes raw prompts; a chat request gets one line
+    naming the key (it was a jinja2 traceback)."""
+    bad = rewrite(good, tmp_path / "t.gguf", set_kv={"tokenizer.chat_template": "{% for m in messages %}{{ m.content "})
+    with Decoder(bad, threads=1) as d:
+        assert len(d.generate("hi", 2, ignore_eos=True).tokens) == 2
+        with pytest.raises(DFlashError, match=r"chat template \(tokenizer.chat_template\) is not valid Jinja"):
+            d.generate([{"role": "user", "content": "hi"}], 2, chat=True)

@@ -193,6 +193,18 @@ GGUFFile::GGUFFile(const std::string& path) : path_(path), file_(path), map_(fil
         fail("%s: tensor '%s' data offset %llu is not aligned to %llu", path.c_str(), t.name.c_str(),
              (unsigned long long)t.offset, (unsigned long long)alignment);
     }
+    // The data section holds the tensors in table order, each starting where the one before ends, padded to
+    // the alignment: the rule llama.cpp's reader enforces and every writer (gguf-py, llama.cpp) follows.  A
+    // tensor elsewhere (overlapping another, or a gap where a type change shrank the one before) is damage,
+    // and would read another tensor's bytes as weights.
+    uint64_t expected = 0;
+    for (const GGUFTensor& t : tensors_) {
+      if (t.offset != expected)
+        fail("%s: tensor '%s' data starts at offset %llu of the data section, but the tensors before it end at "
+             "%llu (GGUF stores them one after another in table order): the file is damaged",
+             path.c_str(), t.name.c_str(), (unsigned long long)t.offset, (unsigned long long)expected);
+      expected = (t.offset + t.nbytes + alignment - 1) / alignment * alignment;
+    }
     uint64_t data_start = (c.pos + alignment - 1) / alignment * alignment;
     for (GGUFTensor& t : tensors_) {
       if (data_start > size_ || t.offset > size_ - data_start || t.nbytes > size_ - data_start - t.offset)

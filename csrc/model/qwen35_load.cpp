@@ -12,12 +12,29 @@ struct Loader {
   const GGUFFile& f;
   const Qwen35Config& c;
   uint64_t bytes = 0;
+  std::vector<uint8_t> used = std::vector<uint8_t>(f.tensors().size(), 0);  // by table index
 
   const GGUFTensor& get(const std::string& name) {
     const GGUFTensor* t = f.find_tensor(name);
     if (!t) fail("%s: missing tensor '%s'", f.path().c_str(), name.c_str());
+    used[(size_t)(t - f.tensors().data())] = 1;
     bytes += t->nbytes;
     return *t;
+  }
+  // Every tensor of the file belongs to the model these settings describe, as llama.cpp's loader requires: a
+  // leftover one means the metadata and the tensors disagree (a block_count one short runs a model without
+  // its last layer; nextn_predict_layers 0 on an MTP file would run the MTP layer as a trunk layer).
+  void check_all_used(int block_count, int nextn) const {
+    for (size_t k = 0; k < used.size(); ++k)
+      if (!used[k])
+        fail("%s: tensor '%s' is not part of the model its metadata describes (qwen35.block_count %d, "
+             "nextn_predict_layers %d): the metadata and the tensors disagree",
+             f.path().c_str(), f.tensors()[k].name.c_str(), block_count, nextn);
+  }
+  static std::string shape_str(const GGUFTensor& t) {
+    std::string out = "[";
+    for (int d = 0; d < t.n_dims; ++d) out += (d ? ", " : "") + std::to_string(t.ne[d]);
+    return out + "]";
   }
   void check_shape(const GGUFTensor& t, int64_t ne0, int64_t ne1) {
     int64_t want1 = ne1 < 0 ? 1 : ne1;
@@ -26,10 +43,10 @@ struct Loader {
               (t.n_dims == want_dims || (want_dims == 2 && t.n_dims == 1 && want1 == 1));
     if (!ok) {
       if (ne1 < 0)
-        fail("%s: tensor '%s' has shape [%lld, %lld] but the metadata implies [%lld]", f.path().c_str(),
-             t.name.c_str(), (long long)t.ne[0], (long long)t.ne[1], (long long)ne0);
-      fail("%s: tensor '%s' has shape [%lld, %lld] but the metadata implies [%lld, %lld]", f.path().c_str(),
-           t.name.c_str(), (long long)t.ne[0], (long long)t.ne[1], (long long)ne0, (long long)ne1);
+        fail("%s: tensor '%s' has shape %s but the metadata implies [%lld]", f.path().c_str(), t.name.c_str(),
+             shape_str(t).c_str(), (long long)ne0);
+      fail("%s: tensor '%s' has shape %s but the metadata implies [%lld, %lld]", f.path().c_str(), t.name.c_str(),
+           shape_str(t).c_str(), (long long)ne0, (long long)ne1);
     }
   }
   Weight mat(const std::string& name, int64_t cols, int64_t rows) {
@@ -109,13 +126,26 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
   if (c.conv_kernel < 2 || c.conv_kernel > 16) bad("ssm.conv_kernel out of range");
   if (interval <= 0) bad("full_attention_interval must be positive");
   if (c.head_dim % 32 || c.ssm_dk % 32) bad("head dims must be multiples of 32");
+  if (!std::isfinite(c.rms_eps) || c.rms_eps <= 0.f) bad("attention.layer_norm_rms_epsilon must be a positive number");
+  if (!std::isfinite(c.rope_base) || c.rope_base <= 0.f) bad("rope.freq_base must be a positive number");
+  // llama.cpp ships a model's MTP head alone too (ggml-org's mtp-*.gguf: the nextn layer, the embeddings and
+  // the head, no trunk): say what the file is rather than name its first missing tensor.
+  if (nextn > 0 && !f.find_tensor("blk.0.attn_norm.weight") &&
+      f.find_tensor("blk." + std::to_string(block_count - 1) + ".nextn.eh_proj.weight"))
+    fail("%s holds only the model's MTP head (blk.%d.nextn.*), not the model: load the model's own GGUF",
+         path.c_str(), block_count - 1);
+  // every layer has at least 9 tensors: a block_count the tensor table cannot hold is refused before the
+  // layers are allocated (10^9 layers had taken a gigabyte first)
+  if ((uint64_t)block_count * 9 > f.tensors().size())
+    fail("%s: invalid metadata: qwen35.block_count is %d but the file has only %zu tensors", path.c_str(),
+         block_count, f.tensors().size());
   c.ssm_dv = inner / c.ssm_nv;
 
   std::vector<int64_t> rec = f.get_int_array(a + "attention.recurrent_layers");
+  if (!rec.empty() && (int)rec.size() < c.n_layer) bad("attention.recurrent_layers is shorter than block_count");
   c.is_recurrent.resize(c.n_layer);
   for (int i = 0; i < c.n_layer; ++i)
-    c.is_recurrent[i] = rec.empty() ? (uint8_t)((i + 1) % interval != 0) : (uint8_t)(rec.at(i) != 0);
-  if (!rec.empty() && (int)rec.size() < c.n_layer) bad("attention.recurrent_layers is shorter than block_count");
+    c.is_recurrent[i] = rec.empty() ? (uint8_t)((i + 1) % interval != 0) : (uint8_t)(rec[i] != 0);
 
   Loader L{f, c};
   const GGUFTensor* emb = f.find_tensor("token_embd.weight");
@@ -130,12 +160,6 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
   m->output = c.tied_embeddings ? m->tok_embd : L.mat("output.weight", c.n_embd, c.n_vocab);
   m->output_norm = L.vec("output_norm.weight", c.n_embd);
 
-  // llama.cpp ships a model's MTP head alone too (ggml-org's mtp-*.gguf: the nextn layer, the embeddings and
-  // the head, no trunk): say what the file is rather than name its first missing tensor.
-  if (nextn > 0 && !f.find_tensor("blk.0.attn_norm.weight") &&
-      f.find_tensor("blk." + std::to_string(block_count - 1) + ".nextn.eh_proj.weight"))
-    fail("%s holds only the model's MTP head (blk.%d.nextn.*), not the model: load the model's own GGUF",
-         path.c_str(), block_count - 1);
   const int H = c.n_embd, Cconv = c.conv_channels(), Cv = c.ssm_inner();
   auto attention_layer = [&](LayerWeights& w, const std::string& p) {
     w.attn_norm = L.vec(p + "attn_norm.weight", H);
@@ -178,7 +202,13 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
   m->weight_bytes = L.bytes;
   // The first MTP layer, when the file has one (the head drafts; the trunk never runs it)
   const std::string mp = "blk." + std::to_string(c.n_layer) + ".";
-  if (nextn > 0 && f.find_tensor(mp + "nextn.eh_proj.weight")) {
+  bool mtp_tensors = false;
+  for (const GGUFTensor& t : f.tensors()) mtp_tensors |= t.name.rfind(mp, 0) == 0;
+  if (nextn > 0 && mtp_tensors && !f.find_tensor(mp + "nextn.eh_proj.weight"))
+    fail("%s: blk.%d has tensors but no '%snextn.eh_proj.weight': with nextn_predict_layers %d the last of "
+         "qwen35.block_count %d layers is the MTP layer; the metadata and the tensors disagree",
+         path.c_str(), c.n_layer, mp.c_str(), nextn, block_count);
+  if (nextn > 0 && mtp_tensors) {
     MtpWeights& t = m->mtp;
     attention_layer(t.layer, mp);
     t.eh_proj = L.mat(mp + "nextn.eh_proj.weight", 2 * H, H);
@@ -187,6 +217,7 @@ std::unique_ptr<Model> load_qwen35(const std::string& path) {
     t.head_norm = L.vec(mp + "nextn.shared_head_norm.weight", H);
     m->mtp_bytes = L.bytes - m->weight_bytes;
   }
+  L.check_all_used(block_count, nextn);
   return m;
 }
 

@@ -22,7 +22,9 @@ namespace dfl {
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) {
-    int fd = ::open(path.c_str(), O_RDONLY);
+    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (forever); it is refused below
+    // as not a regular file, and the flag changes nothing for one that is
+    int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) fail("%s: cannot open: %s", path.c_str(), std::strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

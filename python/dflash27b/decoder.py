@@ -229,7 +229,7 @@ class Decoder:
             self._feature_ring = feature_ring
             self.backend = self._ctx.backend
             if MTP in drafts and not self._model.info.get("n_mtp_layers"):
-                raise DFlashError(f"{self.target} has no MTP head (qwen35.nextn_predict_layers is 0): "
+                raise DFlashError(f"{self.target} has no MTP head (no blk.N.nextn.* tensors): "
                                   "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
                                   "--no-mtp, the \"-MTP\" files)")
             self._attach_drafters(self._ctx)
@@ -239,11 +239,10 @@ class Decoder:
             self.close()
             raise
         try:
-            self.tokenizer = Tokenizer.from_gguf(self.target)
-        except Exception as e:  # the tokenizers library raises plain Exceptions
+            self.tokenizer = Tokenizer.from_gguf(self.target)   # (TokenizerError names the file and the key)
+        except DFlashError:
             self.close()
-            why = "".join(ch if ch.isprintable() else "?" for ch in str(e))[:300]
-            raise DFlashError(f"{self.target}: invalid tokenizer metadata: {why}") from None
+            raise
         self.n_ctx = ctx
         self._batch = batch
         self._warmed = self._has_drafter() and warm_up

@@ -119,6 +119,8 @@ def resolve_target(spec: str | os.PathLike) -> Path:
         if f is None:
             raise DFlashError(f"{why}")
         return f
+    if p.exists():   # a FIFO, a socket, a device: something a model is never read from
+        raise DFlashError(f"{s}: not a regular file (a model is a GGUF file, or a directory holding one)")
     m = _REPO_ID.match(s)
     if m is None:
         raise DFlashError(f"{s}: no such file or directory (and not a Hugging Face repo id like "
@@ -145,8 +147,10 @@ def _refuse_gguf_draft(p: Path) -> None:
             if f.read(4) != b"GGUF":
                 return
         arch = str(read_gguf_metadata(p).get("general.architecture", "?"))
-    except Exception:  # noqa: BLE001  an unreadable GGUF: still a GGUF
-        arch = "?"
+    except DFlashError as e:   # a damaged GGUF: say what is wrong with it
+        raise DFlashError(f"{e}") from None
+    except OSError:
+        return
     if "dflash" in arch.lower():
         raise DFlashError(f"{p}: a DFlash drafter stored as GGUF (architecture '{arch}') is not supported: its tensor "
                           "layout differs between converters (llama.cpp, Luce) and is not pinned down publicly; use "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from ._lib import DFlashError
 from .chat_reply import THINK_CLOSE, THINK_OPEN, ReasoningSplit, template_thinks  # noqa: F401 (the protocol's)
 from .params import INT32_MAX, GenParams, SettingError
-from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, Tokenizer
+from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, ChatTemplateError, Tokenizer
 
 if TYPE_CHECKING:  # the service hands a Decoder in; importing it here would close a circle via the client
     from .decoder import Decoder
@@ -319,7 +319,7 @@ def chat_text(decoder: Decoder, messages: list[dict], template_kwargs: dict | No
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     try:
         return decoder.chat_prompt(messages, tools=tools, **(template_kwargs or {}))
-    except ToolError as e:
+    except (ToolError, ChatTemplateError) as e:
         raise RequestError(str(e)) from None
     except jinja2.TemplateError as e:
         raise RequestError(f"the chat template refused the messages: {e.message or 'template error'}") from None

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ._lib import DFlashError
 from .gguf_meta import read_gguf_metadata  # noqa: F401  (re-exported: the tokenizer's source)
 
 QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
@@ -82,20 +83,70 @@ def _build_hf_tokenizer(tokens: list[str], merges: Iterable[str], types: list[in
     return tok
 
 
+class TokenizerError(DFlashError):
+    """The GGUF's tokenizer metadata cannot be used: the message names the key."""
+
+
+class ChatTemplateError(DFlashError):
+    """The GGUF's chat template is not a Jinja template (the model still decodes raw prompts)."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_tokenizer_metadata(meta: Mapping[str, Any]) -> None:
+    """Each tokenizer key a Tokenizer reads, checked for its type, length and range (TokenizerError naming
+    it): a file that breaks one would otherwise fail later with Python's own errors, or not at all."""
+    def bad(key, why):
+        raise TokenizerError(f"invalid tokenizer metadata: {key} {why}")
+    model = meta.get("tokenizer.ggml.model", "gpt2")
+    if model != "gpt2":
+        bad("tokenizer.ggml.model", f"is {model!r}: only byte-level BPE ('gpt2') is supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        bad("tokenizer.ggml.tokens", "is missing")
+    if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, str) for t in tokens):
+        bad("tokenizer.ggml.tokens", "must be a non-empty list of strings")
+    n = len(tokens)
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None and (not isinstance(types, (list, tuple)) or len(types) != n
+                              or not all(_is_int(t) for t in types)):
+        bad("tokenizer.ggml.token_type", f"must be a list of {n} integers, one per token")
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None and (not isinstance(merges, (list, tuple))
+                               or not all(isinstance(m, str) and m.find(" ", 1) > 0 for m in merges)):
+        bad("tokenizer.ggml.merges", "must be a list of strings 'LEFT RIGHT'")
+    for key in ("eos_token_id", "bos_token_id", "padding_token_id"):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and not (_is_int(v) and 0 <= v < n):
+            bad(f"tokenizer.ggml.{key}", f"must be a token id in 0..{n - 1} (got {v!r})")
+    if not isinstance(meta.get("tokenizer.ggml.add_bos_token", False), bool):
+        bad("tokenizer.ggml.add_bos_token", "must be true or false")
+    if not isinstance(meta.get("tokenizer.ggml.pre", "qwen35"), str):
+        bad("tokenizer.ggml.pre", "must be a string")
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        bad("tokenizer.chat_template", "must be a string")
+
+
 class Tokenizer:
     """Encode/decode for a GGUF byte-level BPE vocab (`tokenizer.ggml.model == "gpt2"`)."""
 
     def __init__(self, meta: Mapping[str, Any]):
-        model = meta.get("tokenizer.ggml.model", "gpt2")
-        if model != "gpt2":
-            raise ValueError(f"unsupported tokenizer model {model!r} (only byte-level BPE 'gpt2')")
+        check_tokenizer_metadata(meta)
         self.tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         n = len(self.tokens)
         types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n)
         self.token_types: list[int] = types
         self.pre = meta.get("tokenizer.ggml.pre", "qwen35")
         regex = QWEN2_REGEX if self.pre == "qwen2" else QWEN35_REGEX
-        self._tok = _build_hf_tokenizer(self.tokens, meta.get("tokenizer.ggml.merges") or [], types, regex)
+        try:
+            self._tok = _build_hf_tokenizer(self.tokens, meta.get("tokenizer.ggml.merges") or [], types, regex)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+            why = "".join(ch if ch.isprintable() else "?" for ch in str(e))[:300]
+            raise TokenizerError(f"invalid tokenizer metadata: the vocabulary and merges do not make a BPE "
+                                 f"tokenizer ({why})") from None
         self.eos_id: int | None = meta.get("tokenizer.ggml.eos_token_id")
         self.bos_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
         self.pad_id: int | None = meta.get("tokenizer.ggml.padding_token_id")
@@ -112,7 +163,12 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        return cls(read_gguf_metadata(path))
+        """The tokenizer a GGUF carries; TokenizerError naming the file and the key where it cannot be used."""
+        meta = read_gguf_metadata(path)
+        try:
+            return cls(meta)
+        except TokenizerError as e:
+            raise TokenizerError(f"{path}: {e}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -180,7 +236,11 @@ class Tokenizer:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
-        tmpl = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        try:
+            tmpl = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"the GGUF's chat template (tokenizer.chat_template) is not valid Jinja: "
+                                    f"{e.message} (line {e.lineno}); raw prompts still work") from None
         ctx = dict(bos_token=self._name(self.bos_id), eos_token=self._name(self.eos_id),
                    pad_token=self._name(self.pad_id))
         ctx.update(kwargs)
