@@ -408,3 +408,10 @@ def test_a_bad_constraint_is_refused_before_it_queues(d):
     finally:
         t.join()
     assert got[-1]["event"] == "done"
+
+
+def test_template_variables_without_messages_are_refused_on_the_socket(d):
+    """A raw prompt has no chat template: its variables had been ignored (the CLI refused them)."""
+    events = socket_request(d.sock, {"prompt": "x", "max_new_tokens": 2,
+                                     "chat_template_kwargs": {"enable_thinking": False}})
+    assert [e["event"] for e in events] == ["error"] and "needs 'messages'" in events[0]["message"], events

@@ -94,7 +94,7 @@ def test_slots_with_other_drafters(draft):
 
 
 def test_bad_requests_are_refused_by_name(dec):
-    with pytest.raises(DFlashError, match="parallel must be at least 1"):
+    with pytest.raises(DFlashError, match="parallel must be an integer of at least 1"):
         dec.generate_many(PROMPTS[:2], 8, parallel=-1)
     with pytest.raises(DFlashError, match="3 params for 2 prompts"):
         dec.generate_many(PROMPTS[:2], 8, params=[GenParams()] * 3)

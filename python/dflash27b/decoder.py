@@ -7,8 +7,11 @@ tokenize/detokenize, stats fields) are the interface scripts rely on.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -16,7 +19,10 @@ import numpy as np
 
 from . import _handles
 from ._lib import TYPE_IDS, DFlashError, load
-from .params import MODES, GenParams
+from .params import INT32_MAX, MODES, GenParams
+
+# llama.cpp's limit too (GGML_MAX_N_THREADS): a million threads had been started, and the call never returned
+MAX_THREADS = 512
 from .results import GenerateResult, GenerateStats
 from .tokenizer import Tokenizer
 
@@ -162,8 +168,14 @@ class Decoder:
                  on_memory_plan: Callable[[dict], None] | None = None, warm_up: bool = True, slots: int = 1):
         if kv_type not in KV_TYPES:
             raise DFlashError(f"unknown kv_type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
-        if ctx <= 0:
-            raise DFlashError(f"ctx must be positive (got {ctx})")
+        # the sizes the core takes as 32-bit ints, checked here (Python's OverflowError / TypeError otherwise)
+        for name, v, lo, hi in (("ctx", ctx, 1, INT32_MAX), ("batch", batch, 1, INT32_MAX),
+                                ("feature_ring", feature_ring, 1, INT32_MAX), ("slots", slots, 1, 4096),
+                                ("threads", 1 if threads is None else threads, 1, MAX_THREADS)):
+            if not (isinstance(v, int) and not isinstance(v, bool)) or not lo <= v <= hi:
+                raise DFlashError(f"{name} must be an integer from {lo} to {hi} (got {v!r})")
+        if not (isinstance(cache_mem, int) and not isinstance(cache_mem, bool)):
+            raise DFlashError(f"cache_mem must be a whole number of bytes (got {cache_mem!r})")
         if state_type not in STATE_TYPES:
             raise DFlashError(f"unknown state_type {state_type!r}: choose one of {', '.join(STATE_TYPES)}")
         self.state_type = state_type
@@ -189,6 +201,7 @@ class Decoder:
         self.threads = threads if threads else (os.cpu_count() or 1)
         self._model = _handles.Model(self.target)
         self._ctx = None
+        self._use = SimpleNamespace(guard=threading.Lock(), owner=None)   # _claim: one user (thread) at a time
         self._draft = None
         self._draft_model = None  # a plain qwen35 GGUF drafting for the target (classic draft-model speculation)
         # several drafters: auto mode picks, each step, the one expected to give the most tokens per second
@@ -305,9 +318,9 @@ class Decoder:
         prompts = list(prompts)
         if not prompts:
             return []
+        if parallel is not None and (isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1):
+            raise DFlashError(f"parallel must be an integer of at least 1 (got {parallel!r})")
         n_slots = min(len(prompts), parallel or len(prompts))
-        if n_slots < 1:
-            raise DFlashError(f"parallel must be at least 1 (got {parallel})")
         per = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise DFlashError(f"{len(per)} params for {len(prompts)} prompts")
@@ -332,22 +345,23 @@ class Decoder:
         def finish(view, i, tokens, p) -> None:
             results[i] = view._result(tokens, p, chat)
 
-        for slot in range(n_slots):
-            start(slot)
-        while running:
-            slots = sorted(running)
-            views = [self._slot(k) for k in slots]
-            step = _handles.Context.generate_next_many([v._ctx for v in views])
-            for slot, view, toks in zip(slots, views, step):
-                i, stream, tokens, p = running[slot]
-                view._batched = toks
-                got = next(stream, None)   # the stream yields them, or ends on an empty step
-                if got is not None:
-                    tokens.extend(got)
-                    continue
-                finish(view, i, tokens, p)
-                del running[slot]
+        with self._exclusive():   # (every slot shares the backend)
+            for slot in range(n_slots):
                 start(slot)
+            while running:
+                slots = sorted(running)
+                views = [self._slot(k) for k in slots]
+                step = _handles.Context.generate_next_many([v._ctx for v in views])
+                for slot, view, toks in zip(slots, views, step):
+                    i, stream, tokens, p = running[slot]
+                    view._batched = toks
+                    got = next(stream, None)   # the stream yields them, or ends on an empty step
+                    if got is not None:
+                        tokens.extend(got)
+                        continue
+                    finish(view, i, tokens, p)
+                    del running[slot]
+                    start(slot)
         return results  # type: ignore[return-value]
 
     def _warm_up(self) -> None:
@@ -407,9 +421,21 @@ class Decoder:
 
     # -- text <-> ids -----------------------------------------------------------------------------------
     def tokenize(self, text: str, parse_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise DFlashError(f"tokenize() takes text (got {type(text).__name__})")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:   # a lone surrogate: bytes that were not UTF-8 (argv, a file read as such)
+            raise DFlashError(f"the text is not valid UTF-8 (position {e.start}: "
+                              f"{text[e.start:e.end].encode('utf-8', 'surrogateescape')!r})") from None
         return self.tokenizer.encode(text, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        n = self.tokenizer.vocab_size
+        bad = next((t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+                    or not 0 <= t < n), None)
+        if bad is not None:   # (a negative id had wrapped around to the vocabulary's end)
+            raise DFlashError(f"token id {bad!r} is not in the vocabulary (0..{n - 1})")
         return self.tokenizer.decode(ids)
 
     def chat_prompt(self, messages: list[dict] | str, tools: list | None = None, **kwargs) -> str:
@@ -433,7 +459,26 @@ class Decoder:
             return self.tokenize(self.chat_prompt(list(prompt), tools=tools, **(template_kwargs or {})))
         if isinstance(prompt, str):
             return self.tokenize(self.chat_prompt(prompt, tools=tools, **(template_kwargs or {})) if chat else prompt)
-        ids = [int(t) for t in prompt]
+        return self._token_ids(prompt, chat)
+
+    def _token_ids(self, prompt, chat: bool = False) -> list[int]:
+        """A prompt given as token ids: integers only (a float, a bool, a string or bytes had been converted
+        with int(), silently), each in the vocabulary."""
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence) and not isinstance(
+                prompt, np.ndarray):
+            raise DFlashError(f"a prompt is text, a list of token ids or (chat) a list of messages, not "
+                              f"{type(prompt).__name__}")
+        if any(isinstance(t, dict) for t in prompt):
+            raise DFlashError("a list of messages is a chat prompt: pass chat=True (and only messages)")
+        ids = []
+        for t in prompt:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise DFlashError(f"prompt token ids must be integers (got {t!r})")
+            ids.append(int(t))
+        if chat:
+            raise DFlashError("chat takes text or a list of messages, not token ids (they are the prompt as given)")
+        if getattr(self, "_ctx", None) is None:
+            raise DFlashError("this Decoder is closed")
         bad = [t for t in ids if not 0 <= t < self._ctx.n_vocab]
         if bad:
             raise DFlashError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self._ctx.n_vocab - 1})")
@@ -473,10 +518,66 @@ class Decoder:
             settings = {"max_new_tokens": max_new_tokens, **settings}
         return GenParams.from_mapping(settings, strict=True, base=params or GenParams())
 
-    def stream_ids(self, prompt: str | Sequence[int] | Sequence[dict], max_new_tokens: int | None = None, *,
-                   chat: bool = False, on_prefill=None, cache: bool = True, params: GenParams | None = None,
-                   chat_template_kwargs: dict | None = None, history: int | None = None, held: int = 0,
-                   **settings) -> Iterator[list[int]]:
+    # -- one user at a time ------------------------------------------------------------------------------
+    # A Decoder (with its slots: one backend) is used by one thread at a time: from a decode's first step to its
+    # end, or for the whole of a logits() call.  Another thread arriving meanwhile is refused (two threads on one
+    # context had returned wrong tokens as if they had succeeded, then crashed); a thread that died holding it
+    # gives it up.  The same thread may start another decode while a stream is open: the stream then ends with
+    # an error at its next step instead of yielding nothing, and leaves the context to the new decode.
+
+    def _claim(self):
+        """Take the Decoder for this thread; None when this thread holds it already (a nested call)."""
+        if getattr(self, "_ctx", None) is None:
+            raise DFlashError("this Decoder is closed")
+        me, use = threading.current_thread(), self._use
+        with use.guard:
+            if use.owner is not None and use.owner[0] is me:
+                return None
+            if use.owner is not None and use.owner[0].is_alive():
+                raise DFlashError("this Decoder is decoding in another thread: give each thread its own Decoder, "
+                                  "or decode several requests with generate_many() or the daemon (serve --parallel)")
+            use.owner = (me, object())
+            return use.owner
+
+    def _release(self, claim) -> None:
+        if claim is not None:
+            with self._use.guard:   # (from any thread: a stream may be finalized by another)
+                if self._use.owner is claim:
+                    self._use.owner = None
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        claim = self._claim()
+        try:
+            yield
+        finally:
+            self._release(claim)
+
+    def stream_ids(self, *args, **kwargs) -> Iterator[list[int]]:
+        """Yields the tokens committed by each decode step (arguments: _stream_ids'), holding the Decoder for
+        this thread from the first step to the end."""
+        claim = self._claim()
+        self._stream_serial = serial = getattr(self, "_stream_serial", 0) + 1
+        steps = self._stream_ids(*args, stream_serial=serial, **kwargs)
+        try:
+            while True:
+                if self._stream_serial != serial:
+                    raise DFlashError("a later decode on this Decoder took its context: this stream has ended "
+                                      "(finish or close a stream before starting another)")
+                toks = next(steps, None)
+                if toks is None:
+                    return
+                yield toks
+        finally:
+            try:
+                steps.close()
+            finally:
+                self._release(claim)
+
+    def _stream_ids(self, prompt: str | Sequence[int] | Sequence[dict], max_new_tokens: int | None = None, *,
+                    chat: bool = False, on_prefill=None, cache: bool = True, params: GenParams | None = None,
+                    chat_template_kwargs: dict | None = None, history: int | None = None, held: int = 0,
+                    stream_serial: int | None = None, **settings) -> Iterator[list[int]]:
         """Yields the tokens committed by each decode step; `last_stats` holds the stats afterwards.
         chat: the prompt is a user message or a list of OpenAI messages, rendered by the GGUF's chat template
         (with chat_template_kwargs as its variables, e.g. {"enable_thinking": False}, and the tools setting).
@@ -557,9 +658,12 @@ class Decoder:
                 raise constraint.error from None
             raise
         finally:
-            if constraint is not None:
+            # a later decode (or close) may have taken the context: then what it holds is not this reply's
+            mine = getattr(self, "_ctx", None) is not None and (
+                stream_serial is None or getattr(self, "_stream_serial", None) == stream_serial)
+            if mine and constraint is not None:
                 self._ctx.set_constraint(None)
-            if pc is not None:  # the reply's end: the next turn starts with prompt + reply
+            if mine and pc is not None:  # the reply's end: the next turn starts with prompt + reply
                 held = ids + self._last_tokens
                 n = self._ctx.n_past
                 if 0 < n <= len(held):
@@ -685,9 +789,10 @@ class Decoder:
             raise DFlashError("logits() needs at least one token")
         if len(ids) > self.n_ctx:
             raise DFlashError(f"{len(ids)} tokens do not fit the context length {self.n_ctx}")
-        self._ctx.reset()
-        lg, _ = self._ctx.forward(ids)
-        self._ctx.reset()
+        with self._exclusive():
+            self._ctx.reset()
+            lg, _ = self._ctx.forward(ids)
+            self._ctx.reset()
         return lg
 
     def prompt_logprobs(self, token_ids: Sequence[int], k: int = 0, between_chunks=None, keep: bool = False) -> list[dict]:
@@ -697,7 +802,11 @@ class Decoder:
         What OpenAI's echo with logprobs and vLLM's prompt_logprobs return.  It leaves the context reset, or
         with keep, holding every token but the last: a decode of the same prompt then starts from there
         (stream_ids(held=len - 1)) instead of running the prompt again."""
-        ids = [int(t) for t in token_ids]
+        with self._exclusive():
+            return self._prompt_logprobs(token_ids, k, between_chunks, keep)
+
+    def _prompt_logprobs(self, token_ids, k, between_chunks, keep) -> list[dict]:
+        ids = self._prompt_ids(list(token_ids), chat=False)
         if not ids:
             raise DFlashError("prompt_logprobs() needs at least one token")
         if len(ids) > self.n_ctx:
@@ -731,9 +840,10 @@ class Decoder:
     def hidden_states(self, token_ids: Sequence[int], layers: Sequence[int]) -> np.ndarray:
         """float32 [n, len(layers), n_embd]: residual stream after each layer, from a fresh state."""
         ids = self._prompt_ids(list(token_ids), chat=False)
-        self._ctx.reset()
-        _, hid = self._ctx.forward(ids, logit_rows=[], capture_layers=list(layers))
-        self._ctx.reset()
+        with self._exclusive():
+            self._ctx.reset()
+            _, hid = self._ctx.forward(ids, logit_rows=[], capture_layers=list(layers))
+            self._ctx.reset()
         return hid
 
     @property

@@ -359,6 +359,9 @@ def params_from_cli(kwargs: dict[str, Any]) -> GenParams:
                     vals[f.name] = path.read_text(encoding="utf-8")
                 except (OSError, UnicodeDecodeError) as e:
                     raise SettingError(f.name, "a readable UTF-8 file", v) from e
+            elif path.suffix.lower() in (".json", ".gbnf", ".lark", ".txt") and not v.lstrip().startswith(("{", "[")):
+                # named like a file, and not one: say so (it had been parsed as the schema's text)
+                raise SettingError(f.name, "the text itself or an existing file (no such file)", v)
     for a, name in GenParams.aliases().items():
         v = kwargs.pop(f"_alias_{a}", None)
         if v is not None:

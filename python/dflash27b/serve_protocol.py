@@ -224,6 +224,8 @@ def parse_generate(req: dict, names: Mapping[str, str] | None = None) -> dict:
             ok, why = _FIELDS[k]
             if not ok(v):
                 raise RequestError(f"field {names.get(k, k)!r} {why} (got {json.dumps(v)[:80]})")
+    if "chat_template_kwargs" in req and "messages" not in req:
+        raise RequestError("field 'chat_template_kwargs' needs 'messages' (a raw prompt has no chat template)")
     if isinstance(req.get("chat_template_kwargs"), dict):
         problem = template_kwargs_problem(req["chat_template_kwargs"])
         if problem:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import struct
 from collections.abc import Mapping
@@ -279,6 +280,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = 
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {sorted(OUTTYPES)}")
     hf_dir, out_path = Path(hf_dir), Path(out_path)
+    _check_output(hf_dir, out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
     st = SafeTensors(hf_dir)
     has_mtp = mtp and any(n.startswith(("mtp.", "model.mtp.")) for n in st.names())
@@ -307,8 +309,28 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = 
         add_qwen35_kv(w, hp, FILE_TYPE[outtype], name=hf_dir.name)
         add_tokenizer_kv(w, tok)
 
-    write_gguf(out_path, add_kv, outs)
+    # written beside the output, then renamed over it: a failed or interrupted conversion leaves no half file,
+    # and the checkpoint's mapped weights are never overwritten while they are read
+    part = out_path.with_name(f".{out_path.name}.part-{os.getpid()}")
+    try:
+        write_gguf(part, add_kv, outs)
+        os.replace(part, out_path)
+    finally:
+        part.unlink(missing_ok=True)
     return out_path
+
+
+def _check_output(hf_dir: Path, out_path: Path) -> None:
+    """The output may not be one of the checkpoint's own files (its weights were being overwritten while mapped
+    for reading: a bus error and a truncated checkpoint), nor anything but a regular file."""
+    if out_path.is_dir():
+        raise ValueError(f"{out_path} is a directory: give the GGUF file to write")
+    if out_path.exists() and not out_path.is_file():
+        raise ValueError(f"{out_path} is not a regular file: give the GGUF file to write")
+    if out_path.exists() and hf_dir.is_dir() and out_path.resolve().parent == hf_dir.resolve() \
+            and out_path.suffix.lower() != ".gguf":
+        raise ValueError(f"{out_path} is a file of the checkpoint being converted: write the GGUF elsewhere "
+                         "(or name it *.gguf)")
 
 
 def main(argv: list[str] | None = None) -> None:
