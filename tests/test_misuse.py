@@ -118,6 +118,7 @@ def _cli(*args, timeout=60):
     (["generate", "x", "-n", "2", "--socket", "/tmp/never.sock", "-c", "100"], "drop --ctx"),
     (["generate", "x", "-n", "2", "--json-schema", "/no/such/schema.json"], "no such file"),
     (["generate", "--prompt-ids", "1,2", "--chat", "-n", "2"], "not token ids"),
+    (["generate", "x", "-n", "2", "--mode", "ar", "--budget", "8"], "--mode ar drafts nothing"),
 ])
 def test_cli_flags_out_of_range_or_ignored_are_one_line(args, needle):
     r = _cli(*args)
@@ -137,3 +138,9 @@ def test_convert_never_writes_over_its_checkpoint(tiny_hf_dir, tmp_path):
     r = _cli("convert", str(hf), str(hf / "model.gguf"), timeout=120)   # beside it, as llama.cpp writes
     assert r.returncode == 0, r.stderr
     assert not [p for p in hf.iterdir() if ".part-" in p.name]
+
+
+def test_drafting_flags_without_a_drafter_are_refused():
+    from dflash27b.decoder import bundled_pair
+    r = _cli("generate", "x", "-n", "2", "-m", str(bundled_pair()[0]), "--draft-max", "4", "--feature-ring", "64")
+    assert r.returncode == 1 and "--draft-max, --feature-ring: nothing drafts without a drafter" in r.stderr, r.stderr

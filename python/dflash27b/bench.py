@@ -70,25 +70,28 @@ def load_prompts(dataset: str, n: int) -> list[Prompt]:
     if not p.is_file():
         raise DFlashError(f"unknown dataset {dataset!r}: use one of {', '.join(DATASETS)} or a JSONL file path")
     out: list[Prompt] = []
-    with open(p, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DFlashError(f"{p}:{i}: not JSON ({e.msg})") from None
-            if not isinstance(r, dict):
-                raise DFlashError(f"{p}:{i}: each line must be a JSON object")
-            name = str(r.get("task_id", r.get("id", f"{p.name}:{i}")))
-            if isinstance(r.get("prompt"), str):
-                out.append(Prompt(name, text=r["prompt"]))
-            elif isinstance(r.get("messages"), list) and r["messages"]:
-                out.append(Prompt(name, messages=r["messages"]))
-            else:
-                raise DFlashError(f"{p}:{i}: needs a 'prompt' string or a 'messages' list")
-            if len(out) == n:
-                break
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{p}: cannot be read as UTF-8 JSON lines ({e})") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DFlashError(f"{p}:{i}: not JSON ({e.msg})") from None
+        if not isinstance(r, dict):
+            raise DFlashError(f"{p}:{i}: each line must be a JSON object")
+        name = str(r.get("task_id", r.get("id", f"{p.name}:{i}")))
+        if isinstance(r.get("prompt"), str):
+            out.append(Prompt(name, text=r["prompt"]))
+        elif isinstance(r.get("messages"), list) and r["messages"]:
+            out.append(Prompt(name, messages=r["messages"]))
+        else:
+            raise DFlashError(f"{p}:{i}: needs a 'prompt' string or a 'messages' list")
+        if len(out) == n:
+            break
     if not out:
         raise DFlashError(f"{p}: no prompts in the file")
     return out

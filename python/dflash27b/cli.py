@@ -173,6 +173,7 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
             _fail(f"--socket uses the daemon's settings: drop {', '.join(local)} (give them to `dflash27b serve`)")
     if target is not None and not str(target).strip():
         _fail("-m/--target is empty: give a GGUF file, a directory holding one, or a repo id")
+    _refuse_unused_drafting_flags(target, draft, socket_path, params.mode)
     if template_kwargs is not None:
         try:
             template_kwargs = json.loads(template_kwargs)
@@ -336,6 +337,23 @@ def synth(out, shape, ftype, seed, drafter, mtp):
     except (ValueError, KeyError, OSError) as e:
         _fail(str(e))
     click.echo(f"wrote {out}")
+
+
+def _refuse_unused_drafting_flags(target, draft, socket_path, mode) -> None:
+    """Drafting flags where nothing drafts are refused, not ignored: a target alone (-m without -md) or
+    --mode ar."""
+    ctx = click.get_current_context()
+    given = [p for p in ctx.command.params if p.name in ("budget", "block_size", "tree_topk", "_alias_topk", "expand",
+                                                           "draft_max", "draft_type", "feature_ring")
+             and ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT)]
+    if not given:
+        return
+    flags = ", ".join(p.opts[-1] for p in given)
+    if target is not None and draft is None and socket_path is None:
+        _fail(f"{flags}: nothing drafts without a drafter (-md DIR, mtp, lookup or a draft model); drop "
+              f"{'it' if len(given) == 1 else 'them'} or add one")
+    if mode == "ar":
+        _fail(f"{flags}: --mode ar drafts nothing; drop {'it' if len(given) == 1 else 'them'}")
 
 
 def _parse_http(s: str) -> tuple[str, int]:
@@ -566,6 +584,9 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
 def models_cmd(as_json):
     """List the targets and drafters in the Hugging Face cache and $DFLASH27B_MODELS, and which match."""
     from .model_paths import hf_hub_cache, models_dir, scan
+    md = models_dir()
+    if md is not None and not md.is_dir():   # (an empty table had hidden the mistake)
+        click.echo(f"warning: DFLASH27B_MODELS={md} is not a directory: nothing is looked up there", err=True)
     targets, drafts = scan()
     if as_json:
         click.echo(json.dumps({
