@@ -119,6 +119,8 @@ def _cli(*args, timeout=60):
     (["generate", "x", "-n", "2", "--json-schema", "/no/such/schema.json"], "no such file"),
     (["generate", "--prompt-ids", "1,2", "--chat", "-n", "2"], "not token ids"),
     (["generate", "x", "-n", "2", "--mode", "ar", "--budget", "8"], "--mode ar drafts nothing"),
+    (["plan", "-c", "4096", "-np", "5000"], "leaves 0 tokens each"),   # (a plan serve would then refuse)
+    (["serve", "--socket", "/tmp/never.sock", "--http", "[::1"], "an IPv6 host in brackets"),
 ])
 def test_cli_flags_out_of_range_or_ignored_are_one_line(args, needle):
     r = _cli(*args)
@@ -144,3 +146,13 @@ def test_drafting_flags_without_a_drafter_are_refused():
     from dflash27b.decoder import bundled_pair
     r = _cli("generate", "x", "-n", "2", "-m", str(bundled_pair()[0]), "--draft-max", "4", "--feature-ring", "64")
     assert r.returncode == 1 and "--draft-max, --feature-ring: nothing drafts without a drafter" in r.stderr, r.stderr
+
+
+def test_a_regular_file_is_not_a_daemon_socket(tmp_path):
+    f = tmp_path / "not.sock"
+    f.write_text("x")
+    r = _cli("generate", "x", "-n", "2", "--socket", str(f))
+    assert r.returncode == 1 and "is not a socket" in r.stderr, r.stderr   # (it had said "stale socket")
+    for bad in (-1, float("nan"), 0):
+        with pytest.raises(DFlashError, match="timeout must be a positive number"):
+            Decoder.connect(str(f), timeout=bad)

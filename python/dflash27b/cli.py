@@ -339,6 +339,16 @@ def synth(out, shape, ftype, seed, drafter, mtp):
     click.echo(f"wrote {out}")
 
 
+MIN_SLOT_CTX = 64
+
+
+def _check_slot_ctx(ctx: int, parallel: int) -> None:
+    """-c is the total context, split among the slots as llama-server splits it."""
+    if ctx // parallel < MIN_SLOT_CTX:
+        _fail(f"-c {ctx} split among {parallel} slots leaves {ctx // parallel} tokens each (at least "
+              f"{MIN_SLOT_CTX}): raise -c or lower --parallel")
+
+
 def _refuse_unused_drafting_flags(target, draft, socket_path, mode) -> None:
     """Drafting flags where nothing drafts are refused, not ignored: a target alone (-m without -md) or
     --mode ar."""
@@ -358,8 +368,9 @@ def _refuse_unused_drafting_flags(target, draft, socket_path, mode) -> None:
 
 def _parse_http(s: str) -> tuple[str, int]:
     host, _, port = s.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"expected HOST:PORT, got {s!r}", param_hint="--http")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or host.startswith("[") != host.endswith("]"):
+        raise click.BadParameter(f"expected HOST:PORT (an IPv6 host in brackets: [::1]:8080), got {s!r}",
+                                 param_hint="--http")
     return host.strip("[]"), int(port)
 
 
@@ -461,10 +472,8 @@ def serve(socket_path, http, target, draft, model_name, ctx, kv_type, device, th
             _fail(str(e))
     if target is None and bundled_pair() is None:
         _fail("no target model given: pass -m/--target")
+    _check_slot_ctx(ctx, parallel)
     slot_ctx = ctx // parallel
-    if slot_ctx < 64:
-        _fail(f"-c {ctx} split among {parallel} slots leaves {slot_ctx} tokens each (at least 64): raise -c or "
-              "lower --parallel")
     options = ServeOptions(max_body=max_body, request_timeout=request_timeout, shutdown_grace=shutdown_grace,
                            read_timeout=read_timeout, api_key=api_key, allow_hosts=tuple(allow_host),
                            cors_origins=tuple(cors_origin), max_connections=max_connections, parallel=parallel)
@@ -527,8 +536,8 @@ def plan_cmd(target, draft, ctx, kv_type, budget, draft_type, state_type, featur
         _fail("--fit plans for a GPU: drop --device cpu")
     if fit and parallel > 1:
         _fail("--fit plans one slot: drop --parallel")
-    if ctx is not None and ctx // parallel < 1:
-        _fail(f"-c {ctx} split among {parallel} slots leaves none")
+    if ctx is not None:
+        _check_slot_ctx(ctx, parallel)   # (what serve would refuse is not planned)
     if target is None:
         pair = bundled_pair()
         if pair is None:

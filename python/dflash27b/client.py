@@ -9,7 +9,10 @@ stop_reason is "timeout", or an error with code "timeout" if it never started). 
 from __future__ import annotations
 
 import json
+import math
+import os
 import socket
+import stat
 from typing import Iterator, Sequence
 
 from ._lib import DFlashError
@@ -25,6 +28,9 @@ class RemoteDecoder:
 
     def __init__(self, path: str, timeout: float | None = None):
         self.path = str(path)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise DFlashError(f"timeout must be a positive number of seconds or None (got {timeout!r})")
         self.timeout = timeout
         self.last_events: list[dict] = []
         self.health()  # fail now, with the reason, if nobody is serving there
@@ -40,6 +46,9 @@ class RemoteDecoder:
                               f"{self.path} -m MODEL)") from None
         except ConnectionRefusedError:
             s.close()
+            if not stat.S_ISSOCK(os.stat(self.path).st_mode):
+                raise DFlashError(f"{self.path} is not a socket (a daemon's socket is made by dflash27b serve "
+                                  "--socket PATH)") from None
             raise DFlashError(f"{self.path}: nobody is listening (stale socket of a daemon that exited)") from None
         except OSError as e:
             s.close()
