@@ -156,3 +156,17 @@ def test_a_regular_file_is_not_a_daemon_socket(tmp_path):
     for bad in (-1, float("nan"), 0):
         with pytest.raises(DFlashError, match="timeout must be a positive number"):
             Decoder.connect(str(f), timeout=bad)
+
+
+def test_ctrl_c_while_decoding_exits_130_keeping_what_was_printed():
+    """Interrupted, a command ends as shells expect of an interrupted program (click's Abort had exited 1, like
+    an error), with no traceback and the text decoded so far on stdout."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-m", "dflash27b.cli", "generate", PROMPT, "-n", "100000", "--mode", "ar",
+                          "--ignore-eos", "-c", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first = p.stdout.read(1)   # decoding has begun
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and first and err.decode().rstrip().endswith("Aborted!"), err.decode()[-500:]
+    assert b"Traceback" not in err

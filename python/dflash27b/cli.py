@@ -114,7 +114,19 @@ def _parse_ids(s: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers, got {s!r}", param_hint="--prompt-ids")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """click's group, with Ctrl-C ending a command as shells expect of an interrupted program: "Aborted!" and
+    status 130 (128 + SIGINT; click's own Abort exits 1, like an error)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\nAborted!", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(message="%(version)s", version=_version_line())
 def main() -> None:
     """Speculative decoding for Qwen3.5 (qwen35) GGUF models."""
