@@ -11,8 +11,8 @@ import contextlib
 import os
 import threading
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -20,11 +20,11 @@ import numpy as np
 from . import _handles
 from ._lib import TYPE_IDS, DFlashError, load
 from .params import INT32_MAX, MODES, GenParams
+from .results import GenerateResult, GenerateStats
+from .tokenizer import Tokenizer
 
 # llama.cpp's limit too (GGML_MAX_N_THREADS): a million threads had been started, and the call never returned
 MAX_THREADS = 512
-from .results import GenerateResult, GenerateStats
-from .tokenizer import Tokenizer
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 STATE_TYPES = ("f32", "bf16", "f16")
