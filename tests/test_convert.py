@@ -202,6 +202,12 @@ def test_nested_config_prefix_shards_tied(tiny_hf_dir, tmp_path):
     with pytest.raises(ValueError, match="mtp.* tensors but config.json sets no mtp_num_hidden_layers"):
         main([str(d), str(out), "--outtype", "f32"])   # a head is written unless --no-mtp says otherwise
     main([str(d), str(out), "--outtype", "f32", "--no-mtp"])
+    import subprocess
+    import sys
+    cli_out = tmp_path / "mm-cli.gguf"   # the CLI's convert takes --no-mtp too (docs/USAGE.md names it there)
+    r = subprocess.run([sys.executable, "-m", "dflash27b.cli", "convert", str(d), str(cli_out), "--no-mtp"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and cli_out.read_bytes() == out.read_bytes(), r.stderr
     r = GGUFReader(out)
     assert field(r, "qwen35.rope.dimension_sections") == [11, 11, 10, 0]
     assert field(r, "qwen35.rope.dimension_count") == 16

@@ -167,3 +167,19 @@ def test_gguf_drafters_are_refused_naming_what_is_supported(tmp_path, synth_gguf
     w.close()
     with pytest.raises(DFlashError, match=r"architecture 'llama' cannot draft: -md takes a qwen35 GGUF"):
         Decoder(synth_gguf("q4_k_m"), other, device="cpu", threads=1)
+
+
+def test_a_dflash2_drafter_matches_its_target_in_the_listing(monkeypatch, tmp_path):
+    """The bundled pair (a DFlash2 drafter) under DFLASH27B_MODELS: listed as matching, as it drafts (the listing
+    had still said DFlash2 drafters could not draft)."""
+    from dflash27b.decoder import bundled_pair
+    target, draft = bundled_pair()
+    md = tmp_path / "models"
+    md.mkdir()
+    shutil.copy(target, md / "tiny-target.gguf")
+    shutil.copytree(draft, md / "tiny-draft2")
+    monkeypatch.setenv("DFLASH27B_MODELS", str(md))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    targets, drafts = scan()
+    assert [d.generation for d in drafts] == [2]
+    assert [t.drafters for t in targets] == [[drafts[0].name]]

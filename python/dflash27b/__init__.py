@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 
 from ._lib import DFlashError  # noqa: E402
 from .decoder import Decoder  # noqa: E402
+from .params import GenParams  # noqa: E402
 from .results import GenerateResult, GenerateStats  # noqa: E402
 
-__all__ = ["Decoder", "DFlashError", "GenerateResult", "GenerateStats", "__version__"]
+__all__ = ["Decoder", "DFlashError", "GenParams", "GenerateResult", "GenerateStats", "__version__"]

@@ -316,11 +316,13 @@ def info(gguf, tensors):
 @click.argument("hf_dir", type=click.Path(file_okay=False, exists=True))
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f32", show_default=True)
-def convert(hf_dir, out, outtype):
+@click.option("--no-mtp", is_flag=True, help="drop the checkpoint's MTP head (mtp.*), as llama.cpp's converter's "
+              "--no-mtp does [default: written after the trunk when the checkpoint has one]")
+def convert(hf_dir, out, outtype, no_mtp):
     """Convert a Hugging Face Qwen3.5 checkpoint to a qwen35 GGUF."""
     from .tools.convert import convert_hf_to_gguf
     try:
-        convert_hf_to_gguf(hf_dir, out, outtype)
+        convert_hf_to_gguf(hf_dir, out, outtype, mtp=not no_mtp)
     except (ValueError, KeyError, OSError) as e:
         _fail(str(e))
     click.echo(f"wrote {out}")
@@ -441,7 +443,7 @@ def _check_http_flags(http, api_key, allow_host, cors_origin) -> None:
     given = [name for name, v in (("--api-key", api_key and key_flag), ("--allow-host", allow_host),
                                   ("--cors-origin", cors_origin)) if v]
     if given and http is None:
-        _fail(f"{', '.join(given)} guard the HTTP front: give --http HOST:PORT too")
+        _fail(f"{', '.join(given)} {'guards' if len(given) == 1 else 'guard'} the HTTP front: give --http HOST:PORT too")
     if api_key is not None and not api_key.strip():
         _fail("--api-key is empty")
 
@@ -634,7 +636,7 @@ def models_cmd(as_json):
             dt.add_row(d.name, f"[red]refused: {d.error}[/red]", "", "", "", "", "", f"{d.size / 1e9:.2f} GB")
             continue
         layers = (f"{d.target_layers} " if d.target_layers else "") + str(d.target_layer_ids)
-        name = d.name + (" [yellow](DFlash2: listed, cannot draft yet)[/yellow]" if d.generation == 2 else "")
+        name = d.name + (" (DFlash2)" if d.generation == 2 else "")
         dt.add_row(name, str(d.hidden), layers, str(d.vocab), str(d.block_size), d.rope, d.sliding or "-",
                    f"{d.size / 1e9:.2f} GB")
     con.print(tt)

@@ -79,10 +79,10 @@ def resolve_device(device: str) -> str:
     if device == "cuda":
         if build == "not built":
             raise DFlashError("device 'cuda' requested but this build of dflash27b has no CUDA backend "
-                              "(dflash27b --version shows what was built); use device='cpu'")
+                              "(dflash27b --version shows what was built); use the CPU (--device cpu, device='cpu')")
         if cuda_device_count() <= 0:
             raise DFlashError("device 'cuda' requested but no CUDA device is usable (no GPU or no driver); "
-                              "use device='cpu'")
+                              "use the CPU (--device cpu, device='cpu')")
         return "cuda"
     if device == "auto" and build not in ("not built", "emulator") and cuda_device_count() > 0:
         return "cuda"
@@ -93,7 +93,7 @@ def _check_same_vocab(target: str, draft: str) -> None:
     """A draft model must speak the target's tokens: the same vocabulary, token for token."""
     a, b = Tokenizer.from_gguf(target).tokens, Tokenizer.from_gguf(draft).tokens
     if a != b:
-        where = f"sizes {len(a)} and {len(b)}" if len(a) != len(b) else \
+        where = f"sizes {len(b)} and {len(a)}" if len(a) != len(b) else \
             f"token {next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)} differs"
         raise DFlashError(f"draft model {draft} and target {target} have different vocabularies ({where}): a draft "
                           "model must use the target's tokenizer")

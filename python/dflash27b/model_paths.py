@@ -214,7 +214,7 @@ class DraftEntry:
     rope: str = ""                  # "default", "linear x8", "yarn x4" ...
     sliding: str = ""               # "3/5 layers, window 2048", "" when none slides
     error: str = ""                 # the config reader's refusal, when it refuses the file
-    generation: int = 1             # 2: DFlash2 (loads and is listed; cannot draft yet)
+    generation: int = 1             # 2: DFlash2
 
 
 def _gguf_facts(path: Path) -> dict:
@@ -270,7 +270,7 @@ def _roots() -> list[tuple[Path, str]]:
 def drafter_matches(t: TargetEntry, d: DraftEntry) -> bool:
     """The loader's pair checks (hidden size, vocabulary, mask token, captured layers inside the target),
     plus the target depth the drafter was made for when its config names one."""
-    return (t.arch == "qwen35" and not d.error and d.generation == 1 and d.hidden == t.n_embd and d.vocab == t.n_vocab
+    return (t.arch == "qwen35" and not d.error and d.hidden == t.n_embd and d.vocab == t.n_vocab
             and 0 <= d.mask_token_id < t.n_vocab and bool(d.target_layer_ids)
             and all(0 <= i < t.n_layer for i in d.target_layer_ids)
             and d.target_layers in (0, t.n_layer))
