@@ -74,7 +74,7 @@ def test_expanding_slots_draft_alone(dec):
 def test_another_vocabulary_is_refused(synth_gguf, tmp_path):
     small = write_synthetic(tmp_path / "vocab1024.gguf", {"base": "tiny", "vocab": 1024}, "q4_k_m", seed=0)
     with pytest.raises(DFlashError, match=r"draft model .*vocab1024\.gguf and target .*tiny-f32\.gguf have "
-                                          r"different vocabularies \(sizes 2048 and 1024\)"):
+                                          r"different vocabularies \(sizes 1024 and 2048\)"):
         Decoder(synth_gguf("f32"), small, device="cpu", threads=1)
 
 

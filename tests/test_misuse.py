@@ -170,3 +170,24 @@ def test_ctrl_c_while_decoding_exits_130_keeping_what_was_printed():
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and first and err.decode().rstrip().endswith("Aborted!"), err.decode()[-500:]
     assert b"Traceback" not in err
+
+
+def test_the_command_catches_ctrl_c_while_its_modules_load(monkeypatch, capsys):
+    """`import dflash27b` loads nothing heavy (the names come on first use), so the command's entry point can
+    catch a Ctrl-C while numpy and the library load: "Aborted!" and 130, no traceback of the import."""
+    r = subprocess.run([sys.executable, "-c", "import sys, dflash27b; print(sorted(m for m in ('numpy', 'cffi', "
+                        "'dflash27b.decoder') if m in sys.modules))"], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+    import builtins
+
+    import dflash27b._entry as entry
+    real = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "cli":   # (from .cli import main)
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    assert e.value.code == 130 and "Aborted!" in capsys.readouterr().err

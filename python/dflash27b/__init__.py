@@ -2,12 +2,26 @@
 
 The heavy lifting happens in libdflash27b (C++), reached through cffi; this
 package holds the Decoder, the CLI and the model tools.
+
+The names below load on first use (PEP 562): `import dflash27b` is light, so the `dflash27b` command
+(_entry.py) can catch a Ctrl-C that arrives while numpy and the library load.
 """
 __version__ = "0.1.0"
 
-from ._lib import DFlashError  # noqa: E402
-from .decoder import Decoder  # noqa: E402
-from .params import GenParams  # noqa: E402
-from .results import GenerateResult, GenerateStats  # noqa: E402
+_LAZY = {"DFlashError": "_lib", "Decoder": "decoder", "GenParams": "params", "GenerateResult": "results",
+         "GenerateStats": "results"}
 
 __all__ = ["Decoder", "DFlashError", "GenParams", "GenerateResult", "GenerateStats", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dflash27b' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
