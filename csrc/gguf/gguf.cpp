@@ -198,15 +198,13 @@ GGUFFile::GGUFFile(const std::string& path) : path_(path), file_(path), map_(fil
     // tensor elsewhere (overlapping another, or a gap where a type change shrank the one before) is damage,
     // and would read another tensor's bytes as weights.
     uint64_t expected = 0;
-    for (const GGUFTensor& t : tensors_) {
+    uint64_t data_start = (c.pos + alignment - 1) / alignment * alignment;
+    for (GGUFTensor& t : tensors_) {
       if (t.offset != expected)
         fail("%s: tensor '%s' data starts at offset %llu of the data section, but the tensors before it end at "
              "%llu (GGUF stores them one after another in table order): the file is damaged",
              path.c_str(), t.name.c_str(), (unsigned long long)t.offset, (unsigned long long)expected);
       expected = (t.offset + t.nbytes + alignment - 1) / alignment * alignment;
-    }
-    uint64_t data_start = (c.pos + alignment - 1) / alignment * alignment;
-    for (GGUFTensor& t : tensors_) {
       if (data_start > size_ || t.offset > size_ - data_start || t.nbytes > size_ - data_start - t.offset)
         fail("%s: tensor '%s' data [%llu, %llu) lies beyond the end of the file (%llu bytes): the file is truncated",
              path.c_str(), t.name.c_str(), (unsigned long long)(data_start + t.offset),

@@ -177,10 +177,7 @@ def generate(prompt, target, draft, socket_path, draft_max, feature_ring, draft_
     if socket_path is not None and (target or draft):
         _fail("--socket uses the daemon's models: drop -m/-md (they were given to `dflash27b serve`)")
     if socket_path is not None:   # the daemon's own settings: a flag for the local decoder would be ignored
-        ctx_ = click.get_current_context()
-        local = [f"--{n.replace('_', '-')}" for n in ("ctx", "threads", "kv_type", "device", "state_type",
-                                                       "feature_ring", "draft_type")
-                 if ctx_.get_parameter_source(n) not in (None, click.core.ParameterSource.DEFAULT)]
+        local = _given("ctx", "threads", "kv_type", "device", "state_type", "feature_ring", "draft_type")
         if local:
             _fail(f"--socket uses the daemon's settings: drop {', '.join(local)} (give them to `dflash27b serve`)")
     if target is not None and not str(target).strip():
@@ -363,16 +360,22 @@ def _check_slot_ctx(ctx: int, parallel: int) -> None:
               f"{MIN_SLOT_CTX}): raise -c or lower --parallel")
 
 
+def _given(*names: str) -> list[str]:
+    """The current command's options among `names` given on the command line (or the environment), as their
+    long flags, in the command's order."""
+    ctx = click.get_current_context()
+    return [p.opts[-1] for p in ctx.command.params if p.name in names
+            and ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT)]
+
+
 def _refuse_unused_drafting_flags(target, draft, socket_path, mode) -> None:
     """Drafting flags where nothing drafts are refused, not ignored: a target alone (-m without -md) or
     --mode ar."""
-    ctx = click.get_current_context()
-    given = [p for p in ctx.command.params if p.name in ("budget", "block_size", "tree_topk", "_alias_topk", "expand",
-                                                           "draft_max", "draft_type", "feature_ring")
-             and ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT)]
+    given = _given("budget", "block_size", "tree_topk", "_alias_topk", "expand", "draft_max", "draft_type",
+                   "feature_ring")
     if not given:
         return
-    flags = ", ".join(p.opts[-1] for p in given)
+    flags = ", ".join(given)
     if target is not None and draft is None and socket_path is None:
         _fail(f"{flags}: nothing drafts without a drafter (-md DIR, mtp, lookup or a draft model); drop "
               f"{'it' if len(given) == 1 else 'them'} or add one")

@@ -154,8 +154,6 @@ class DecodeService:
         """A schema, grammar or tool set compiled here, before the request queues: a bad one is refused at
         once, and a good one is compiled off the decode thread (the decoder finds it in constraint.py's
         cache), so no running slot waits for it."""
-        if gp.json_schema is None and gp.grammar is None and not gp.calls_tools:
-            return
         from .tool_calls import request_grammar
         try:
             request_grammar(gp, self.decoder.opens_thinking(ids))

@@ -19,12 +19,17 @@ import numpy as np
 
 from . import _handles
 from ._lib import TYPE_IDS, DFlashError, load
-from .params import INT32_MAX, MODES, GenParams
+from .params import INT32_MAX, MODES, GenParams, is_int
 from .results import GenerateResult, GenerateStats
 from .tokenizer import Tokenizer
 
 # llama.cpp's limit too (GGML_MAX_N_THREADS): a million threads had been started, and the call never returned
 MAX_THREADS = 512
+
+
+def _integer(t) -> bool:
+    """A token id's type: a Python or numpy integer, not a bool (a float or a string had gone through int())."""
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 STATE_TYPES = ("f32", "bf16", "f16")
@@ -172,9 +177,9 @@ class Decoder:
         for name, v, lo, hi in (("ctx", ctx, 1, INT32_MAX), ("batch", batch, 1, INT32_MAX),
                                 ("feature_ring", feature_ring, 1, INT32_MAX), ("slots", slots, 1, 4096),
                                 ("threads", 1 if threads is None else threads, 1, MAX_THREADS)):
-            if not (isinstance(v, int) and not isinstance(v, bool)) or not lo <= v <= hi:
+            if not is_int(v) or not lo <= v <= hi:
                 raise DFlashError(f"{name} must be an integer from {lo} to {hi} (got {v!r})")
-        if not (isinstance(cache_mem, int) and not isinstance(cache_mem, bool)):
+        if not is_int(cache_mem):
             raise DFlashError(f"cache_mem must be a whole number of bytes (got {cache_mem!r})")
         if state_type not in STATE_TYPES:
             raise DFlashError(f"unknown state_type {state_type!r}: choose one of {', '.join(STATE_TYPES)}")
@@ -246,8 +251,6 @@ class Decoder:
                                   "-md mtp needs a GGUF converted with it (llama.cpp's converter without "
                                   "--no-mtp, the \"-MTP\" files)")
             self._attach_drafters(self._ctx)
-            if slots < 1:
-                raise DFlashError(f"slots must be at least 1 (got {slots})")
         except DFlashError:
             self.close()
             raise
@@ -432,8 +435,7 @@ class Decoder:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         n = self.tokenizer.vocab_size
-        bad = next((t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
-                    or not 0 <= t < n), None)
+        bad = next((t for t in ids if not _integer(t) or not 0 <= t < n), None)
         if bad is not None:   # (a negative id had wrapped around to the vocabulary's end)
             raise DFlashError(f"token id {bad!r} is not in the vocabulary (0..{n - 1})")
         return self.tokenizer.decode(ids)
@@ -472,7 +474,7 @@ class Decoder:
             raise DFlashError("a list of messages is a chat prompt: pass chat=True (and only messages)")
         ids = []
         for t in prompt:
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            if not _integer(t):
                 raise DFlashError(f"prompt token ids must be integers (got {t!r})")
             ids.append(int(t))
         if chat:
@@ -620,11 +622,11 @@ class Decoder:
                 return on_prefill(done, total) if on_prefill is not None else False
         constraint = None
         self._think_open = self.opens_thinking(ids)
-        if p.json_schema is not None or p.grammar is not None or p.calls_tools:  # structured output (constraint.py)
+        from .tool_calls import request_grammar
+        grammar = request_grammar(p, self._think_open)   # structured output (constraint.py), or None
+        if grammar is not None:
             from .constraint import TokenConstraint
-            from .tool_calls import request_grammar
-            constraint = TokenConstraint(self.tokenizer, self.eos_ids, request_grammar(p, self._think_open),
-                                         self.info["n_vocab"])
+            constraint = TokenConstraint(self.tokenizer, self.eos_ids, grammar, self.info["n_vocab"])
         self.last_constraint = constraint
         if progress is not None:
             self._ctx.set_prefill_progress(progress)

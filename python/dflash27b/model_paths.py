@@ -146,9 +146,7 @@ def _refuse_gguf_draft(p: Path) -> None:
         with open(p, "rb") as f:
             if f.read(4) != b"GGUF":
                 return
-        arch = str(read_gguf_metadata(p).get("general.architecture", "?"))
-    except DFlashError as e:   # a damaged GGUF: say what is wrong with it
-        raise DFlashError(f"{e}") from None
+        arch = str(read_gguf_metadata(p).get("general.architecture", "?"))   # (a damaged GGUF: its reader's error)
     except OSError:
         return
     if "dflash" in arch.lower():

@@ -34,11 +34,13 @@ def _bad(name: str, what: str, v, plain: str | None = None) -> SettingError:
     return SettingError(name, what, v, plain)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An integer that is not a bool (JSON and Python both let True pass as 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v) -> bool:
+def is_num(v) -> bool:
+    """A finite int or float that is not a bool."""
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
@@ -48,7 +50,7 @@ def _int(lo: int, hi: int = INT32_MAX, note: str = "", optional: bool = False) -
     def check(name, v):
         if v is None and optional:
             return None
-        if not _is_int(v) or not lo <= v <= hi:
+        if not is_int(v) or not lo <= v <= hi:
             null = " (or null)" if optional else ""
             raise _bad(name, f"an integer in {lo}..{top}{note}{null}", v,
                        plain=f">= {lo}, an integer up to {top}{note}{null}" if hi == INT32_MAX else None)
@@ -58,7 +60,7 @@ def _int(lo: int, hi: int = INT32_MAX, note: str = "", optional: bool = False) -
 
 def _num(what: str, ok: Callable[[float], bool]) -> Callable:
     def check(name, v):
-        if not _is_num(v) or not ok(v):
+        if not is_num(v) or not ok(v):
             raise _bad(name, what, v)
         return float(v)
     return check
@@ -156,11 +158,11 @@ def _logit_bias(name, v):
         raise SettingError(name, what, v)
     out: dict[int, float] = {}
     for k, b in v.items():
-        tid = k if _is_int(k) else int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() \
+        tid = k if is_int(k) else int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() \
             else None
         if tid is None or tid < 0 or tid > INT32_MAX or tid in out:
             raise SettingError(name, what, v, plain=f"{what}: bad token id {k!r}")
-        if not _is_num(b) or abs(b) > LOGIT_BIAS_MAX:
+        if not is_num(b) or abs(b) > LOGIT_BIAS_MAX:
             raise SettingError(name, what, v, plain=f"{what}: bad bias {b!r} for token {tid}")
         out[tid] = float(b)
     return dict(sorted(out.items())) or None

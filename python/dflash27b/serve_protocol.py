@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ._lib import DFlashError
 from .chat_reply import THINK_CLOSE, THINK_OPEN, ReasoningSplit, template_thinks  # noqa: F401 (the protocol's)
-from .params import INT32_MAX, GenParams, SettingError
+from .params import INT32_MAX, GenParams, SettingError, is_int, is_num
 from .tokenizer import TOKEN_CONTROL, TOKEN_USER_DEFINED, ChatTemplateError, Tokenizer
 
 if TYPE_CHECKING:  # the service hands a Decoder in; importing it here would close a circle via the client
@@ -115,17 +115,9 @@ _PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
 def _int_in(lo: int, hi: int = INT32_MAX, note: str = "") -> tuple[Callable[[Any], bool], str]:
     top = "2^31 - 1" if hi == INT32_MAX else str(hi)
-    return (lambda v: _is_int(v) and lo <= v <= hi), f"must be an integer in {lo}..{top}{note}"
+    return (lambda v: is_int(v) and lo <= v <= hi), f"must be an integer in {lo}..{top}{note}"
 
 
 def message_problem(m: Any, where: str) -> str | None:
@@ -168,7 +160,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "id": (lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "must be a string or an integer"),
     "prompt": (lambda v: isinstance(v, str), "must be a string"),
     "messages": (lambda v: _messages_problem(v) is None, "must be a list of messages (message_problem says why not)"),
-    "prompt_ids": (lambda v: isinstance(v, list) and len(v) > 0 and all(_is_int(t) and 0 <= t <= INT32_MAX
+    "prompt_ids": (lambda v: isinstance(v, list) and len(v) > 0 and all(is_int(t) and 0 <= t <= INT32_MAX
                                                                          for t in v),
                    "must be a non-empty list of token ids (integers >= 0)"),
     "stop": (lambda v: isinstance(v, str) and v != "" or (isinstance(v, list) and len(v) <= 16 and all(
@@ -180,7 +172,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     # llama-server's name: false decodes without the prefix cache (neither reads nor feeds it)
     "cache_prompt": (lambda v: isinstance(v, bool), "must be true or false"),
     # seconds from arrival to the end of the request, queue wait included (capped by --request-timeout)
-    "timeout": (lambda v: _is_num(v) and 0 < v <= 1e6, "must be a number of seconds in (0, 1e6]"),
+    "timeout": (lambda v: is_num(v) and 0 < v <= 1e6, "must be a number of seconds in (0, 1e6]"),
     # variables for the chat template (vLLM's / llama-server's name), e.g. {"enable_thinking": false}
     "chat_template_kwargs": (lambda v: isinstance(v, dict) and len(v) <= 32 and all(
         isinstance(k, str) and k.isidentifier() and (v[k] is None or isinstance(v[k], (bool, str, int, float)))

@@ -19,6 +19,7 @@ from typing import Any
 
 from ._lib import DFlashError
 from .gguf_meta import read_gguf_metadata  # noqa: F401  (re-exported: the tokenizer's source)
+from .params import is_int
 
 QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -91,10 +92,6 @@ class ChatTemplateError(DFlashError):
     """The GGUF's chat template is not a Jinja template (the model still decodes raw prompts)."""
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_tokenizer_metadata(meta: Mapping[str, Any]) -> None:
     """Each tokenizer key a Tokenizer reads, checked for its type, length and range (TokenizerError naming
     it): a file that breaks one would otherwise fail later with Python's own errors, or not at all."""
@@ -111,7 +108,7 @@ def check_tokenizer_metadata(meta: Mapping[str, Any]) -> None:
     n = len(tokens)
     types = meta.get("tokenizer.ggml.token_type")
     if types is not None and (not isinstance(types, (list, tuple)) or len(types) != n
-                              or not all(_is_int(t) for t in types)):
+                              or not all(is_int(t) for t in types)):
         bad("tokenizer.ggml.token_type", f"must be a list of {n} integers, one per token")
     merges = meta.get("tokenizer.ggml.merges")
     if merges is not None and (not isinstance(merges, (list, tuple))
@@ -119,7 +116,7 @@ def check_tokenizer_metadata(meta: Mapping[str, Any]) -> None:
         bad("tokenizer.ggml.merges", "must be a list of strings 'LEFT RIGHT'")
     for key in ("eos_token_id", "bos_token_id", "padding_token_id"):
         v = meta.get(f"tokenizer.ggml.{key}")
-        if v is not None and not (_is_int(v) and 0 <= v < n):
+        if v is not None and not (is_int(v) and 0 <= v < n):
             bad(f"tokenizer.ggml.{key}", f"must be a token id in 0..{n - 1} (got {v!r})")
     if not isinstance(meta.get("tokenizer.ggml.add_bos_token", False), bool):
         bad("tokenizer.ggml.add_bos_token", "must be true or false")
