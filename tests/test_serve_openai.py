@@ -165,7 +165,7 @@ def test_n_choices_are_the_requests_with_seed_plus_i(dp, local):
     assert len(set(want)) > 1
     assert r["usage"]["completion_tokens"] == 48
     assert r["usage"]["total_tokens"] == r["usage"]["prompt_tokens"] + 48 == len(local.tokenize("def fibonacci(n):")) + 48
-    assert len(r["dflash27b"]) == 4
+    assert len(r["dflash27b"]) == len(r["timings"]) == 4
     one = httpx.post(dp.url + "/v1/completions", json={**body, "seed": 9}, timeout=60).json()
     assert one["choices"][0]["text"] == want[2] and one["choices"][0]["index"] == 0
 
@@ -415,3 +415,33 @@ def test_template_variables_without_messages_are_refused_on_the_socket(d):
     events = socket_request(d.sock, {"prompt": "x", "max_new_tokens": 2,
                                      "chat_template_kwargs": {"enable_thinking": False}})
     assert [e["event"] for e in events] == ["error"] and "needs 'messages'" in events[0]["message"], events
+
+
+# -- llama-server's `timings` (harnesses written for it read draft_n / draft_n_accepted, predicted_per_second) ----
+
+def test_timings_are_llama_servers(d, local):
+    """`timings` in the body and on the last streamed chunk, as llama-server sends it: the prompt's part (tokens
+    prefilled, ms, rates, cache_n), the reply's, and with a drafting mode the drafted and accepted tokens, which
+    add up with the steps to the reply's tokens (each step commits its accepted drafts and one of its own)."""
+    prompt = "def fibonacci(n):"
+    r = _completion(d, prompt=prompt, max_tokens=24, ignore_eos=True, mode="chain").json()
+    t = r["timings"]
+    want = local.generate(prompt, 24, mode="chain", ignore_eos=True, cache=False)
+    assert r["choices"][0]["text"] == want.text
+    assert t["predicted_n"] == 24 == r["usage"]["completion_tokens"]
+    assert t["prompt_n"] + t["cache_n"] == r["usage"]["prompt_tokens"] == len(local.tokenize(prompt))
+    assert t["predicted_per_second"] == r["dflash27b"]["decode_tok_s"] > 0
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0
+    assert t["prompt_per_second"] == pytest.approx(t["prompt_n"] / t["prompt_ms"] * 1e3)
+    assert t["draft_n"] == sum(want.stats.tree_size) > 0
+    # every token after the prefill's first came from a step: its accepted drafts plus one of the target's own
+    assert t["draft_n_accepted"] == sum(want.stats.accept_lengths) - len(want.stats.accept_lengths)
+    assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
+    ar = _completion(d, prompt=prompt, max_tokens=8, mode="ar", ignore_eos=True).json()["timings"]
+    assert "draft_n" not in ar and "draft_n_accepted" not in ar and ar["predicted_n"] == 8
+    with httpx.stream("POST", d.url + "/v1/chat/completions", timeout=30,
+                      json={"messages": MSGS, "max_tokens": 8, "temperature": 0, "stream": True}) as s:
+        events = sse_events(s.iter_lines())
+    last = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(last) == 1 and last[0]["timings"]["predicted_n"] == 8
+    assert not any("timings" in e for e in events[:-1] if e not in last)

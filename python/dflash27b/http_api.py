@@ -364,6 +364,30 @@ def _ours(stats: dict) -> dict:
     return {k: stats[k] for k in ("mode", "mean_accept", "decode_tok_s", "stop_reason")}
 
 
+def _timings(stats: dict) -> dict:
+    """llama-server's `timings` object, which harnesses written for it read (tokens/s, and whether speculation
+    ran and paid: draft_n, draft_n_accepted).  prompt_n counts the prompt tokens prefilled, cache_n those the
+    prefix cache restored; the reply's first token comes out of the prefill, so predicted_per_second is the
+    rate of the tokens after it over predicted_ms (our decode_tok_s).  draft_n: the draft tokens verified (a
+    tree's nodes), draft_n_accepted: those kept; both only when a step drafted, as llama-server omits them."""
+    cached = stats.get("cached_tokens", 0)
+    prompt_n, prompt_ms = stats["prompt_tokens"] - cached, stats["prefill_s"] * 1e3
+    out = {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+           "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+           "prompt_per_second": prompt_n / stats["prefill_s"] if stats["prefill_s"] > 0 else 0.0,
+           "predicted_n": stats["generated_tokens"], "predicted_ms": stats["decode_s"] * 1e3,
+           "predicted_per_token_ms": 1e3 / stats["decode_tok_s"] if stats["decode_tok_s"] > 0 else 0.0,
+           "predicted_per_second": stats["decode_tok_s"]}
+    drafted = sum(stats.get("tree_size") or [])
+    if drafted:
+        # a step commits its accepted draft tokens and one of the target's own (the last step only what
+        # max_tokens kept; a step that drafted nothing commits its one token)
+        out["draft_n"] = drafted
+        out["draft_n_accepted"] = sum(max(a - 1, 0) for a, n in zip(stats["accept_lengths"], stats["tree_size"])
+                                      if n > 0)
+    return out
+
+
 class Reply:
     """The OpenAI objects of one reply (JSON body, or SSE chunks)."""
 
@@ -420,7 +444,7 @@ class Reply:
         else:
             choice = {"index": self.index, "text": text, "finish_reason": fin, "logprobs": lps}
         return {**self._head(False), "choices": [choice], "usage": _usage(done["stats"]),
-                "dflash27b": _ours(done["stats"])}
+                "timings": _timings(done["stats"]), "dflash27b": _ours(done["stats"])}
 
 
 def _usage_of(stats: list[dict], n: int) -> dict:
@@ -440,6 +464,7 @@ def _body_of(replies: list[Reply], done: list[dict]) -> dict:
     if len(bodies) > 1:
         out["choices"] = [b["choices"][0] for b in bodies]
         out["usage"] = _usage_of([d["stats"] for d in done], replies[0].shape.n)
+        out["timings"] = [b["timings"] for b in bodies]
         out["dflash27b"] = [b["dflash27b"] for b in bodies]
     return out
 
@@ -556,7 +581,7 @@ class EventStream:
                         if reasoning or content or calls:
                             yield r.chunk(content or None, reasoning=reasoning, calls=calls)
                     yield r.chunk(None if r.shape.chat else "", _finish(stats[i]["stop_reason"], r.n_calls > 0),
-                                  extra={"dflash27b": _ours(stats[i])})
+                                  extra={"timings": _timings(stats[i]), "dflash27b": _ours(stats[i])})
                 elif ev["event"] == "error":
                     failed = True
                     self._cancel(CHOICE_FAILED)
