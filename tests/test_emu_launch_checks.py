@@ -288,3 +288,71 @@ def test_the_race_check_is_quiet_on_what_a_gpu_orders(tsan_checks, schedule):
             assert r.stdout.strip() == f"ran {ran}"
     # every thread of the neighbour kernel read its neighbour's value: sum over 8 CTAs of (t + 1) % 64
     assert _case(tsan_checks, "rc_neighbour_synced", schedule).stdout.strip() == f"ran {8 * 2016}"
+
+
+# -- the memory trace (csrc/backend/cuda/emu/memtrace.cpp; bench/emu_memtrace.py) ---------------------------------
+
+@pytest.fixture(scope="module")
+def memtrace_checks(tmp_path_factory):
+    """tests/cpp/emu_memtrace_checks.cpp with ThreadSanitizer's instrumentation answered by memtrace.cpp (built
+    without it), as -DDFLASH27B_CUDA_EMU_MEMTRACE=ON builds the backend."""
+    cxx = shutil.which("g++")
+    if not cxx:
+        pytest.skip("no g++")
+    d = tmp_path_factory.mktemp("emu-memtrace")
+    flags = ["-std=c++17", "-O2", "-g"]
+    for src, extra in ((ROOT / "tests" / "cpp" / "emu_memtrace_checks.cpp",
+                        ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fno-tree-vectorize",
+                         "-fno-tree-slp-vectorize", "-DDFL_EMU=1", "-DDFL_EMU_MEMTRACE=1", *_includes()]),
+                       (ROOT / "csrc" / "backend" / "cuda" / "emu" / "memtrace.cpp", [])):
+        r = subprocess.run([cxx, *flags, *extra, "-c", str(src), "-o", str(d / (src.stem + ".o"))],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+    exe = d / "emu_memtrace_checks"
+    r = subprocess.run([cxx, str(d / "emu_memtrace_checks.o"), str(d / "memtrace.o"), "-ldl", "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
+def _trace(exe: Path, name: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{name}.json"
+    r = subprocess.run([str(exe), name, str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    kernels = json.loads(out.read_text())["kernels"]
+    assert len(kernels) == 1
+    k = kernels[0]
+    return {kind: (c["instructions"], c["bytes"], c.get("sectors", c.get("wavefronts")), c["ideal"])
+            for kind, c in k.items() if isinstance(c, dict)} | {"dram": (k["dram_read_bytes"], k["dram_write_bytes"])}
+
+
+# 2 CTAs x 64 threads = 4 warps; (instructions, distinct bytes, sectors or wavefronts, the ideal count)
+@pytest.mark.parametrize("name,want", [
+    ("coalesced4", {"global_read": (4, 512, 16, 16), "global_write": (4, 512, 16, 16), "dram": (512, 512)}),
+    ("strided4", {"global_read": (4, 512, 128, 16), "global_write": (4, 512, 16, 16), "dram": (4096, 512)}),
+    ("vec16", {"global_read": (4, 2048, 64, 64), "global_write": (4, 2048, 64, 64), "dram": (2048, 2048)}),
+    ("broadcast", {"global_read": (4, 16, 4, 4), "global_write": (4, 512, 16, 16), "dram": (32, 512)}),
+    # each CTA reads the same 1 KiB: the instructions' sectors twice over, DRAM once
+    ("reuse", {"global_read": (16, 2048, 64, 64), "global_write": (4, 512, 16, 16), "dram": (1024, 512)}),
+    # a's instructions have 16 lanes, b's still 32 (lined up by place, not by count)
+    ("divergent", {"global_read": (8, 768, 24, 24), "global_write": (4, 512, 16, 16), "dram": (768, 512)}),
+    ("local_array", {"global_read": (4, 512, 16, 16), "global_write": (4, 512, 16, 16), "dram": (512, 512)}),
+    ("smem_stride1", {"shared_write": (4, 512, 4, 4), "shared_read": (4, 512, 4, 4), "global_write": (4, 512, 16, 16),
+                      "dram": (0, 512)}),
+    ("smem_stride2", {"shared_write": (4, 512, 8, 4), "shared_read": (4, 512, 8, 4), "global_write": (4, 512, 16, 16),
+                      "dram": (0, 512)}),
+    ("smem_stride32", {"shared_write": (4, 512, 128, 4), "shared_read": (4, 512, 128, 4),
+                       "global_write": (4, 512, 16, 16), "dram": (0, 512)}),
+    ("smem_vec16", {"shared_write": (4, 2048, 16, 16), "shared_read": (4, 2048, 16, 16),
+                    "global_write": (4, 512, 16, 16), "dram": (0, 512)}),
+    # cp.async: its global read and shared write counted where it is issued
+    ("cp_async16", {"global_read": (4, 2048, 64, 64), "shared_write": (4, 2048, 16, 16),
+                    "shared_read": (4, 2048, 16, 16), "global_write": (4, 2048, 64, 64), "dram": (2048, 2048)}),
+])
+def test_memtrace_counts_what_a_profiler_would(memtrace_checks, tmp_path, name, want):
+    """Kernels whose traffic is known by hand: sectors a warp instruction touches against the fewest its bytes
+    need (coalesced, strided, 16-byte lanes, a broadcast), distinct DRAM bytes a launch reads, shared-memory
+    wavefronts (conflict-free, 2-way, 32-way, 16-byte lanes), cp.async at its issue, lanes that skip a load,
+    and a thread's local array left out."""
+    assert _trace(memtrace_checks, name, tmp_path) == want

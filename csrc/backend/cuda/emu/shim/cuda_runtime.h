@@ -26,10 +26,29 @@
 // orders them on a GPU, so a shared- or global-memory access that no barrier orders against another
 // thread's write is reported whatever order the schedule ran them in.
 #pragma once
+// -DDFL_EMU_MEMTRACE (with -fsanitize=thread on the backend's sources, linked with emu/memtrace.cpp instead of
+// libtsan): ThreadSanitizer's instrumentation reports every load and store to memtrace.cpp, which counts a
+// warp's global-memory sectors and shared-memory wavefronts per instruction (docs/GPU.md); the race check is off.
+#if defined(__SANITIZE_THREAD__) && !defined(DFL_EMU_MEMTRACE)
+#define DFL_EMU_RACE 1
+#endif
+#if defined(DFL_EMU_MEMTRACE)
+#include <cstddef>
+extern "C" {  // emu/memtrace.cpp
+extern int dfl_emu_trace_thread;  // the running CUDA thread of the CTA (-1: the host)
+void dfl_emu_trace_launch(const void* fn, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads,
+                          const void* smem, size_t smem_bytes);
+void dfl_emu_trace_cta_end(void);
+void dfl_emu_trace_launch_end(void);
+void dfl_emu_trace_region(const void* p, size_t bytes, int kind);  // kind 1: device memory, 2: shared; 0: gone
+void dfl_emu_trace_access(const void* p, size_t bytes, int write, const void* site);
+void dfl_emu_trace_quiet(int delta);
+}
+#endif
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #endif
-#if defined(__SANITIZE_THREAD__)
+#if defined(DFL_EMU_RACE)
 #include <sanitizer/tsan_interface.h>
 extern "C" {  // ThreadSanitizer's annotations (exported by libtsan)
 void AnnotateIgnoreReadsBegin(const char* file, int line);
@@ -59,9 +78,35 @@ void AnnotateIgnoreWritesEnd(const char* file, int line);
 
 // Aligned as CUDA's own vector types are, so structs holding them are laid out as on the GPU, and a
 // misaligned dereference is one (the sanitizer build checks alignment: tests/test_cuda_emulated.py).
+#if defined(DFL_EMU_MEMTRACE)
+// Copied whole, as the GPU moves them (one 8- or 16-byte ld / st): GCC would store a computed vector a field
+// at a time, and the memory trace would count four instructions where nvcc emits one.
+struct alignas(8) uint2 {
+  uint32_t x, y;
+  uint2() = default;
+  constexpr uint2(uint32_t a, uint32_t b) : x(a), y(b) {}
+  uint2(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); }
+  uint2& operator=(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); return *this; }
+};
+struct alignas(16) uint4 {
+  uint32_t x, y, z, w;
+  uint4() = default;
+  constexpr uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) : x(a), y(b), z(c), w(d) {}
+  uint4(const uint4& o) { std::memcpy(static_cast<void*>(this), &o, 16); }
+  uint4& operator=(const uint4& o) { std::memcpy(static_cast<void*>(this), &o, 16); return *this; }
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+  float4() = default;
+  constexpr float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+  float4(const float4& o) { std::memcpy(static_cast<void*>(this), &o, 16); }
+  float4& operator=(const float4& o) { std::memcpy(static_cast<void*>(this), &o, 16); return *this; }
+};
+#else
 struct alignas(8) uint2 { uint32_t x, y; };
 struct alignas(16) uint4 { uint32_t x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
+#endif
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
   constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
@@ -217,7 +262,7 @@ struct Fiber {
 // (allocated Untracked: its history starts there), so what the last CTA did there is not compared with this
 // one.  The emulator's own bookkeeping (the scheduler, the copy queues, the shuffle slots) is Untracked.
 namespace race {
-#if defined(__SANITIZE_THREAD__)
+#if defined(DFL_EMU_RACE)
 struct Untracked {
   Untracked() { AnnotateIgnoreReadsBegin(__FILE__, __LINE__), AnnotateIgnoreWritesBegin(__FILE__, __LINE__); }
   ~Untracked() { AnnotateIgnoreWritesEnd(__FILE__, __LINE__), AnnotateIgnoreReadsEnd(__FILE__, __LINE__); }
@@ -236,7 +281,16 @@ inline void* fiber(int i) {
 inline void* current() { return __tsan_get_current_fiber(); }
 inline void switch_to(void* to) { __tsan_switch_to_fiber(to, __tsan_switch_to_fiber_no_sync); }
 #else
+#if defined(DFL_EMU_MEMTRACE)
+struct Untracked {  // the emulator's own accesses are not the kernel's traffic
+  Untracked() { dfl_emu_trace_quiet(1); }
+  ~Untracked() { dfl_emu_trace_quiet(-1); }
+  Untracked(const Untracked&) = delete;
+  Untracked& operator=(const Untracked&) = delete;
+};
+#else
 struct Untracked {};
+#endif
 inline void release(char*) {}
 inline void acquire(char*) {}
 inline void* fiber(int) { return nullptr; }
@@ -378,7 +432,12 @@ inline void schedule_order(std::vector<int>& v) {
   if (schedule().kind == Schedule::random) schedule_shuffle(v);
 }
 
-EMU_INTERNAL inline void set_thread(int i) { threadIdx = cta->fibers[i].tid; }
+EMU_INTERNAL inline void set_thread(int i) {
+  threadIdx = cta->fibers[i].tid;
+#if defined(DFL_EMU_MEMTRACE)
+  dfl_emu_trace_thread = i;
+#endif
+}
 
 // The threads' ranks: reverse, the thread index; random, warps in a random order and lanes in a random order
 // within each.  Drawn while no thread is ready (a CTA's start, the release of a CTA-wide barrier).
@@ -439,6 +498,9 @@ EMU_INTERNAL inline void switch_to(void** save, int nx) {
     race::switch_to(race::fiber(nx));
     switch_stack(save, c.fibers[nx].sp);
   } else {
+#if defined(DFL_EMU_MEMTRACE)
+    dfl_emu_trace_thread = -1;
+#endif
     race::switch_to(c.host_fiber);
     switch_stack(save, c.sched_sp);
   }
@@ -558,6 +620,9 @@ inline void* static_smem(const void* tag, size_t bytes, size_t align) {
   void* p = align <= 16 ? std::malloc(bytes) : std::aligned_alloc(align, (bytes + align - 1) / align * align);
   std::memset(p, 0xff, bytes);
   c.statics.push_back({tag, p});
+#if defined(DFL_EMU_MEMTRACE)
+  dfl_emu_trace_region(p, bytes, 2);
+#endif
   return p;
 }
 
@@ -619,6 +684,9 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
   }
   // Dynamic shared memory: one buffer for every CTA, or under the race check a new one for each.
   unsigned char* smem_buf = dynamic_smem_buffer();
+#if defined(DFL_EMU_MEMTRACE)
+  dfl_emu_trace_launch(fn, grid.x, grid.y, grid.z, (unsigned)nt, smem_buf, smem);
+#endif
 #if defined(__SANITIZE_ADDRESS__)
   // Past the launch's dynamic shared memory: a read or write there is an AddressSanitizer report.
   __asan_unpoison_memory_region(smem_buf, kSmemOptInMax);
@@ -631,7 +699,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
     // barrier orders one CTA's threads after another's
     char* const bar_sync = static_cast<char*>(std::malloc(2 + 2 * ((nt + 31) / 32)));
     race::Untracked quiet;  // (the host's; its fiber's until the CTA's threads are done)
-#if defined(__SANITIZE_THREAD__)
+#if defined(DFL_EMU_RACE)
     c.smem = static_cast<unsigned char*>(std::malloc(smem > 0 ? smem : 1));
 #else
     c.smem = smem_buf;
@@ -669,14 +737,21 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
       std::abort();
     }
     std::free(bar_sync);
+#if defined(DFL_EMU_MEMTRACE)
+    dfl_emu_trace_cta_end();
+    for (const auto& st : c.statics) dfl_emu_trace_region(st.second, 0, 0);
+#endif
     for (const auto& st : c.statics) std::free(st.second);
     c.statics.clear();
-#if defined(__SANITIZE_THREAD__)
+#if defined(DFL_EMU_RACE)
     std::free(c.smem);
 #endif
   }
   race::acquire(c.launch_sync + 1);
   std::free(c.launch_sync);
+#if defined(DFL_EMU_MEMTRACE)
+  dfl_emu_trace_launch_end();
+#endif
 #if defined(__SANITIZE_ADDRESS__)
   __asan_unpoison_memory_region(smem_buf, kSmemOptInMax);
 #endif
@@ -698,6 +773,11 @@ inline void cp_async(void* dst, const void* src, int size, int src_bytes) {
                  src_bytes);
     std::abort();
   }
+#if defined(DFL_EMU_MEMTRACE)
+  // the copy's traffic is at its issue (as one instruction of the warp), not at the wait, where it lands
+  dfl_emu_trace_access(src, (size_t)src_bytes, 0, __builtin_return_address(0));
+  dfl_emu_trace_access(dst, (size_t)size, 1, __builtin_return_address(0));
+#endif
   race::Untracked quiet;
   cta->fibers[cta->cur].copies.push_back({dst, src, src_bytes, size});
 }
@@ -910,11 +990,21 @@ inline cudaError_t cudaMalloc(void** p, size_t n) {
     return 2;
   }
   std::memset(*p, 0xff, n);  // fresh device memory is not zero: poison it
+#if defined(DFL_EMU_MEMTRACE)
+  dfl_emu_trace_region(*p, n, 1);
+#endif
   return cudaSuccess;
 }
 template <class T>
 inline cudaError_t cudaMalloc(T** p, size_t n) { return cudaMalloc(reinterpret_cast<void**>(p), n); }
-inline cudaError_t cudaFree(void* p) { emu::unsafe_during_capture("cudaFree"); std::free(p); return cudaSuccess; }
+inline cudaError_t cudaFree(void* p) {
+  emu::unsafe_during_capture("cudaFree");
+#if defined(DFL_EMU_MEMTRACE)
+  dfl_emu_trace_region(p, 0, 0);
+#endif
+  std::free(p);
+  return cudaSuccess;
+}
 inline cudaError_t cudaMallocHost(void** p, size_t n) {  // pinned host memory: plain memory here
   emu::unsafe_during_capture("cudaMallocHost");
   *p = std::malloc(n ? n : 1);
