@@ -87,7 +87,10 @@ __device__ __forceinline__ uint2 ld8_a2(const uint8_t* p) {
   return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
 }
 
-// The CPU's quantize_act_row (block 256): one warp per (token, block), 8 values a lane.
+// The CPU's quantize_act_row (block 256): one warp per (token, block), 8 values a lane.  A lane's 8 floats
+// come as two 16-byte loads and its 8 quants go out as one 8-byte store where x is 16-byte aligned (always,
+// from the forward's buffers: eight scalar loads a lane, each warp instruction touching 32 sectors for 128
+// bytes, had cost 8x the sectors in the emulator's memory trace); the same values either way.
 __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
                                     float* __restrict__ d, int16_t* __restrict__ bsum) {
   const int lane = threadIdx.x & 31;
@@ -96,20 +99,30 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, i
   if (item >= (int64_t)n * nb) return;  // whole warps only
   const int64_t tok = item / nb, b = item % nb;
   const float* xp = x + tok * cols + b * kQK + 8 * lane;
+  const bool vec = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;  // (cols is a multiple of 256)
   float v[8], amax = 0.f;
-  for (int k = 0; k < 8; ++k) {
-    v[k] = xp[k];
-    amax = fmaxf(amax, fabsf(v[k]));
+  if (vec) {
+    const float4 a = *reinterpret_cast<const float4*>(xp), c = *reinterpret_cast<const float4*>(xp + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+  } else {
+    for (int k = 0; k < 8; ++k) v[k] = xp[k];
   }
+  for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float dv = __fdiv_rn(amax, 127.f);
   const float id = dv > 0.f ? __fdiv_rn(1.f, dv) : 0.f;
   int sum = 0;
   int8_t* qp = q + tok * cols + b * kQK + 8 * lane;
+  uint32_t packed[2] = {0u, 0u};
   for (int k = 0; k < 8; ++k) {
     const int qi = (int)rintf(__fmul_rn(v[k], id));
-    qp[k] = (int8_t)qi;
+    packed[k >> 2] |= (uint32_t)(uint8_t)(int8_t)qi << (8 * (k & 3));
     sum += qi;
+  }
+  if ((reinterpret_cast<uintptr_t>(q) & 7u) == 0) {
+    *reinterpret_cast<uint2*>(qp) = make_uint2(packed[0], packed[1]);
+  } else {
+    for (int k = 0; k < 8; ++k) qp[k] = (int8_t)(packed[k >> 2] >> (8 * (k & 3)));
   }
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // lanes 2m, 2m+1 hold group m's 16 values
   if ((lane & 1) == 0) bsum[tok * (cols / 16) + b * 16 + lane / 2] = (int16_t)sum;
@@ -405,9 +418,11 @@ __device__ __forceinline__ void group_sums(const ExactTask<T>& q, const int8_t* 
     dl = __dp4a((int)q.lo[k], (int)u4_word(xl, k), dl);
     dh = __dp4a((int)q.hi[k], (int)u4_word(xh, k), dh);
   }
-  const int16_t* bs = xbsum + tok * (cols / 16) + 16 * i + 2 * j;
+  // the lane's two 16-value group sums as one 4-byte load (the layout keeps them 4-byte aligned: 16-byte
+  // aligned rows of cols / 16 sums); two 2-byte loads had touched a sector each for 64 bytes a warp
+  const uint32_t bs = __ldg(reinterpret_cast<const unsigned int*>(xbsum + tok * (cols / 16) + 16 * i + 2 * j));
   isum = q.sc_lo * dl + q.sc_hi * dh;
-  msum = q.m0 * (int)bs[0] + q.m1 * (int)bs[1];
+  msum = q.m0 * (int)(int16_t)(bs & 0xffffu) + q.m1 * (int)(int16_t)(bs >> 16);
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) {
     isum += __shfl_xor_sync(0xffffffffu, isum, o);
