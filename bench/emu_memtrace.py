@@ -15,7 +15,7 @@ memory instructions on a GPU, before any GPU is lent:
 
 Cases: the matmuls of a Qwen3.5-27B step (every weight shape of an AR step at 1 token and of a DDTree-22
 verify at 23, exactly as the forward calls them; a 512-token prefill chunk on fewer rows), and a synthetic
-0.8B's forward on the emulated device (an AR step and a 23-node tree verify after a 16-token prompt: the
+0.8B's forward on the emulated device (an AR step and a 23-node tree verify after an 8-token prompt: the
 attention, delta-net, norm and top-k kernels at Qwen3.5's head shapes).
 
   python bench/emu_memtrace.py --build --out bench/results/emu-memtrace.json
@@ -128,10 +128,29 @@ def _ratio(a, b):
     return round(a / b, 3) if b else None
 
 
+# A roofline of one H100 SXM (a model, not a measurement): DRAM at the copy rate the first GPU record measured
+# (3007 GB/s read + write), one shared-memory wavefront a clock per SM (132 SMs at 1.755 GHz), the tensor
+# cores' dense int8 / tf32 multiply-adds (1979 / 495 T ops a second, halved to MACs).
+H100 = {"dram_b_s": 3.007e12, "wavefronts_s": 132 * 1.755e9, "int8_mac_s": 1979e12 / 2, "tf32_mac_s": 495e12 / 2}
+
+
+def roofline(k: dict) -> dict:
+    """Each resource's time for the kernel's launches at the H100's rates, and which one bounds it."""
+    waves = sum(k.get(f"shared_{rw}", {}).get("wavefronts", 0) for rw in ("read", "write"))
+    t = {"dram_us": (k["dram_read_bytes"] + k["dram_write_bytes"]) / H100["dram_b_s"] * 1e6,
+         "smem_us": waves / H100["wavefronts_s"] * 1e6,
+         "mma_us": (k.get("mma_int8", 0) * 16 * 8 * 32 / H100["int8_mac_s"] +
+                    k.get("mma_tf32", 0) * 16 * 8 * 8 / H100["tf32_mac_s"]) * 1e6}
+    out = {key: round(v, 3) for key, v in t.items()}
+    out["bound"] = max(t, key=t.get).removesuffix("_us")
+    return out
+
+
 def summarize(k: dict) -> dict:
     g, gw = k.get("global_read", {}), k.get("global_write", {})
     sr, sw = k.get("shared_read", {}), k.get("shared_write", {})
     out = {"kernel": k["name"], "launches": k["launches"], "ctas": k["ctas"], "threads": k["threads"],
+           "mma_int8": k.get("mma_int8", 0), "mma_tf32": k.get("mma_tf32", 0), "h100_model": roofline(k),
            "dram_read_mb": round(k["dram_read_bytes"] / 1e6, 3), "dram_write_mb": round(k["dram_write_bytes"] / 1e6, 3),
            "read_sector_efficiency": _ratio(g.get("ideal", 0), g.get("sectors", 0)),
            "read_bytes_per_instruction": _ratio(g.get("bytes", 0), g.get("instructions", 0)),
@@ -201,9 +220,11 @@ def matmul_cases(tr: Tracer, quick: bool) -> list[dict]:
 def forward_cases(tr: Tracer, model: Path) -> list[dict]:
     from dflash27b import Decoder
     out = []
+    t0 = time.perf_counter()
     with Decoder(model, device="cuda", ctx=256, threads=2) as d:
-        ids = list(range(1000, 1016))
+        ids = list(range(1000, 1008))
         d.generate(ids, 2, mode="ar", ignore_eos=True, cache=False)   # prompt prefilled, one step
+        print(f"  loaded and prefilled: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         ctx = d._ctx
         p = ctx.n_past
         # the tree: a binary heap of 23 nodes (node i's parent (i - 1) / 2), five levels deep
@@ -212,20 +233,24 @@ def forward_cases(tr: Tracer, model: Path) -> list[dict]:
                                     [-1] + [(i - 1) // 2 for i in range(1, 23)])}
         for name, (toks, pos, par) in steps.items():
             t0 = time.perf_counter()
-            ks = tr.run(lambda: ctx.forward(toks, pos=pos, parent=par, commit=False))
+            # the output head's logits for one row (the head's matmul is the matmul part's)
+            ks = tr.run(lambda: ctx.forward(toks, pos=pos, parent=par, logit_rows=[0], commit=False))
             out.append({"case": f"0.8b {name}", "kernels": [summarize(k) for k in ks]})
             print(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return out
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| case | kernel | launches | dram MB | sector eff. | B / instr | cache / dram | smem conflicts r / w |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| case | kernel | launches | dram MB | sector eff. | B / instr | cache / dram | smem conflicts r / w "
+             "| H100 model us: dram / smem / mma (bound) |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         for k in r["kernels"]:
+            m = k["h100_model"]
             lines.append(f"| {r['case']} | `{k['kernel']}` | {k['launches']} | {k['dram_read_mb']} | "
                          f"{k['read_sector_efficiency']} | {k['read_bytes_per_instruction']} | "
-                         f"{k['cache_reads_per_dram']} | {k['shared_read_conflicts']} / {k['shared_write_conflicts']} |")
+                         f"{k['cache_reads_per_dram']} | {k['shared_read_conflicts']} / {k['shared_write_conflicts']} | "
+                         f"{m['dram_us']} / {m['smem_us']} / {m['mma_us']} ({m['bound']}) |")
     lines.append("")
     lines.append("Worst places (excess sectors or wavefronts over the whole case):")
     for r in rows:

@@ -324,7 +324,8 @@ def _trace(exe: Path, name: str, tmp_path: Path) -> dict:
     assert len(kernels) == 1
     k = kernels[0]
     return {kind: (c["instructions"], c["bytes"], c.get("sectors", c.get("wavefronts")), c["ideal"])
-            for kind, c in k.items() if isinstance(c, dict)} | {"dram": (k["dram_read_bytes"], k["dram_write_bytes"])}
+            for kind, c in k.items() if isinstance(c, dict)} | {"dram": (k["dram_read_bytes"], k["dram_write_bytes"])} \
+        | ({"mma": (k["mma_int8"], k["mma_tf32"])} if k["mma_int8"] or k["mma_tf32"] else {})
 
 
 # 2 CTAs x 64 threads = 4 warps; (instructions, distinct bytes, sectors or wavefronts, the ideal count)
@@ -349,10 +350,12 @@ def _trace(exe: Path, name: str, tmp_path: Path) -> dict:
     # cp.async: its global read and shared write counted where it is issued
     ("cp_async16", {"global_read": (4, 2048, 64, 64), "shared_write": (4, 2048, 16, 16),
                     "shared_read": (4, 2048, 16, 16), "global_write": (4, 2048, 64, 64), "dram": (2048, 2048)}),
+    # 4 warps, each two int8 and one tf32 mma.sync
+    ("mma_count", {"global_write": (4, 512, 16, 16), "dram": (0, 512), "mma": (8, 4)}),
 ])
 def test_memtrace_counts_what_a_profiler_would(memtrace_checks, tmp_path, name, want):
     """Kernels whose traffic is known by hand: sectors a warp instruction touches against the fewest its bytes
     need (coalesced, strided, 16-byte lanes, a broadcast), distinct DRAM bytes a launch reads, shared-memory
     wavefronts (conflict-free, 2-way, 32-way, 16-byte lanes), cp.async at its issue, lanes that skip a load,
-    and a thread's local array left out."""
+    a thread's local array left out, and mma.sync counted once a warp."""
     assert _trace(memtrace_checks, name, tmp_path) == want

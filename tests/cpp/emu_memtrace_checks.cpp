@@ -69,6 +69,19 @@ __global__ void cp_async16(const uint4* in, uint4* out) {
   out[gid()] = s[threadIdx.x];
 }
 
+// two int8 and one tf32 mma.sync a warp (counted once a warp, not a lane)
+__global__ void mma_count(float* out) {
+  const uint32_t a[4] = {1u, 2u, 3u, 4u}, b[2] = {5u, 6u};
+  const int32_t c[4] = {0, 0, 0, 0};
+  int32_t d[4], e[4];
+  emu::mma_m16n8k32_s8(d, a, b, c);
+  emu::mma_m16n8k32_s8(e, a, b, d);
+  const float cf[4] = {0.f, 0.f, 0.f, 0.f};
+  float f[4];
+  emu::mma_m16n8k8_tf32(f, a, b, cf);
+  out[gid()] = (float)e[0] + f[0];
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) return 2;
   const char* c = argv[1];
@@ -93,6 +106,7 @@ int main(int argc, char** argv) {
   else if (!std::strcmp(c, "smem_stride32")) run(smem_stride<32>, 0, [&] { smem_stride<32>(out); });
   else if (!std::strcmp(c, "smem_vec16")) run(smem_vec16, 16 * kThreads, [&] { smem_vec16(out); });
   else if (!std::strcmp(c, "cp_async16")) run(cp_async16, 16 * kThreads, [&] { cp_async16(in4, out4); });
+  else if (!std::strcmp(c, "mma_count")) run(mma_count, 0, [&] { mma_count(out); });
   else return 2;
   return dfl_emu_memtrace_dump(argv[2]) == 0 ? 0 : 3;
 }

@@ -13,7 +13,7 @@
 //  - shared memory: its wavefronts, the most distinct 4-byte words any one of the 32 banks must serve
 //    (lanes reading one word share it), against its distinct bytes / 128 (a conflict-free instruction).
 // Per launch, the distinct global sectors read and written: what DRAM must move at least when nothing is
-// re-read from it, to set beside the kernel's time on a GPU.
+// re-read from it, to set beside the kernel's time on a GPU; and the warps' mma.sync instructions.
 //
 // What this cannot see: timing, occupancy, caches beyond that floor, and how nvcc splits or merges loads.
 // GCC may fuse neighbouring scalar accesses a thread makes, so the build turns off its vectorizers; a
@@ -62,6 +62,7 @@ struct Kinds {
 struct Kernel {
   uint64_t launches = 0, ctas = 0, threads = 0;
   uint64_t dram_sectors[2] = {0, 0};  // distinct global sectors per launch, summed over launches
+  uint64_t mma[2] = {0, 0};           // warp mma.sync instructions: int8 m16n8k32, tf32 m16n8k8
   Kinds all;
   std::unordered_map<uintptr_t, Kinds> sites;
 };
@@ -241,23 +242,29 @@ void dfl_emu_trace_access(const void* p, size_t bytes, int write, const void* si
 
 void dfl_emu_trace_quiet(int delta) { quiet_of(T(), dfl_emu_trace_thread) += delta; }
 
+void dfl_emu_trace_mma(int kind) {
+  Trace& t = T();
+  if (t.in_launch) ++t.kernels[t.fn].mma[kind & 1];
+}
+
 // ---- the report ----
 DFL_EXPORT void dfl_emu_memtrace_reset(void) { T().kernels.clear(); }
 
 // JSON: {"kernels": [{"object", "offset" (the kernel's entry), launches, ctas, threads, dram_read_bytes,
-// dram_write_bytes, global_read / global_write {instructions, lane_accesses, bytes, sectors, ideal},
+// dram_write_bytes, mma_int8, mma_tf32 (warp instructions), global_read / global_write {instructions, lane_accesses, bytes, sectors, ideal},
 // shared_read / shared_write {..., wavefronts, ideal}, "sites": [{"object", "offset", ...} x each place]}]}
 DFL_EXPORT int dfl_emu_memtrace_dump(const char* path) {
   Trace& t = T();
   std::string o = "{\"kernels\": [";
   bool first = true;
   for (const auto& [fn, k] : t.kernels) {
-    char b[256];
+    char b[384];
     std::snprintf(b, sizeof b,
                   ", \"launches\": %llu, \"ctas\": %llu, \"threads\": %llu, \"dram_read_bytes\": %llu, "
-                  "\"dram_write_bytes\": %llu, ",
+                  "\"dram_write_bytes\": %llu, \"mma_int8\": %llu, \"mma_tf32\": %llu, ",
                   (unsigned long long)k.launches, (unsigned long long)k.ctas, (unsigned long long)k.threads,
-                  (unsigned long long)(k.dram_sectors[0] * 32), (unsigned long long)(k.dram_sectors[1] * 32));
+                  (unsigned long long)(k.dram_sectors[0] * 32), (unsigned long long)(k.dram_sectors[1] * 32),
+                  (unsigned long long)k.mma[0], (unsigned long long)k.mma[1]);
     o += std::string(first ? "\n" : ",\n") + "{" + where(fn) + b;
     counts_json(o, k.all);
     o += ", \"sites\": [";

@@ -43,6 +43,7 @@ void dfl_emu_trace_launch_end(void);
 void dfl_emu_trace_region(const void* p, size_t bytes, int kind);  // kind 1: device memory, 2: shared; 0: gone
 void dfl_emu_trace_access(const void* p, size_t bytes, int write, const void* site);
 void dfl_emu_trace_quiet(int delta);
+void dfl_emu_trace_mma(int kind);  // a warp's mma.sync: 0 int8 m16n8k32, 1 tf32 m16n8k8
 }
 #endif
 #if defined(__SANITIZE_ADDRESS__)
@@ -88,20 +89,16 @@ struct alignas(8) uint2 {
   uint2(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); }
   uint2& operator=(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); return *this; }
 };
-struct alignas(16) uint4 {
-  uint32_t x, y, z, w;
-  uint4() = default;
-  constexpr uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) : x(a), y(b), z(c), w(d) {}
-  uint4(const uint4& o) { std::memcpy(static_cast<void*>(this), &o, 16); }
-  uint4& operator=(const uint4& o) { std::memcpy(static_cast<void*>(this), &o, 16); return *this; }
+template <class T>
+struct alignas(16) Vec4 {
+  T x, y, z, w;
+  Vec4() = default;
+  constexpr Vec4(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
+  Vec4(const Vec4& o) { std::memcpy(static_cast<void*>(this), &o, 16); }
+  Vec4& operator=(const Vec4& o) { std::memcpy(static_cast<void*>(this), &o, 16); return *this; }
 };
-struct alignas(16) float4 {
-  float x, y, z, w;
-  float4() = default;
-  constexpr float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
-  float4(const float4& o) { std::memcpy(static_cast<void*>(this), &o, 16); }
-  float4& operator=(const float4& o) { std::memcpy(static_cast<void*>(this), &o, 16); return *this; }
-};
+using uint4 = Vec4<uint32_t>;
+using float4 = Vec4<float>;
 #else
 struct alignas(8) uint2 { uint32_t x, y; };
 struct alignas(16) uint4 { uint32_t x, y, z, w; };
@@ -888,6 +885,9 @@ inline void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], const uint3
   uint32_t cu[4];
   std::memcpy(cu, c, 16);
   std::memcpy(d, mma_round(a, b, cu, mma_tile_s8), 16);
+#if defined(DFL_EMU_MEMTRACE)
+  if ((threadIdx.x & 31) == 0) dfl_emu_trace_mma(0);
+#endif
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (fragment maps in csrc/backend/cuda/mma.cuh): each D element
@@ -933,6 +933,9 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32
   uint32_t cu[4];
   std::memcpy(cu, c, 16);
   std::memcpy(d, mma_round(a, b, cu, mma_tile_tf32), 16);
+#if defined(DFL_EMU_MEMTRACE)
+  if ((threadIdx.x & 31) == 0) dfl_emu_trace_mma(1);
+#endif
 }
 }  // namespace emu
 
