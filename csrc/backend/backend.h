@@ -96,13 +96,41 @@ struct GdnLayer {
   DType state_type;
 };
 
-// The verify nodes whose states GdnLayer::node_rec must hold: the last node and
-// every node a child other than the next node starts from.
+// The order the delta-net's serial walk takes a verify's tokens in: depth-first, children in batch order (a
+// preorder: parents still come first).  A token that follows its parent in the walk starts from the state in
+// hand; any other reloads its parent's state from node_rec, where the parent had to write it.  Preorder
+// reloads only after a leaf: a best-first DDTree's own order (the builder's) had a 23-node tree on the synthetic
+// 0.8B reload 13 states and write 6, preorder 8 and 1, and its CPU verify took 8% less time.  Each token's
+// arithmetic is the same in any order.  Identity for a chain; a token of parent -1 starts from the committed
+// state wherever it comes.
+inline std::vector<int32_t> gdn_walk_order(const int32_t* parent, int n) {
+  std::vector<std::vector<int32_t>> kids((size_t)n);  // in batch order
+  for (int u = 0; u < n; ++u)
+    if (parent[u] >= 0) kids[(size_t)parent[u]].push_back(u);
+  std::vector<int32_t> order, stack;
+  order.reserve((size_t)n);
+  for (int r = 0; r < n; ++r) {
+    if (parent[r] >= 0) continue;
+    for (stack.push_back(r); !stack.empty();) {
+      const int u = stack.back();
+      stack.pop_back();
+      order.push_back(u);
+      stack.insert(stack.end(), kids[(size_t)u].rbegin(), kids[(size_t)u].rend());  // the first child next
+    }
+  }
+  return order;
+}
+
+// The verify nodes whose states GdnLayer::node_rec must hold: the last node and every node a child other than
+// the node after it in the walk (gdn_walk_order) starts from.
 inline std::vector<uint8_t> node_rec_kept(const int32_t* parent, int n) {
   std::vector<uint8_t> keep(n, 0);
   if (n > 0) keep[n - 1] = 1;
-  for (int u = 0; u < n; ++u)
-    if (parent[u] >= 0 && parent[u] != u - 1) keep[parent[u]] = 1;
+  const std::vector<int32_t> order = gdn_walk_order(parent, n);
+  for (int v = 1; v < n; ++v) {
+    const int u = order[(size_t)v];
+    if (parent[u] >= 0 && parent[u] != order[(size_t)v - 1]) keep[parent[u]] = 1;
+  }
   return keep;
 }
 

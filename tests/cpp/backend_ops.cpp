@@ -669,6 +669,16 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       }
     }
 
+  // the delta-net walks a tree in preorder (children in batch order), so only a node after a leaf reloads a
+  // state: this tree in batch order would reload for nodes 2, 4, 5 and 6 and keep nodes 0, 1, 2 and 3; walked
+  // 0 1 3 6 5 2 4 it reloads for 5 and 2 and keeps 1 and 0 (and the last node, 6, as always)
+  if (Family f("gdn"); f.on) {
+    const int32_t par[7] = {-1, 0, 0, 1, 2, 1, 3};
+    const std::vector<int32_t> walk = gdn_walk_order(par, 7);
+    const std::vector<uint8_t> keep = node_rec_kept(par, 7);
+    check("gdn walk order of a 7-node tree", std::vector<float>(walk.begin(), walk.end()), {0, 1, 3, 6, 5, 2, 4}, 0.0);
+    check("gdn kept states of a 7-node tree", std::vector<float>(keep.begin(), keep.end()), {1, 1, 0, 0, 0, 0, 1}, 0.0);
+  }
   // gated delta-net, chain (commit) and tree (verify, per-node states), for each recurrent state type
   if (Family f("gdn"); f.on) for (DType st : {DType::F32, DType::BF16, DType::F16})
   for (int n : sizes) {

@@ -270,7 +270,14 @@ class CpuBackend final : public Backend {
         if (float* upd = upd_of((int)t)) std::memcpy(upd + U.k, k, (size_t)Ck * 4);
       }
     });
-    // which node states node_rec must hold (GdnLayer::node_rec)
+    // the walk's order (a tree's preorder) and which node states node_rec must hold (GdnLayer::node_rec)
+    std::vector<int32_t> walk;
+    if (P.commit) {
+      walk.resize((size_t)n);
+      for (int t = 0; t < n; ++t) walk[(size_t)t] = t;
+    } else {
+      walk = gdn_walk_order(P.parent.data(), n);
+    }
     const std::vector<uint8_t> keep = P.commit ? std::vector<uint8_t>() : node_rec_kept(P.parent.data(), n);
     // the delta rule, per value head through all tokens
     pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
@@ -318,9 +325,9 @@ class CpuBackend final : public Backend {
           }
         } else {
           // f32: the tokens step one block of columns at a time (columns are independent), the
-          // block in `work` (dk x nb, contiguous: it stays in L1 through all tokens).  A token
-          // whose parent is the token before reads `work`; one that starts from the committed
-          // state or an earlier node reads that state's block.  In commit mode the layer's state
+          // block in `work` (dk x nb, contiguous: it stays in L1 through all tokens), in the walk's
+          // order.  A token whose parent is the token before it in the walk reads `work`; one that
+          // starts from the committed state or an earlier node reads that state's block.  In commit mode the layer's state
           // is the start and receives the block after the last token (a single token steps it in
           // place); in verify mode only the node states node_rec must hold are written
           // (streamed: they are read again much later, by a branch or the next chunk).
@@ -330,7 +337,8 @@ class CpuBackend final : public Backend {
           const int bw = delta_block_cols();
           for (int j0 = 0; j0 < dv; j0 += bw) {
             const int nb = std::min(bw, dv - j0);
-            for (int t = 0; t < n; ++t) {
+            for (int w = 0; w < n; ++w) {
+              const int t = walk[(size_t)w];
               const float *Sin = work.data(), *q, *k, *v;
               int64_t in_stride = nb;
               float *Sout = work.data(), *o, *delta;
@@ -341,7 +349,8 @@ class CpuBackend final : public Backend {
               } else {
                 const int par = P.parent[t];
                 if (par < 0) Sin = rec + j0, in_stride = dv;
-                else if (par != t - 1) Sin = node_rec + (size_t)par * rs + hoff + j0, in_stride = dv;
+                else if (w == 0 || par != walk[(size_t)w - 1])
+                  Sin = node_rec + (size_t)par * rs + hoff + j0, in_stride = dv;
               }
               step_args(t, q, k, v, o, delta);
               delta_rule_cols(Sin, in_stride, Sout, out_stride, k, v + j0, q, decay[t], beta[t], dk, nb, o + j0,

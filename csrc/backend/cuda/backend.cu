@@ -305,22 +305,26 @@ class CudaBackend final : public Backend {
     // tokens has no parents (forward_many: each slot's delta-net runs under its own plan)
     chain_ = p.parent.size() == (size_t)p.n;
     for (int t = 0; chain_ && t < p.n; ++t) chain_ = p.parent[(size_t)t] == t - 1;
-    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | kv_slot0 |
+    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | walk | kv_slot0 |
     // extra_slots.  The device plan is rewritten in stream order, after the kernels that read it.
-    const size_t words = 7 * (size_t)p.n + 1 + p.extra_slots.size();
+    const size_t words = 8 * (size_t)p.n + 1 + p.extra_slots.size();
     int32_t* d = upload_words(plan_words_, words, [&](int32_t* h) {
       for (const std::vector<int32_t>* v : {&p.tokens, &p.pos, &p.n_prefix, &p.extra_begin, &p.extra_count, &p.parent}) {
         std::copy(v->begin(), v->end(), h);
         h += p.n;
       }
-      // which verify nodes' delta-net states node_rec must hold (none when committing)
+      // which verify nodes' delta-net states node_rec must hold (none when committing), and the order the
+      // delta-net walks the tokens in (gdn_walk_order: a tree's preorder; committing, the batch's)
       if (p.commit) {
         std::fill(h, h + p.n, 0);
+        for (int t = 0; t < p.n; ++t) h[p.n + t] = t;
       } else {
         const std::vector<uint8_t> keep = node_rec_kept(p.parent.data(), p.n);
         std::copy(keep.begin(), keep.end(), h);
+        const std::vector<int32_t> walk = gdn_walk_order(p.parent.data(), p.n);
+        std::copy(walk.begin(), walk.end(), h + p.n);
       }
-      h += p.n;
+      h += 2 * p.n;
       *h++ = p.kv_slot0;
       std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
     });
@@ -331,6 +335,7 @@ class CudaBackend final : public Backend {
     extra_count_ = d; d += p.n;
     parent_ = d; d += p.n;
     keep_ = d; d += p.n;
+    walk_ = d; d += p.n;
     kv_slot0_ = d; d += 1;
     extra_slots_ = d;
   }
@@ -563,7 +568,7 @@ class CudaBackend final : public Backend {
     }
     {
       const OpScope op(*this, "gdn delta");
-      fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, y, n_,
+      fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, walk_, y, n_,
                         c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
                         (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
       const dim3 grid((unsigned)c_.ssm_nv, (unsigned)(c_.ssm_dv / fwd::kDeltaCols)), block(fwd::kDeltaThreads);
@@ -738,7 +743,7 @@ class CudaBackend final : public Backend {
   DeviceWords plan_words_{nullptr, 0, "plan growth"}, commit_words_{nullptr, 0, "commit plan growth"};
   const int32_t* commit_plan_ = nullptr;  // [base | m | path] of the current commit
   const int32_t *tokens_ = nullptr, *pos_ = nullptr, *n_prefix_ = nullptr, *extra_begin_ = nullptr,
-                *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *kv_slot0_ = nullptr,
+                *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *walk_ = nullptr, *kv_slot0_ = nullptr,
                 *extra_slots_ = nullptr;
 };
 

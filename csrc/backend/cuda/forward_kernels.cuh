@@ -887,8 +887,9 @@ __global__ void __launch_bounds__(32 * kConvChainWarps) conv_chain_kernel(ConvAr
 // delta_kernel: grid (nv value heads, dv / 32 column blocks), 128 threads.  A
 // CTA owns 32 columns of one head's state S (dk x dv), 4 threads a column:
 // thread r holds rows r, r + 4, r + 8, ... in registers for the whole chunk and
-// walks its tokens in order, each from its parent's state (the committed state
-// for -1; node_rec of the parent when that is not the previous token).  Only
+// walks its tokens in the plan's order (gdn_walk_order: a tree's preorder), each
+// from its parent's state (the committed state for -1; node_rec of the parent
+// when that is not the token before it in the walk).  Only
 // the state update is serial.  What a token needs that does not depend on the
 // state -- normalised q and k, beta, the decay, its v -- is computed ahead, a
 // window of 16 tokens at a time, by the CTA's warps into shared memory, and
@@ -939,6 +940,7 @@ struct DeltaArgs {
   const int32_t* keep;   // [n]: nonzero when node_rec must hold the node's state (verify)
   float* node_upd;       // [n][upd_stride]: k at k_off, delta at delta_off, decay at decay_off; null (commit)
   const int32_t* parent;
+  const int32_t* walk;   // [n]: the order the tokens are stepped in (gdn_walk_order: a tree's preorder)
   float* y;              // [n][nv*dv]: out, before gated_norm_kernel
   int n, nk, nv, dv, Cconv;
   float eps;
@@ -967,7 +969,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
     const int nw = a.n - t0 < W ? a.n - t0 : W;
     __syncthreads();  // the previous window's values are read no more
     for (int tl = warp; tl < nw; tl += kWarps) {
-      const int t = t0 + tl;
+      const int t = a.walk[t0 + tl];  // the window holds the walk's next tokens
       const float* mt = a.mm + (int64_t)t * a.Cconv;
       float sq = 0.f, sk = 0.f;
       for (int i = lane; i < DK; i += 32) {
@@ -995,8 +997,8 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
     }
     __syncthreads();
     for (int tl = 0; tl < nw; ++tl) {
-      const int t = t0 + tl, par = a.parent[t];
-      if (par != t - 1) {
+      const int w = t0 + tl, t = a.walk[w], par = a.parent[t];
+      if (par != (w > 0 ? a.walk[w - 1] : -1)) {  // not the state in hand: its parent's (or the committed)
         const void* src = par < 0 ? a.rec : a.node_rec;
         const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
 #pragma unroll
