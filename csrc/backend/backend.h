@@ -83,9 +83,11 @@ struct GdnLayer {
   // verify only (null when committing): every chunk token's window and state
   // after it — scratch, shared by all layers, read by the token's children —
   // and its update [n][GdnNodeLayout::stride], kept per layer for commit.
-  // node_rec must hold at least the states of the last node and of every node a
-  // child other than the next node starts from (`node_rec_kept`); a backend may
-  // leave the others unwritten (the CPU keeps a chain's states in cache).
+  // node_rec must hold at least the state of the last node; those of the nodes a
+  // child other than the next in the walk starts from (`node_rec_kept`) it holds
+  // unless the backend keeps them elsewhere through the op (CUDA: the CTA's shared
+  // memory while they fit); the others may stay unwritten (the CPU keeps a chain's
+  // states in cache).
   // node_conv is scratch a backend may use for the windows (the CPU reads each
   // token's window from its ancestors' inputs instead and leaves it untouched).
   float* node_conv;

@@ -179,6 +179,30 @@ bool graphs_chosen() {
 
 unsigned elementwise_grid(size_t n) { return (unsigned)std::min<size_t>((n + 255) / 256, 4096); }
 
+// The shared-memory slot of each kept delta-net state of a tree verify (-1: node_rec; fwd::kDeltaStashMax): a
+// kept node's slot is busy from its step in the walk to its last child's, a node kept while every slot is busy
+// goes to node_rec, and so does the last node, which GdnLayer::node_rec must hold.
+std::vector<int32_t> delta_stash(const int32_t* parent, const std::vector<int32_t>& walk,
+                                 const std::vector<uint8_t>& keep, int slots) {
+  const int n = (int)walk.size();
+  std::vector<int32_t> stash((size_t)n, -1), at((size_t)n), last_child((size_t)n, -1);
+  for (int w = 0; w < n; ++w) at[(size_t)walk[(size_t)w]] = w;
+  for (int u = 0; u < n; ++u)
+    if (parent[u] >= 0) last_child[(size_t)parent[u]] = std::max(last_child[(size_t)parent[u]], at[(size_t)u]);
+  std::vector<int> busy_until((size_t)std::max(slots, 0), -1);
+  for (int w = 0; w < n; ++w) {
+    const int u = walk[(size_t)w];
+    if (!keep[(size_t)u] || u == n - 1) continue;
+    for (size_t k = 0; k < busy_until.size(); ++k)
+      if (busy_until[k] < w) {
+        stash[(size_t)u] = (int32_t)k;
+        busy_until[k] = last_child[(size_t)u];
+        break;
+      }
+  }
+  return stash;
+}
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const Model& m, const MemoryPlan& plan) : c_(m.cfg) {
@@ -195,6 +219,19 @@ class CudaBackend final : public Backend {
     exact_matmul_ = exact_matmul_chosen();
     graphs_ = graphs_chosen();
     attn_kernel_ = attention_kernel_chosen();
+    // a tree verify's kept delta-net states in shared memory: as many slots as the device's CTA allows
+    const size_t dstatic = fwd::delta_static_smem_bytes(c_.ssm_dk), dslot = fwd::delta_stash_slot_bytes(c_.ssm_dk);
+    const size_t optin = (size_t)prop_.sharedMemPerBlockOptin;
+    delta_stash_slots_ = optin > dstatic ? (int)std::min<size_t>(fwd::kDeltaStashMax, (optin - dstatic) / dslot) : 0;
+    delta_stash_bytes_ = (size_t)delta_stash_slots_ * dslot;
+    if (delta_stash_bytes_ > 0) {
+      switch (c_.ssm_dk) {
+        case 32: set_delta_smem(fwd::delta_kernel<32>); break;
+        case 64: set_delta_smem(fwd::delta_kernel<64>); break;
+        case 128: set_delta_smem(fwd::delta_kernel<128>); break;
+        default: set_delta_smem(fwd::delta_kernel<256>); break;
+      }
+    }
     static std::once_flag attn_smem_opt_in;  // over the default 48 KiB: the largest CTA the device allows
     std::call_once(attn_smem_opt_in, [this] {
       const int bytes = (int)std::min(fwd::attn_mma_smem_bytes(2, fwd::kMmaAttnRows, fwd::kMmaAttnMaxHeadDim),
@@ -305,9 +342,9 @@ class CudaBackend final : public Backend {
     // tokens has no parents (forward_many: each slot's delta-net runs under its own plan)
     chain_ = p.parent.size() == (size_t)p.n;
     for (int t = 0; chain_ && t < p.n; ++t) chain_ = p.parent[(size_t)t] == t - 1;
-    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | walk | kv_slot0 |
-    // extra_slots.  The device plan is rewritten in stream order, after the kernels that read it.
-    const size_t words = 8 * (size_t)p.n + 1 + p.extra_slots.size();
+    // One int32 upload: tokens | pos | n_prefix | extra_begin | extra_count | parent | keep | walk | stash |
+    // kv_slot0 | extra_slots.  The device plan is rewritten in stream order, after the kernels that read it.
+    const size_t words = 9 * (size_t)p.n + 1 + p.extra_slots.size();
     int32_t* d = upload_words(plan_words_, words, [&](int32_t* h) {
       for (const std::vector<int32_t>* v : {&p.tokens, &p.pos, &p.n_prefix, &p.extra_begin, &p.extra_count, &p.parent}) {
         std::copy(v->begin(), v->end(), h);
@@ -315,16 +352,20 @@ class CudaBackend final : public Backend {
       }
       // which verify nodes' delta-net states node_rec must hold (none when committing), and the order the
       // delta-net walks the tokens in (gdn_walk_order: a tree's preorder; committing, the batch's)
+      // and the shared-memory slot of each kept state (delta_stash: -1 in node_rec)
       if (p.commit) {
         std::fill(h, h + p.n, 0);
         for (int t = 0; t < p.n; ++t) h[p.n + t] = t;
+        std::fill(h + 2 * p.n, h + 3 * p.n, -1);
       } else {
         const std::vector<uint8_t> keep = node_rec_kept(p.parent.data(), p.n);
         std::copy(keep.begin(), keep.end(), h);
         const std::vector<int32_t> walk = gdn_walk_order(p.parent.data(), p.n);
         std::copy(walk.begin(), walk.end(), h + p.n);
+        const std::vector<int32_t> stash = delta_stash(p.parent.data(), walk, keep, chain_ ? 0 : delta_stash_slots_);
+        std::copy(stash.begin(), stash.end(), h + 2 * p.n);
       }
-      h += 2 * p.n;
+      h += 3 * p.n;
       *h++ = p.kv_slot0;
       std::copy(p.extra_slots.begin(), p.extra_slots.end(), h);
     });
@@ -336,6 +377,7 @@ class CudaBackend final : public Backend {
     parent_ = d; d += p.n;
     keep_ = d; d += p.n;
     walk_ = d; d += p.n;
+    stash_ = d; d += p.n;
     kv_slot0_ = d; d += 1;
     extra_slots_ = d;
   }
@@ -514,6 +556,13 @@ class CudaBackend final : public Backend {
 
   // The most rows (32 or 16) an attention_mma_kernel CTA may take for this head_dim within the shared memory
   // a CTA can have here (227 KiB on sm_90: 32 at head_dim 256; 99 KiB on sm_86 / sm_89: 16), 0 if not 16.
+  // delta_kernel<DK>'s stash over the 48 KiB a CTA gets unasked
+  template <class K>
+  void set_delta_smem(K kernel) {
+    if (fwd::delta_static_smem_bytes(c_.ssm_dk) + delta_stash_bytes_ > (48u << 10))
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)delta_stash_bytes_));
+  }
+
   int mma_attention_rows(int head_dim) const {
     for (int mt = 2; mt >= 1; --mt)
       if (fwd::attn_mma_smem_bytes(mt, 16 * mt, head_dim) <= prop_.sharedMemPerBlockOptin) return 16 * mt;
@@ -568,15 +617,16 @@ class CudaBackend final : public Backend {
     }
     {
       const OpScope op(*this, "gdn delta");
-      fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, walk_, y, n_,
+      fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, walk_, stash_, y, n_,
                         c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
                         (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
       const dim3 grid((unsigned)c_.ssm_nv, (unsigned)(c_.ssm_dv / fwd::kDeltaCols)), block(fwd::kDeltaThreads);
+      const size_t smem = commit_ || chain_ ? 0 : delta_stash_bytes_;  // the stash: a tree verify's
       switch (c_.ssm_dk) {
-        case 32: launch(fwd::delta_kernel<32>, grid, block, 0, stream_, da); break;
-        case 64: launch(fwd::delta_kernel<64>, grid, block, 0, stream_, da); break;
-        case 128: launch(fwd::delta_kernel<128>, grid, block, 0, stream_, da); break;
-        default: launch(fwd::delta_kernel<256>, grid, block, 0, stream_, da); break;
+        case 32: launch(fwd::delta_kernel<32>, grid, block, smem, stream_, da); break;
+        case 64: launch(fwd::delta_kernel<64>, grid, block, smem, stream_, da); break;
+        case 128: launch(fwd::delta_kernel<128>, grid, block, smem, stream_, da); break;
+        default: launch(fwd::delta_kernel<256>, grid, block, smem, stream_, da); break;
       }
     }
     const OpScope op(*this, "gdn norm");
@@ -708,6 +758,8 @@ class CudaBackend final : public Backend {
   int attn_kernel_ = 1;  // DFLASH27B_CUDA_ATTN: 1 mma, -1 simt
   // the current chunk's plan on the device
   int n_ = 0;
+  int delta_stash_slots_ = 0;      // kept delta-net states a tree verify's CTA holds in shared memory
+  size_t delta_stash_bytes_ = 0;
   bool commit_ = true;
   bool chain_ = true;  // the current chunk's tokens form one chain (begin_chunk)
   int max_visible_ = 0;
@@ -743,7 +795,7 @@ class CudaBackend final : public Backend {
   DeviceWords plan_words_{nullptr, 0, "plan growth"}, commit_words_{nullptr, 0, "commit plan growth"};
   const int32_t* commit_plan_ = nullptr;  // [base | m | path] of the current commit
   const int32_t *tokens_ = nullptr, *pos_ = nullptr, *n_prefix_ = nullptr, *extra_begin_ = nullptr,
-                *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *walk_ = nullptr, *kv_slot0_ = nullptr,
+                *extra_count_ = nullptr, *parent_ = nullptr, *keep_ = nullptr, *walk_ = nullptr, *stash_ = nullptr, *kv_slot0_ = nullptr,
                 *extra_slots_ = nullptr;
 };
 

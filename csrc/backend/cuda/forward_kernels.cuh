@@ -929,6 +929,15 @@ __device__ __forceinline__ float round_state(float v, int type) {
 
 constexpr int kDeltaCols = 32, kDeltaSplit = 4, kDeltaWindow = 16;
 constexpr int kDeltaThreads = kDeltaCols * kDeltaSplit;
+// A tree verify's kept states (the parents a later node in the walk starts from) stay in the CTA's shared
+// memory, up to kDeltaStashMax at once, instead of a round trip through node_rec in device memory: a slot is
+// one CTA's columns of one state, each thread's own values (no barrier).  The 27B's states are 144 MiB a
+// node over its 48 delta-net layers.
+constexpr int kDeltaStashMax = 4;
+constexpr size_t delta_static_smem_bytes(int dk) {  // delta_kernel's static arrays
+  return (2 * (size_t)kDeltaWindow * dk + (size_t)kDeltaWindow * kDeltaCols + 2 * kDeltaWindow) * sizeof(float);
+}
+constexpr size_t delta_stash_slot_bytes(int dk) { return (size_t)dk * kDeltaCols * sizeof(float); }
 
 struct DeltaArgs {
   const float* mm;       // [n][Cconv] conv outputs: q (nk*dk) | k (nk*dk) | v (nv*dv)
@@ -941,6 +950,7 @@ struct DeltaArgs {
   float* node_upd;       // [n][upd_stride]: k at k_off, delta at delta_off, decay at decay_off; null (commit)
   const int32_t* parent;
   const int32_t* walk;   // [n]: the order the tokens are stepped in (gdn_walk_order: a tree's preorder)
+  const int32_t* stash;  // [n]: the shared-memory slot a kept node's state goes to, -1: node_rec (delta_stash)
   float* y;              // [n][nv*dv]: out, before gated_norm_kernel
   int n, nk, nv, dv, Cconv;
   float eps;
@@ -957,6 +967,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
   DFL_STATIC_SMEM(float, vw, [W][kDeltaCols]);
   DFL_STATIC_SMEM(float, beta_w, [W]);
   DFL_STATIC_SMEM(float, decay_w, [W]);
+  DFL_DYNAMIC_SMEM(float, stash);  // [slot][RPT][kDeltaThreads]: kept states (a tree verify's launch only)
   const int h = blockIdx.x, kh = h % a.nk, dv = a.dv, col0 = blockIdx.y * kDeltaCols;
   const int r = threadIdx.x % R, jl = threadIdx.x / R, j = col0 + jl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -999,10 +1010,16 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
     for (int tl = 0; tl < nw; ++tl) {
       const int w = t0 + tl, t = a.walk[w], par = a.parent[t];
       if (par != (w > 0 ? a.walk[w - 1] : -1)) {  // not the state in hand: its parent's (or the committed)
-        const void* src = par < 0 ? a.rec : a.node_rec;
-        const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
+        const int slot = par < 0 ? -1 : a.stash[par];
+        if (slot >= 0) {
 #pragma unroll
-        for (int m = 0; m < RPT; ++m) s[m] = ld_state(src, base + (int64_t)(r + R * m) * dv + j, a.state_type);
+          for (int m = 0; m < RPT; ++m) s[m] = stash[((int64_t)slot * RPT + m) * kDeltaThreads + threadIdx.x];
+        } else {
+          const void* src = par < 0 ? a.rec : a.node_rec;
+          const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
+#pragma unroll
+          for (int m = 0; m < RPT; ++m) s[m] = ld_state(src, base + (int64_t)(r + R * m) * dv + j, a.state_type);
+        }
       }
       const float decay = decay_w[tl];
       float u = 0.f;
@@ -1031,9 +1048,15 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
         for (int m = 0; m < RPT; ++m) s[m] = round_state(s[m], a.state_type);
       }
       if (a.node_rec && a.keep[t]) {
+        const int slot = a.stash[t];
+        if (slot >= 0) {  // (already rounded to the state type: read back, the same values node_rec would give)
 #pragma unroll
-        for (int m = 0; m < RPT; ++m)
-          st_state(a.node_rec, t * rs + hoff + (int64_t)(r + R * m) * dv + j, s[m], a.state_type);
+          for (int m = 0; m < RPT; ++m) stash[((int64_t)slot * RPT + m) * kDeltaThreads + threadIdx.x] = s[m];
+        } else {
+#pragma unroll
+          for (int m = 0; m < RPT; ++m)
+            st_state(a.node_rec, t * rs + hoff + (int64_t)(r + R * m) * dv + j, s[m], a.state_type);
+        }
       }
     }
   }
