@@ -191,3 +191,10 @@ def test_the_command_catches_ctrl_c_while_its_modules_load(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         entry.main()
     assert e.value.code == 130 and "Aborted!" in capsys.readouterr().err
+
+
+def test_python_dash_m_dflash27b_is_the_command():
+    """`python -m dflash27b` runs the command through its entry point (as the installed `dflash27b` does)."""
+    r = subprocess.run([sys.executable, "-m", "dflash27b", "plan", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "Usage:" in r.stdout and "plan" in r.stdout, r.stdout + r.stderr
