@@ -16,6 +16,8 @@
 // re-read from it, to set beside the kernel's time on a GPU; and the warps' mma.sync instructions.
 //
 // What this cannot see: timing, occupancy, caches beyond that floor, and how nvcc splits or merges loads.
+// One host thread launches at a time (the trace is one global record, as the emulator runs a launch on its
+// caller's thread): a diagnostic build for bench/emu_memtrace.py, not for serving.
 // GCC may fuse neighbouring scalar accesses a thread makes, so the build turns off its vectorizers; a
 // kernel's explicit 8- and 16-byte loads (uint2 / uint4 / float4) stay as written.
 #include <dlfcn.h>
