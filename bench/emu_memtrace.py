@@ -240,6 +240,26 @@ def forward_cases(tr: Tracer, model: Path) -> list[dict]:
     return out
 
 
+def step_totals(rows: list[dict]) -> dict:
+    """The 27B step's matmuls at the model's DRAM rate, each shape times its calls a step: an AR step (1 token)
+    and a 23-node verify (the output head's 23 rows taken as its 1-token pass: the same weights once)."""
+    t = {1: 0.0, 23: 0.0}
+    head = None
+    for r in rows:
+        calls = r.get("calls_per_27b_step", 0)
+        n = int(r["case"].rsplit("n=", 1)[1]) if r["case"].startswith("matmul") else 0
+        us = sum(k["h100_model"]["dram_us"] for k in r["kernels"])
+        if calls and n in t:
+            t[n] += us * calls
+        if calls == 1 and n == 1:
+            head = us
+    if not t[1] or head is None:
+        return {}
+    verify = t[23] + head
+    return {"ar_step_ms": round(t[1] / 1e3, 3), "verify23_ms": round(verify / 1e3, 3),
+            "verify_over_ar": round(verify / t[1], 3)}
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| case | kernel | launches | dram MB | sector eff. | B / instr | cache / dram | smem conflicts r / w "
              "| H100 model us: dram / smem / mma (bound) |",
@@ -283,8 +303,13 @@ def main(argv=None) -> int:
         from ar import ensure_model
         rows += forward_cases(tr, ensure_model(a.model, "0.8b"))
     print(markdown(rows))
+    totals = step_totals(rows)
+    if totals:
+        print(f"\n27B step matmuls at the model's DRAM rate: AR {totals['ar_step_ms']} ms, a 23-node verify "
+              f"{totals['verify23_ms']} ms ({totals['verify_over_ar']}x)")
     if a.out:
-        a.out.write_text(json.dumps({"bench": "emu_memtrace", "commit": _commit(), "cases": rows}, indent=1) + "\n")
+        a.out.write_text(json.dumps({"bench": "emu_memtrace", "commit": _commit(), "h100_model": H100,
+                                     "step_totals": totals, "cases": rows}, indent=1) + "\n")
     return 0
 
 
