@@ -350,9 +350,9 @@ class CudaBackend final : public Backend {
         std::copy(v->begin(), v->end(), h);
         h += p.n;
       }
-      // which verify nodes' delta-net states node_rec must hold (none when committing), and the order the
-      // delta-net walks the tokens in (gdn_walk_order: a tree's preorder; committing, the batch's)
-      // and the shared-memory slot of each kept state (delta_stash: -1 in node_rec)
+      // the delta-net's part: which verify nodes' states are kept (none when committing), the order it walks
+      // the tokens in (gdn_walk_order: a tree's preorder; committing, the batch's) and the shared-memory slot
+      // of each kept state (delta_stash; -1: node_rec)
       if (p.commit) {
         std::fill(h, h + p.n, 0);
         for (int t = 0; t < p.n; ++t) h[p.n + t] = t;
@@ -554,8 +554,6 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // The most rows (32 or 16) an attention_mma_kernel CTA may take for this head_dim within the shared memory
-  // a CTA can have here (227 KiB on sm_90: 32 at head_dim 256; 99 KiB on sm_86 / sm_89: 16), 0 if not 16.
   // delta_kernel<DK>'s stash over the 48 KiB a CTA gets unasked
   template <class K>
   void set_delta_smem(K kernel) {
@@ -563,6 +561,8 @@ class CudaBackend final : public Backend {
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)delta_stash_bytes_));
   }
 
+  // The most rows (32 or 16) an attention_mma_kernel CTA may take for this head_dim within the shared memory
+  // a CTA can have here (227 KiB on sm_90: 32 at head_dim 256; 99 KiB on sm_86 / sm_89: 16), 0 if not 16.
   int mma_attention_rows(int head_dim) const {
     for (int mt = 2; mt >= 1; --mt)
       if (fwd::attn_mma_smem_bytes(mt, 16 * mt, head_dim) <= prop_.sharedMemPerBlockOptin) return 16 * mt;
@@ -617,9 +617,9 @@ class CudaBackend final : public Backend {
     }
     {
       const OpScope op(*this, "gdn delta");
-      fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, walk_, stash_, y, n_,
-                        c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride, (int64_t)U.k,
-                        (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
+      fwd::DeltaArgs da{mm, bb, aa, L.dt_bias, L.ssm_a, L.rec, L.node_rec, keep_, L.node_upd, parent_, walk_,
+                        stash_, y, n_, c_.ssm_nk, c_.ssm_nv, c_.ssm_dv, C, c_.rms_eps, (int64_t)U.stride,
+                        (int64_t)U.k, (int64_t)U.delta, (int64_t)U.decay, (int)L.state_type};
       const dim3 grid((unsigned)c_.ssm_nv, (unsigned)(c_.ssm_dv / fwd::kDeltaCols)), block(fwd::kDeltaThreads);
       const size_t smem = commit_ || chain_ ? 0 : delta_stash_bytes_;  // the stash: a tree verify's
       switch (c_.ssm_dk) {
