@@ -445,3 +445,19 @@ def test_timings_are_llama_servers(d, local):
     last = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
     assert len(last) == 1 and last[0]["timings"]["predicted_n"] == 8
     assert not any("timings" in e for e in events[:-1] if e not in last)
+
+
+def test_props_are_llama_servers(d, local):
+    """GET /props as llama-server's clients read it: the model, slots, context, chat template and its special
+    tokens, what an omitted sampling field means over HTTP (OpenAI's temperature 1.0, no token limit), the build;
+    setting properties is not offered."""
+    r = httpx.get(d.url + "/props", timeout=10)
+    assert r.status_code == 200, r.text
+    p = r.json()
+    assert p["total_slots"] == 1 and p["default_generation_settings"]["n_ctx"] == CTX
+    assert p["chat_template"] == local.tokenizer.chat_template and p["eos_token"] == "<|im_end|>"
+    assert p["default_generation_settings"]["params"]["temperature"] == 1.0
+    assert p["default_generation_settings"]["params"]["n_predict"] == -1
+    assert p["build_info"].startswith("dflash27b ") and p["modalities"] == {"vision": False, "audio": False}
+    assert p["dflash27b"]["draft"] and p["dflash27b"]["default_mode"] == "auto"
+    assert httpx.post(d.url + "/props", json={}, timeout=10).status_code == 405

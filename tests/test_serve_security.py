@@ -11,7 +11,7 @@ from serve_util import API_KEY, raw_http, serve, status_of
 ENDPOINTS = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
              ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
              ("POST", "/tokenize", {"content": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
-             ("GET", "/metrics", None)]
+             ("GET", "/metrics", None), ("GET", "/props", None)]
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,17 @@ def load():
     return _ffi, _lib
 
 
+def version_line() -> str:
+    """`dflash27b VERSION (the core's build: SIMD, CUDA archs)`, as --version, bench records and /props say it."""
+    from . import __version__
+    try:
+        ffi, lib = load()
+        build = ffi.string(lib.dfl_build_info()).decode()
+    except DFlashError as e:  # library missing: still answer
+        build = f"core not loadable: {e}"
+    return f"dflash27b {__version__} ({build})"
+
+
 def last_error() -> str:
     ffi, lib = load()
     return ffi.string(lib.dfl_last_error()).decode("utf-8", "replace")

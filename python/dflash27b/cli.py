@@ -15,20 +15,11 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from ._lib import DFlashError, load
+from ._lib import DFlashError, version_line
 from .params import INT32_MAX, cli_options, params_from_cli
 from .decoder import (DEVICES, KV_TYPES, MAX_THREADS, STATE_TYPES, Decoder, bundled_pair, format_memory_plan,
                       resolve_device)
 
-
-def _version_line() -> str:
-    try:
-        ffi, lib = load()
-        build = ffi.string(lib.dfl_build_info()).decode()
-    except DFlashError as e:  # library missing: still answer --version
-        build = f"core not loadable: {e}"
-    return f"dflash27b {__version__} ({build})"
 
 
 
@@ -127,7 +118,7 @@ class _Main(click.Group):
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(message="%(version)s", version=_version_line())
+@click.version_option(message="%(version)s", version=version_line())
 def main() -> None:
     """Speculative decoding for Qwen3.5 (qwen35) GGUF models."""
 
@@ -714,7 +705,7 @@ def bench_cmd(target, draft, dataset, n_prompts, max_new_tokens, modes, budgets,
             cfg = {"target": dec.target, "draft": dec.draft, "dataset": dataset, "n_prompts": len(prompts),
                    "prompt_names": [p.name for p in prompts], "n_new": max_new_tokens, "temperature": temperature,
                    "seed": seed, "device": dec.device, "threads": dec.threads, "kv_type": kv_type, "ctx": ctx,
-                   "machine": B.machine(), "version": _version_line(), "constraint": constraint or None}
+                   "machine": B.machine(), "version": version_line(), "constraint": constraint or None}
         doc = B.write_outputs(Path(out_dir), cfg, results, peer_row)
     except DFlashError as e:
         _fail(str(e))

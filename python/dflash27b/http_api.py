@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ._lib import DFlashError
+from ._lib import DFlashError, version_line
 from .decode_service import Job
 from .params import INT32_MAX, GenParams
 from .tool_calls import parse_tools
@@ -614,6 +614,26 @@ class OpenAIFront:
             "id": self.daemon.model_name, "object": "model", "created": int(self.service.started),
             "owned_by": "dflash27b", "meta": {"target": d.target, "draft": d.draft, "n_ctx": d.n_ctx}}]})
 
+    async def props(self, _: Request):
+        """llama-server's GET /props, the fields its clients read: the model, the slots and their context, the
+        chat template and its special tokens, what an omitted sampling field means here, the build; plus the
+        drafter and default mode.  Setting properties (POST) is not offered."""
+        d, tok = self.decoder, self.decoder.tokenizer
+        defaults = GenParams()
+
+        def piece(i: int | None) -> str:
+            return tok.decode([i]) if i is not None else ""
+        return JSONResponse({
+            "model_alias": self.daemon.model_name, "model_path": d.target, "total_slots": self.service.parallel,
+            "modalities": {"vision": False, "audio": False}, "build_info": version_line(),
+            "chat_template": tok.chat_template or "",
+            "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id),
+            # an omitted field over HTTP: OpenAI's temperature 1.0, no token limit but the context's (-1)
+            "default_generation_settings": {"n_ctx": d.n_ctx, "params": {
+                "temperature": 1.0, "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": defaults.min_p,
+                "typical_p": defaults.typical_p, "n_predict": -1, "seed": -1}},
+            "dflash27b": {"draft": d.draft, "default_mode": d.default_mode, "device": d.device}})
+
     async def health(self, request: Request):
         state = request.scope.get("state", {})
         h = self.daemon.health()
@@ -813,7 +833,8 @@ def _routes(front: OpenAIFront) -> list[Route]:
             Route("/v1/completions", front.completions, methods=["POST"]),
             Route("/tokenize", front.tokenize, methods=["POST"]),
             Route("/detokenize", front.detokenize, methods=["POST"]),
-            Route("/metrics", front.metrics, methods=["GET"])]
+            Route("/metrics", front.metrics, methods=["GET"]),
+            Route("/props", front.props, methods=["GET"])]
 
 
 def _guards(options, bound_host: str) -> list[Middleware]:
