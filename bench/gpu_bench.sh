@@ -165,10 +165,12 @@ setup_env() {
 # on the device, nvcc spends minutes of the call's 10 (backend.cu alone was past 300 s on an H200 host)
 source_hash() {
   # (what .gitignore keeps out of a device call is left out here too: it would not be there to digest; and what
-  # only the CPU emulator's build reads, its shim and the launch-check program, which no nvcc build compiles)
+  # only the CPU emulator's build reads, its shim, its memory trace and their check programs, which no nvcc build
+  # compiles)
   (cd "$ROOT" && find CMakeLists.txt csrc include tests/cpp -type f -not -path '*/__pycache__/*' -not -name '*.so' \
      -not -name '*.o' -not -name '*.pyc' -not -path 'csrc/backend/cuda/emu/shim/*' \
-     -not -path 'tests/cpp/emu_launch_checks.cpp' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum |
+     -not -path 'csrc/backend/cuda/emu/memtrace.cpp' -not -path 'tests/cpp/emu_launch_checks.cpp' \
+     -not -path 'tests/cpp/emu_memtrace_checks.cpp' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum |
      cut -c1-16)
 }
 # device_check: exit 0 when the library loads, was built for sm_$ARCH and sees a GPU; 2 when it is right but no
