@@ -202,7 +202,9 @@ def _fake_checkout(tmp_path: Path) -> Path:
     (repo / "bench" / "gpu_bench.sh").write_text((ROOT / "bench" / "gpu_bench.sh").read_text())
     for rel, text in {"CMakeLists.txt": "project(x)\n", "csrc/a.cu": "// a\n", "include/x.h": "// x\n",
                       "tests/cpp/t.cpp": "// t\n", "csrc/backend/cuda/emu/shim/cuda_runtime.h": "// shim\n",
-                      "tests/cpp/emu_launch_checks.cpp": "// checks\n"}.items():
+                      "tests/cpp/emu_launch_checks.cpp": "// checks\n",
+                      "csrc/backend/cuda/emu/memtrace.cpp": "// trace\n",
+                      "tests/cpp/emu_memtrace_checks.cpp": "// trace checks\n"}.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
     return repo
@@ -213,8 +215,8 @@ def test_the_device_runs_the_library_built_here(tmp_path, case):
     """nvcc on backend.cu alone outran the build step's 300 s on an H200 host (2026-11-28): gpu_prepare.sh
     builds the sm_90 library here and gpu_bench.sh's build step uses it when the sources it runs on digest the
     same; otherwise, or when the library does not pass the device check, it builds as before. No GPU visible
-    is not the library's fault: no rebuild then.  A change to what only the emulator compiles (its shim, the
-    launch-check program) keeps the library current."""
+    is not the library's fault: no rebuild then.  A change to what only the emulator compiles (its shim, its
+    memory trace, their check programs) keeps the library current."""
     repo = _fake_checkout(tmp_path)
     calls = tmp_path / "calls"
     stubs = tmp_path / "bin"
@@ -233,8 +235,8 @@ def test_the_device_runs_the_library_built_here(tmp_path, case):
 GPU={gpu}
 source_hash > {pre / 'source.sha256'}
 {'echo changed >> csrc/a.cu' if case == 'other sources' else ''}
-{'echo changed >> csrc/backend/cuda/emu/shim/cuda_runtime.h; echo changed >> tests/cpp/emu_launch_checks.cpp'
- if case == 'emulator only' else ''}
+{'for f in csrc/backend/cuda/emu/shim/cuda_runtime.h tests/cpp/emu_launch_checks.cpp csrc/backend/cuda/emu/memtrace.cpp '
+ 'tests/cpp/emu_memtrace_checks.cpp; do echo changed >> $f; done' if case == 'emulator only' else ''}
 mkdir -p build
 run 30 "build (sm_90)" build_ours; echo "rc=$?"
 """
