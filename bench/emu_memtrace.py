@@ -260,6 +260,18 @@ def step_totals(rows: list[dict]) -> dict:
             "verify_over_ar": round(verify / t[1], 3)}
 
 
+def attention_case(tr: Tracer, n_past: int = 1024) -> list[dict]:
+    """An AR step of the bundled tiny target after an n_past-token prompt (F16 KV): does attention read each
+    K / V byte from DRAM once?  (The prefill is emulated too: about 6 minutes at 1,024 tokens.)"""
+    from dflash27b import Decoder
+    with Decoder(device="cuda", ctx=n_past + 64, threads=2, kv_type="f16") as d:
+        d.generate([100 + (i * 7) % 3000 for i in range(n_past)], 2, mode="ar", ignore_eos=True, cache=False)
+        ctx = d._ctx
+        p = ctx.n_past
+        ks = tr.run(lambda: ctx.forward([7], pos=[p], logit_rows=[0], commit=False))
+    return [{"case": f"tiny ar step after {p} tokens", "kernels": [summarize(k) for k in ks]}]
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| case | kernel | launches | dram MB | sector eff. | B / instr | cache / dram | smem conflicts r / w "
              "| H100 model us: dram / smem / mma (bound) |",
@@ -284,7 +296,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true", help="configure and build build/emu-memtrace first")
     ap.add_argument("--lib", type=Path, default=BUILD / "libdflash27b.so")
-    ap.add_argument("--parts", default="matmul,forward")
+    ap.add_argument("--parts", default="matmul,forward", help="matmul, forward, attention (an AR step after a "
+                    "1,024-token prompt on the tiny target: K / V traffic at length)")
     ap.add_argument("--model", type=Path, default=Path("/tmp/dflash27b-bench/qwen35-0.8b-q4_k_m.gguf"),
                     help="the forward part's GGUF (default: bench/ar.py's synthetic 0.8B, written once)")
     ap.add_argument("--quick", action="store_true", help="three small matmuls (the test's case)")
@@ -298,6 +311,8 @@ def main(argv=None) -> int:
     parts = a.parts.split(",")
     if "matmul" in parts:
         rows += matmul_cases(tr, a.quick)
+    if "attention" in parts:   # (not in the default parts)
+        rows += attention_case(tr)
     if "forward" in parts:
         sys.path.insert(0, str(ROOT / "bench"))
         from ar import ensure_model
