@@ -359,3 +359,21 @@ def test_memtrace_counts_what_a_profiler_would(memtrace_checks, tmp_path, name, 
     wavefronts (conflict-free, 2-way, 32-way, 16-byte lanes), cp.async at its issue, lanes that skip a load,
     a thread's local array left out, and mma.sync counted once a warp."""
     assert _trace(memtrace_checks, name, tmp_path) == want
+
+
+def test_memtrace_bench_arithmetic():
+    """bench/emu_memtrace.py's roofline and step totals, on a kernel counted by hand and on the committed record:
+    a kernel's DRAM bytes at the H100 model's rate, its wavefronts a clock an SM, its mma at the dense rate; the
+    27B step's matmuls as the record's note says (AR 5.259 ms, a 23-node verify 5.580)."""
+    import json
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    import emu_memtrace as em
+    k = {"dram_read_bytes": 3_007_000, "dram_write_bytes": 0, "mma_int8": 0, "mma_tf32": 0,
+         "shared_read": {"wavefronts": 132 * 1755, "ideal": 132 * 1755}}
+    m = em.roofline(k)
+    assert m["dram_us"] == pytest.approx(1.0) and m["smem_us"] == pytest.approx(1.0) and m["mma_us"] == 0
+    k["mma_int8"] = 1979e6 / 2 / (16 * 8 * 32) * 3   # 3 us of int8 tensor work
+    assert em.roofline(k)["bound"] == "mma" and em.roofline(k)["mma_us"] == pytest.approx(3.0)
+    rec = json.loads((ROOT / "bench" / "results" / "emu-memtrace.json").read_text())
+    assert em.step_totals(rec["cases"]) == {"ar_step_ms": 5.259, "verify23_ms": 5.58, "verify_over_ar": 1.061}
