@@ -461,3 +461,24 @@ def test_props_are_llama_servers(d, local):
     assert p["build_info"].startswith("dflash27b ") and p["modalities"] == {"vision": False, "audio": False}
     assert p["dflash27b"]["draft"] and p["dflash27b"]["default_mode"] == "auto"
     assert httpx.post(d.url + "/props", json={}, timeout=10).status_code == 405
+
+
+def test_n_echoed_choices_share_the_prompts_logprobs(dp):
+    """echo with logprobs and n choices: the first choice computes the prompt's log-probabilities and every
+    choice carries them, streamed or whole, its echo first; each choice equals the request alone with seed + i."""
+    body = {"prompt": "def fibonacci(n):\n    if n < 2:", "max_tokens": 6, "temperature": 0.8, "seed": 5,
+            "echo": True, "logprobs": 2, "ignore_eos": True}
+    alone = [httpx.post(dp.url + "/v1/completions", json={**body, "seed": 5 + i}, timeout=60).json()["choices"][0]
+             for i in range(3)]
+    whole = httpx.post(dp.url + "/v1/completions", json={**body, "n": 3}, timeout=60).json()["choices"]
+    for a, c in zip(alone, whole):
+        assert c["text"] == a["text"] and c["logprobs"]["token_logprobs"] == a["logprobs"]["token_logprobs"]
+        assert c["logprobs"]["tokens"] == a["logprobs"]["tokens"]
+    with httpx.stream("POST", dp.url + "/v1/completions", json={**body, "n": 3, "stream": True}, timeout=60) as s:
+        chunks = [e for e in sse_events(s.iter_lines()) if isinstance(e, dict) and e.get("choices")]
+    for i, a in enumerate(alone):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == a["text"]
+        assert mine[0]["text"] == body["prompt"]   # the echo first
+        lps = [x for c in mine if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        assert lps == a["logprobs"]["token_logprobs"]

@@ -550,8 +550,32 @@ class EventStream:
             for p in pumps:
                 p.cancel()
 
+    def _event_chunks(self, i: int, ev: dict, stats: list) -> list[bytes]:
+        """Choice i's chunks for one of its events (its prompt_logprobs, a token, its end)."""
+        r = self.replies[i]
+        if ev["event"] == "prompt_logprobs" and r.echo_text is not None:
+            return [r.chunk(r.echo_text, lps=ev["logprobs"])]
+        if ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
+            if r.split is None:
+                return [r.chunk(ev["text"], lps=ev.get("logprobs"))]
+            reasoning, content, calls = r.split.push(ev["text"])
+            if reasoning or content or calls or ev.get("logprobs"):
+                return [r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning, calls=calls)]
+        elif ev["event"] == "done":
+            out = []
+            stats[i] = ev["stats"]
+            if r.split is not None:
+                reasoning, content, calls = r.split.flush()
+                if reasoning or content or calls:
+                    out.append(r.chunk(content or None, reasoning=reasoning, calls=calls))
+            out.append(r.chunk(None if r.shape.chat else "", _finish(stats[i]["stop_reason"], r.n_calls > 0),
+                               extra={"timings": _timings(stats[i]), "dflash27b": _ours(stats[i])}))
+            return out
+        return []
+
     async def _chunks(self):
         replies = self.replies
+        n = replies[0].shape.n
         if replies[0].shape.chat:
             for r in replies:
                 yield r.chunk(None, first=True)
@@ -560,34 +584,40 @@ class EventStream:
         for r in replies:   # echo without log-probabilities: the prompt's text first (with them: when they come)
             if r.echo_text is not None and not r.echo_logprobs:
                 yield r.chunk(r.echo_text)
+        # the prompt's log-probabilities are every choice's: its first choice computes them (admit_choices), and
+        # the others' chunks wait for them, their echo first
+        held = {i: [] for i, r in enumerate(replies) if r.echo_logprobs and r.echo_text is not None and i % n}
+
+        def release(first: int, lps) -> list[bytes]:
+            out = []
+            for j in range(first + 1, first + n):
+                if j in held:
+                    out += ([replies[j].chunk(replies[j].echo_text, lps=lps)] if lps is not None else []) + held.pop(j)
+            return out
         async with contextlib.aclosing(self._events()) as events:
             async for i, ev in events:
                 if failed:
                     continue   # the other choices, cancelled with the first error: drained, not written
-                r = replies[i]
-                if ev["event"] == "prompt_logprobs" and r.echo_text is not None:
-                    yield r.chunk(r.echo_text, lps=ev["logprobs"])
-                elif ev["event"] == "token" and (ev["text"] or ev.get("logprobs")):
-                    if r.split is None:
-                        yield r.chunk(ev["text"], lps=ev.get("logprobs"))
-                    else:
-                        reasoning, content, calls = r.split.push(ev["text"])
-                        if reasoning or content or calls or ev.get("logprobs"):
-                            yield r.chunk(content or None, lps=ev.get("logprobs"), reasoning=reasoning, calls=calls)
-                elif ev["event"] == "done":
-                    stats[i] = ev["stats"]
-                    if r.split is not None:
-                        reasoning, content, calls = r.split.flush()
-                        if reasoning or content or calls:
-                            yield r.chunk(content or None, reasoning=reasoning, calls=calls)
-                    yield r.chunk(None if r.shape.chat else "", _finish(stats[i]["stop_reason"], r.n_calls > 0),
-                                  extra={"timings": _timings(stats[i]), "dflash27b": _ours(stats[i])})
-                elif ev["event"] == "error":
+                if ev["event"] == "error":
                     failed = True
                     self._cancel(CHOICE_FAILED)
                     code = STATUS.get(ev.get("code"), 400)
                     yield sse({"error": {"message": ev["message"], "type": "server_error" if code >= 500 else
                                          "invalid_request_error", "code": code}})
+                    continue
+                out = self._event_chunks(i, ev, stats)
+                if i in held:
+                    held[i] += out
+                    continue
+                for data in out:
+                    yield data
+                if i % n == 0 and (ev["event"] == "prompt_logprobs" or ev["event"] == "done"):
+                    # (a first choice that ended without them: its cut reply had none to share)
+                    for data in release(i, ev.get("logprobs") if ev["event"] == "prompt_logprobs" else None):
+                        yield data
+        for i in list(held):   # (a group whose first choice never spoke: what the others said, as it came)
+            for data in held.pop(i):
+                yield data
         if replies[0].shape.include_usage and not failed and all(s is not None for s in stats):
             yield replies[0].usage_chunk(_usage_of(stats, replies[0].shape.n))
         yield b"data: [DONE]\n\n"
@@ -705,6 +735,10 @@ class OpenAIFront:
                             job.cancel(CHOICE_FAILED)
                         return error_response(STATUS.get(ev.get("code"), 400), ev["message"])
                     done[ends.pop(t)] = ev
+            n = replies[0].shape.n
+            for i, r in enumerate(replies):   # the prompt's log-probabilities: its first choice's (admit_choices)
+                if r.echo_logprobs and i % n:
+                    done[i] = {**done[i], "prompt_logprobs": done[i - i % n].get("prompt_logprobs")}
             return JSONResponse(_body_of(replies, done))
         finally:
             gone.cancel()

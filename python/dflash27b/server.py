@@ -261,6 +261,8 @@ class Daemon:
         try:
             for i in range(n):
                 p = dict(prepared, params=replace(prepared["params"], seed=None if seed is None else (seed + i) % 2**32))
+                if i:   # the prompt's log-probabilities (echo) are every choice's: the first computes them
+                    p.pop("prompt_logprobs", None)
                 jobs.append(self.service.submit(p, loop, arrived)[0])
         except BaseException:
             for j in jobs:   # (submit fails only once the daemon is shutting down)
