@@ -124,14 +124,14 @@ inline std::vector<int32_t> gdn_walk_order(const int32_t* parent, int n) {
 }
 
 // The verify nodes whose states GdnLayer::node_rec must hold: the last node and every node a child other than
-// the node after it in the walk (gdn_walk_order) starts from.
-inline std::vector<uint8_t> node_rec_kept(const int32_t* parent, int n) {
+// the node after it in the walk (gdn_walk_order's) starts from.
+inline std::vector<uint8_t> node_rec_kept(const int32_t* parent, const std::vector<int32_t>& walk) {
+  const int n = (int)walk.size();
   std::vector<uint8_t> keep(n, 0);
   if (n > 0) keep[n - 1] = 1;
-  const std::vector<int32_t> order = gdn_walk_order(parent, n);
   for (int v = 1; v < n; ++v) {
-    const int u = order[(size_t)v];
-    if (parent[u] >= 0 && parent[u] != order[(size_t)v - 1]) keep[parent[u]] = 1;
+    const int u = walk[(size_t)v];
+    if (parent[u] >= 0 && parent[u] != walk[(size_t)v - 1]) keep[parent[u]] = 1;
   }
   return keep;
 }

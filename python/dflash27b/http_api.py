@@ -381,10 +381,9 @@ def _timings(stats: dict) -> dict:
     drafted = sum(stats.get("tree_size") or [])
     if drafted:
         # a step commits its accepted draft tokens and one of the target's own (the last step only what
-        # max_tokens kept; a step that drafted nothing commits its one token)
+        # max_tokens kept; a step that drafted nothing commits its one token, none accepted)
         out["draft_n"] = drafted
-        out["draft_n_accepted"] = sum(max(a - 1, 0) for a, n in zip(stats["accept_lengths"], stats["tree_size"])
-                                      if n > 0)
+        out["draft_n_accepted"] = sum(max(a - 1, 0) for a in stats["accept_lengths"])
     return out
 
 

@@ -675,7 +675,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
   if (Family f("gdn"); f.on) {
     const int32_t par[7] = {-1, 0, 0, 1, 2, 1, 3};
     const std::vector<int32_t> walk = gdn_walk_order(par, 7);
-    const std::vector<uint8_t> keep = node_rec_kept(par, 7);
+    const std::vector<uint8_t> keep = node_rec_kept(par, walk);
     check("gdn walk order of a 7-node tree", std::vector<float>(walk.begin(), walk.end()), {0, 1, 3, 6, 5, 2, 4}, 0.0);
     check("gdn kept states of a 7-node tree", std::vector<float>(keep.begin(), keep.end()), {1, 1, 0, 0, 0, 0, 1}, 0.0);
   }
@@ -734,7 +734,7 @@ void run_shape(const char* shape, const Qwen35Config& c, const std::vector<int>&
       // and never writes node_conv)
       std::vector<float> replayed_win;
       {
-        const auto kept = node_rec_kept(P.parent.data(), n);
+        const auto kept = node_rec_kept(P.parent.data(), gdn_walk_order(P.parent.data(), n));
         const auto sa = sget(nra, n * rs);
         const auto sb = sget(nrb, n * rs);
         std::vector<float> kept_direct, kept_replayed, kept_cuda, last_replayed;

@@ -278,7 +278,7 @@ class CpuBackend final : public Backend {
     } else {
       walk = gdn_walk_order(P.parent.data(), n);
     }
-    const std::vector<uint8_t> keep = P.commit ? std::vector<uint8_t>() : node_rec_kept(P.parent.data(), n);
+    const std::vector<uint8_t> keep = P.commit ? std::vector<uint8_t>() : node_rec_kept(P.parent.data(), walk);
     // the delta rule, per value head through all tokens
     pool_.parallel_for(nv, 1, [&](int64_t h0, int64_t h1) {
       // Per-thread buffers kept across calls (allocating them per part cost a verify ~1 ms):
@@ -327,9 +327,10 @@ class CpuBackend final : public Backend {
           // f32: the tokens step one block of columns at a time (columns are independent), the
           // block in `work` (dk x nb, contiguous: it stays in L1 through all tokens), in the walk's
           // order.  A token whose parent is the token before it in the walk reads `work`; one that
-          // starts from the committed state or an earlier node reads that state's block.  In commit mode the layer's state
-          // is the start and receives the block after the last token (a single token steps it in
-          // place); in verify mode only the node states node_rec must hold are written
+          // starts from the committed state or an earlier node reads that state's block.  In commit
+          // mode the layer's state is the start and receives the block after the last token (a
+          // single token steps it in place); in verify mode only the node states node_rec must hold
+          // are written
           // (streamed: they are read again much later, by a branch or the next chunk).
           float* rec = static_cast<float*>(L.rec) + hoff;
           float* node_rec = static_cast<float*>(L.node_rec);

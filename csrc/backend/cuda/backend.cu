@@ -358,9 +358,9 @@ class CudaBackend final : public Backend {
         for (int t = 0; t < p.n; ++t) h[p.n + t] = t;
         std::fill(h + 2 * p.n, h + 3 * p.n, -1);
       } else {
-        const std::vector<uint8_t> keep = node_rec_kept(p.parent.data(), p.n);
-        std::copy(keep.begin(), keep.end(), h);
         const std::vector<int32_t> walk = gdn_walk_order(p.parent.data(), p.n);
+        const std::vector<uint8_t> keep = node_rec_kept(p.parent.data(), walk);
+        std::copy(keep.begin(), keep.end(), h);
         std::copy(walk.begin(), walk.end(), h + p.n);
         const std::vector<int32_t> stash = delta_stash(p.parent.data(), walk, keep, chain_ ? 0 : delta_stash_slots_);
         std::copy(stash.begin(), stash.end(), h + 2 * p.n);

@@ -968,6 +968,9 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
   DFL_STATIC_SMEM(float, beta_w, [W]);
   DFL_STATIC_SMEM(float, decay_w, [W]);
   DFL_DYNAMIC_SMEM(float, stash);  // [slot][RPT][kDeltaThreads]: kept states (a tree verify's launch only)
+  auto stashed = [&](int slot, int m) -> float& {
+    return stash[((int64_t)slot * RPT + m) * kDeltaThreads + threadIdx.x];
+  };
   const int h = blockIdx.x, kh = h % a.nk, dv = a.dv, col0 = blockIdx.y * kDeltaCols;
   const int r = threadIdx.x % R, jl = threadIdx.x / R, j = col0 + jl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1013,7 +1016,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
         const int slot = par < 0 ? -1 : a.stash[par];
         if (slot >= 0) {
 #pragma unroll
-          for (int m = 0; m < RPT; ++m) s[m] = stash[((int64_t)slot * RPT + m) * kDeltaThreads + threadIdx.x];
+          for (int m = 0; m < RPT; ++m) s[m] = stashed(slot, m);
         } else {
           const void* src = par < 0 ? a.rec : a.node_rec;
           const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
@@ -1051,7 +1054,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
         const int slot = a.stash[t];
         if (slot >= 0) {  // (already rounded to the state type: read back, the same values node_rec would give)
 #pragma unroll
-          for (int m = 0; m < RPT; ++m) stash[((int64_t)slot * RPT + m) * kDeltaThreads + threadIdx.x] = s[m];
+          for (int m = 0; m < RPT; ++m) stashed(slot, m) = s[m];
         } else {
 #pragma unroll
           for (int m = 0; m < RPT; ++m)

@@ -88,9 +88,8 @@ __device__ __forceinline__ uint2 ld8_a2(const uint8_t* p) {
 }
 
 // The CPU's quantize_act_row (block 256): one warp per (token, block), 8 values a lane.  A lane's 8 floats
-// come as two 16-byte loads and its 8 quants go out as one 8-byte store where x is 16-byte aligned (always,
-// from the forward's buffers: eight scalar loads a lane, each warp instruction touching 32 sectors for 128
-// bytes, had cost 8x the sectors in the emulator's memory trace); the same values either way.
+// come as two 16-byte loads and its 8 quants go out as one 8-byte store (eight scalar loads a lane, each warp
+// instruction touching 32 sectors for 128 bytes, had cost 8x the sectors in the emulator's memory trace).
 __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, int n, int8_t* __restrict__ q,
                                     float* __restrict__ d, int16_t* __restrict__ bsum) {
   const int lane = threadIdx.x & 31;
@@ -98,15 +97,10 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, i
   const int64_t item = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (item >= (int64_t)n * nb) return;  // whole warps only
   const int64_t tok = item / nb, b = item % nb;
-  const float* xp = x + tok * cols + b * kQK + 8 * lane;
-  const bool vec = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;  // (cols is a multiple of 256)
-  float v[8], amax = 0.f;
-  if (vec) {
-    const float4 a = *reinterpret_cast<const float4*>(xp), c = *reinterpret_cast<const float4*>(xp + 4);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
-  } else {
-    for (int k = 0; k < 8; ++k) v[k] = xp[k];
-  }
+  const float* xp = x + tok * cols + b * kQK + 8 * lane;  // (16-byte aligned: matmul_exact_quantize)
+  const float4 lo = *reinterpret_cast<const float4*>(xp), hi = *reinterpret_cast<const float4*>(xp + 4);
+  const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  float amax = 0.f;
   for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float dv = __fdiv_rn(amax, 127.f);
@@ -119,11 +113,7 @@ __global__ void quantize_act_kernel(const float* __restrict__ x, int64_t cols, i
     packed[k >> 2] |= (uint32_t)(uint8_t)(int8_t)qi << (8 * (k & 3));
     sum += qi;
   }
-  if ((reinterpret_cast<uintptr_t>(q) & 7u) == 0) {
-    *reinterpret_cast<uint2*>(qp) = make_uint2(packed[0], packed[1]);
-  } else {
-    for (int k = 0; k < 8; ++k) qp[k] = (int8_t)(packed[k >> 2] >> (8 * (k & 3)));
-  }
+  *reinterpret_cast<uint2*>(qp) = make_uint2(packed[0], packed[1]);
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // lanes 2m, 2m+1 hold group m's 16 values
   if ((lane & 1) == 0) bsum[tok * (cols / 16) + b * 16 + lane / 2] = (int16_t)sum;
   if (lane == 0) d[tok * nb + b] = dv;
@@ -1432,6 +1422,9 @@ void matmul_exact_quantize(ExactAct a, const float* x, int64_t cols, int n, void
   int8_t* xq = reinterpret_cast<int8_t*>(base + lay.q);
   float* xd = reinterpret_cast<float*>(base + lay.d);
   const int64_t items = (int64_t)n * (cols / (kquant ? kQK : 32));  // a warp each
+  // quantize_act_kernel's vector loads and stores (the forward's buffers and the scratch layout keep them so)
+  if (kquant && ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(xq)) & 15u))
+    fail("matmul_exact: activations and their scratch must be 16-byte aligned");
   if (kquant)
     launch(quantize_act_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0, stream, x, cols, n, xq, xd,
            reinterpret_cast<int16_t*>(base + lay.sums));
