@@ -886,18 +886,24 @@ __global__ void __launch_bounds__(32 * kConvChainWarps) conv_chain_kernel(ConvAr
 //
 // delta_kernel: grid (nv value heads, dv / 32 column blocks), 128 threads.  A
 // CTA owns 32 columns of one head's state S (dk x dv), 4 threads a column:
-// thread r holds rows r, r + 4, r + 8, ... in registers for the whole chunk and
-// walks its tokens in the plan's order (gdn_walk_order: a tree's preorder), each
-// from its parent's state (the committed state for -1; node_rec of the parent
-// when that is not the token before it in the walk).  Only
-// the state update is serial.  What a token needs that does not depend on the
-// state -- normalised q and k, beta, the decay, its v -- is computed ahead, a
-// window of 16 tokens at a time, by the CTA's warps into shared memory, and
+// thread r holds rows r dk/4 .. (r + 1) dk/4 - 1 in registers for the whole
+// chunk and walks its tokens in the plan's order (gdn_walk_order: a tree's
+// preorder), each from its parent's state (the committed state for -1; a
+// shared-memory stash slot or node_rec of the parent when that is not the
+// token before it in the walk).  Only the state update is serial.  What a
+// token needs that does not depend on the state -- normalised q and k, beta,
+// the decay, its v, where its state comes from and goes -- is computed ahead,
+// a window of 16 tokens at a time, by the CTA's warps into shared memory, and
 // the gated RMSNorm runs after the chunk (gated_norm_kernel, one warp per
-// token and head).  So a token's step is its FMAs and two 4-lane butterflies,
-// with no barrier.  Every sum has one order, fixed by the shapes alone (a
-// thread's rows in order, then the butterfly; a warp's lanes in a butterfly),
-// so a token's result does not depend on n.
+// token and head).  So a token's step is its FMAs, float4 reads of q and k
+// (swizzled: one wavefront a warp) and two 4-lane butterflies, with no barrier
+// and no global load but its state's.  Every sum has one order, fixed by the
+// shapes alone (a thread's rows into four partial sums, row m into sum m mod 4,
+// each in row order; the four pairwise; the butterfly), so a token's result
+// does not depend on n.  The emulator's memory trace had the old step (rows
+// r, r + 4, ..., read one float at a time, one 32-fma chain per sum) at 96
+// wavefronts a token a warp: a 23-node verify's delta-net shared-memory bound
+// at 3.2x its DRAM time (bench/results/emu-memtrace-forward-stash.json).
 //
 // The state update is written with explicit roundings (S = S * decay, then
 // S = fma(k, delta, S)) so that delta_commit_kernel, replaying a node's stored
@@ -934,8 +940,9 @@ constexpr int kDeltaThreads = kDeltaCols * kDeltaSplit;
 // one CTA's columns of one state, each thread's own values (no barrier).  The 27B's states are 144 MiB a
 // node over its 48 delta-net layers.
 constexpr int kDeltaStashMax = 4;
-constexpr size_t delta_static_smem_bytes(int dk) {  // delta_kernel's static arrays
-  return (2 * (size_t)kDeltaWindow * dk + (size_t)kDeltaWindow * kDeltaCols + 2 * kDeltaWindow) * sizeof(float);
+constexpr size_t delta_static_smem_bytes(int dk) {  // delta_kernel's static arrays (DeltaStep: 4 ints)
+  return (2 * (size_t)kDeltaWindow * dk + (size_t)kDeltaWindow * kDeltaCols + 2 * kDeltaWindow) * sizeof(float) +
+         (size_t)kDeltaWindow * 4 * sizeof(int);
 }
 constexpr size_t delta_stash_slot_bytes(int dk) { return (size_t)dk * kDeltaCols * sizeof(float); }
 
@@ -958,15 +965,39 @@ struct DeltaArgs {
   int state_type;        // DType id: F32, BF16 or F16
 };
 
+// Where row i of a window token's normalised q / k sits in shared memory (in floats).  Thread r of a column
+// owns rows r RPT .. r RPT + RPT - 1 and reads them as float4 chunks q = 0 .. RPT / 4 - 1; chunk q of block r
+// is stored at chunk (q + r) mod (RPT / 4) of the block, so the four threads' float4 loads of one step fall in
+// four different bank quads (one wavefront for the warp; unswizzled, all four would sit in banks 0..3).
+template <int DK>
+__device__ __forceinline__ int delta_row_slot(int i) {
+  constexpr int RPT = DK / kDeltaSplit, NQ = RPT / 4;
+  const int r = i / RPT, q = (i % RPT) / 4;
+  return 4 * (r * NQ + (q + r) % NQ) + (i & 3);
+}
+
+// A window token's step, worked out by the window's preparation so that the serial walk reads no global memory
+// but its state: the token, where its starting state is (kDeltaInHand: the state the walk holds, i.e. its
+// parent was the token before it; kDeltaCommitted: the committed state; a stash slot >= 0; kDeltaNodeRec: its
+// parent's node_rec), the parent, and where its own state goes (kDeltaNotKept, a stash slot, or kDeltaNodeRec).
+constexpr int kDeltaInHand = -3, kDeltaNodeRec = -2, kDeltaCommitted = -1, kDeltaNotKept = -4;
+struct DeltaStep {
+  int t, from, par, to;
+};
+static_assert(sizeof(DeltaStep) == 4 * sizeof(int), "delta_static_smem_bytes counts a DeltaStep as 4 ints");
+
 template <int DK>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
   DFL_LAUNCH_BOUND(kDeltaThreads);
-  constexpr int R = kDeltaSplit, RPT = DK / R, W = kDeltaWindow, kWarps = kDeltaThreads / 32;
-  DFL_STATIC_SMEM(float, qn, [W][DK]);
-  DFL_STATIC_SMEM(float, kn, [W][DK]);
+  constexpr int R = kDeltaSplit, RPT = DK / R, NQ = RPT / 4, W = kDeltaWindow, kWarps = kDeltaThreads / 32;
+  constexpr int LV = DK / 32;  // a lane's values of q and of k in the window's preparation
+  static_assert(RPT % 4 == 0, "a thread's rows come in float4 chunks");
+  DFL_STATIC_SMEM(float4, qn, [W][DK / 4]);  // rows at delta_row_slot
+  DFL_STATIC_SMEM(float4, kn, [W][DK / 4]);
   DFL_STATIC_SMEM(float, vw, [W][kDeltaCols]);
   DFL_STATIC_SMEM(float, beta_w, [W]);
   DFL_STATIC_SMEM(float, decay_w, [W]);
+  DFL_STATIC_SMEM(DeltaStep, step_w, [W]);
   DFL_DYNAMIC_SMEM(float, stash);  // [slot][RPT][kDeltaThreads]: kept states (a tree verify's launch only)
   auto stashed = [&](int slot, int m) -> float& {
     return stash[((int64_t)slot * RPT + m) * kDeltaThreads + threadIdx.x];
@@ -975,73 +1006,97 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
   const int r = threadIdx.x % R, jl = threadIdx.x / R, j = col0 + jl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t rs = (int64_t)a.nv * DK * dv, hoff = (int64_t)h * DK * dv;
+  const int64_t mine = hoff + (int64_t)r * RPT * dv + j;  // this thread's first state element; row m at + m dv
   const float qscale = 1.f / sqrtf((float)DK);
   float s[RPT];
 #pragma unroll
-  for (int m = 0; m < RPT; ++m) s[m] = ld_state(a.rec, hoff + (int64_t)(r + R * m) * dv + j, a.state_type);
+  for (int m = 0; m < RPT; ++m) s[m] = ld_state(a.rec, mine + (int64_t)m * dv, a.state_type);
   for (int t0 = 0; t0 < a.n; t0 += W) {
     const int nw = a.n - t0 < W ? a.n - t0 : W;
     __syncthreads();  // the previous window's values are read no more
     for (int tl = warp; tl < nw; tl += kWarps) {
-      const int t = a.walk[t0 + tl];  // the window holds the walk's next tokens
+      const int w = t0 + tl, t = a.walk[w];  // the window holds the walk's next tokens
       const float* mt = a.mm + (int64_t)t * a.Cconv;
-      float sq = 0.f, sk = 0.f;
-      for (int i = lane; i < DK; i += 32) {
-        const float qv = mt[kh * DK + i], kv = mt[a.nk * DK + kh * DK + i];
-        qn[tl][i] = qv;
-        kn[tl][i] = kv;
-        sq += qv * qv;
-        sk += kv * kv;
+      float qv[LV], kv[LV], sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int x = 0; x < LV; ++x) {
+        qv[x] = mt[kh * DK + lane + 32 * x];
+        kv[x] = mt[a.nk * DK + kh * DK + lane + 32 * x];
+        sq = fmaf(qv[x], qv[x], sq);
+        sk = fmaf(kv[x], kv[x], sk);
       }
       sq = warp_sum(sq);
       sk = warp_sum(sk);
       const float iq = 1.f / fmaxf(sqrtf(sq), a.eps), ik = 1.f / fmaxf(sqrtf(sk), a.eps);
       float* upd = a.node_upd ? a.node_upd + t * a.upd_stride : nullptr;
-      for (int i = lane; i < DK; i += 32) {  // the lane's own values: no barrier
-        qn[tl][i] = qn[tl][i] * iq * qscale;
-        kn[tl][i] = kn[tl][i] * ik;
-        if (upd && h < a.nk && blockIdx.y == 0) upd[a.k_off + kh * DK + i] = kn[tl][i];
+#pragma unroll
+      for (int x = 0; x < LV; ++x) {
+        const int i = lane + 32 * x;
+        const float kx = kv[x] * ik;
+        reinterpret_cast<float*>(qn[tl])[delta_row_slot<DK>(i)] = qv[x] * iq * qscale;
+        reinterpret_cast<float*>(kn[tl])[delta_row_slot<DK>(i)] = kx;
+        if (upd && h < a.nk && blockIdx.y == 0) upd[a.k_off + kh * DK + i] = kx;
       }
       vw[tl][lane] = mt[2 * a.nk * DK + h * dv + col0 + lane];
       if (lane == 0) {
         beta_w[tl] = sigmoid_f(a.beta[(int64_t)t * a.nv + h]);
         decay_w[tl] = expf(a.ssm_a[h] * softplus_f(a.alpha[(int64_t)t * a.nv + h] + a.dt_bias[h]));
         if (upd && blockIdx.y == 0) upd[a.decay_off + h] = decay_w[tl];
+        const int par = a.parent[t];
+        const int from = par == (w > 0 ? a.walk[w - 1] : -1) ? kDeltaInHand
+                         : par < 0                           ? kDeltaCommitted
+                         : a.stash[par] >= 0                 ? a.stash[par]
+                                                             : kDeltaNodeRec;
+        const int to = !a.node_rec || !a.keep[t] ? kDeltaNotKept : a.stash[t] >= 0 ? a.stash[t] : kDeltaNodeRec;
+        step_w[tl] = DeltaStep{t, from, par, to};
       }
     }
     __syncthreads();
     for (int tl = 0; tl < nw; ++tl) {
-      const int w = t0 + tl, t = a.walk[w], par = a.parent[t];
-      if (par != (w > 0 ? a.walk[w - 1] : -1)) {  // not the state in hand: its parent's (or the committed)
-        const int slot = par < 0 ? -1 : a.stash[par];
-        if (slot >= 0) {
+      const DeltaStep st = step_w[tl];
+      const int t = st.t;
+      if (st.from >= 0) {
 #pragma unroll
-          for (int m = 0; m < RPT; ++m) s[m] = stashed(slot, m);
-        } else {
-          const void* src = par < 0 ? a.rec : a.node_rec;
-          const int64_t base = (par < 0 ? 0 : par * rs) + hoff;
+        for (int m = 0; m < RPT; ++m) s[m] = stashed(st.from, m);
+      } else if (st.from != kDeltaInHand) {
+        const void* src = st.from == kDeltaCommitted ? a.rec : a.node_rec;
+        const int64_t base = (st.from == kDeltaCommitted ? 0 : st.par * rs) + mine;
 #pragma unroll
-          for (int m = 0; m < RPT; ++m) s[m] = ld_state(src, base + (int64_t)(r + R * m) * dv + j, a.state_type);
+        for (int m = 0; m < RPT; ++m) s[m] = ld_state(src, base + (int64_t)m * dv, a.state_type);
+      }
+      // u = S^T k and out = S^T q over the thread's rows: four partial sums (row m into sum m mod 4), each in
+      // row order, added pairwise, then the 4-lane butterfly; four chains of RPT / 4 fmas instead of one of RPT
+      const float decay = decay_w[tl];
+      float4 kc[NQ];
+      float u4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < NQ; ++q) {
+        kc[q] = kn[tl][r * NQ + (q + r) % NQ];
+        const float ke[4] = {kc[q].x, kc[q].y, kc[q].z, kc[q].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[4 * q + e] = __fmul_rn(s[4 * q + e], decay);
+          u4[e] = fmaf(s[4 * q + e], ke[e], u4[e]);
         }
       }
-      const float decay = decay_w[tl];
-      float u = 0.f;
+      float u = __fadd_rn(__fadd_rn(u4[0], u4[1]), __fadd_rn(u4[2], u4[3]));
+      u = __fadd_rn(u, __shfl_xor_sync(0xffffffffu, u, 1));
+      u = __fadd_rn(u, __shfl_xor_sync(0xffffffffu, u, 2));
+      const float delta = __fmul_rn(beta_w[tl], __fsub_rn(vw[tl][jl], u));
+      float o4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int m = 0; m < RPT; ++m) {
-        s[m] = __fmul_rn(s[m], decay);
-        u += s[m] * kn[tl][r + R * m];
-      }
-      u += __shfl_xor_sync(0xffffffffu, u, 1);
-      u += __shfl_xor_sync(0xffffffffu, u, 2);
-      const float delta = beta_w[tl] * (vw[tl][jl] - u);
-      float out = 0.f;
+      for (int q = 0; q < NQ; ++q) {
+        const float4 qc = qn[tl][r * NQ + (q + r) % NQ];
+        const float ke[4] = {kc[q].x, kc[q].y, kc[q].z, kc[q].w}, qe[4] = {qc.x, qc.y, qc.z, qc.w};
 #pragma unroll
-      for (int m = 0; m < RPT; ++m) {
-        s[m] = fmaf(kn[tl][r + R * m], delta, s[m]);
-        out += s[m] * qn[tl][r + R * m];
+        for (int e = 0; e < 4; ++e) {
+          s[4 * q + e] = fmaf(ke[e], delta, s[4 * q + e]);
+          o4[e] = fmaf(s[4 * q + e], qe[e], o4[e]);
+        }
       }
-      out += __shfl_xor_sync(0xffffffffu, out, 1);
-      out += __shfl_xor_sync(0xffffffffu, out, 2);
+      float out = __fadd_rn(__fadd_rn(o4[0], o4[1]), __fadd_rn(o4[2], o4[3]));
+      out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, 1));
+      out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, 2));
       if (r == 0) {
         a.y[(int64_t)t * a.nv * dv + h * dv + j] = out;
         if (a.node_upd) a.node_upd[t * a.upd_stride + a.delta_off + h * dv + j] = delta;
@@ -1050,22 +1105,18 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
 #pragma unroll
         for (int m = 0; m < RPT; ++m) s[m] = round_state(s[m], a.state_type);
       }
-      if (a.node_rec && a.keep[t]) {
-        const int slot = a.stash[t];
-        if (slot >= 0) {  // (already rounded to the state type: read back, the same values node_rec would give)
+      if (st.to >= 0) {  // (already rounded to the state type: read back, the same values node_rec would give)
 #pragma unroll
-          for (int m = 0; m < RPT; ++m) stashed(slot, m) = s[m];
-        } else {
+        for (int m = 0; m < RPT; ++m) stashed(st.to, m) = s[m];
+      } else if (st.to == kDeltaNodeRec) {
 #pragma unroll
-          for (int m = 0; m < RPT; ++m)
-            st_state(a.node_rec, t * rs + hoff + (int64_t)(r + R * m) * dv + j, s[m], a.state_type);
-        }
+        for (int m = 0; m < RPT; ++m) st_state(a.node_rec, t * rs + mine + (int64_t)m * dv, s[m], a.state_type);
       }
     }
   }
   if (!a.node_rec) {
 #pragma unroll
-    for (int m = 0; m < RPT; ++m) st_state(a.rec, hoff + (int64_t)(r + R * m) * dv + j, s[m], a.state_type);
+    for (int m = 0; m < RPT; ++m) st_state(a.rec, mine + (int64_t)m * dv, s[m], a.state_type);
   }
 }
 
