@@ -261,15 +261,22 @@ def step_totals(rows: list[dict]) -> dict:
 
 
 def attention_case(tr: Tracer, n_past: int = 1024) -> list[dict]:
-    """An AR step of the bundled tiny target after an n_past-token prompt (F16 KV): does attention read each
-    K / V byte from DRAM once?  (The prefill is emulated too: about 6 minutes at 1,024 tokens.)"""
+    """An AR step and a 23-node tree verify (the forward part's binary heap) of the bundled tiny target after an
+    n_past-token prompt (F16 KV): does attention read each K / V byte from DRAM once, and what does a verify's
+    tile cost in shared memory?  (The prefill is emulated too: about 6 minutes at 1,024 tokens.)"""
     from dflash27b import Decoder
+    out = []
     with Decoder(device="cuda", ctx=n_past + 64, threads=2, kv_type="f16") as d:
         d.generate([100 + (i * 7) % 3000 for i in range(n_past)], 2, mode="ar", ignore_eos=True, cache=False)
         ctx = d._ctx
         p = ctx.n_past
-        ks = tr.run(lambda: ctx.forward([7], pos=[p], logit_rows=[0], commit=False))
-    return [{"case": f"tiny ar step after {p} tokens", "kernels": [summarize(k) for k in ks]}]
+        steps = {"ar step": ([7], [p], None),
+                 "tree verify 23": ([7 + i for i in range(23)], [p + (i + 1).bit_length() - 1 for i in range(23)],
+                                    [-1] + [(i - 1) // 2 for i in range(1, 23)])}
+        for name, (toks, pos, par) in steps.items():
+            ks = tr.run(lambda: ctx.forward(toks, pos=pos, parent=par, logit_rows=[0], commit=False))
+            out.append({"case": f"tiny {name} after {p} tokens", "kernels": [summarize(k) for k in ks]})
+    return out
 
 
 def markdown(rows: list[dict]) -> str:

@@ -47,12 +47,25 @@ namespace fwd {
 
 constexpr int kMmaAttnRows = 32;          // a CTA's rows: two m-tiles of 16
 constexpr int kMmaAttnMaxHeadDim = 256;
-constexpr int kMmaScStride = kTile + 4;   // a row of weights: p[g][t] conflict-free for the A fragment
-// Row strides (floats) of q and of the K / V tile: q[g][k + t] and K[g][k + t] land in banks 4g + t, V[t][d + g]
-// in 8t + g: every fragment load conflict-free.
-__host__ __device__ constexpr int mma_q_stride(int hd) { return hd + 4; }
-__host__ __device__ constexpr int mma_k_stride(int hd) { return hd + 4; }
-__host__ __device__ constexpr int mma_v_stride(int hd) { return hd + 8; }
+// The k-steps' K order: lane t's two k positions (t and t + 4 of the instruction) take dims (or tile columns)
+// 2t and 2t + 1 of the step's eight, so each lane's A values are one 8-byte load and its B values one 4-byte
+// word of the tile (F16 / BF16 / Q8_0 / Q4_0) or one 8-byte load (F32).  Which dims share a k-step position
+// is fixed by the shapes: it changes no result between batches.
+//
+// The tile in shared memory.  F32 caches: floats, K as [column][dim], V as [column][dim].  Every other type:
+// 4-byte words of two 16-bit values (F16 / BF16 as stored; Q8_0 / Q4_0 integers as exact F16), K as
+// [column][dim pair] (the cache's own bytes: copied as they are for F16 / BF16), V as [column pair][dim] (the
+// values of columns 2c and 2c + 1 of one dim in a word): half the bytes of floats, and one load a lane for
+// both of a B fragment's values.
+// Row strides, in floats or words, chosen so that every fragment load is conflict-free: q[g][k + 2t] (8 bytes)
+// in banks 8g + 2t, K words [g][k / 2 + t] in 4g + t, V words [k / 2 + t][d + g] in 8t + g; F32 K [g][k + 2t]
+// (8 bytes) in 8g + 2t, F32 V [k + 2t (+ 1)][d + g] in 8t + g (+ 4).
+constexpr int kMmaScStride = kTile + 8;   // a row of weights: p[g][c + 2t] (8 bytes) in banks 8g + 2t
+__host__ __device__ constexpr int mma_q_stride(int hd) { return hd + 8; }
+__host__ __device__ constexpr int mma_k_stride(int hd) { return hd + 8; }      // F32
+__host__ __device__ constexpr int mma_v_stride(int hd) { return hd + 4; }      // F32
+__host__ __device__ constexpr int mma_kw_stride(int hd) { return hd / 2 + 4; }  // words: a column's dim pairs
+__host__ __device__ constexpr int mma_vw_stride(int hd) { return hd + 8; }      // words: a column pair's dims
 
 // Every cache type the forward accepts (F32, F16, BF16, Q8_0, Q4_0: runtime/forward.cpp) is taken; the head
 // decides.
@@ -63,9 +76,24 @@ inline bool attn_mma_supported(int head_dim) { return head_dim % 32 == 0 && head
 // for 16 (the 99 KiB a CTA may have on sm_86 / sm_89: backend.cu sizes the rows to the device).
 inline size_t attn_mma_smem_bytes(int mt, int toks, int hd) {
   const size_t rows = 16 * (size_t)mt;
-  return rows * mma_q_stride(hd) * 4 + (size_t)kTile * mma_v_stride(hd) * 4 + (size_t)kTile * (hd / 32) * 4 +
+  return rows * mma_q_stride(hd) * 4 + (size_t)kTile * mma_k_stride(hd) * 4 + (size_t)kTile * (hd / 32) * 4 +
          rows * kMmaScStride * 4 + (size_t)toks * kTile * 4 + rows * 3 * 4 + (size_t)toks * 4 * 2;
 }
+
+// The tile's words: two 16-bit K or V values (F16 bits, or BF16 for BF16 caches) as tf32 operands (exact).
+__device__ __forceinline__ void tf32_pair(uint32_t w, bool bf16, uint32_t& lo, uint32_t& hi) {
+  lo = __float_as_uint(bf16 ? bf16_bits_to_f32(w & 0xffffu) : f16_bits_to_f32(w & 0xffffu));
+  hi = __float_as_uint(bf16 ? bf16_bits_to_f32(w >> 16) : f16_bits_to_f32(w >> 16));
+}
+// Two 16-bit values of consecutive columns from two words (column c's in a, c + 1's in b): the words of a V
+// column pair, one per dim in each half.
+__device__ __forceinline__ uint32_t pair_lo(uint32_t a, uint32_t b) { return (a & 0xffffu) | (b << 16); }
+__device__ __forceinline__ uint32_t pair_hi(uint32_t a, uint32_t b) { return (a >> 16) | (b & 0xffff0000u); }
+__device__ __forceinline__ uint4 select4(int c, uint4 a, uint4 b) {  // c ? a : b, without a branch
+  return make_uint4(c ? a.x : b.x, c ? a.y : b.y, c ? a.z : b.z, c ? a.w : b.w);
+}
+// An integer of a Q8_0 / Q4_0 block (|v| <= 128) as F16 bits: exact.
+__device__ __forceinline__ uint32_t int_f16_bits(int v) { return f32_to_f16_bits((float)v); }
 
 // f32 -> (hi, lo) tf32 bits, hi + lo carrying 22 of x's 24 significant bits.
 __device__ __forceinline__ void attn_split_tf32(float x, uint32_t& hi, uint32_t& lo) {
@@ -109,10 +137,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int qs = mma_q_stride(hd), nj = hd / 32, dw0 = warp * (hd / 4);  // p v: warp's dims dw0 .. + hd / 4
   const bool quant = a.kvt == DType::Q8_0 || a.kvt == DType::Q4_0, f32 = a.kvt == DType::F32;
+  const bool bf16 = a.kvt == DType::BF16;  // the tile's 16-bit values: BF16, else F16
   DFL_DYNAMIC_SMEM(float, smem);
   float* q = smem;                                                         // [kRows16][qs]
-  float* tile = q + kRows16 * qs;                                          // [kTile][k or v stride]
-  float* bscale = tile + kTile * mma_v_stride(hd);                         // [kTile][nb]
+  float* tile = q + kRows16 * qs;                                          // the K or V tile (above)
+  uint32_t* const tile_w = reinterpret_cast<uint32_t*>(tile);              // (its words)
+  float* bscale = tile + kTile * mma_k_stride(hd);  // [kTile][nb] (after the largest tile: F32 K's)
   float* sc = bscale + kTile * nb;                                         // [kRows16][kMmaScStride]
   int32_t* slot_of = reinterpret_cast<int32_t*>(sc + kRows16 * kMmaScStride);  // [TT][kTile]
   float* run_max = reinterpret_cast<float*>(slot_of + TT * kTile);         // [kRows16]
@@ -143,78 +173,126 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
     int nt_max = 0;
     for (int tt = 0; tt < TT; ++tt) shared = shared && !own_of[tt], nt_max = max(nt_max, nt_of[tt]);
     const int n_pass = shared ? 1 : TT;
-    // A pass's columns c < ncols into `tile` (row c, `stride` floats apart): F32 / F16 / BF16 values, or
-    // Q8_0 / Q4_0 integers with their block's scale in bscale[c][b]; columns from ncols on are zeros.
-    auto load = [&](const uint8_t* cache, int stride, int pass) {
+    // A pass's columns c < ncols into `tile` in the layout of its type (above), Q8_0 / Q4_0 with their blocks'
+    // scales in bscale[c][b]; columns from ncols on are zeros.
+    auto load = [&](const uint8_t* cache, bool v_side, int pass) {
       const int ncols = shared ? nt_max : nt_of[pass];
       const uint8_t* base = cache + (int64_t)m * a.head_bytes;
       auto row_at = [&](int c) {
-        return base + (int64_t)(shared ? s0 + c : slot_of[pass * kTile + c]) * a.kv_row;
+        return reinterpret_cast<const uint4*>(base +
+                                              (int64_t)(shared ? s0 + c : slot_of[pass * kTile + c]) * a.kv_row);
       };
-      if (!quant) {
-        // eight values (F32: four) a 16-byte load (head_dim % 32 == 0: rows and heads start 64-byte aligned),
-        // four loads in flight before their conversions: a thread's 16 (head_dim 256) take four round trips
-        const int per = f32 ? 4 : 8, chunks = hd / per;
-        constexpr int kBatch = 4;
+      constexpr int kBatch = 4;  // 16-byte loads in flight a thread before their stores
+      if (!quant && !(v_side && !f32)) {
+        // F32 (K and V) and F16 / BF16 K: the rows' bytes as they are, 16 bytes a load (head_dim % 32 == 0: rows
+        // and heads start 64-byte aligned)
+        const int chunks = hd / (f32 ? 4 : 8);
+        const int stride = f32 ? (v_side ? mma_v_stride(hd) : mma_k_stride(hd)) : mma_kw_stride(hd);  // 4-byte units
         for (int i0 = tid; i0 < kTile * chunks; i0 += kBatch * kAttnThreads) {
           uint4 u[kBatch];
 #pragma unroll
           for (int k = 0; k < kBatch; ++k) {
             const int i = i0 + k * kAttnThreads, c = i / chunks;
             u[k] = make_uint4(0, 0, 0, 0);
-            if (i < kTile * chunks && c < ncols) u[k] = __ldg(reinterpret_cast<const uint4*>(row_at(c)) + i % chunks);
+            if (i < kTile * chunks && c < ncols) u[k] = __ldg(row_at(c) + i % chunks);
           }
 #pragma unroll
           for (int k = 0; k < kBatch; ++k) {
-            const int i = i0 + k * kAttnThreads, c = i / chunks;
+            const int i = i0 + k * kAttnThreads;
             if (i >= kTile * chunks) break;
-            const uint32_t w[4] = {u[k].x, u[k].y, u[k].z, u[k].w};
-            float4* dst = reinterpret_cast<float4*>(tile + c * stride + per * (i % chunks));  // (stride % 4 == 0)
-            if (f32) {
-              dst[0] = make_float4(__uint_as_float(w[0]), __uint_as_float(w[1]), __uint_as_float(w[2]),
-                                   __uint_as_float(w[3]));
-              continue;
-            }
-            float v[8];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              if (a.kvt == DType::F16) v[2 * e] = f16_bits_to_f32(w[e] & 0xffffu), v[2 * e + 1] = f16_bits_to_f32(w[e] >> 16);
-              else v[2 * e] = bf16_bits_to_f32(w[e] & 0xffffu), v[2 * e + 1] = bf16_bits_to_f32(w[e] >> 16);
-            }
-            dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-            dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+            *reinterpret_cast<uint4*>(tile_w + (i / chunks) * stride + 4 * (i % chunks)) = u[k];
           }
         }
         return;
       }
+      const int vsw = mma_vw_stride(hd);
+      if (!quant) {
+        // F16 / BF16 V: a thread takes 8 dims of a column pair, the two columns' values interleaved into 8 words.
+        // A lane's 8 words are 32 bytes, so lanes 0..3's first halves and 4..7's would share banks: chunks with bit 2
+        // set store their halves the other way round, and each store instruction is conflict-free.
+        const int chunks = hd / 8;
+        for (int i0 = tid; i0 < kTile / 2 * chunks; i0 += kBatch / 2 * kAttnThreads) {
+          uint4 u[kBatch / 2][2];
+#pragma unroll
+          for (int k = 0; k < kBatch / 2; ++k) {
+            const int i = i0 + k * kAttnThreads, cp = i / chunks;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              u[k][h] = make_uint4(0, 0, 0, 0);
+              if (i < kTile / 2 * chunks && 2 * cp + h < ncols) u[k][h] = __ldg(row_at(2 * cp + h) + i % chunks);
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < kBatch / 2; ++k) {
+            const int i = i0 + k * kAttnThreads, x = i % chunks;
+            if (i >= kTile / 2 * chunks) break;
+            const uint4 c0 = u[k][0], c1 = u[k][1];
+            const uint4 first = make_uint4(pair_lo(c0.x, c1.x), pair_hi(c0.x, c1.x), pair_lo(c0.y, c1.y),
+                                           pair_hi(c0.y, c1.y));
+            const uint4 second = make_uint4(pair_lo(c0.z, c1.z), pair_hi(c0.z, c1.z), pair_lo(c0.w, c1.w),
+                                            pair_hi(c0.w, c1.w));
+            const int swap = (x >> 2) & 1;
+            uint4* dst = reinterpret_cast<uint4*>(tile_w + (i / chunks) * vsw + 8 * x);
+            dst[swap] = select4(swap, second, first);
+            dst[swap ^ 1] = select4(swap, first, second);
+          }
+        }
+        return;
+      }
+      // Q8_0 / Q4_0: a thread takes one block (32 dims) of a column (K) or of a column pair (V), its integers as
+      // F16 (blocks start at even offsets: 16-bit loads)
       const bool q8 = a.kvt == DType::Q8_0;
       const int block_bytes = q8 ? (int)sizeof(block_q8_0) : (int)sizeof(block_q4_0);
-      for (int i = tid; i < kTile * nb; i += kAttnThreads) {
-        const int c = i % kTile, b = i / kTile;  // a warp: 32 rows of one block (bank 4c apart on the stores)
-        float* dst = tile + c * stride + 32 * b;
+      auto block_f16 = [&](int c, int b, uint32_t (&f)[32]) {  // column c's block b; zeros past ncols
         if (c >= ncols) {
-          for (int e = 0; e < 32; ++e) dst[e] = 0.f;
+#pragma unroll
+          for (int e = 0; e < 32; ++e) f[e] = 0u;
           bscale[c * nb + b] = 0.f;
-          continue;
+          return;
         }
-        // blocks start at even offsets: 16-bit loads
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(row_at(c) + (int64_t)b * block_bytes);
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(row_at(c)) +
+                                                              (int64_t)b * block_bytes);
         bscale[c * nb + b] = f16_bits_to_f32(h[0]);
-        if (q8) {
-          for (int k = 0; k < 16; ++k) {
-            const uint32_t u = h[1 + k];
-            dst[2 * k] = (float)(int8_t)(u & 0xffu);
-            dst[2 * k + 1] = (float)(int8_t)(u >> 8);
-          }
-        } else {
-          for (int k = 0; k < 8; ++k) {  // bytes 2k, 2k + 1 of qs: elements 2k, 2k + 1 (low) and 16 + 2k, 17 + 2k
-            const uint32_t u = h[1 + k];
-            dst[2 * k] = (float)((int)(u & 15u) - 8);
-            dst[2 * k + 1] = (float)((int)((u >> 8) & 15u) - 8);
-            dst[16 + 2 * k] = (float)((int)((u >> 4) & 15u) - 8);
-            dst[17 + 2 * k] = (float)((int)((u >> 12) & 15u) - 8);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const uint32_t u0 = h[1 + 2 * k], u1 = h[2 + 2 * k];  // qs bytes 4k .. 4k + 3
+          if (q8) {
+            f[4 * k] = int_f16_bits((int8_t)(u0 & 0xffu)), f[4 * k + 1] = int_f16_bits((int8_t)(u0 >> 8));
+            f[4 * k + 2] = int_f16_bits((int8_t)(u1 & 0xffu)), f[4 * k + 3] = int_f16_bits((int8_t)(u1 >> 8));
+          } else if (k < 4) {  // qs byte i holds elements i (low nibble) and 16 + i (high)
+            f[4 * k] = int_f16_bits((int)(u0 & 15u) - 8), f[4 * k + 1] = int_f16_bits((int)((u0 >> 8) & 15u) - 8);
+            f[4 * k + 2] = int_f16_bits((int)(u1 & 15u) - 8), f[4 * k + 3] = int_f16_bits((int)((u1 >> 8) & 15u) - 8);
+            f[16 + 4 * k] = int_f16_bits((int)((u0 >> 4) & 15u) - 8);
+            f[17 + 4 * k] = int_f16_bits((int)((u0 >> 12) & 15u) - 8);
+            f[18 + 4 * k] = int_f16_bits((int)((u1 >> 4) & 15u) - 8);
+            f[19 + 4 * k] = int_f16_bits((int)((u1 >> 12) & 15u) - 8);
           }
         }
+      };
+      if (!v_side) {
+        const int ksw = mma_kw_stride(hd);
+        for (int i = tid; i < kTile * nb; i += kAttnThreads) {
+          const int c = i % kTile, b = i / kTile;  // a warp: 32 columns of one block
+          uint32_t f[32];
+          block_f16(c, b, f);
+          uint4* dst = reinterpret_cast<uint4*>(tile_w + c * ksw + 16 * b);
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            dst[k] = make_uint4(f[8 * k] | f[8 * k + 1] << 16, f[8 * k + 2] | f[8 * k + 3] << 16,
+                                f[8 * k + 4] | f[8 * k + 5] << 16, f[8 * k + 6] | f[8 * k + 7] << 16);
+        }
+        return;
+      }
+      for (int i = tid; i < kTile / 2 * nb; i += kAttnThreads) {
+        const int cp = i % (kTile / 2), b = i / (kTile / 2);  // a warp: 32 column pairs of one block
+        uint32_t f0[32], f1[32];
+        block_f16(2 * cp, b, f0);
+        block_f16(2 * cp + 1, b, f1);
+        uint4* dst = reinterpret_cast<uint4*>(tile_w + cp * vsw + 32 * b);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          dst[k] = make_uint4(f0[4 * k] | f1[4 * k] << 16, f0[4 * k + 1] | f1[4 * k + 1] << 16,
+                              f0[4 * k + 2] | f1[4 * k + 2] << 16, f0[4 * k + 3] | f1[4 * k + 3] << 16);
       }
     };
     auto pass_rows = [&](int pass, int& r_lo, int& r_hi) {
@@ -226,8 +304,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
       if ((shared ? nt_max : nt_of[pass]) == 0) continue;  // (uniform: shared memory after a barrier)
       int r_lo, r_hi;
       pass_rows(pass, r_lo, r_hi);
-      const int ks = mma_k_stride(hd);
-      load(a.k_cache, ks, pass);
+      const int ks = mma_k_stride(hd), ksw = mma_kw_stride(hd);
+      load(a.k_cache, false, pass);
       __syncthreads();
       const int n0 = 16 * warp;
       float tot[kMT][2][4];
@@ -241,15 +319,22 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
           uint32_t bf[2][2], bl[2][2];  // B = K^T (8 dims x 8 columns); bl: an F32 value's low half
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const float* kr = tile + (n0 + 8 * j + g) * ks + k0 + t;
-            tf32_operand(kr[0], f32, bf[j][0], bl[j][0]);
-            tf32_operand(kr[4], f32, bf[j][1], bl[j][1]);
+            const int col = n0 + 8 * j + g;
+            if (f32) {
+              const float2 kv = *reinterpret_cast<const float2*>(tile + col * ks + k0 + 2 * t);
+              tf32_operand(kv.x, true, bf[j][0], bl[j][0]);
+              tf32_operand(kv.y, true, bf[j][1], bl[j][1]);
+            } else {
+              tf32_pair(tile_w[col * ksw + k0 / 2 + t], bf16, bf[j][0], bf[j][1]);
+              bl[j][0] = bl[j][1] = 0u;
+            }
           }
 #pragma unroll
           for (int mt = 0; mt < kMT; ++mt) {
             if (16 * mt >= r_hi || 16 * mt + 16 <= r_lo) continue;  // (uniform)
-            const float* qr = q + (16 * mt + g) * qs + k0 + t;
-            const float qv[4] = {qr[0], qr[8 * qs], qr[4], qr[8 * qs + 4]};
+            const float* qr = q + (16 * mt + g) * qs + k0 + 2 * t;
+            const float2 qa = *reinterpret_cast<const float2*>(qr), qb = *reinterpret_cast<const float2*>(qr + 8 * qs);
+            const float qv[4] = {qa.x, qb.x, qa.y, qb.y};
             uint32_t ah[4], al[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) attn_split_tf32(qv[e], ah[e], al[e]);
@@ -267,10 +352,17 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
           tot[mt][j][e] = __fadd_rn(tot[mt][j][e], gv);
         });
       }
-      each_frag<kMT, 2>([&](int mt, int j, int e) {
-        const int row = 16 * mt + g + 8 * (e >> 1), col = n0 + 8 * j + 2 * t + (e & 1);
-        if (row >= r_lo && row < r_hi) sc[row * kMmaScStride + col] = __fmul_rn(tot[mt][j][e], a.scale);
-      });
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // elements 2h, 2h + 1: columns 2t, 2t + 1 of one row, one 8-byte store
+            const int row = 16 * mt + g + 8 * h, col = n0 + 8 * j + 2 * t;
+            if (row >= r_lo && row < r_hi)
+              *reinterpret_cast<float2*>(sc + row * kMmaScStride + col) =
+                  make_float2(__fmul_rn(tot[mt][j][2 * h], a.scale), __fmul_rn(tot[mt][j][2 * h + 1], a.scale));
+          }
       __syncthreads();  // the tile is rewritten by the next pass
     }
     // ---- softmax statistics: a warp per row (attention_split_kernel's); weights past nt are 0
@@ -301,8 +393,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
       if ((shared ? nt_max : nt_of[pass]) == 0) continue;
       int r_lo, r_hi;
       pass_rows(pass, r_lo, r_hi);
-      const int vs = mma_v_stride(hd);
-      load(a.v_cache, vs, pass);
+      const int vs = mma_v_stride(hd), vsw = mma_vw_stride(hd);
+      load(a.v_cache, true, pass);
       __syncthreads();
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
@@ -311,9 +403,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
         zero_frags(part);
         for (int kk = 0; kk < kTile / 8; ++kk) {
           const int c0 = 8 * kk;
-          const float* pr = sc + (16 * mt + g) * kMmaScStride + c0 + t;
-          // A (16 x 8): rows g, g + 8 x columns t, t + 4 of the weights
-          const float pw[4] = {pr[0], pr[8 * kMmaScStride], pr[4], pr[8 * kMmaScStride + 4]};
+          const float* pr = sc + (16 * mt + g) * kMmaScStride + c0 + 2 * t;
+          // A (16 x 8): rows g, g + 8 x the weights of columns 2t, 2t + 1 (k positions t, t + 4)
+          const float2 pa = *reinterpret_cast<const float2*>(pr),
+                       pb = *reinterpret_cast<const float2*>(pr + 8 * kMmaScStride);
+          const float pw[4] = {pa.x, pb.x, pa.y, pb.y};
           uint32_t ah[4] = {}, al[4] = {};
           if (!quant) {
 #pragma unroll
@@ -323,18 +417,22 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
           for (int j = 0; j < kNj; ++j) {
             if (j >= nj) break;
             const int d0 = dw0 + 8 * j;
-            if (quant) {  // the weights times the V block's scale of columns t and t + 4
+            if (quant) {  // the weights times the V block's scale of columns 2t and 2t + 1
               const int b = d0 / 32;
-              const float s_t = bscale[(c0 + t) * nb + b], s_t4 = bscale[(c0 + t + 4) * nb + b];
-              attn_split_tf32(__fmul_rn(pw[0], s_t), ah[0], al[0]);
-              attn_split_tf32(__fmul_rn(pw[1], s_t), ah[1], al[1]);
-              attn_split_tf32(__fmul_rn(pw[2], s_t4), ah[2], al[2]);
-              attn_split_tf32(__fmul_rn(pw[3], s_t4), ah[3], al[3]);
+              const float s0 = bscale[(c0 + 2 * t) * nb + b], s1 = bscale[(c0 + 2 * t + 1) * nb + b];
+              attn_split_tf32(__fmul_rn(pw[0], s0), ah[0], al[0]);
+              attn_split_tf32(__fmul_rn(pw[1], s0), ah[1], al[1]);
+              attn_split_tf32(__fmul_rn(pw[2], s1), ah[2], al[2]);
+              attn_split_tf32(__fmul_rn(pw[3], s1), ah[3], al[3]);
             }
-            // B (8 x 8): V rows (columns of the tile) t, t + 4 x dims d0 + g
-            uint32_t bf[2], bl[2];
-            tf32_operand(tile[(c0 + t) * vs + d0 + g], f32, bf[0], bl[0]);
-            tf32_operand(tile[(c0 + t + 4) * vs + d0 + g], f32, bf[1], bl[1]);
+            // B (8 x 8): V rows (columns of the tile) 2t, 2t + 1 x dims d0 + g
+            uint32_t bf[2], bl[2] = {0u, 0u};
+            if (f32) {
+              tf32_operand(tile[(c0 + 2 * t) * vs + d0 + g], true, bf[0], bl[0]);
+              tf32_operand(tile[(c0 + 2 * t + 1) * vs + d0 + g], true, bf[1], bl[1]);
+            } else {
+              tf32_pair(tile_w[(c0 / 2 + t) * vsw + d0 + g], bf16, bf[0], bf[1]);
+            }
             mma_m16n8k8_tf32(part[0][j], ah, bf, part[0][j]);
             mma_m16n8k8_tf32(part[0][j], al, bf, part[0][j]);
             if (f32) mma_m16n8k8_tf32(part[0][j], ah, bl, part[0][j]);

@@ -89,6 +89,13 @@ struct alignas(8) uint2 {
   uint2(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); }
   uint2& operator=(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); return *this; }
 };
+struct alignas(8) float2 {
+  float x, y;
+  float2() = default;
+  constexpr float2(float a, float b) : x(a), y(b) {}
+  float2(const float2& o) { std::memcpy(static_cast<void*>(this), &o, 8); }
+  float2& operator=(const float2& o) { std::memcpy(static_cast<void*>(this), &o, 8); return *this; }
+};
 template <class T>
 struct alignas(16) Vec4 {
   T x, y, z, w;
@@ -101,6 +108,7 @@ using uint4 = Vec4<uint32_t>;
 using float4 = Vec4<float>;
 #else
 struct alignas(8) uint2 { uint32_t x, y; };
+struct alignas(8) float2 { float x, y; };
 struct alignas(16) uint4 { uint32_t x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 #endif
@@ -110,6 +118,7 @@ struct dim3 {
 };
 inline uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 using std::max;
 using std::min;
