@@ -981,7 +981,7 @@ __device__ __forceinline__ int delta_row_slot(int i) {
 // parent was the token before it; kDeltaCommitted: the committed state; a stash slot >= 0; kDeltaNodeRec: its
 // parent's node_rec), the parent, and where its own state goes (kDeltaNotKept, a stash slot, or kDeltaNodeRec).
 constexpr int kDeltaInHand = -3, kDeltaNodeRec = -2, kDeltaCommitted = -1, kDeltaNotKept = -4;
-struct DeltaStep {
+struct alignas(16) DeltaStep {  // (one 16-byte shared load a step)
   int t, from, par, to;
 };
 static_assert(sizeof(DeltaStep) == 4 * sizeof(int), "delta_static_smem_bytes counts a DeltaStep as 4 ints");
