@@ -183,9 +183,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
                                               (int64_t)(shared ? s0 + c : slot_of[pass * kTile + c]) * a.kv_row);
       };
       constexpr int kBatch = 4;  // 16-byte loads in flight a thread before their stores
-      if (!quant && !(v_side && !f32)) {
-        // F32 (K and V) and F16 / BF16 K: the rows' bytes as they are, 16 bytes a load (head_dim % 32 == 0: rows
-        // and heads start 64-byte aligned)
+      if (f32 || (!quant && !v_side)) {
+        // F32 K and V, F16 / BF16 K: the rows' bytes as they are, 16 bytes a load (head_dim % 32 == 0: rows and
+        // heads start 64-byte aligned)
         const int chunks = hd / (f32 ? 4 : 8);
         const int stride = f32 ? (v_side ? mma_v_stride(hd) : mma_k_stride(hd)) : mma_kw_stride(hd);  // 4-byte units
         for (int i0 = tid; i0 < kTile * chunks; i0 += kBatch * kAttnThreads) {
