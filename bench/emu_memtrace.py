@@ -177,6 +177,14 @@ def summarize(k: dict) -> dict:
                                              f"{c['bytes'] / c['instructions']:.0f} B (ideal {c['ideal'] / c['instructions']:.1f})"})
     worst.sort(key=lambda w: -w["excess"])
     out["worst_sites"] = worst[:4]
+    # where the shared-memory time goes, conflicts or not (a kernel bound by wavefronts it needs shows nothing
+    # in worst_sites: the tiled attention's q fragments, read by every warp, were 20% of its wavefronts)
+    shared = {k: v for k, v in places.items() if k[1].startswith("shared")}
+    total = sum(v["units"] for v in shared.values())
+    out["busiest_shared_sites"] = [
+        {"where": where, "kind": kind, "share": round(c["units"] / total, 3),
+         "per_instruction": f"{c['units'] / c['instructions']:.1f} wavefronts for {c['bytes'] / c['instructions']:.0f} B"}
+        for (where, kind), c in sorted(shared.items(), key=lambda x: -x[1]["units"])[:4]] if total else []
     return out
 
 
@@ -290,6 +298,14 @@ def markdown(rows: list[dict]) -> str:
                          f"{k['read_sector_efficiency']} | {k['read_bytes_per_instruction']} | "
                          f"{k['cache_reads_per_dram']} | {k['shared_read_conflicts']} / {k['shared_write_conflicts']} | "
                          f"{m['dram_us']} / {m['smem_us']} / {m['mma_us']} ({m['bound']}) |")
+    lines.append("")
+    lines.append("Busiest shared-memory places (their share of the kernel's wavefronts):")
+    for r in rows:
+        for k in r["kernels"]:
+            for w in k.get("busiest_shared_sites", [])[:2]:
+                if w["share"] >= 0.15:
+                    lines.append(f"- {r['case']}, `{k['kernel'][:50]}`: {w['share']:.0%} {w['kind']} at {w['where']}: "
+                                 f"{w['per_instruction']}")
     lines.append("")
     lines.append("Worst places (excess sectors or wavefronts over the whole case):")
     for r in rows:

@@ -377,3 +377,22 @@ def test_memtrace_bench_arithmetic():
     assert em.roofline(k)["bound"] == "mma" and em.roofline(k)["mma_us"] == pytest.approx(3.0)
     rec = json.loads((ROOT / "bench" / "results" / "emu-memtrace.json").read_text())
     assert em.step_totals(rec["cases"]) == {"ar_step_ms": 5.259, "verify23_ms": 5.58, "verify_over_ar": 1.061}
+
+
+def test_memtrace_summary_names_where_shared_time_goes():
+    """A kernel bound by wavefronts it needs (no conflicts) still shows where they go: summarize's busiest
+    shared-memory places, each place's share of the kernel's wavefronts, an unrolled loop's copies as one."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    import emu_memtrace as em
+
+    def site(where, kind, wf, n):
+        return {"where": where, kind: {"instructions": n, "bytes": 128 * n, "ideal": wf, "wavefronts": wf}}
+    k = {"name": "k", "launches": 1, "ctas": 1, "threads": 32, "dram_read_bytes": 0, "dram_write_bytes": 0,
+         "shared_read": {"wavefronts": 100, "ideal": 100}, "shared_write": {"wavefronts": 20, "ideal": 20},
+         "sites": [site("a.cu:1", "shared_read", 30, 30), site("a.cu:1", "shared_read", 30, 30),
+                   site("a.cu:2", "shared_read", 40, 40), site("a.cu:3", "shared_write", 20, 20)]}
+    s = em.summarize(k)
+    assert s["worst_sites"] == []
+    assert [(w["where"], w["share"]) for w in s["busiest_shared_sites"]] == [
+        ("a.cu:1", 0.5), ("a.cu:2", 0.333), ("a.cu:3", 0.167)]
