@@ -82,20 +82,16 @@ void AnnotateIgnoreWritesEnd(const char* file, int line);
 #if defined(DFL_EMU_MEMTRACE)
 // Copied whole, as the GPU moves them (one 8- or 16-byte ld / st): GCC would store a computed vector a field
 // at a time, and the memory trace would count four instructions where nvcc emits one.
-struct alignas(8) uint2 {
-  uint32_t x, y;
-  uint2() = default;
-  constexpr uint2(uint32_t a, uint32_t b) : x(a), y(b) {}
-  uint2(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); }
-  uint2& operator=(const uint2& o) { std::memcpy(static_cast<void*>(this), &o, 8); return *this; }
+template <class T>
+struct alignas(8) Vec2 {
+  T x, y;
+  Vec2() = default;
+  constexpr Vec2(T a, T b) : x(a), y(b) {}
+  Vec2(const Vec2& o) { std::memcpy(static_cast<void*>(this), &o, 8); }
+  Vec2& operator=(const Vec2& o) { std::memcpy(static_cast<void*>(this), &o, 8); return *this; }
 };
-struct alignas(8) float2 {
-  float x, y;
-  float2() = default;
-  constexpr float2(float a, float b) : x(a), y(b) {}
-  float2(const float2& o) { std::memcpy(static_cast<void*>(this), &o, 8); }
-  float2& operator=(const float2& o) { std::memcpy(static_cast<void*>(this), &o, 8); return *this; }
-};
+using uint2 = Vec2<uint32_t>;
+using float2 = Vec2<float>;
 template <class T>
 struct alignas(16) Vec4 {
   T x, y, z, w;
