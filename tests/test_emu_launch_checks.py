@@ -396,3 +396,18 @@ def test_memtrace_summary_names_where_shared_time_goes():
     assert s["worst_sites"] == []
     assert [(w["where"], w["share"]) for w in s["busiest_shared_sites"]] == [
         ("a.cu:1", 0.5), ("a.cu:2", 0.333), ("a.cu:3", 0.167)]
+
+
+def test_memtrace_case_totals_of_the_committed_records():
+    """bench/emu_memtrace.py's per-case model time (each kernel at its bound, summed) on the committed forward
+    records: the 0.8B's 23-node verify before and after the delta-net step's float4 reads and attention's 16-bit
+    tile (369.5 -> 330.9 us), its AR step level (189.5 / 189.1 us)."""
+    import json
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    import emu_memtrace as em
+    res = ROOT / "bench" / "results"
+    before = em.case_totals(json.loads((res / "emu-memtrace-forward-stash.json").read_text())["cases"])
+    after = em.case_totals(json.loads((res / "emu-memtrace-forward-attention.json").read_text())["cases"])
+    assert (before["0.8b ar step"], before["0.8b tree verify 23"]) == (189.5, 369.5)
+    assert (after["0.8b ar step"], after["0.8b tree verify 23"]) == (189.1, 330.9)
