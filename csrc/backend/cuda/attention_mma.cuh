@@ -288,11 +288,17 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
         uint32_t f0[32], f1[32];
         block_f16(2 * cp, b, f0);
         block_f16(2 * cp + 1, b, f1);
-        uint4* dst = reinterpret_cast<uint4*>(tile_w + cp * vsw + 32 * b);
+        uint4 words[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k)
-          dst[k] = make_uint4(f0[4 * k] | f1[4 * k] << 16, f0[4 * k + 1] | f1[4 * k + 1] << 16,
-                              f0[4 * k + 2] | f1[4 * k + 2] << 16, f0[4 * k + 3] | f1[4 * k + 3] << 16);
+          words[k] = make_uint4(f0[4 * k] | f1[4 * k] << 16, f0[4 * k + 1] | f1[4 * k + 1] << 16,
+                                f0[4 * k + 2] | f1[4 * k + 2] << 16, f0[4 * k + 3] | f1[4 * k + 3] << 16);
+        // lanes 4 apart start in the same bank quad (vsw % 32 == 8): every other group of four stores its chunks
+        // in pair-swapped order, so one store instruction covers all eight quads
+        const int odd = (cp >> 2) & 1;
+        uint4* dst = reinterpret_cast<uint4*>(tile_w + cp * vsw + 32 * b);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dst[k ^ odd] = select4(odd, words[k ^ 1], words[k]);
       }
     };
     auto pass_rows = [&](int pass, int& r_lo, int& r_hi) {
