@@ -225,6 +225,14 @@ def matmul_cases(tr: Tracer, quick: bool) -> list[dict]:
     return out
 
 
+def traced_steps(p: int) -> dict:
+    """The forward steps traced after p tokens: an AR step, and a 23-node tree verify whose tree is a binary heap
+    (node i's parent (i - 1) / 2, five levels deep): name -> (tokens, positions, parents)."""
+    return {"ar step": ([7], [p], None),
+            "tree verify 23": ([7 + i for i in range(23)], [p + (i + 1).bit_length() - 1 for i in range(23)],
+                               [-1] + [(i - 1) // 2 for i in range(1, 23)])}
+
+
 def forward_cases(tr: Tracer, model: Path) -> list[dict]:
     from dflash27b import Decoder
     out = []
@@ -235,11 +243,7 @@ def forward_cases(tr: Tracer, model: Path) -> list[dict]:
         print(f"  loaded and prefilled: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         ctx = d._ctx
         p = ctx.n_past
-        # the tree: a binary heap of 23 nodes (node i's parent (i - 1) / 2), five levels deep
-        steps = {"ar step": ([7], [p], None),
-                 "tree verify 23": ([7 + i for i in range(23)], [p + (i + 1).bit_length() - 1 for i in range(23)],
-                                    [-1] + [(i - 1) // 2 for i in range(1, 23)])}
-        for name, (toks, pos, par) in steps.items():
+        for name, (toks, pos, par) in traced_steps(p).items():
             t0 = time.perf_counter()
             # the output head's logits for one row (the head's matmul is the matmul part's)
             ks = tr.run(lambda: ctx.forward(toks, pos=pos, parent=par, logit_rows=[0], commit=False))
@@ -276,7 +280,7 @@ def case_totals(rows: list[dict]) -> dict:
 
 
 def attention_case(tr: Tracer, n_past: int = 1024) -> list[dict]:
-    """An AR step and a 23-node tree verify (the forward part's binary heap) of the bundled tiny target after an
+    """traced_steps (an AR step, a 23-node tree verify) of the bundled tiny target after an
     n_past-token prompt (F16 KV): does attention read each K / V byte from DRAM once, and what does a verify's
     tile cost in shared memory?  (The prefill is emulated too: about 6 minutes at 1,024 tokens.)"""
     from dflash27b import Decoder
@@ -285,10 +289,7 @@ def attention_case(tr: Tracer, n_past: int = 1024) -> list[dict]:
         d.generate([100 + (i * 7) % 3000 for i in range(n_past)], 2, mode="ar", ignore_eos=True, cache=False)
         ctx = d._ctx
         p = ctx.n_past
-        steps = {"ar step": ([7], [p], None),
-                 "tree verify 23": ([7 + i for i in range(23)], [p + (i + 1).bit_length() - 1 for i in range(23)],
-                                    [-1] + [(i - 1) // 2 for i in range(1, 23)])}
-        for name, (toks, pos, par) in steps.items():
+        for name, (toks, pos, par) in traced_steps(p).items():
             ks = tr.run(lambda: ctx.forward(toks, pos=pos, parent=par, logit_rows=[0], commit=False))
             out.append({"case": f"tiny {name} after {p} tokens", "kernels": [summarize(k) for k in ks]})
     return out

@@ -92,6 +92,14 @@ __device__ __forceinline__ uint32_t pair_hi(uint32_t a, uint32_t b) { return (a 
 __device__ __forceinline__ uint4 select4(int c, uint4 a, uint4 b) {  // c ? a : b, without a branch
   return make_uint4(c ? a.x : b.x, c ? a.y : b.y, c ? a.z : b.z, c ? a.w : b.w);
 }
+// A lane's N consecutive 16-byte chunks into dst, in pair-swapped order (chunk k ^ 1 at step k) when `swap`:
+// lanes whose chunks would start in the same bank quad store alternately, so one store instruction of the
+// warp covers every quad (an address and a select, no branch)
+template <int N>
+__device__ __forceinline__ void store_chunks(uint4* dst, const uint4 (&w)[N], int swap) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) dst[k ^ swap] = select4(swap, w[k ^ 1], w[k]);
+}
 // An integer of a Q8_0 / Q4_0 block (|v| <= 128) as F16 bits: exact.
 __device__ __forceinline__ uint32_t int_f16_bits(int v) { return f32_to_f16_bits((float)v); }
 
@@ -99,16 +107,6 @@ __device__ __forceinline__ uint32_t int_f16_bits(int v) { return f32_to_f16_bits
 __device__ __forceinline__ void attn_split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = tf32_rna_bits(__float_as_uint(x));
   lo = tf32_rna_bits(__float_as_uint(__fsub_rn(x, __uint_as_float(hi))));
-}
-
-// A K or V value as a B operand: exact (F16 / BF16 / integers fit tf32), or an F32 value's two halves.
-__device__ __forceinline__ void tf32_operand(float x, bool split, uint32_t& hi, uint32_t& lo) {
-  if (split) {
-    attn_split_tf32(x, hi, lo);
-  } else {
-    hi = __float_as_uint(x);
-    lo = 0;
-  }
 }
 
 // f(i, j, e) for each element e of a lane's M x N fragments of 16 x 8 tiles (unrolled: constant indices).
@@ -207,9 +205,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
       }
       const int vsw = mma_vw_stride(hd);
       if (!quant) {
-        // F16 / BF16 V: a thread takes 8 dims of a column pair, the two columns' values interleaved into 8 words.
-        // A lane's 8 words are 32 bytes, so lanes 0..3's first halves and 4..7's would share banks: chunks with bit 2
-        // set store their halves the other way round, and each store instruction is conflict-free.
+        // F16 / BF16 V: a thread takes 8 dims of a column pair, the two columns' values interleaved into 8 words
+        // (32 bytes: chunks x and x + 4 start in one bank quad, so chunks with bit 2 set store pair-swapped)
         const int chunks = hd / 8;
         for (int i0 = tid; i0 < kTile / 2 * chunks; i0 += kBatch / 2 * kAttnThreads) {
           uint4 u[kBatch / 2][2];
@@ -227,14 +224,10 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
             const int i = i0 + k * kAttnThreads, x = i % chunks;
             if (i >= kTile / 2 * chunks) break;
             const uint4 c0 = u[k][0], c1 = u[k][1];
-            const uint4 first = make_uint4(pair_lo(c0.x, c1.x), pair_hi(c0.x, c1.x), pair_lo(c0.y, c1.y),
-                                           pair_hi(c0.y, c1.y));
-            const uint4 second = make_uint4(pair_lo(c0.z, c1.z), pair_hi(c0.z, c1.z), pair_lo(c0.w, c1.w),
-                                            pair_hi(c0.w, c1.w));
-            const int swap = (x >> 2) & 1;
-            uint4* dst = reinterpret_cast<uint4*>(tile_w + (i / chunks) * vsw + 8 * x);
-            dst[swap] = select4(swap, second, first);
-            dst[swap ^ 1] = select4(swap, first, second);
+            const uint4 words[2] = {
+                make_uint4(pair_lo(c0.x, c1.x), pair_hi(c0.x, c1.x), pair_lo(c0.y, c1.y), pair_hi(c0.y, c1.y)),
+                make_uint4(pair_lo(c0.z, c1.z), pair_hi(c0.z, c1.z), pair_lo(c0.w, c1.w), pair_hi(c0.w, c1.w))};
+            store_chunks(reinterpret_cast<uint4*>(tile_w + (i / chunks) * vsw + 8 * x), words, (x >> 2) & 1);
           }
         }
         return;
@@ -293,12 +286,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
         for (int k = 0; k < 8; ++k)
           words[k] = make_uint4(f0[4 * k] | f1[4 * k] << 16, f0[4 * k + 1] | f1[4 * k + 1] << 16,
                                 f0[4 * k + 2] | f1[4 * k + 2] << 16, f0[4 * k + 3] | f1[4 * k + 3] << 16);
-        // lanes 4 apart start in the same bank quad (vsw % 32 == 8): every other group of four stores its chunks
-        // in pair-swapped order, so one store instruction covers all eight quads
-        const int odd = (cp >> 2) & 1;
-        uint4* dst = reinterpret_cast<uint4*>(tile_w + cp * vsw + 32 * b);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) dst[k ^ odd] = select4(odd, words[k ^ 1], words[k]);
+        // (column pairs 4 apart start in one bank quad, vsw % 32 == 8: every other group of four stores pair-swapped)
+        store_chunks(reinterpret_cast<uint4*>(tile_w + cp * vsw + 32 * b), words, (cp >> 2) & 1);
       }
     };
     auto pass_rows = [&](int pass, int& r_lo, int& r_hi) {
@@ -328,8 +317,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
             const int col = n0 + 8 * j + g;
             if (f32) {
               const float2 kv = *reinterpret_cast<const float2*>(tile + col * ks + k0 + 2 * t);
-              tf32_operand(kv.x, true, bf[j][0], bl[j][0]);
-              tf32_operand(kv.y, true, bf[j][1], bl[j][1]);
+              attn_split_tf32(kv.x, bf[j][0], bl[j][0]);  // an F32 value's two halves
+              attn_split_tf32(kv.y, bf[j][1], bl[j][1]);
             } else {
               tf32_pair(tile_w[col * ksw + k0 / 2 + t], bf16, bf[j][0], bf[j][1]);
               bl[j][0] = bl[j][1] = 0u;
@@ -434,8 +423,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_mma_kernel(AttnArgs
             // B (8 x 8): V rows (columns of the tile) 2t, 2t + 1 x dims d0 + g
             uint32_t bf[2], bl[2] = {0u, 0u};
             if (f32) {
-              tf32_operand(tile[(c0 + 2 * t) * vs + d0 + g], true, bf[0], bl[0]);
-              tf32_operand(tile[(c0 + 2 * t + 1) * vs + d0 + g], true, bf[1], bl[1]);
+              attn_split_tf32(tile[(c0 + 2 * t) * vs + d0 + g], bf[0], bl[0]);
+              attn_split_tf32(tile[(c0 + 2 * t + 1) * vs + d0 + g], bf[1], bl[1]);
             } else {
               tf32_pair(tile_w[(c0 / 2 + t) * vsw + d0 + g], bf16, bf[0], bf[1]);
             }

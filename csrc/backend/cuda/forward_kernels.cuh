@@ -940,9 +940,18 @@ constexpr int kDeltaThreads = kDeltaCols * kDeltaSplit;
 // one CTA's columns of one state, each thread's own values (no barrier).  The 27B's states are 144 MiB a
 // node over its 48 delta-net layers.
 constexpr int kDeltaStashMax = 4;
-constexpr size_t delta_static_smem_bytes(int dk) {  // delta_kernel's static arrays (DeltaStep: 4 ints)
+// A window token's step, worked out by the window's preparation so that the serial walk reads no global memory
+// but its state: the token, where its starting state is (kDeltaInHand: the state the walk holds, i.e. its
+// parent was the token before it; kDeltaCommitted: the committed state; a stash slot >= 0; kDeltaNodeRec: its
+// parent's node_rec), the parent, and where its own state goes (kDeltaNotKept, a stash slot, or kDeltaNodeRec).
+constexpr int kDeltaInHand = -3, kDeltaNodeRec = -2, kDeltaCommitted = -1, kDeltaNotKept = -4;
+struct alignas(16) DeltaStep {  // (one 16-byte shared load a step)
+  int t, from, par, to;
+};
+
+constexpr size_t delta_static_smem_bytes(int dk) {  // delta_kernel's static arrays
   return (2 * (size_t)kDeltaWindow * dk + (size_t)kDeltaWindow * kDeltaCols + 2 * kDeltaWindow) * sizeof(float) +
-         (size_t)kDeltaWindow * 4 * sizeof(int);
+         (size_t)kDeltaWindow * sizeof(DeltaStep);
 }
 constexpr size_t delta_stash_slot_bytes(int dk) { return (size_t)dk * kDeltaCols * sizeof(float); }
 
@@ -970,21 +979,15 @@ struct DeltaArgs {
 // is stored at chunk (q + r) mod (RPT / 4) of the block, so the four threads' float4 loads of one step fall in
 // four different bank quads (one wavefront for the warp; unswizzled, all four would sit in banks 0..3).
 template <int DK>
-__device__ __forceinline__ int delta_row_slot(int i) {
-  constexpr int RPT = DK / kDeltaSplit, NQ = RPT / 4;
-  const int r = i / RPT, q = (i % RPT) / 4;
-  return 4 * (r * NQ + (q + r) % NQ) + (i & 3);
+__device__ __forceinline__ int delta_chunk(int r, int q) {  // thread r's chunk q, in float4s
+  constexpr int NQ = DK / kDeltaSplit / 4;
+  return r * NQ + (q + r) % NQ;
 }
-
-// A window token's step, worked out by the window's preparation so that the serial walk reads no global memory
-// but its state: the token, where its starting state is (kDeltaInHand: the state the walk holds, i.e. its
-// parent was the token before it; kDeltaCommitted: the committed state; a stash slot >= 0; kDeltaNodeRec: its
-// parent's node_rec), the parent, and where its own state goes (kDeltaNotKept, a stash slot, or kDeltaNodeRec).
-constexpr int kDeltaInHand = -3, kDeltaNodeRec = -2, kDeltaCommitted = -1, kDeltaNotKept = -4;
-struct alignas(16) DeltaStep {  // (one 16-byte shared load a step)
-  int t, from, par, to;
-};
-static_assert(sizeof(DeltaStep) == 4 * sizeof(int), "delta_static_smem_bytes counts a DeltaStep as 4 ints");
+template <int DK>
+__device__ __forceinline__ int delta_row_slot(int i) {
+  constexpr int RPT = DK / kDeltaSplit;
+  return 4 * delta_chunk<DK>(i / RPT, (i % RPT) / 4) + (i & 3);
+}
 
 template <int DK>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
@@ -1071,7 +1074,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
       float u4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int q = 0; q < NQ; ++q) {
-        kc[q] = kn[tl][r * NQ + (q + r) % NQ];
+        kc[q] = kn[tl][delta_chunk<DK>(r, q)];
         const float ke[4] = {kc[q].x, kc[q].y, kc[q].z, kc[q].w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -1086,7 +1089,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(DeltaArgs a) {
       float o4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int q = 0; q < NQ; ++q) {
-        const float4 qc = qn[tl][r * NQ + (q + r) % NQ];
+        const float4 qc = qn[tl][delta_chunk<DK>(r, q)];
         const float ke[4] = {kc[q].x, kc[q].y, kc[q].z, kc[q].w}, qe[4] = {qc.x, qc.y, qc.z, qc.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
